@@ -1,0 +1,83 @@
+"""Deterministic chained page keys.
+
+key(page i) = H(key(page i-1), tokens of page i), seeded by the namespace. H is xxh3-128 over the
+page's int32 token bytes with the previous key folded to 64 bits as the xxh3 seed; keys are
+128-bit Python ints (storage names them by 32 hex digits). Never Python's `hash()`: keys are equal
+across processes, machines and runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvstrata.configtools import doc
+
+_MASK64 = (1 << 64) - 1
+KEY_LAYOUT_VERSION = 1
+"""Bumped whenever the bytes of a stored page change meaning."""
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two pages of KV to be interchangeable."""
+
+    model_fingerprint: str = doc("", "identity of the weights (hash of the checkpoint)")
+    kv_dtype: str = doc("float32", "dtype of the cached K/V")
+    layout_version: int = doc(KEY_LAYOUT_VERSION, "version of the stored page layout")
+    tenant_salt: str = doc("", "optional per-tenant salt; tenants never share pages")
+    page_size: int = doc(64, "tokens per page")
+
+    def seed(self) -> int:
+        """The 128-bit root key that every chain starts from."""
+        blob = json.dumps(
+            [self.model_fingerprint, self.kv_dtype, self.layout_version, self.tenant_salt, self.page_size]
+        ).encode()
+        return xxhash.xxh3_128_intdigest(blob)
+
+
+def as_token_array(tokens: object, vocab_size: int | None = None) -> np.ndarray:
+    """Validate token ids and return them as contiguous int32; clear errors for bad input."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D sequence of ids, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"tokens must be integer ids, got dtype {arr.dtype}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        limit = vocab_size if vocab_size is not None else 2**31
+        if lo < 0 or hi >= limit:
+            raise ValueError(f"tokens out of range [0, {limit}): min {lo}, max {hi}")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def page_keys(
+    tokens: object,
+    namespace: Namespace,
+    vocab_size: int | None = None,
+    parent_key: int | None = None,
+) -> list[int]:
+    """Keys of every full page of `tokens` (a trailing partial page has no key).
+
+    `parent_key` continues a chain (the key of the page just before `tokens[0]`).
+    """
+    arr = as_token_array(tokens, vocab_size)
+    page = namespace.page_size
+    n_pages = arr.size // page
+    rows = arr[: n_pages * page].view(np.uint8).reshape(n_pages, page * 4)
+    key = namespace.seed() if parent_key is None else parent_key
+    digest = xxhash.xxh3_128_intdigest
+    keys: list[int] = []
+    append = keys.append
+    for i in range(n_pages):
+        key = digest(rows[i].data, (key ^ (key >> 64)) & _MASK64)
+        append(key)
+    return keys
+
+
+def key_hex(key: int) -> str:
+    """The storage name of a page key: 32 lowercase hex digits."""
+    return f"{key:032x}"

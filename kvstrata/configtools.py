@@ -1,0 +1,60 @@
+"""Frozen config dataclasses -> argparse options, and back.
+
+Each config field carries its help text in `metadata["help"]` (use `doc(...)`), so the CLI is
+generated from the dataclasses and the docs live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+C = TypeVar("C")
+
+
+def doc(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+    """A dataclass field with a default and its help text (shown by the CLI)."""
+    if isinstance(default, list | dict | set):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return dataclasses.field(default=default, metadata={"help": help, **kw})
+
+
+def _base_type(tp: Any) -> Any:
+    """Strip Optional[...] so argparse gets a callable type."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """Add one `--prefix-field-name` option per field of the dataclass `cls`."""
+    hints = get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
+        name = "--" + (prefix + f.name).replace("_", "-")
+        tp = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        dest = prefix.replace("-", "_") + f.name
+        if tp is bool:
+            group.add_argument(name, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif get_origin(tp) in (list, tuple):
+            group.add_argument(name, dest=dest, nargs="*", type=get_args(tp)[0], default=None, help=help_text)
+        else:
+            group.add_argument(name, dest=dest, type=tp, default=None, help=help_text)
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace, prefix: str = "", **overrides: Any) -> C:
+    """Build `cls` from parsed options; options left unset keep the dataclass defaults."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        v = getattr(args, prefix.replace("-", "_") + f.name, None)
+        if v is not None:
+            values[f.name] = tuple(v) if isinstance(v, list) and isinstance(f.default, tuple) else v
+    values.update(overrides)
+    return cls(**values)
