@@ -1,0 +1,378 @@
+"""The hierarchical cache manager: tree + tiers + policies + counted asynchronous moves.
+
+Tensor-free. The engine drives one request as:
+    m = cache.match(keys); cache.lock(m.last_node)
+    op = cache.start_prefetch(keys[m.pages:], m.last_node)      # optional, L3 -> L2
+    ... steps until cache.prefetch_done(op) ... then match again
+    load = cache.load_host(m)                                   # L2 -> L1, wait per layer on load.handle
+    ids = cache.alloc_device(n)                                 # pages for the new tokens
+    node = cache.insert(keys, m.device_ids + loaded + ids[:full]); cache.lock(node); cache.unlock(...)
+and calls `step()` (or `local_progress()` -> agree -> `apply()` under several ranks) once per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.counters import CacheCounters
+from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, OpQueues, PageMover, TransferOp
+from kvstrata.cache.policies import EVICTION, PREFETCH as PREFETCH_POLICIES, WRITE, PrefetchState
+from kvstrata.cache.radix import Match, Node, RadixTree
+from kvstrata.cache.tiers import Allocator, Tiers
+
+
+class HiCache:
+    """One logical prefix cache over L1 (device), L2 (host) and L3 (storage, through the mover)."""
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        device: Allocator,
+        host: Allocator | None,
+        mover: PageMover,
+        has_storage: bool = False,
+        page_nbytes: int = 0,
+    ) -> None:
+        if host is None and config.host_pages:
+            raise ValueError("config.host_pages > 0 needs a host allocator")
+        self.config = config
+        self.tree = RadixTree()
+        self.mover = mover
+        self.has_storage = has_storage and host is not None
+        self.write = WRITE.create(config.write_policy, config.write_through_threshold)
+        self.stop_rule = PREFETCH_POLICIES.create(
+            config.prefetch_policy,
+            config.prefetch_timeout_base_s,
+            config.prefetch_timeout_per_page_s,
+        )
+        self.counters = CacheCounters(config.page_size, page_nbytes)
+        self.tiers = Tiers(
+            self.tree,
+            device,
+            host,
+            EVICTION.create(config.eviction),
+            self.write,
+            self.counters,
+            self._demote,
+        )
+        self.queues = OpQueues(config.results_per_step)
+        self.owned: set[int] = set()  # device pages held by running requests, not in the tree
+
+    # ---- request path -------------------------------------------------------------------------
+    def match(self, keys: list[int]) -> Match:
+        """Longest cached prefix; backs up hot pages under write_through_selective."""
+        m = self.tree.match(keys)
+        if self.write.hit_threshold and self.tiers.host is not None:
+            node = m.device_node
+            while node is not None and node is not self.tree.root:
+                if node.hits >= self.write.hit_threshold:
+                    self._store(node)
+                node = node.parent
+        return m
+
+    def lock(self, node: Node) -> None:
+        self.tree.lock(node)
+
+    def unlock(self, node: Node) -> None:
+        self.tree.unlock(node)
+        self.tiers.touched(node)
+
+    def alloc_device(self, n: int) -> list[int] | None:
+        """n device pages owned by the caller until inserted or freed; None: wait and retry."""
+        ids = self.tiers.alloc_device(n)
+        if ids is not None:
+            self.owned.update(ids)
+        return ids
+
+    def free_device(self, ids: list[int]) -> None:
+        self.owned.difference_update(ids)
+        self.tiers.device.free(ids)
+
+    def load_host(self, m: Match) -> TransferOp | None:
+        """Give the match's host-only pages device pages and start the L2 -> L1 copy.
+
+        The caller has locked m.last_node. Returns None (try later) when L1 is too full.
+        """
+        n = m.host_pages
+        if n == 0:
+            return TransferOp(LOAD, [], [], agreed=0)  # nothing to move: already done
+        ids = self.tiers.alloc_device(n)
+        if ids is None:
+            return None
+        src: list[int] = []
+        at = 0
+        for node in m.host_nodes:
+            assert node.host is not None and node.device is None
+            node.device = ids[at : at + len(node)]
+            src.extend(node.host)
+            at += len(node)
+            self.tiers.touched(node)
+        op = TransferOp(LOAD, src, ids, node=m.last_node)
+        self._submit(op)
+        return op
+
+    def insert(self, keys: list[int], device_ids: list[int]) -> Node:
+        """Cache full pages the caller computed (or matched); ownership of the ids passes to the tree."""
+        node, spare = self.tree.insert(keys, device_ids)
+        self.owned.difference_update(device_ids)
+        if spare:
+            self.tiers.device.free(spare)
+        self.tiers.touched(node)
+        if self.write.on_insert and self.tiers.host is not None:
+            walk: Node | None = node
+            while walk is not None and walk is not self.tree.root and walk.host is None:
+                self._store(walk)
+                walk = walk.parent
+        return node
+
+    # ---- L3 probe and prefetch ----------------------------------------------------------------
+    def start_probe(self, keys: list[int]) -> TransferOp | None:
+        """Ask storage how many leading `keys` it holds; the agreed answer lands in op.agreed."""
+        if not self.has_storage or not keys:
+            return None
+        op = TransferOp(PROBE, [], [], keys=list(keys))
+        self._submit(op)
+        return op
+
+    def start_prefetch(
+        self, keys: list[int], parent: Node, now_s: float = 0.0
+    ) -> TransferOp | None:
+        """Read the leading pages of `keys` that storage has into L2, under `parent`."""
+        if not self.has_storage or not keys:
+            return None
+        host_ids = self.tiers.alloc_host(len(keys))
+        if host_ids is None:
+            return None
+        parent.pins += 1
+        op = TransferOp(PREFETCH, [], host_ids, keys=list(keys), node=parent, started_s=now_s)
+        self._submit(op)
+        return op
+
+    def prefetch_should_stop(self, op: TransferOp, now_s: float, can_schedule: bool) -> bool:
+        """The policy's verdict from agreed inputs; the caller then calls stop_prefetch."""
+        state = PrefetchState(len(op.keys), now_s - op.started_s, can_schedule)
+        return op.agreed is None and self.stop_rule(state)
+
+    def stop_prefetch(self, op: TransferOp) -> None:
+        if not op.cancelled:
+            op.cancelled = True
+            self.counters.prefetch["stopped"] += 1
+            self.mover.cancel(op)
+
+    # ---- steps --------------------------------------------------------------------------------
+    def local_progress(self) -> list[int]:
+        """This rank's view of pending completions, to be agreed (min) across ranks."""
+        return self.queues.local_progress(self.mover)
+
+    def apply(self, agreed: list[int]) -> list[TransferOp]:
+        """Apply exactly the agreed completions, in order. Returns the applied ops."""
+        applied = []
+        for op, ok in self.queues.take_agreed(agreed):
+            op.agreed = ok
+            if op.kind != PROBE:
+                self.counters.record_move(op.kind, op.pages, ok)
+            {
+                LOAD: _noop,
+                STORE: self._store_done,
+                BACKUP: self._backup_done,
+                PROBE: _noop,
+                PREFETCH: self._prefetch_done,
+            }[op.kind](op, ok)
+            self.mover.release(op)
+            applied.append(op)
+        self.tiers.compact()
+        return applied
+
+    def step(self) -> list[TransferOp]:
+        """One rank alone: its local progress is the agreed progress."""
+        return self.apply(self.local_progress())
+
+    def drain(self, max_steps: int = 100_000) -> None:
+        """Step until no op is pending (tests, shutdown)."""
+        for _ in range(max_steps):
+            if not len(self.queues):
+                return
+            self.step()
+        raise TimeoutError("cache ops did not finish")
+
+    # ---- op plumbing --------------------------------------------------------------------------
+    def _submit(self, op: TransferOp) -> None:
+        self.queues.add(op)
+        self.mover.submit(op)
+
+    def _store(self, node: Node) -> None:
+        """Start the L1 -> L2 copy of a node without one (no-op when busy or no room)."""
+        if node.host is not None or node.pins or node.device is None:
+            return
+        host_ids = self.tiers.alloc_host(len(node))
+        if host_ids is None:
+            return
+        node.pins += 1
+        self._submit(TransferOp(STORE, list(node.device), host_ids, node=node))
+
+    def _demote(self, node: Node, host_ids: list[int]) -> None:
+        assert node.device is not None
+        self._submit(TransferOp(STORE, list(node.device), host_ids, node=node, evict_after=True))
+
+    def _store_done(self, op: TransferOp, ok: int) -> None:
+        nodes = _covering(op)
+        if op.evict_after:
+            self.tiers.freeing -= op.pages
+        at = 0
+        for node in nodes:
+            node.pins -= 1
+            if ok == op.pages:
+                node.host = op.dst[at : at + len(node)]
+                self.tiers.touched(node)
+            at += len(node)
+        if ok != op.pages:
+            self.tiers.host.free(op.dst)  # type: ignore[union-attr]
+            return
+        for node in nodes:
+            if op.evict_after and node.evictable and not node.has_device_child():
+                self.tiers.drop_device(node)
+            self._backup(node)
+
+    def _backup(self, node: Node) -> None:
+        if self.has_storage and not node.in_storage and node.host is not None:
+            node.pins += 1
+            self._submit(
+                TransferOp(
+                    BACKUP,
+                    list(node.host),
+                    [],
+                    keys=self.tree.path_keys(node)[-len(node) :],
+                    node=node,
+                )
+            )
+
+    def _backup_done(self, op: TransferOp, ok: int) -> None:
+        for node in _covering(op):
+            node.pins -= 1
+            node.in_storage = node.in_storage or ok == op.pages
+            self.tiers.touched(node)
+
+    def _prefetch_done(self, op: TransferOp, ok: int) -> None:
+        parent = op.node
+        assert parent is not None
+        parent.pins -= 1
+        self.counters.prefetch["complete" if ok == op.pages else "partial" if ok else "empty"] += 1
+        spare = list(op.dst[ok:])
+        if ok:
+            spare += self._insert_host(parent, op.keys[:ok], op.dst[:ok])
+        if spare:
+            self.tiers.host.free(spare)  # type: ignore[union-attr]
+        self.tiers.touched(parent)
+
+    def _insert_host(self, parent: Node, keys: list[int], host_ids: list[int]) -> list[int]:
+        """Hang prefetched pages under `parent` as host-only (stored) pages; returns unused ids."""
+        node, i, spare = parent, 0, []
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                leaf = Node(node, keys[i:], None, list(host_ids[i:]), self.tree.clock)
+                leaf.in_storage = True
+                node.children[keys[i]] = leaf
+                self.tiers.touched(leaf)
+                return spare
+            n = _common_prefix(child.keys, keys, i)
+            if n < len(child):
+                child = self.tree.split(child, n)
+            if child.host is None:
+                child.host = list(host_ids[i : i + n])
+                self.tiers.touched(child)
+            else:
+                spare.extend(host_ids[i : i + n])
+            child.in_storage = True
+            node, i = child, i + n
+        return spare
+
+    # ---- integrity ----------------------------------------------------------------------------
+    def accounting(self) -> dict[str, dict[str, int]]:
+        """free + cached + locked + in flight = capacity, per pool."""
+        dev = {
+            "free": self.tiers.device.num_free,
+            "cached": 0,
+            "locked": len(self.owned),
+            "in_flight": 0,
+        }
+        host = {
+            "free": self.tiers.host.num_free if self.tiers.host else 0,
+            "cached": 0,
+            "locked": 0,
+            "in_flight": len(self.queues.inflight_ids(STORE, "dst"))
+            + len(self.queues.inflight_ids(PREFETCH, "dst")),
+        }
+        loading = set(self.queues.inflight_ids(LOAD, "dst"))
+        for node in self.tree.nodes():
+            busy = "locked" if not node.evictable else "cached"
+            if node.device is not None:
+                moving = sum(1 for d in node.device if d in loading)
+                dev["in_flight"] += moving
+                dev[busy] += len(node) - moving
+            if node.host is not None:
+                host[busy] += len(node)
+        return {"device": dev, "host": host}
+
+    def check_integrity(self) -> None:
+        """Tree invariants, and every page id accounted for exactly once in each pool."""
+        self.tree.check_integrity()
+        used_dev = [d for n in self.tree.nodes() if n.device is not None for d in n.device]
+        used_dev += list(self.owned)
+        _check_pool("device", used_dev, self.tiers.device)
+        if self.tiers.host is not None:
+            used_host = [h for n in self.tree.nodes() if n.host is not None for h in n.host]
+            used_host += self.queues.inflight_ids(STORE, "dst") + self.queues.inflight_ids(
+                PREFETCH, "dst"
+            )
+            _check_pool("host", used_host, self.tiers.host)
+        for pool, parts in self.accounting().items():
+            cap = (
+                self.tiers.device.capacity
+                if pool == "device"
+                else (self.tiers.host.capacity if self.tiers.host else 0)
+            )
+            assert sum(parts.values()) == cap, f"{pool}: {parts} does not add up to {cap}"
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters.as_dict(),
+            "accounting": self.accounting(),
+            "pending_ops": len(self.queues),
+        }
+
+
+def _noop(op: TransferOp, ok: int) -> None:
+    """Loads and probes change no tree state: load pages were placed at submission (the engine
+    waited per layer), and a probe's answer is op.agreed."""
+
+
+def _covering(op: TransferOp) -> list[Node]:
+    """The nodes that now hold the op's pages (its node may have been split since), in order."""
+    nodes, pages, node = [], 0, op.node
+    while pages < op.pages:
+        assert node is not None and node.parent is not None, "op node left the tree"
+        nodes.append(node)
+        pages += len(node)
+        node = node.parent
+    assert pages == op.pages, "op pages do not align with node edges"
+    return nodes[::-1]
+
+
+def _common_prefix(edge: list[int], keys: list[int], start: int) -> int:
+    n = 0
+    while n < len(edge) and start + n < len(keys) and edge[n] == keys[start + n]:
+        n += 1
+    return n
+
+
+def _check_pool(name: str, used: list[int], alloc: Allocator) -> None:
+    assert len(used) == len(set(used)), f"{name}: a page id is used twice"
+    assert all(0 <= i < alloc.capacity for i in used), f"{name}: page id out of range"
+    assert len(used) + alloc.num_free == alloc.capacity, (
+        f"{name}: {len(used)} used + {alloc.num_free} free != {alloc.capacity}"
+    )
+    check = getattr(alloc, "check_integrity", None)
+    if check is not None:
+        check()

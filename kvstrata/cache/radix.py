@@ -1,0 +1,245 @@
+"""Paged radix tree over chained page keys (tensor-free).
+
+Each edge holds a run of page keys and, per tier, where those pages live: `device` (L1 logical page
+ids), `host` (L2 host page ids) and `in_storage` (written to L3). Tier invariants:
+- every node except the root is on the device, on the host, or both;
+- the device-resident nodes are closed under ancestors (eviction from L1 is leaf-first), so a
+  match is an L1 prefix followed by host-only pages;
+- a node with `lock_ref > 0` (a running request uses it) or `pins > 0` (a copy reads it) is never
+  evicted from any tier.
+Time is a logical clock (one tick per match/insert), identical on every rank, never wall time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+class Node:
+    """One edge of the tree: a run of pages sharing the same tier state."""
+
+    __slots__ = (
+        "parent",
+        "children",
+        "keys",
+        "device",
+        "host",
+        "in_storage",
+        "lock_ref",
+        "pins",
+        "hits",
+        "last_access",
+    )
+
+    def __init__(
+        self,
+        parent: Node | None,
+        keys: list[int],
+        device: list[int] | None,
+        host: list[int] | None = None,
+        clock: int = 0,
+    ) -> None:
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.keys = keys
+        self.device = device
+        self.host = host
+        self.in_storage = False
+        self.lock_ref = 0
+        self.pins = 0
+        self.hits = 0
+        self.last_access = clock
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __lt__(self, other: Node) -> bool:  # heap tie-break: deterministic by first key
+        return self.keys[0] < other.keys[0]
+
+    @property
+    def evictable(self) -> bool:
+        return self.lock_ref == 0 and self.pins == 0
+
+    def has_device_child(self) -> bool:
+        return any(c.device is not None for c in self.children.values())
+
+
+@dataclass
+class Match:
+    """The longest cached prefix of a key chain, split by tier."""
+
+    device_ids: list[int] = field(default_factory=list)
+    """L1 page ids of the leading pages resident on the device."""
+    host_nodes: list[Node] = field(default_factory=list)
+    """Nodes after the L1 prefix whose pages are only in host memory (L2), in order."""
+    device_node: Node | None = None
+    """Deepest matched node that is on the device (root if none)."""
+    last_node: Node | None = None
+    """Deepest matched node (the end of the L1 + L2 prefix)."""
+
+    @property
+    def device_pages(self) -> int:
+        return len(self.device_ids)
+
+    @property
+    def host_pages(self) -> int:
+        return sum(len(n) for n in self.host_nodes)
+
+    @property
+    def pages(self) -> int:
+        return self.device_pages + self.host_pages
+
+
+class RadixTree:
+    """Prefix tree keyed by page keys; the cache manager owns tier moves and accounting."""
+
+    def __init__(self) -> None:
+        self.root = Node(None, [], device=[], host=[])
+        self.clock = 0
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def match(self, keys: list[int], touch: bool = True) -> Match:
+        """Longest cached prefix of `keys`; splits a partially matched edge at the match end."""
+        self.clock += 1
+        m = Match(device_node=self.root, last_node=self.root)
+        node, i = self.root, 0
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            n = _common_len(child.keys, keys, i)
+            if n < len(child):
+                child = self.split(child, n)
+            if touch:
+                child.last_access = self.clock
+                child.hits += 1
+            if child.device is not None:
+                m.device_ids.extend(child.device)
+                m.device_node = child
+            else:
+                m.host_nodes.append(child)
+            m.last_node = child
+            node, i = child, i + n
+        return m
+
+    def split(self, node: Node, n: int) -> Node:
+        """Cut `node` after its first n pages; returns the new upper node (which keeps the stats)."""
+        assert 0 < n < len(node), "split point must be inside the edge"
+        upper = Node(
+            node.parent, node.keys[:n], _head(node.device, n), _head(node.host, n), node.last_access
+        )
+        upper.in_storage, upper.lock_ref, upper.pins, upper.hits = (
+            node.in_storage,
+            node.lock_ref,
+            node.pins,
+            node.hits,
+        )
+        assert node.parent is not None
+        node.parent.children[upper.keys[0]] = upper
+        node.keys, node.device, node.host = (
+            node.keys[n:],
+            _tail(node.device, n),
+            _tail(node.host, n),
+        )
+        node.parent = upper
+        upper.children[node.keys[0]] = node
+        return upper
+
+    # ---- update -------------------------------------------------------------------------------
+    def insert(self, keys: list[int], device_ids: list[int]) -> tuple[Node, list[int]]:
+        """Cache `keys` with their L1 pages. Returns (last node, ids the caller must free).
+
+        Pages already on the device keep their existing ids (the caller's duplicates come back
+        to be freed); matched nodes that had left the device adopt the caller's ids.
+        """
+        assert len(keys) == len(device_ids), "one device page per key"
+        self.clock += 1
+        node, i, spare = self.root, 0, []
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                leaf = Node(node, keys[i:], list(device_ids[i:]), clock=self.clock)
+                node.children[keys[i]] = leaf
+                return leaf, spare
+            n = _common_len(child.keys, keys, i)
+            if n < len(child):
+                child = self.split(child, n)
+            child.last_access = self.clock
+            if child.device is None:
+                child.device = list(device_ids[i : i + n])
+            else:
+                spare.extend(
+                    d for d, e in zip(device_ids[i : i + n], child.device, strict=True) if d != e
+                )
+            node, i = child, i + n
+        return node, spare
+
+    def remove_leaf(self, node: Node) -> None:
+        """Unlink a leaf that has left every tier."""
+        assert not node.children and node.parent is not None, "only leaves are removed"
+        del node.parent.children[node.keys[0]]
+        node.parent = None
+
+    def lock(self, node: Node) -> None:
+        """Protect `node` and its ancestors from eviction (a running request uses them)."""
+        while node is not self.root:
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    # ---- inspection ---------------------------------------------------------------------------
+    def nodes(self) -> Iterator[Node]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def path_keys(self, node: Node) -> list[int]:
+        """All keys from the root down to and including `node`."""
+        parts: list[list[int]] = []
+        while node is not self.root:
+            parts.append(node.keys)
+            node = node.parent  # type: ignore[assignment]
+        return [k for part in reversed(parts) for k in part]
+
+    def check_integrity(self) -> None:
+        """Structural and tier invariants; raises AssertionError on the first broken one."""
+        for node in self.nodes():
+            assert node.parent is not None and node.parent.children.get(node.keys[0]) is node
+            assert node.keys, "empty edge"
+            assert node.device is not None or node.host is not None, "node in no tier"
+            for ids in (node.device, node.host):
+                assert ids is None or len(ids) == len(node.keys), "tier ids misaligned with keys"
+            if node.device is not None and node.parent is not self.root:
+                assert node.parent.device is not None, "device set not ancestor-closed"
+            assert node.lock_ref >= 0 and node.pins >= 0
+            assert node.lock_ref <= node.parent.lock_ref or node.parent is self.root
+            for k, child in node.children.items():
+                assert child.keys[0] == k
+
+
+def _common_len(edge: list[int], keys: list[int], start: int) -> int:
+    """Length of the common prefix of `edge` and keys[start:]."""
+    n = min(len(edge), len(keys) - start)
+    if edge[:n] == keys[start : start + n]:
+        return n
+    i = 1  # edge[0] matched through the child lookup
+    while edge[i] == keys[start + i]:
+        i += 1
+    return i
+
+
+def _head(ids: list[int] | None, n: int) -> list[int] | None:
+    return None if ids is None else ids[:n]
+
+
+def _tail(ids: list[int] | None, n: int) -> list[int] | None:
+    return None if ids is None else ids[n:]

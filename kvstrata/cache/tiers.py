@@ -1,0 +1,184 @@
+"""Tier residency of tree nodes: allocation with eviction cascading L1 -> L2 -> (L3 / gone).
+
+Tensor-free: page ids come from allocators, bytes move through the manager's ops. Every rank
+runs the same calls in the same order, so evictions pick the same nodes everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from kvstrata.cache.counters import CacheCounters
+from kvstrata.cache.eviction import TierQueue
+from kvstrata.cache.policies import Priority, WritePolicy
+from kvstrata.cache.radix import Node, RadixTree
+
+
+class Allocator(Protocol):
+    capacity: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    def alloc(self, n: int) -> list[int] | None: ...
+
+    def free(self, ids: list[int]) -> None: ...
+
+
+def _device_candidate(node: Node) -> bool:
+    return node.device is not None and not node.has_device_child()
+
+
+def _host_candidate(node: Node) -> bool:
+    return node.host is not None and (node.device is not None or not node.children)
+
+
+class Tiers:
+    """Device and host residency with leaf-first eviction under one priority."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        device: Allocator,
+        host: Allocator | None,
+        priority: Priority,
+        write: WritePolicy,
+        counters: CacheCounters,
+        demote: Callable[[Node, list[int]], None],
+    ) -> None:
+        self.tree, self.device, self.host = tree, device, host
+        self.write, self.counters = write, counters
+        self.demote = demote  # submits the L1 -> L2 copy of a node being evicted
+        self.device_q = TierQueue(_device_candidate, priority)
+        self.host_q = TierQueue(_host_candidate, priority)
+        self.freeing = 0  # device pages whose demotion copy is in flight
+        self._requeued_at: tuple[int, int] = (-1, -1)
+
+    def touched(self, node: Node | None) -> None:
+        """`node` may have become a candidate in some tier."""
+        if node is None or node is self.tree.root:
+            return
+        if node.device is not None:
+            self.device_q.push(node)
+        if node.host is not None:
+            self.host_q.push(node)
+
+    # ---- L1 -----------------------------------------------------------------------------------
+    def alloc_device(self, n: int) -> list[int] | None:
+        """n device pages, evicting cached pages if needed; None if they cannot be had now."""
+        if n == 0:
+            return []
+        if self.device.num_free < n:
+            self.evict_device(n - self.device.num_free)
+        if self.device.num_free + self.freeing < n:
+            self.requeue_all()  # a candidate the lazy queues missed (e.g. a split edge)
+            self.evict_device(n - self.device.num_free - self.freeing)
+        return self.device.alloc(n) if self.device.num_free >= n else None
+
+    def evict_device(self, n: int) -> None:
+        """Free at least n device pages (some only once their demotion copy lands)."""
+        goal_free = self.device.num_free + n  # pages already being freed count toward it
+        skipped: list[Node] = []
+        while self.device.num_free + self.freeing < goal_free:
+            node = self.device_q.pop()
+            if node is None:
+                break
+            if not self._evict_device_node(node):
+                skipped.append(node)
+        for node in skipped:
+            self.device_q.push(node)
+
+    def _evict_device_node(self, node: Node) -> bool:
+        assert node.device is not None
+        if node.host is not None:
+            self.drop_device(node)
+            return True
+        if self.write.on_evict and self.host is not None:
+            host_ids = self.alloc_host(len(node))
+            if host_ids is not None:
+                node.pins += 1  # until the copy lands; then the device copy goes
+                self.freeing += len(node)
+                self.demote(node, host_ids)
+                return True
+        return self._drop_subtree(node)
+
+    def drop_device(self, node: Node) -> None:
+        """Release a node's L1 copy (it keeps its L2 copy if any)."""
+        assert node.device is not None
+        self.device.free(node.device)
+        self.counters.evictions["L1"] += len(node)
+        node.device = None
+        parent = node.parent
+        if node.host is None:
+            self.tree.remove_leaf(node)
+        else:
+            self.host_q.push(node)
+        self.touched(parent)  # type: ignore[arg-type]
+
+    def _drop_subtree(self, node: Node) -> bool:
+        """Drop a node without an L2 copy, with its host-only descendants; False if one is busy."""
+        below = [n for n in _subtree(node) if n is not node]
+        if any(not n.evictable for n in below):
+            return False
+        for child in reversed(below):  # leaves first
+            self._drop_host_only(child)
+        self.drop_device(node)
+        return True
+
+    # ---- L2 -----------------------------------------------------------------------------------
+    def alloc_host(self, n: int) -> list[int] | None:
+        if self.host is None:
+            return None
+        if self.host.num_free < n:
+            self.evict_host(n - self.host.num_free)
+        if self.host.num_free < n:
+            self.requeue_all()
+            self.evict_host(n - self.host.num_free)
+        return self.host.alloc(n) if self.host.num_free >= n else None
+
+    def evict_host(self, n: int) -> None:
+        assert self.host is not None
+        goal_free = self.host.num_free + n
+        while self.host.num_free < goal_free:
+            node = self.host_q.pop()
+            if node is None:
+                break
+            if node.device is not None:
+                self.host.free(node.host)  # type: ignore[arg-type]
+                self.counters.evictions["L2"] += len(node)
+                node.host = None
+            else:
+                self._drop_host_only(node)
+
+    def _drop_host_only(self, node: Node) -> None:
+        assert node.device is None and node.host is not None and not node.children
+        assert self.host is not None
+        self.host.free(node.host)
+        self.counters.evictions["L2"] += len(node)
+        node.host = None
+        parent = node.parent
+        self.tree.remove_leaf(node)
+        self.touched(parent)  # type: ignore[arg-type]
+
+    def requeue_all(self) -> None:
+        """Push every node again: O(nodes), only when the lazy queues ran dry."""
+        if self._requeued_at == (self.tree.clock, self.device.num_free):
+            return  # nothing changed since the last full requeue
+        self._requeued_at = (self.tree.clock, self.device.num_free)
+        for node in self.tree.nodes():
+            self.touched(node)
+
+    def compact(self) -> None:
+        self.device_q.compact()
+        self.host_q.compact()
+
+
+def _subtree(node: Node) -> list[Node]:
+    """`node` and its descendants, parents before children."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children.values())
+    return out

@@ -1,0 +1,128 @@
+"""A byte-moving PageMover over numpy arrays, for exercising the cache manager's data flow.
+
+Each page's "bytes" are one int64 (the page key's low bits), so a test can check that every page
+id the tree hands out holds exactly the page it names, after any sequence of moves.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.manager import HiCache
+from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
+from kvstrata.memory.allocator import PageAllocator
+
+MASK = (1 << 62) - 1
+
+
+class ArrayMover:
+    """Moves page contents between device/host arrays and a dict store, after random delays."""
+
+    def __init__(self, device_pages: int, host_pages: int, max_delay: int = 0, seed: int = 0) -> None:
+        self.device = np.zeros(device_pages, dtype=np.int64)
+        self.host = np.zeros(max(host_pages, 1), dtype=np.int64)
+        self.storage: dict[int, int] = {}
+        self.rng = random.Random(seed)
+        self.max_delay = max_delay
+        self.wait: dict[int, int] = {}
+        self.done: dict[int, int] = {}
+
+    def submit(self, op: TransferOp) -> None:
+        self.wait[id(op)] = self.rng.randint(0, self.max_delay)
+
+    def cancel(self, op: TransferOp) -> None:
+        self.wait[id(op)] = 0
+
+    def release(self, op: TransferOp) -> None:
+        self.done.pop(id(op))
+
+    def poll(self, op: TransferOp) -> int | None:
+        if id(op) in self.done:
+            return self.done[id(op)]
+        if self.wait[id(op)] > 0:
+            self.wait[id(op)] -= 1
+            return None
+        del self.wait[id(op)]
+        self.done[id(op)] = res = self._run(op)
+        return res
+
+    def _run(self, op: TransferOp) -> int:
+        if op.kind == LOAD:
+            self.device[op.dst] = self.host[op.src]
+        elif op.kind == STORE:
+            self.host[op.dst] = self.device[op.src]
+        elif op.kind == BACKUP:
+            for k, h in zip(op.keys, op.src, strict=True):
+                self.storage[k] = int(self.host[h])
+        elif op.kind in (PROBE, PREFETCH):
+            n = 0
+            while n < len(op.keys) and op.keys[n] in self.storage:
+                if op.kind == PREFETCH:
+                    self.host[op.dst[n]] = self.storage[op.keys[n]]
+                n += 1
+            return n
+        return op.pages
+
+
+def make_cache(device: int = 16, host: int = 32, storage: bool = True, max_delay: int = 0,
+               seed: int = 0, **cfg: object) -> tuple[HiCache, ArrayMover]:
+    config = CacheConfig(page_size=4, device_pages=device, host_pages=host,
+                         storage_url="file:///unused" if storage else "", **cfg)  # type: ignore[arg-type]
+    mover = ArrayMover(device, host, max_delay, seed)
+    cache = HiCache(config, PageAllocator(device), PageAllocator(host) if host else None, mover,
+                    has_storage=storage, page_nbytes=8)
+    return cache, mover
+
+
+def content(key: int) -> int:
+    return key & MASK
+
+
+def serve(cache: HiCache, mover: ArrayMover, keys: list[int], max_steps: int = 1000) -> tuple[int, int, int]:
+    """One request through every tier, as the engine does it; returns (L1, L2, L3) hit pages.
+
+    Checks that every page the cache hands back holds that page's content.
+    """
+    m = cache.match(keys)
+    cache.lock(m.last_node)
+    l1, l2, l3 = m.device_pages, m.host_pages, 0
+    probe = cache.start_probe(keys[m.pages:])
+    if probe is not None:
+        _wait(cache, probe, max_steps)
+        if probe.agreed:
+            op = cache.start_prefetch(keys[m.pages:m.pages + probe.agreed], m.last_node)
+            if op is not None:
+                _wait(cache, op, max_steps)
+                cache.unlock(m.last_node)
+                m = cache.match(keys)
+                cache.lock(m.last_node)
+                l3 = m.pages - l1 - l2
+    load = cache.load_host(m)
+    if load is None:  # L1 full of locked pages: serve from scratch instead
+        cache.unlock(m.last_node)
+        return 0, 0, 0
+    _wait(cache, load, max_steps)
+    hit = m.device_ids + load.dst
+    assert [int(x) for x in mover.device[hit]] == [content(k) for k in keys[:len(hit)]]
+    new = cache.alloc_device(len(keys) - len(hit))
+    if new is None:
+        cache.unlock(m.last_node)
+        return l1, l2, l3
+    mover.device[new] = [content(k) for k in keys[len(hit):]]
+    node = cache.insert(keys, hit + new)
+    cache.lock(node)
+    cache.unlock(m.last_node)
+    cache.unlock(node)
+    return l1, l2, l3
+
+
+def _wait(cache: HiCache, op: TransferOp, max_steps: int) -> None:
+    for _ in range(max_steps):
+        if op.agreed is not None:
+            return
+        cache.step()
+        cache.check_integrity()
+    raise TimeoutError(f"{op.kind} op never completed")

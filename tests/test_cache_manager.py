@@ -1,0 +1,130 @@
+"""The hierarchical cache manager: tiers, policies, counted completions, integrity after every step."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.cache_harness import content, make_cache, serve
+
+PREFIXES = [[(p << 16) | i for i in range(12)] for p in range(4)]
+
+
+def seq(prefix: int, cut: int, tail: int, length: int) -> list[int]:
+    """Prefix `prefix` up to `cut`, then a branch named by `tail`."""
+    return PREFIXES[prefix][:cut] + [(1 << 40) | (tail << 8) | i for i in range(length)]
+
+
+def test_demote_to_host_and_load_back() -> None:
+    cache, mover = make_cache(device=8, host=16, storage=False)
+    a, b = seq(0, 6, 1, 0), seq(1, 6, 2, 0)
+    assert serve(cache, mover, a) == (0, 0, 0)
+    cache.drain()
+    assert serve(cache, mover, b) == (0, 0, 0)  # evicts a's pages to L2 (write_through backed them up)
+    cache.drain()
+    cache.check_integrity()
+    m = cache.match(a)
+    assert m.device_pages == 0 and m.host_pages == 6
+    assert serve(cache, mover, a) == (0, 6, 0)
+    assert cache.counters.pages_moved["L2->L1"] == 6
+
+
+def test_l3_roundtrip_in_a_fresh_cache_sharing_storage() -> None:
+    cache, mover = make_cache(device=8, host=8)
+    a = seq(2, 8, 3, 0)
+    serve(cache, mover, a)
+    cache.drain()
+    assert set(a) <= set(mover.storage)
+    fresh, mover2 = make_cache(device=8, host=8)
+    mover2.storage = mover.storage  # a new process reading the same store
+    assert serve(fresh, mover2, a) == (0, 0, 8)
+    assert fresh.counters.prefetch["complete"] == 1
+    fresh.check_integrity()
+
+
+def test_write_back_only_copies_on_eviction() -> None:
+    cache, mover = make_cache(device=4, host=8, storage=False, write_policy="write_back")
+    serve(cache, mover, seq(0, 4, 0, 0))
+    cache.drain()
+    assert cache.counters.pages_moved["L1->L2"] == 0
+    serve(cache, mover, seq(1, 4, 0, 0))  # needs L1: demote the first four pages
+    cache.drain()
+    assert cache.counters.pages_moved["L1->L2"] == 4
+    assert serve(cache, mover, seq(0, 4, 0, 0)) == (0, 4, 0)
+
+
+def test_selective_backs_up_after_n_hits() -> None:
+    cache, mover = make_cache(device=8, host=8, storage=False, write_policy="write_through_selective",
+                              write_through_threshold=2)
+    a = seq(0, 4, 0, 0)
+    serve(cache, mover, a)
+    cache.drain()
+    assert cache.counters.pages_moved["L1->L2"] == 0
+    serve(cache, mover, a)
+    serve(cache, mover, a)
+    cache.drain()
+    assert cache.counters.pages_moved["L1->L2"] == 4
+
+
+def test_late_completions_wait_for_agreement() -> None:
+    cache, mover = make_cache(device=8, host=8, storage=False, max_delay=0)
+    serve(cache, mover, seq(0, 4, 0, 0))  # a store is pending
+    progress = cache.local_progress()
+    assert max(progress) >= 0  # done locally
+    agreed = [-1] * len(progress)  # another rank has not finished
+    assert cache.apply(agreed) == []
+    assert cache.match(seq(0, 4, 0, 0)).last_node.host is None  # not applied: no host copy yet
+    assert len(cache.apply(progress)) == 1
+    cache.check_integrity()
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(0, 5),
+                              st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=30),
+       device=st.integers(6, 24), host=st.integers(0, 40), storage=st.booleans(),
+       policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+       eviction=st.sampled_from(["lru", "lfu"]), delay=st.integers(0, 3))
+def test_random_requests_against_reference(ops: list[tuple[int, int, int, int, int]], device: int,
+                                           host: int, storage: bool, policy: str, eviction: str,
+                                           delay: int) -> None:
+    cache, mover = make_cache(device, host, storage=storage and host > 0, max_delay=delay,
+                              seed=len(ops), write_policy=policy, eviction=eviction)
+    seen: set[int] = set()  # naive reference: every page ever computed
+    rng = random.Random(device)
+    for prefix, cut, tail, length, steps in ops:
+        keys = seq(prefix, cut, tail, length)[:device - 1]
+        hits = serve(cache, mover, keys)
+        cached = [k for k in keys[:sum(hits)]]
+        assert set(cached) <= seen, "a page was served that was never computed"
+        seen.update(keys)
+        for _ in range(steps + rng.randint(0, 1)):
+            cache.step()
+            cache.check_integrity()
+        # every page the tree names holds its own content, on every tier
+        for node in cache.tree.nodes():
+            path = cache.tree.path_keys(node)[-len(node):]
+            want = [content(k) for k in path]
+            if node.device is not None and not set(node.device) & set(cache.queues.inflight_ids("load", "dst")):
+                assert [int(x) for x in mover.device[node.device]] == want
+            if node.host is not None:
+                assert [int(x) for x in mover.host[node.host]] == want
+        cache.check_integrity()
+    cache.drain()
+    cache.check_integrity()
+
+
+def test_unbounded_capacity_hits_everything_seen() -> None:
+    cache, mover = make_cache(device=400, host=400)
+    seen: set[int] = set()
+    rng = random.Random(7)
+    for _ in range(60):
+        keys = seq(rng.randrange(4), rng.randrange(13), rng.randrange(3), rng.randrange(5))
+        expect = 0
+        while expect < len(keys) and keys[expect] in seen:
+            expect += 1
+        assert sum(serve(cache, mover, keys)) == expect  # infinite capacity: exactly the reference
+        seen.update(keys)
+        cache.step()
+        cache.check_integrity()

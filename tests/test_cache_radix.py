@@ -1,0 +1,108 @@
+"""Exact expectations for the paged radix tree: match, insert, split, lock, eviction order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstrata.cache.keys import Namespace, as_token_array, key_hex, page_keys
+from kvstrata.cache.radix import RadixTree
+from tests.cache_harness import make_cache
+
+NS = Namespace(model_fingerprint="m", page_size=4)
+
+
+def test_keys_are_chained_deterministic_and_namespaced() -> None:
+    toks = np.arange(20, dtype=np.int64)
+    keys = page_keys(toks, NS)
+    assert len(keys) == 5  # only full pages
+    assert keys == page_keys(list(range(20)), NS)
+    assert page_keys(toks[:8], NS) == keys[:2]
+    assert page_keys(toks[8:], NS, parent_key=keys[1]) == keys[2:]
+    changed = toks.copy()
+    changed[1] = 99
+    assert all(a != b for a, b in zip(page_keys(changed, NS), keys, strict=True))  # chain carries change
+    for other in (Namespace(model_fingerprint="m", page_size=4, tenant_salt="t"),
+                  Namespace(model_fingerprint="n", page_size=4),
+                  Namespace(model_fingerprint="m", page_size=4, kv_dtype="float16")):
+        assert not set(page_keys(toks, other)) & set(keys)
+    assert len(key_hex(keys[0])) == 32
+    # fixed value: keys must not change across runs/processes/machines
+    assert key_hex(page_keys([1, 2, 3, 4], NS)[0]) == key_hex(page_keys(np.array([1, 2, 3, 4], np.int32), NS)[0])
+
+
+def test_bad_tokens_are_rejected() -> None:
+    with pytest.raises(TypeError, match="integer"):
+        as_token_array(np.array([1.5, 2.0]))
+    with pytest.raises(ValueError, match="out of range"):
+        page_keys([1, 2, 3, 70000], NS, vocab_size=1000)
+    with pytest.raises(ValueError, match="out of range"):
+        page_keys([-1, 2, 3, 4], NS)
+    with pytest.raises(ValueError, match="1-D"):
+        as_token_array([[1, 2]])
+
+
+def test_match_insert_split() -> None:
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    m = tree.match([1, 2, 9])
+    assert m.device_ids == [10, 11] and m.host_pages == 0
+    # the edge was split at the match end
+    assert [n.keys for n in tree.nodes()] == [[1, 2], [3, 4]]
+    node, spare = tree.insert([1, 2, 5], [20, 21, 22])
+    assert spare == [20, 21]  # already cached pages keep their ids; duplicates come back
+    assert tree.match([1, 2, 5]).device_ids == [10, 11, 22]
+    assert tree.match([7]).device_ids == []
+    tree.lock(node)
+    assert [n.lock_ref for n in tree.nodes() if n.keys == [1, 2]] == [1]
+    tree.unlock(node)
+    tree.check_integrity()
+
+
+def test_lru_eviction_order_leaf_first() -> None:
+    cache, _ = make_cache(device=6, host=0, storage=False)
+    for keys in ([1, 2, 3], [1, 2, 4], [5, 6]):
+        ids = cache.alloc_device(len(keys))
+        assert ids is not None
+        cache.insert(keys, ids)
+        cache.check_integrity()
+    # full (2 + 1 + 1 + 2 = 6 pages). Touch [1,2,3] so [1,2,4]'s leaf is the oldest leaf.
+    cache.match([1, 2, 3])
+    ids = cache.alloc_device(1)
+    assert ids is not None
+    assert peek(cache, [1, 2, 4]) == 2  # leaf [4] evicted first
+    assert peek(cache, [5, 6]) == 2
+    cache.free_device(ids)
+    ids = cache.alloc_device(4)  # 1 free + [5,6] (older than [1,2,3]) + leaf [3]
+    assert ids is not None
+    assert peek(cache, [5, 6]) == 0
+    assert peek(cache, [1, 2, 3]) == 2
+    cache.check_integrity()
+    assert cache.counters.evictions["L1"] == 4
+
+
+def peek(cache: object, keys: list[int]) -> int:
+    """L1 prefix length without touching the LRU clock of the nodes."""
+    return cache.tree.match(keys, touch=False).device_pages  # type: ignore[attr-defined]
+
+
+def test_lfu_keeps_hot_pages() -> None:
+    cache, _ = make_cache(device=4, host=0, storage=False, eviction="lfu")
+    for keys in ([1, 2], [3, 4]):
+        cache.insert(keys, cache.alloc_device(2))  # type: ignore[arg-type]
+    for _ in range(3):
+        cache.match([1, 2])
+    cache.match([3, 4])  # most recent, but used less
+    assert cache.alloc_device(2) is not None
+    assert cache.match([1, 2]).device_pages == 2 and cache.match([3, 4]).device_pages == 0
+
+
+def test_locked_pages_are_never_evicted() -> None:
+    cache, _ = make_cache(device=4, host=0, storage=False)
+    node = cache.insert([1, 2, 3, 4], cache.alloc_device(4))  # type: ignore[arg-type]
+    cache.lock(node)
+    assert cache.alloc_device(1) is None
+    cache.check_integrity()
+    cache.unlock(node)
+    assert cache.alloc_device(1) is not None
+    cache.check_integrity()
