@@ -242,7 +242,7 @@ class HiCache:
                     BACKUP,
                     list(node.host),
                     [],
-                    keys=self.tree.path_keys(node)[-len(node) :],
+                    keys=list(node.keys),
                     node=node,
                 )
             )

@@ -1,0 +1,97 @@
+"""Compose an Engine from the per-layer configs: model, pools, mover, storage, cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.keys import Namespace
+from kvstrata.cache.manager import HiCache
+from kvstrata.engine.admission import Admission
+from kvstrata.engine.checkpoint import load_model
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.engine import Agree, Engine
+from kvstrata.engine.model import DecoderLM
+from kvstrata.memory.pool import DevicePool, HostPool
+from kvstrata.memory.transfer import TensorMover
+from kvstrata.storage.base import StorageConfig, open_storage
+
+
+@dataclass
+class Built:
+    """An engine and the parts it owns (closed together)."""
+
+    engine: Engine
+    mover: TensorMover | None
+
+    def close(self) -> None:
+        self.engine.drain()
+        if self.mover is not None:
+            self.mover.close()
+            if self.mover.storage is not None:
+                self.mover.storage.close()
+
+
+def resolve_model_path(config: EngineConfig) -> Path:
+    """The checkpoint to serve: --model, or SmolLM2 converted once from its GGUF."""
+    if config.model:
+        return Path(config.model)
+    from kvstrata.engine.smollm2 import ensure_smollm2
+
+    return ensure_smollm2(config.model_cache_dir or None)
+
+
+def tiers_of(cache: CacheConfig, tiers: str) -> CacheConfig:
+    """Restrict a cache config to a tier set (none/l1/l1_l2/l1_l2_l3)."""
+    if tiers in ("none", "l1"):
+        return dataclasses.replace(cache, host_pages=0, storage_url="")
+    if tiers == "l1_l2":
+        return dataclasses.replace(cache, storage_url="")
+    if not cache.storage_url:
+        raise ValueError("tiers l1_l2_l3 needs --storage-url")
+    return cache
+
+
+def build_engine(
+    config: EngineConfig,
+    cache_cfg: CacheConfig,
+    storage_cfg: StorageConfig | None = None,
+    model: DecoderLM | None = None,
+    agree: Agree | None = None,
+    tenant: str = "",
+) -> Built:
+    """Everything one rank needs to serve; a loaded `model` may be shared between builds."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if model is None:
+        model = load_model(resolve_model_path(config), dtype=config.dtype)
+    cache_cfg = tiers_of(cache_cfg, config.tiers)
+    shape = model.kv_shape(cache_cfg.page_size)
+    pool = DevicePool(shape, cache_cfg.device_pages)
+    ns = Namespace(
+        model.fingerprint, shape.dtype, tenant_salt=tenant, page_size=cache_cfg.page_size
+    )
+    if config.tiers == "none":
+        admission = Admission(None, pool.allocator, ns, model.vocab_size)
+        return Built(Engine(model, pool, None, admission, config, agree), None)
+    host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
+    storage = None
+    if cache_cfg.storage_url:
+        storage = open_storage(
+            cache_cfg.storage_url, shape.page_nbytes, storage_cfg or StorageConfig()
+        )
+    mover = TensorMover(pool, host, storage)
+    cache = HiCache(
+        cache_cfg,
+        pool.allocator,
+        host.allocator if host else None,
+        mover,
+        has_storage=storage is not None,
+        page_nbytes=shape.page_nbytes,
+    )
+    admission = Admission(cache, pool.allocator, ns, model.vocab_size)
+    return Built(Engine(model, pool, cache, admission, config, agree), mover)

@@ -1,0 +1,37 @@
+"""Configuration of the reference engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.configtools import doc
+
+TIER_SETS = ("none", "l1", "l1_l2", "l1_l2_l3")
+"""Cache configurations: no cache, device only, + host memory, + storage."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler and model options."""
+
+    model: str = doc(
+        "", "local Hugging Face Llama/Qwen2 checkpoint dir; empty = SmolLM2-135M-Instruct"
+    )
+    model_cache_dir: str = doc(
+        "", "where the converted SmolLM2 checkpoint lives; empty = ~/.cache/kvstrata"
+    )
+    dtype: str = doc("float32", "model and KV dtype")
+    tiers: str = doc("l1_l2_l3", "cache tiers: none, l1, l1_l2, l1_l2_l3")
+    chunk_tokens: int = doc(1024, "prefill chunk: new tokens per sequence per forward")
+    max_batch_tokens: int = doc(2048, "new tokens per forward across the batch")
+    max_running: int = doc(8, "requests decoding at once")
+    threads: int = doc(0, "torch CPU threads; 0 = torch's default")
+
+    def __post_init__(self) -> None:
+        if self.tiers not in TIER_SETS:
+            raise ValueError(f"tiers must be one of {', '.join(TIER_SETS)}, got {self.tiers!r}")
+        for name in ("chunk_tokens", "max_batch_tokens", "max_running"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunk_tokens > self.max_batch_tokens:
+            raise ValueError("chunk_tokens must be <= max_batch_tokens")

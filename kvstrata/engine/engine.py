@@ -1,0 +1,167 @@
+"""The reference serving engine: continuous batching with chunked prefill over the tiered cache.
+
+One `step()`: agree on and apply finished cache moves, admit waiting requests, run one forward
+over decodes (one token each) and prefill chunks, sample greedily, cache finished pages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvstrata.cache.keys import as_token_array
+from kvstrata.cache.manager import HiCache
+from kvstrata.engine.admission import Admission
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.model import DecoderLM, SeqBatch
+from kvstrata.engine.request import Request, State
+from kvstrata.memory.pool import DevicePool
+
+Agree = Callable[[list[int]], list[int]]
+"""Turns this rank's cache progress vector into the agreed one (identity on one rank)."""
+
+
+class Engine:
+    """Runs requests to completion on one model, one device pool and (optionally) the cache."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        pool: DevicePool,
+        cache: HiCache | None,
+        admission: Admission,
+        config: EngineConfig,
+        agree: Agree | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model, self.pool, self.cache, self.config = model, pool, cache, config
+        self.admission = admission
+        self.agree = agree or (lambda v: v)
+        self.clock = clock
+        self.page = pool.shape.page_size
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.steps = 0
+
+    # ---- API ----------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        if not req.tokens:
+            raise ValueError(f"request {req.rid}: empty prompt")
+        as_token_array(req.tokens, self.model.vocab_size)  # ids in range, integers
+        limit = self.model.spec.max_position_embeddings
+        if len(req.tokens) + req.max_new_tokens > limit:
+            raise ValueError(
+                f"request {req.rid}: {len(req.tokens)} prompt + {req.max_new_tokens} new "
+                f"tokens exceed the model's {limit} positions"
+            )
+        if req.max_new_tokens < 1:
+            raise ValueError(f"request {req.rid}: max_new_tokens must be >= 1")
+        if req.pages_needed(self.page) > self.pool.capacity:
+            raise ValueError(
+                f"request {req.rid} needs {req.pages_needed(self.page)} pages; "
+                f"the device pool holds {self.pool.capacity}"
+            )
+        req.arrival_s = self.clock()
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Submit and run to completion; returns the requests in finishing order."""
+        for req in requests:
+            self.submit(req)
+        done: list[Request] = []
+        while self.has_work():
+            done += self.step()
+        return done
+
+    def step(self) -> list[Request]:
+        """One scheduler step; returns the requests that finished in it."""
+        self.steps += 1
+        if self.cache is not None:
+            self.cache.apply(self.agree(self.cache.local_progress()))
+        slots = self.config.max_running - len(self.running)
+        admitted = self.admission.advance(self.waiting, self.clock(), slots)
+        for req in admitted:
+            self.waiting.remove(req)
+            self.running.append(req)
+        work = self._plan()
+        if not work:
+            time.sleep(0.0005)  # only waiting on copies or storage: don't spin hot
+            return []
+        return self._forward(work)
+
+    def drain(self) -> None:
+        if self.cache is not None:
+            self.cache.drain()
+
+    # ---- one forward --------------------------------------------------------------------------
+    def _plan(self) -> list[tuple[Request, list[int]]]:
+        """Tokens each running request feeds this step: decodes first, then prefill chunks."""
+        budget = self.config.max_batch_tokens
+        work: list[tuple[Request, list[int]]] = []
+        for req in self.running:
+            if req.state is State.DECODE and budget:
+                work.append((req, [req.output[-1]]))
+                budget -= 1
+        for req in self.running:
+            if req.state is State.PREFILL and budget:
+                n = min(self.config.chunk_tokens, len(req.tokens) - req.computed, budget)
+                work.append((req, req.tokens[req.computed : req.computed + n]))
+                budget -= n
+        return work
+
+    def _forward(self, work: list[tuple[Request, list[int]]]) -> list[Request]:
+        batch = SeqBatch.build(
+            [t for _, t in work], [r.computed for r, _ in work], [r.page_table for r, _ in work]
+        )
+        loads = [r.load.handle for r, _ in work if r.load is not None and r.load.handle is not None]
+
+        def wait_layer(layer: int) -> None:
+            for handle in loads:  # layer l's pages arrived from L2 before layer l reads them
+                handle.wait_layer(layer)
+
+        logits = self.model(
+            batch, self.pool, before_layer=wait_layer if loads else None, last_only=True
+        )
+        finished = []
+        for (req, toks), row in zip(work, logits, strict=True):
+            req.load = None
+            req.computed += len(toks)
+            if req.state is State.PREFILL and req.computed < len(req.tokens):
+                continue  # more prompt chunks to go
+            if self._emit(req, row):
+                finished.append(req)
+        return finished
+
+    def _emit(self, req: Request, row: torch.Tensor) -> bool:
+        """Record one generated token; True when the request is complete."""
+        req.output.append(int(torch.argmax(row)))
+        if req.keep_logits:
+            req.logits.append(row.clone())
+        if req.state is State.PREFILL:
+            req.first_token_s = self.clock()
+            req.state = State.DECODE
+            self.admission.cache_pages(req, final=False)  # share the prompt with later requests
+        if len(req.output) < req.max_new_tokens:
+            return False
+        req.state = State.DONE
+        req.finish_s = self.clock()
+        self.admission.cache_pages(req, final=True)
+        self.running.remove(req)
+        return True
+
+    # ---- integrity ----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Cache and pool invariants, and every running request's pages are allocated."""
+        if self.cache is not None:
+            self.cache.check_integrity()
+        self.pool.check_integrity()
+        for req in self.running:
+            assert len(req.page_table) == req.pages_needed(self.page) or req.state is State.DONE
+            assert all(not self.pool.allocator.is_free(p) for p in req.page_table), (
+                "running on a free page"
+            )

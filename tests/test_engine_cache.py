@@ -1,0 +1,99 @@
+"""The engine over every tier equals recomputation: logits of turn k are the same whether its
+prefix comes from L1, L2 (forced demotion), L3 (a fresh engine sharing the file store) or no cache."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.build import build_engine
+from kvstrata.engine.checkpoint import load_model
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.request import Request
+from tests.tiny_models import make_llama, rel_err
+
+torch.set_num_threads(1)
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    path = make_llama(tmp_path_factory.mktemp("llama") / "ckpt", seed=3, max_position_embeddings=1024)
+    return load_model(path)
+
+
+def conversation(turns: int, seed: int = 0) -> list[list[int]]:
+    """Turn k's prompt = turn k-1's prompt + new tokens (the history grows)."""
+    rng = random.Random(seed)
+    hist: list[int] = []
+    out = []
+    for _ in range(turns):
+        hist = hist + [rng.randrange(5, 97) for _ in range(rng.randrange(20, 50))]
+        out.append(list(hist))
+    return out
+
+
+def run_turns(model, tiers: str, storage: Path, prompts: list[list[int]], device_pages: int = 64,
+              demote: bool = False, chunk: int = 1024):  # noqa: ANN001, ANN201
+    cfg = CacheConfig(page_size=PAGE, device_pages=device_pages, host_pages=64,
+                      storage_url=f"file://{storage}", prefetch_policy="wait_complete")
+    built = build_engine(EngineConfig(tiers=tiers, chunk_tokens=chunk, max_batch_tokens=1024), cfg,
+                         model=model)
+    eng = built.engine
+    results = []
+    for prompt in prompts:
+        req = Request(f"t{len(results)}", prompt, max_new_tokens=4, keep_logits=True)
+        eng.submit(req)
+        while eng.has_work():
+            eng.step()
+            eng.check_integrity()
+        results.append(req)
+        eng.drain()
+        if demote and eng.cache is not None:  # push every cached page out of L1
+            ids = eng.cache.alloc_device(eng.cache.tiers.device.num_free)
+            eng.cache.tiers.evict_device(device_pages)
+            eng.cache.drain()
+            eng.cache.free_device(ids)
+        eng.check_integrity()
+    built.close()
+    return results
+
+
+def assert_same(a, b) -> None:  # noqa: ANN001
+    for ra, rb in zip(a, b, strict=True):
+        assert ra.output == rb.output
+        for la, lb in zip(ra.logits, rb.logits, strict=True):
+            assert rel_err(la, lb) <= 1e-4
+
+
+def test_turns_equal_across_tiers(model, tmp_path: Path) -> None:  # noqa: ANN001
+    prompts = conversation(4)
+    ref = run_turns(model, "none", tmp_path / "s0", prompts)
+    l1 = run_turns(model, "l1", tmp_path / "s1", prompts)
+    assert_same(ref, l1)
+    assert l1[-1].hits["L1"] > 0
+    l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, demote=True)
+    assert_same(ref, l2)
+    assert l2[-1].hits["L2"] > 0 and l2[-1].hits["L1"] == 0
+    run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts[:2])
+    l3 = run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts)  # fresh engine, same store
+    assert_same(ref, l3)
+    assert l3[1].hits["L3"] > 0
+
+
+def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -> None:  # noqa: ANN001
+    prompts = conversation(3, seed=5)
+    alone = run_turns(model, "none", tmp_path / "a", prompts)
+    chunked = run_turns(model, "none", tmp_path / "b", prompts, chunk=16)
+    assert_same(alone, chunked)
+    cfg = CacheConfig(page_size=PAGE, device_pages=128, host_pages=0)
+    built = build_engine(EngineConfig(tiers="l1", chunk_tokens=32, max_batch_tokens=64), cfg, model=model)
+    reqs = [Request(f"b{i}", p, max_new_tokens=4, keep_logits=True) for i, p in enumerate(prompts)]
+    built.engine.run(reqs)
+    built.engine.check_integrity()
+    assert_same(alone, reqs)
+    built.close()
