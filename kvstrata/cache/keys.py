@@ -67,13 +67,14 @@ def page_keys(
     arr = as_token_array(tokens, vocab_size)
     page = namespace.page_size
     n_pages = arr.size // page
-    rows = arr[: n_pages * page].view(np.uint8).reshape(n_pages, page * 4)
+    data = memoryview(arr[: n_pages * page]).cast("B")  # no copy; slices are cheap views
+    step = page * 4
     key = namespace.seed() if parent_key is None else parent_key
     digest = xxhash.xxh3_128_intdigest
     keys: list[int] = []
     append = keys.append
-    for i in range(n_pages):
-        key = digest(rows[i].data, (key ^ (key >> 64)) & _MASK64)
+    for start in range(0, n_pages * step, step):
+        key = digest(data[start : start + step], (key ^ (key >> 64)) & _MASK64)
         append(key)
     return keys
 

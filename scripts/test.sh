@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test suite: set up (venv, pinned deps, Debian's redis-server) and run pytest on 2 workers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+if ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+exec .venv/bin/python -m pytest -n 2 -p no:cacheprovider "$@"
