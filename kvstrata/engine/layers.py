@@ -1,0 +1,108 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU MLP.
+
+Each block mirrors the Hugging Face implementation's arithmetic (fp32 normalisation, fp32
+rotary tables) so logits match transformers' own forward to float tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), normalised in fp32 whatever the model dtype."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        in_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(in_dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), the Llama/Qwen2 MLP."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (theta**exps)  # [head_dim / 2]
+
+
+def _default(head_dim: int, theta: float, _: Mapping[str, Any]) -> torch.Tensor:
+    return _base_inv_freq(head_dim, theta)
+
+
+def _linear(head_dim: int, theta: float, p: Mapping[str, Any]) -> torch.Tensor:
+    # Scaling the positions by 1/factor is the same as scaling the frequencies.
+    return _base_inv_freq(head_dim, theta) / float(p["factor"])
+
+
+def _llama3(head_dim: int, theta: float, p: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: low frequencies divided by `factor`, high ones kept, smooth between."""
+    inv = _base_inv_freq(head_dim, theta)
+    factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old_ctx = float(p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_ctx / hi) * ~(wavelen > old_ctx / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+ROPE_TYPES: dict[str, Callable[[int, float, Mapping[str, Any]], torch.Tensor]] = {
+    "default": _default,
+    "linear": _linear,
+    "llama3": _llama3,
+}
+"""Supported rope types. "dynamic" NTK is deliberately absent: its frequencies depend on the
+longest sequence in the current forward, so a position's K would differ between a one-shot
+prefill and a chunked or cached one, which breaks prefix caching."""
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding with the checkpoint's theta and scaling; rotate-half layout."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: Mapping[str, Any] | None) -> None:
+        super().__init__()
+        rope_type = str((scaling or {}).get("rope_type", "default"))
+        fn = ROPE_TYPES.get(rope_type)
+        if fn is None:
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        self.register_buffer("inv_freq", fn(head_dim, theta, scaling or {}), persistent=False)
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin tables for absolute `positions` [T] -> two [T, head_dim] tensors."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by the per-token tables cos/sin [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,203 @@
+"""Llama-family decoder (LlamaForCausalLM, Qwen2ForCausalLM) over a paged KV pool.
+
+One forward runs several sequences at once, their tokens flattened ("varlen"): the linear layers
+see all T tokens together, attention runs per sequence against that sequence's pages. Parameter
+names equal the Hugging Face ones, so a checkpoint's state dict loads as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from kvstrata.engine.attention import AttnMeta, PagedAttention, build_meta
+from kvstrata.engine.layers import RMSNorm, Rotary, SwiGLU
+from kvstrata.memory.layout import DTYPES, KVShape
+
+
+class KVPool(Protocol):
+    """What the model needs of a pool (kvstrata.memory.pool.DevicePool satisfies it)."""
+
+    def k(self, layer: int) -> torch.Tensor: ...  # [capacity, page_size, kv_heads, head_dim]
+    def v(self, layer: int) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture hyper-parameters, parsed from a checkpoint's config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None  # None = plain RoPE
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 2048
+
+
+@dataclass
+class SeqBatch:
+    """One forward over several sequences, tokens flattened (see docs/CONTRACTS.md)."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long, absolute positions
+    seq_lens: list[int]  # new tokens per sequence (sum = T)
+    ctx_lens: list[int]  # tokens of each sequence after this forward (cached + new)
+    page_tables: list[torch.Tensor] = field(default_factory=list)  # per seq [ceil(ctx/page)]
+
+    @classmethod
+    def build(
+        cls,
+        new_tokens: Sequence[Sequence[int]],
+        cached_lens: Sequence[int],
+        page_tables: Sequence[torch.Tensor | Sequence[int]],
+        device: str | torch.device = "cpu",
+    ) -> SeqBatch:
+        """Batch that appends `new_tokens[s]` after `cached_lens[s]` cached tokens of sequence s."""
+        ids = [int(t) for toks in new_tokens for t in toks]
+        pos = [
+            c + i for toks, c in zip(new_tokens, cached_lens, strict=True) for i in range(len(toks))
+        ]
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(pos, dtype=torch.long, device=device),
+            seq_lens=[len(t) for t in new_tokens],
+            ctx_lens=[c + len(t) for t, c in zip(new_tokens, cached_lens, strict=True)],
+            page_tables=[torch.as_tensor(p, dtype=torch.long, device=device) for p in page_tables],
+        )
+
+    def validate(self, page_size: int, capacity: int) -> None:
+        """ValueError naming the field for a batch the model cannot run correctly."""
+        t = self.input_ids.shape[0]
+        if self.input_ids.dim() != 1 or self.positions.shape != self.input_ids.shape:
+            raise ValueError("SeqBatch.input_ids and positions must be 1-D of equal length")
+        n = len(self.seq_lens)
+        if not n or len(self.ctx_lens) != n or len(self.page_tables) != n:
+            raise ValueError(
+                "SeqBatch.seq_lens, ctx_lens, page_tables must be equal non-empty lists"
+            )
+        if sum(self.seq_lens) != t or min(self.seq_lens) < 1:
+            raise ValueError(
+                f"SeqBatch.seq_lens must be >= 1 each and sum to T={t}: {self.seq_lens}"
+            )
+        for s, (m, ctx, table) in enumerate(
+            zip(self.seq_lens, self.ctx_lens, self.page_tables, strict=True)
+        ):
+            if ctx < m:
+                raise ValueError(f"SeqBatch.ctx_lens[{s}]={ctx} < seq_lens[{s}]={m}")
+            if table.dim() != 1 or table.shape[0] * page_size < ctx:
+                raise ValueError(f"SeqBatch.page_tables[{s}] has too few pages for ctx {ctx}")
+        ids = torch.cat([p.to(self.positions.device) for p in self.page_tables])
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < capacity:
+            raise ValueError(f"SeqBatch.page_tables hold page ids outside [0, {capacity})")
+        lens = torch.tensor(self.seq_lens, device=self.positions.device)
+        ctx_of = torch.repeat_interleave(torch.tensor(self.ctx_lens, device=lens.device), lens)
+        if t and bool(((self.positions < 0) | (self.positions >= ctx_of)).any()):
+            raise ValueError("SeqBatch.positions must lie in [0, ctx_len) of their sequence")
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        s = spec
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.self_attn = PagedAttention(
+            s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.qkv_bias, s.o_bias, dtype
+        )
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(s.hidden_size, s.intermediate_size, s.mlp_bias, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        meta: AttnMeta,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *rope, k_pool, v_pool, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    """Holds the HF-named `model.*` parameters (embed_tokens, layers, norm)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+
+class DecoderLM(nn.Module):
+    """A causal LM whose attention reads and writes a paged KV pool; inference only."""
+
+    def __init__(self, spec: ModelSpec, dtype: str = "float32") -> None:
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.spec = spec
+        self.dtype_name = dtype
+        self.fingerprint = ""  # set by checkpoint.load_model: identity of the weights
+        tdtype = DTYPES[dtype]
+        self.model = _Backbone(spec, tdtype)
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.lm_head: nn.Linear | None = None
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=tdtype)
+        self.requires_grad_(False)  # inference only: pool writes must never join a graph
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    def kv_shape(self, page_size: int, dtype: str | None = None) -> KVShape:
+        """Shape of this model's paged KV cache (K/V dtype defaults to the model dtype)."""
+        s = self.spec
+        return KVShape(
+            s.num_layers, s.num_kv_heads, s.head_dim, page_size, dtype or self.dtype_name
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        batch: SeqBatch,
+        kv: KVPool,
+        before_layer: Callable[[int], None] | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits fp32: [T, vocab], or [num_seqs, vocab] of each sequence's last token."""
+        if getattr(kv, "n_shards", 1) != 1:
+            raise ValueError("kv: a sharded (context-parallel) pool needs the dist gather path")
+        capacity, page_size = kv.k(0).shape[:2]
+        batch.validate(page_size, capacity)
+        device = self.model.embed_tokens.weight.device
+        ids, positions = batch.input_ids.to(device), batch.positions.to(device)
+        meta = build_meta(positions, batch.seq_lens, batch.ctx_lens, batch.page_tables, page_size)
+        x = self.model.embed_tokens(ids)  # [T, hidden]
+        rope = self.rotary.tables(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            if before_layer is not None:
+                before_layer(i)  # e.g. wait until layer i's pages arrived from the host pool
+            x = layer(x, rope, kv.k(i), kv.v(i), meta)
+        if last_only:
+            ends = torch.tensor(batch.seq_lens, device=device).cumsum(0) - 1  # [num_seqs]
+            x = x[ends]
+        x = self.model.norm(x)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(x, weight).float()  # [T or num_seqs, vocab]

@@ -1,0 +1,51 @@
+"""Text <-> token ids for a checkpoint directory, via its Hugging Face tokenizer files."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class Tokenizer:
+    """Plain encode/decode and chat-template encoding of one checkpoint's tokenizer."""
+
+    def __init__(self, path: str | Path) -> None:
+        root = Path(path)
+        if not root.is_dir():
+            raise ValueError(f"tokenizer path {root} is not a directory")
+        from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
+
+        try:
+            self.hf: Any = AutoTokenizer.from_pretrained(str(root))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{root} holds no loadable tokenizer: {e}") from e
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Ids that end generation (the tokenizer's eos token)."""
+        eos = self.hf.eos_token_id
+        return [] if eos is None else [int(eos)]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text` as is (no chat template)."""
+        return [int(t) for t in self.hf.encode(text, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def encode_chat(self, messages: str | Sequence[dict[str, str]]) -> list[int]:
+        """Ids of a conversation rendered by the chat template, ending in the assistant prompt.
+
+        A plain string is one user message.
+        """
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; use encode()")
+        text = self.hf.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        # The template already wrote every special token (e.g. <|im_start|>); adding more would
+        # put a BOS in front that the model never saw in training.
+        return self.encode(str(text), add_special_tokens=False)

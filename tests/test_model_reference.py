@@ -1,0 +1,158 @@
+"""Our paged decoder against transformers' own forward on tiny random checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstrata.engine.checkpoint import load_model
+from kvstrata.engine.model import DecoderLM, SeqBatch
+from kvstrata.memory.pool import DevicePool
+from tests.tiny_models import (
+    LLAMA3_SCALING,
+    hf_greedy,
+    hf_logits,
+    load_hf,
+    make_llama,
+    make_qwen2,
+    rel_err,
+)
+
+torch.set_num_threads(1)
+PAGE = 4  # small pages so every test crosses page boundaries
+TOL = 1e-4
+
+VARIANTS: dict[str, Callable[[Path], Path]] = {
+    # untied head, llama3 rope scaling, GQA (4 query heads over 2 K/V heads)
+    "llama-llama3": lambda p: make_llama(p, seed=1, rope_scaling=LLAMA3_SCALING),
+    # tied embeddings, linear rope scaling, MQA, attention + MLP biases
+    "llama-tied-linear-bias": lambda p: make_llama(
+        p,
+        seed=2,
+        tie=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        num_key_value_heads=1,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
+    # Qwen2: q/k/v biases, tied embeddings
+    "qwen2": lambda p: make_qwen2(p, seed=3),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def models(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[DecoderLM, Any]:
+    path = VARIANTS[request.param](tmp_path_factory.mktemp(request.param))
+    return load_model(path), load_hf(path)
+
+
+def tokens(n: int, seed: int, vocab: int = 97) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def new_pool(model: DecoderLM, capacity: int = 48) -> DevicePool:
+    return DevicePool(model.kv_shape(PAGE), capacity)
+
+
+def pages(pool: DevicePool, n_tokens: int) -> torch.Tensor:
+    """Allocate pages for n_tokens, handed out in reverse so logical != physical order."""
+    ids = pool.allocator.alloc(-(-n_tokens // PAGE))
+    assert ids is not None
+    return torch.tensor(ids[::-1])
+
+
+def run_chunks(
+    model: DecoderLM, pool: DevicePool, toks: list[int], chunks: list[int]
+) -> torch.Tensor:
+    """Prefill `toks` in several forwards, each continuing the cached context in `pool`."""
+    table, out, done = pages(pool, len(toks)), [], 0
+    for n in chunks:
+        batch = SeqBatch.build([toks[done : done + n]], [done], [table])
+        out.append(model(batch, pool))
+        done += n
+    assert done == len(toks)
+    return torch.cat(out)
+
+
+def test_prefill_one_shot_matches_hf(models: tuple[DecoderLM, Any]) -> None:
+    ours, hf = models
+    toks = tokens(23, seed=5)
+    logits = run_chunks(ours, new_pool(ours), toks, [23])
+    ref = hf_logits(hf, toks)
+    assert logits.dtype == torch.float32 and logits.shape == ref.shape == (23, 97)
+    assert rel_err(logits, ref) <= TOL
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+def test_chunked_prefill_equals_one_shot(models: tuple[DecoderLM, Any]) -> None:
+    ours, hf = models
+    toks = tokens(23, seed=6)
+    one_shot = run_chunks(ours, new_pool(ours), toks, [23])
+    chunked = run_chunks(ours, new_pool(ours), toks, [5, 1, 9, 8])
+    assert rel_err(chunked, one_shot) <= TOL
+    assert rel_err(chunked, hf_logits(hf, toks)) <= TOL
+
+
+def test_batch_of_three_equals_each_alone(models: tuple[DecoderLM, Any]) -> None:
+    """A varlen batch mixing a decode step, a fresh prefill and a continued chunk."""
+    ours, _ = models
+    a, b, c = tokens(10, seed=7), tokens(12, seed=8), tokens(9, seed=9)
+    pool = new_pool(ours)
+    ta, tb, tc = pages(pool, 10), pages(pool, 12), pages(pool, 9)
+    ours(SeqBatch.build([a[:9], c[:4]], [0, 0], [ta, tc]), pool)  # cache a[:9] and c[:4]
+    mixed = ours(SeqBatch.build([a[9:], b, c[4:]], [9, 0, 4], [ta, tb, tc]), pool)
+    assert mixed.shape == (1 + 12 + 5, 97)
+    alone = [run_chunks(ours, new_pool(ours), s, [len(s)]) for s in (a, b, c)]
+    assert rel_err(mixed[:1], alone[0][9:]) <= TOL
+    assert rel_err(mixed[1:13], alone[1]) <= TOL
+    assert rel_err(mixed[13:], alone[2][4:]) <= TOL
+
+
+def test_greedy_decode_matches_hf(models: tuple[DecoderLM, Any]) -> None:
+    ours, hf = models
+    prompt = tokens(10, seed=10)
+    pool = new_pool(ours)
+    table = pages(pool, len(prompt) + 8)
+    last = ours(SeqBatch.build([prompt], [0], [table]), pool, last_only=True)  # [1, vocab]
+    generated: list[int] = []
+    for _ in range(8):
+        generated.append(int(last[0].argmax()))
+        ctx = len(prompt) + len(generated) - 1
+        last = ours(SeqBatch.build([generated[-1:]], [ctx], [table]), pool, last_only=True)
+    assert generated == hf_greedy(hf, prompt, 8)
+
+
+def test_last_only_returns_each_sequences_last_row(models: tuple[DecoderLM, Any]) -> None:
+    ours, _ = models
+    a, b = tokens(6, seed=11), tokens(3, seed=12)
+    pool = new_pool(ours)
+    batch = SeqBatch.build([a, b], [0, 0], [pages(pool, 6), pages(pool, 3)])
+    full = ours(batch, pool)
+    last = ours(batch, pool, last_only=True)  # rewriting the same K/V is idempotent
+    assert last.shape == (2, 97)
+    assert torch.allclose(last, full[[5, 8]], rtol=0, atol=1e-6)
+
+
+def test_before_layer_runs_before_the_layer_touches_the_pool(
+    models: tuple[DecoderLM, Any],
+) -> None:
+    ours, _ = models
+    pool = new_pool(ours)
+    table = pages(pool, 7)
+    seen: list[tuple[int, bool, bool]] = []
+
+    def hook(layer: int) -> None:
+        layer_written = bool(pool.k(layer).abs().sum() > 0)
+        prev_written = layer == 0 or bool(pool.k(layer - 1).abs().sum() > 0)
+        seen.append((layer, layer_written, prev_written))
+
+    ours(SeqBatch.build([tokens(7, seed=13)], [0], [table]), pool, before_layer=hook)
+    assert seen == [(layer, False, True) for layer in range(ours.spec.num_layers)]
+    untouched = sorted(set(range(pool.capacity)) - set(table.tolist()))
+    assert float(pool.data[:, :, untouched].abs().sum()) == 0.0  # only its own pages written
+    pool.check_integrity()

@@ -1,0 +1,98 @@
+"""Tiny random Hugging Face checkpoints (config.json + safetensors), built with fixed seeds.
+
+Shared by the tests of every layer that needs a real model (`from tests.tiny_models import ...`),
+with the reference helpers: transformers' own logits and greedy tokens, computed from scratch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # GQA: 2 query heads per K/V head
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def _save(model: Any, path: Path) -> Path:
+    # Random init leaves every bias at zero; make them matter so a dropped bias would show.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    return path
+
+
+def make_llama(
+    path: str | Path,
+    seed: int = 0,
+    tie: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Path:
+    """Save a random LlamaForCausalLM to `path`; same seed and options -> identical bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    kw = {**_COMMON, "rope_theta": 5000.0, "tie_word_embeddings": tie, **overrides}
+    if rope_scaling is not None:
+        kw["rope_scaling"] = {**rope_scaling, "rope_theta": kw["rope_theta"]}
+    model = LlamaForCausalLM(LlamaConfig(**kw))
+    return _save(model, Path(path))
+
+
+def make_qwen2(path: str | Path, seed: int = 0, tie: bool = True, **overrides: Any) -> Path:
+    """Save a random Qwen2ForCausalLM (q/k/v biases) to `path`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        **{**_COMMON, "rope_theta": 20000.0, "tie_word_embeddings": tie, **overrides}
+    )
+    return _save(Qwen2ForCausalLM(config), Path(path))
+
+
+def load_hf(path: str | Path) -> Any:
+    """transformers' own model for `path`, fp32, eval mode: the correctness reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logits(hf: Any, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] fp32 logits of one sequence, computed from scratch (no cache)."""
+    return hf(torch.tensor([tokens])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(hf: Any, tokens: list[int], steps: int) -> list[int]:
+    """`steps` greedy tokens, each recomputing the whole sequence (no KV cache involved)."""
+    seq = list(tokens)
+    for _ in range(steps):
+        seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+    return seq[len(tokens) :]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref|."""
+    return float((ours - ref).abs().max() / ref.abs().max())
