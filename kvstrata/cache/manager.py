@@ -34,8 +34,11 @@ class HiCache:
         has_storage: bool = False,
         page_nbytes: int = 0,
     ) -> None:
-        if host is None and config.host_pages:
-            raise ValueError("config.host_pages > 0 needs a host allocator")
+        if device.capacity != config.device_pages:
+            raise ValueError(f"device allocator holds {device.capacity} pages, config.device_pages "
+                             f"is {config.device_pages}")
+        if (host.capacity if host else 0) != config.host_pages:
+            raise ValueError(f"host allocator does not match config.host_pages={config.host_pages}")
         self.config = config
         self.tree = RadixTree()
         self.mover = mover
