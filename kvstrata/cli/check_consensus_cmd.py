@@ -1,0 +1,46 @@
+"""`kvstrata check-consensus DIR`: compare every rank's decision log; name the first divergence.
+
+Exit codes: 0 all ranks agree, 1 ranks diverged (first step, decision and ranks printed),
+2 the directory or a log is missing, empty or corrupt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvstrata.dist.checker import LogError, check_logs
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "check-consensus", help="compare per-rank decision logs (--consensus-log DIR)"
+    )
+    p.add_argument("dir", type=Path, help="directory holding rank-{r}.jsonl logs")
+    p.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = check_logs(args.dir)
+    except LogError as exc:
+        print(f"kvstrata check-consensus: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.text())
+    if args.json is not None:
+        div = result.divergence
+        report = {
+            "ok": result.ok,
+            "ranks": result.n_ranks,
+            "steps": result.n_steps,
+            "step": div.step if div else None,
+            "diverged_ranks": div.minority if div else [],
+            "majority_ranks": div.majority if div else [],
+            "decisions": {str(k): v for k, v in div.decisions.items()} if div else {},
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if result.ok else 1
