@@ -17,7 +17,9 @@ C = TypeVar("C")
 def doc(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
     """A dataclass field with a default and its help text (shown by the CLI)."""
     if isinstance(default, list | dict | set):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+        return dataclasses.field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **kw}
+        )
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
@@ -42,14 +44,20 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = ""
         help_text = f"{f.metadata.get('help', '')} (default: {default})"
         dest = prefix.replace("-", "_") + f.name
         if tp is bool:
-            group.add_argument(name, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(
+                name, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
         elif get_origin(tp) in (list, tuple):
-            group.add_argument(name, dest=dest, nargs="*", type=get_args(tp)[0], default=None, help=help_text)
+            group.add_argument(
+                name, dest=dest, nargs="*", type=get_args(tp)[0], default=None, help=help_text
+            )
         else:
             group.add_argument(name, dest=dest, type=tp, default=None, help=help_text)
 
 
-def config_from_args(cls: type[C], args: argparse.Namespace, prefix: str = "", **overrides: Any) -> C:
+def config_from_args(
+    cls: type[C], args: argparse.Namespace, prefix: str = "", **overrides: Any
+) -> C:
     """Build `cls` from parsed options; options left unset keep the dataclass defaults."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]

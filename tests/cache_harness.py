@@ -21,7 +21,9 @@ MASK = (1 << 62) - 1
 class ArrayMover:
     """Moves page contents between device/host arrays and a dict store, after random delays."""
 
-    def __init__(self, device_pages: int, host_pages: int, max_delay: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self, device_pages: int, host_pages: int, max_delay: int = 0, seed: int = 0
+    ) -> None:
         self.device = np.zeros(device_pages, dtype=np.int64)
         self.host = np.zeros(max(host_pages, 1), dtype=np.int64)
         self.storage: dict[int, int] = {}
@@ -67,13 +69,30 @@ class ArrayMover:
         return op.pages
 
 
-def make_cache(device: int = 16, host: int = 32, storage: bool = True, max_delay: int = 0,
-               seed: int = 0, **cfg: object) -> tuple[HiCache, ArrayMover]:
-    config = CacheConfig(page_size=4, device_pages=device, host_pages=host,
-                         storage_url="file:///unused" if storage else "", **cfg)  # type: ignore[arg-type]
+def make_cache(
+    device: int = 16,
+    host: int = 32,
+    storage: bool = True,
+    max_delay: int = 0,
+    seed: int = 0,
+    **cfg: object,
+) -> tuple[HiCache, ArrayMover]:
+    config = CacheConfig(
+        page_size=4,
+        device_pages=device,
+        host_pages=host,
+        storage_url="file:///unused" if storage else "",
+        **cfg,
+    )  # type: ignore[arg-type]
     mover = ArrayMover(device, host, max_delay, seed)
-    cache = HiCache(config, PageAllocator(device), PageAllocator(host) if host else None, mover,
-                    has_storage=storage, page_nbytes=8)
+    cache = HiCache(
+        config,
+        PageAllocator(device),
+        PageAllocator(host) if host else None,
+        mover,
+        has_storage=storage,
+        page_nbytes=8,
+    )
     return cache, mover
 
 
@@ -81,7 +100,9 @@ def content(key: int) -> int:
     return key & MASK
 
 
-def serve(cache: HiCache, mover: ArrayMover, keys: list[int], max_steps: int = 1000) -> tuple[int, int, int]:
+def serve(
+    cache: HiCache, mover: ArrayMover, keys: list[int], max_steps: int = 1000
+) -> tuple[int, int, int]:
     """One request through every tier, as the engine does it; returns (L1, L2, L3) hit pages.
 
     Checks that every page the cache hands back holds that page's content.
@@ -89,11 +110,11 @@ def serve(cache: HiCache, mover: ArrayMover, keys: list[int], max_steps: int = 1
     m = cache.match(keys)
     cache.lock(m.last_node)
     l1, l2, l3 = m.device_pages, m.host_pages, 0
-    probe = cache.start_probe(keys[m.pages:])
+    probe = cache.start_probe(keys[m.pages :])
     if probe is not None:
         _wait(cache, probe, max_steps)
         if probe.agreed:
-            op = cache.start_prefetch(keys[m.pages:m.pages + probe.agreed], m.last_node)
+            op = cache.start_prefetch(keys[m.pages : m.pages + probe.agreed], m.last_node)
             if op is not None:
                 _wait(cache, op, max_steps)
                 cache.unlock(m.last_node)
@@ -106,12 +127,12 @@ def serve(cache: HiCache, mover: ArrayMover, keys: list[int], max_steps: int = 1
         return 0, 0, 0
     _wait(cache, load, max_steps)
     hit = m.device_ids + load.dst
-    assert [int(x) for x in mover.device[hit]] == [content(k) for k in keys[:len(hit)]]
+    assert [int(x) for x in mover.device[hit]] == [content(k) for k in keys[: len(hit)]]
     new = cache.alloc_device(len(keys) - len(hit))
     if new is None:
         cache.unlock(m.last_node)
         return l1, l2, l3
-    mover.device[new] = [content(k) for k in keys[len(hit):]]
+    mover.device[new] = [content(k) for k in keys[len(hit) :]]
     node = cache.insert(keys, hit + new)
     cache.lock(node)
     cache.unlock(m.last_node)

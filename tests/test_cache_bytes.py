@@ -23,9 +23,21 @@ NS = Namespace(model_fingerprint="bytes-test", page_size=4)
 def make(store: Path, device: int = 8, host: int = 8) -> tuple[HiCache, DevicePool, TensorMover]:
     pool, hostp = DevicePool(SHAPE, device), HostPool(SHAPE, host)
     mover = TensorMover(pool, hostp, open_storage(f"file://{store}", SHAPE.page_nbytes))
-    cfg = CacheConfig(page_size=4, device_pages=device, host_pages=host, storage_url=f"file://{store}")
-    return HiCache(cfg, pool.allocator, hostp.allocator, mover, has_storage=True,
-                   page_nbytes=SHAPE.page_nbytes), pool, mover
+    cfg = CacheConfig(
+        page_size=4, device_pages=device, host_pages=host, storage_url=f"file://{store}"
+    )
+    return (
+        HiCache(
+            cfg,
+            pool.allocator,
+            hostp.allocator,
+            mover,
+            has_storage=True,
+            page_nbytes=SHAPE.page_nbytes,
+        ),
+        pool,
+        mover,
+    )
 
 
 def pages_of(pool: DevicePool, ids: list[int]) -> torch.Tensor:
@@ -82,9 +94,11 @@ def test_other_namespace_never_hits_storage(tmp_path: Path) -> None:
     keys = page_keys(list(range(16)), NS)
     cache.insert(keys, cache.alloc_device(4))  # type: ignore[arg-type]
     cache.drain()
-    for ns in (Namespace(model_fingerprint="bytes-test", page_size=4, tenant_salt="other"),
-               Namespace(model_fingerprint="another-model", page_size=4),
-               Namespace(model_fingerprint="bytes-test", page_size=4, kv_dtype="float16")):
+    for ns in (
+        Namespace(model_fingerprint="bytes-test", page_size=4, tenant_salt="other"),
+        Namespace(model_fingerprint="another-model", page_size=4),
+        Namespace(model_fingerprint="bytes-test", page_size=4, kv_dtype="float16"),
+    ):
         other = page_keys(list(range(16)), ns)
         assert cache.match(other).pages == 0
         probe = cache.start_probe(other)
@@ -110,4 +124,6 @@ def make_cache_named(**cfg: object) -> HiCache:
     from kvstrata.cache.movers import KeySetMover
     from kvstrata.memory.allocator import PageAllocator
 
-    return HiCache(CacheConfig(device_pages=8, host_pages=0, **cfg), PageAllocator(8), None, KeySetMover())  # type: ignore[arg-type]
+    return HiCache(
+        CacheConfig(device_pages=8, host_pages=0, **cfg), PageAllocator(8), None, KeySetMover()
+    )  # type: ignore[arg-type]

@@ -22,7 +22,11 @@ def test_demote_to_host_and_load_back() -> None:
     a, b = seq(0, 6, 1, 0), seq(1, 6, 2, 0)
     assert serve(cache, mover, a) == (0, 0, 0)
     cache.drain()
-    assert serve(cache, mover, b) == (0, 0, 0)  # evicts a's pages to L2 (write_through backed them up)
+    assert serve(cache, mover, b) == (
+        0,
+        0,
+        0,
+    )  # evicts a's pages to L2 (write_through backed them up)
     cache.drain()
     cache.check_integrity()
     m = cache.match(a)
@@ -56,8 +60,13 @@ def test_write_back_only_copies_on_eviction() -> None:
 
 
 def test_selective_backs_up_after_n_hits() -> None:
-    cache, mover = make_cache(device=8, host=8, storage=False, write_policy="write_through_selective",
-                              write_through_threshold=2)
+    cache, mover = make_cache(
+        device=8,
+        host=8,
+        storage=False,
+        write_policy="write_through_selective",
+        write_through_threshold=2,
+    )
     a = seq(0, 4, 0, 0)
     serve(cache, mover, a)
     cache.drain()
@@ -81,22 +90,49 @@ def test_late_completions_wait_for_agreement() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 12), st.integers(0, 5),
-                              st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=30),
-       device=st.integers(6, 24), host=st.integers(0, 40), storage=st.booleans(),
-       policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
-       eviction=st.sampled_from(["lru", "lfu"]), delay=st.integers(0, 3))
-def test_random_requests_against_reference(ops: list[tuple[int, int, int, int, int]], device: int,
-                                           host: int, storage: bool, policy: str, eviction: str,
-                                           delay: int) -> None:
-    cache, mover = make_cache(device, host, storage=storage and host > 0, max_delay=delay,
-                              seed=len(ops), write_policy=policy, eviction=eviction)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.integers(0, 3),
+            st.integers(0, 12),
+            st.integers(0, 5),
+            st.integers(0, 6),
+            st.integers(0, 3),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    device=st.integers(6, 24),
+    host=st.integers(0, 40),
+    storage=st.booleans(),
+    policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+    eviction=st.sampled_from(["lru", "lfu"]),
+    delay=st.integers(0, 3),
+)
+def test_random_requests_against_reference(
+    ops: list[tuple[int, int, int, int, int]],
+    device: int,
+    host: int,
+    storage: bool,
+    policy: str,
+    eviction: str,
+    delay: int,
+) -> None:
+    cache, mover = make_cache(
+        device,
+        host,
+        storage=storage and host > 0,
+        max_delay=delay,
+        seed=len(ops),
+        write_policy=policy,
+        eviction=eviction,
+    )
     seen: set[int] = set()  # naive reference: every page ever computed
     rng = random.Random(device)
     for prefix, cut, tail, length, steps in ops:
-        keys = seq(prefix, cut, tail, length)[:device - 1]
+        keys = seq(prefix, cut, tail, length)[: device - 1]
         hits = serve(cache, mover, keys)
-        cached = [k for k in keys[:sum(hits)]]
+        cached = [k for k in keys[: sum(hits)]]
         assert set(cached) <= seen, "a page was served that was never computed"
         seen.update(keys)
         for _ in range(steps + rng.randint(0, 1)):
@@ -104,9 +140,11 @@ def test_random_requests_against_reference(ops: list[tuple[int, int, int, int, i
             cache.check_integrity()
         # every page the tree names holds its own content, on every tier
         for node in cache.tree.nodes():
-            path = cache.tree.path_keys(node)[-len(node):]
+            path = cache.tree.path_keys(node)[-len(node) :]
             want = [content(k) for k in path]
-            if node.device is not None and not set(node.device) & set(cache.queues.inflight_ids("load", "dst")):
+            if node.device is not None and not set(node.device) & set(
+                cache.queues.inflight_ids("load", "dst")
+            ):
                 assert [int(x) for x in mover.device[node.device]] == want
             if node.host is not None:
                 assert [int(x) for x in mover.host[node.host]] == want

@@ -21,14 +21,20 @@ def test_keys_are_chained_deterministic_and_namespaced() -> None:
     assert page_keys(toks[8:], NS, parent_key=keys[1]) == keys[2:]
     changed = toks.copy()
     changed[1] = 99
-    assert all(a != b for a, b in zip(page_keys(changed, NS), keys, strict=True))  # chain carries change
-    for other in (Namespace(model_fingerprint="m", page_size=4, tenant_salt="t"),
-                  Namespace(model_fingerprint="n", page_size=4),
-                  Namespace(model_fingerprint="m", page_size=4, kv_dtype="float16")):
+    assert all(
+        a != b for a, b in zip(page_keys(changed, NS), keys, strict=True)
+    )  # chain carries change
+    for other in (
+        Namespace(model_fingerprint="m", page_size=4, tenant_salt="t"),
+        Namespace(model_fingerprint="n", page_size=4),
+        Namespace(model_fingerprint="m", page_size=4, kv_dtype="float16"),
+    ):
         assert not set(page_keys(toks, other)) & set(keys)
     assert len(key_hex(keys[0])) == 32
     # fixed value: keys must not change across runs/processes/machines
-    assert key_hex(page_keys([1, 2, 3, 4], NS)[0]) == key_hex(page_keys(np.array([1, 2, 3, 4], np.int32), NS)[0])
+    assert key_hex(page_keys([1, 2, 3, 4], NS)[0]) == key_hex(
+        page_keys(np.array([1, 2, 3, 4], np.int32), NS)[0]
+    )
 
 
 def test_bad_tokens_are_rejected() -> None:

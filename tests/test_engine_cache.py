@@ -22,7 +22,9 @@ PAGE = 8
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    path = make_llama(tmp_path_factory.mktemp("llama") / "ckpt", seed=3, max_position_embeddings=1024)
+    path = make_llama(
+        tmp_path_factory.mktemp("llama") / "ckpt", seed=3, max_position_embeddings=1024
+    )
     return load_model(path)
 
 
@@ -37,12 +39,25 @@ def conversation(turns: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-def run_turns(model, tiers: str, storage: Path, prompts: list[list[int]], device_pages: int = 64,
-              demote: bool = False, chunk: int = 1024):  # noqa: ANN001, ANN201
-    cfg = CacheConfig(page_size=PAGE, device_pages=device_pages, host_pages=64,
-                      storage_url=f"file://{storage}", prefetch_policy="wait_complete")
-    built = build_engine(EngineConfig(tiers=tiers, chunk_tokens=chunk, max_batch_tokens=1024), cfg,
-                         model=model)
+def run_turns(
+    model,
+    tiers: str,
+    storage: Path,
+    prompts: list[list[int]],
+    device_pages: int = 64,
+    demote: bool = False,
+    chunk: int = 1024,
+):  # noqa: ANN001, ANN201
+    cfg = CacheConfig(
+        page_size=PAGE,
+        device_pages=device_pages,
+        host_pages=64,
+        storage_url=f"file://{storage}",
+        prefetch_policy="wait_complete",
+    )
+    built = build_engine(
+        EngineConfig(tiers=tiers, chunk_tokens=chunk, max_batch_tokens=1024), cfg, model=model
+    )
     eng = built.engine
     results = []
     for prompt in prompts:
@@ -91,7 +106,9 @@ def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -
     chunked = run_turns(model, "none", tmp_path / "b", prompts, chunk=16)
     assert_same(alone, chunked)
     cfg = CacheConfig(page_size=PAGE, device_pages=128, host_pages=0)
-    built = build_engine(EngineConfig(tiers="l1", chunk_tokens=32, max_batch_tokens=64), cfg, model=model)
+    built = build_engine(
+        EngineConfig(tiers="l1", chunk_tokens=32, max_batch_tokens=64), cfg, model=model
+    )
     reqs = [Request(f"b{i}", p, max_new_tokens=4, keep_logits=True) for i, p in enumerate(prompts)]
     built.engine.run(reqs)
     built.engine.check_integrity()

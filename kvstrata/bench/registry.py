@@ -16,7 +16,12 @@ from kvstrata.registry import Registry
 BenchFn = Callable[[bool], dict[str, Any]]
 BENCHES: Registry[dict[str, Any]] = Registry("benchmark")
 
-BENCH_MODULES: tuple[str, ...] = ()
+BENCH_MODULES: tuple[str, ...] = (
+    "kvstrata.bench.radix",
+    "kvstrata.bench.transfer",
+    "kvstrata.bench.storage",
+    "kvstrata.bench.consensus",
+)
 
 
 def load_benches() -> Registry[dict[str, Any]]:

@@ -22,12 +22,10 @@ class CacheConfig:
         "write_through", "L1->L2 backup: write_through, write_through_selective, write_back"
     )
     write_through_threshold: int = doc(2, "hits before write_through_selective backs a page up")
-    prefetch_policy: str = doc(
-        "best_effort", "L3->L2 prefetch: best_effort, wait_complete, timeout"
-    )
-    prefetch_timeout_base_s: float = doc(0.05, "timeout policy: fixed part of the budget (seconds)")
+    prefetch_policy: str = doc("timeout", "L3->L2 prefetch: best_effort, wait_complete, timeout")
+    prefetch_timeout_base_s: float = doc(0.2, "timeout policy: fixed part of the budget (seconds)")
     prefetch_timeout_per_page_s: float = doc(
-        0.002, "timeout policy: budget added per prefetched page"
+        0.005, "timeout policy: budget added per prefetched page"
     )
     results_per_step: int = doc(8, "completions of each kind agreed and applied per step at most")
 

@@ -34,7 +34,13 @@ class Namespace:
     def seed(self) -> int:
         """The 128-bit root key that every chain starts from."""
         blob = json.dumps(
-            [self.model_fingerprint, self.kv_dtype, self.layout_version, self.tenant_salt, self.page_size]
+            [
+                self.model_fingerprint,
+                self.kv_dtype,
+                self.layout_version,
+                self.tenant_salt,
+                self.page_size,
+            ]
         ).encode()
         return xxhash.xxh3_128_intdigest(blob)
 

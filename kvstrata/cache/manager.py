@@ -17,7 +17,8 @@ from typing import Any
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, OpQueues, PageMover, TransferOp
-from kvstrata.cache.policies import EVICTION, PREFETCH as PREFETCH_POLICIES, WRITE, PrefetchState
+from kvstrata.cache.policies import EVICTION, WRITE, PrefetchState
+from kvstrata.cache.policies import PREFETCH as PREFETCH_POLICIES
 from kvstrata.cache.radix import Match, Node, RadixTree
 from kvstrata.cache.tiers import Allocator, Tiers
 
@@ -35,8 +36,10 @@ class HiCache:
         page_nbytes: int = 0,
     ) -> None:
         if device.capacity != config.device_pages:
-            raise ValueError(f"device allocator holds {device.capacity} pages, config.device_pages "
-                             f"is {config.device_pages}")
+            raise ValueError(
+                f"device allocator holds {device.capacity} pages, config.device_pages "
+                f"is {config.device_pages}"
+            )
         if (host.capacity if host else 0) != config.host_pages:
             raise ValueError(f"host allocator does not match config.host_pages={config.host_pages}")
         self.config = config

@@ -10,7 +10,10 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES: tuple[str, ...] = ("kvstrata.cli.bench_cmd",)
+COMMAND_MODULES: tuple[str, ...] = (
+    "kvstrata.cli.bench_cmd",
+    "kvstrata.cli.check_consensus_cmd",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,8 +23,9 @@ PREFETCH_CHUNK = 32
 class TensorMover:
     """PageMover over real pools, a CopyEngine and an optional storage backend."""
 
-    def __init__(self, device: DevicePool, host: HostPool | None,
-                 storage: StorageBackend | None = None) -> None:
+    def __init__(
+        self, device: DevicePool, host: HostPool | None, storage: StorageBackend | None = None
+    ) -> None:
         self.device, self.host, self.storage = device, host, storage
         self.copies = CopyEngine(device, host) if host is not None else None
         self._results: dict[int, int] = {}
@@ -32,7 +33,9 @@ class TensorMover:
         self._jobs: queue.Queue[TransferOp | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         if storage is not None:
-            self._worker = threading.Thread(target=self._storage_loop, name="kvstrata-storage", daemon=True)
+            self._worker = threading.Thread(
+                target=self._storage_loop, name="kvstrata-storage", daemon=True
+            )
             self._worker.start()
 
     # ---- PageMover ----------------------------------------------------------------------------
@@ -91,7 +94,9 @@ class TensorMover:
         done = 0
         while done < len(op.keys) and not op.cancelled:
             start, end = done, min(done + PREFETCH_CHUNK, len(op.keys))
-            got = self.storage.get(op.keys[start:end], [self.host.page_bytes(h) for h in op.dst[start:end]])
+            got = self.storage.get(
+                op.keys[start:end], [self.host.page_bytes(h) for h in op.dst[start:end]]
+            )
             done += got
             if got < end - start:
                 break  # a miss ends the consecutive hit
