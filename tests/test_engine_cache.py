@@ -21,11 +21,15 @@ PAGE = 8
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    path = make_llama(
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
         tmp_path_factory.mktemp("llama") / "ckpt", seed=3, max_position_embeddings=1024
     )
-    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def model(ckpt: Path):  # noqa: ANN201
+    return load_model(ckpt)
 
 
 def conversation(turns: int, seed: int = 0) -> list[list[int]]:
@@ -113,4 +117,64 @@ def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -
     built.engine.run(reqs)
     built.engine.check_integrity()
     assert_same(alone, reqs)
+    built.close()
+
+
+def _turns_in_fresh_process(ckpt: str, store: str, prompts: list[list[int]], out: str) -> None:
+    """Child process: a new engine on the same checkpoint and file store."""
+    torch.set_num_threads(1)
+    reqs = run_turns(load_model(ckpt), "l1_l2_l3", Path(store), prompts)
+    torch.save([(r.output, r.logits, r.hits) for r in reqs], out)
+
+
+def test_l3_hits_in_a_fresh_process(model, ckpt: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    import multiprocessing as mp
+
+    prompts = conversation(3, seed=9)
+    ref = run_turns(model, "none", tmp_path / "unused", prompts)
+    run_turns(model, "l1_l2_l3", tmp_path / "store", prompts)  # this process fills the store
+    out = tmp_path / "child.pt"
+    proc = mp.get_context("spawn").Process(
+        target=_turns_in_fresh_process, args=(str(ckpt), str(tmp_path / "store"), prompts, str(out)))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    child = torch.load(out)
+    for r, (output, logits, hits) in zip(ref, child, strict=True):
+        assert output == r.output
+        assert all(rel_err(a, b) <= 1e-4 for a, b in zip(logits, r.logits, strict=True))
+    assert child[0][2]["L3"] > 0  # the very first turn of the new process hits L3
+
+
+def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa: ANN001
+    prompts = [conversation(2, seed=11 + i)[1] for i in range(3)]  # no shared prefixes
+    alone = run_turns(model, "none", tmp_path / "a", prompts)
+    need = max(-(-(len(p) + 3) // PAGE) for p in prompts)
+    cfg = CacheConfig(page_size=PAGE, device_pages=need + 2, host_pages=0)
+    built = build_engine(EngineConfig(tiers="l1", chunk_tokens=64, max_batch_tokens=128), cfg, model=model)
+    reqs = [Request(f"w{i}", p, max_new_tokens=4, keep_logits=True) for i, p in enumerate(prompts)]
+    for r in reqs:
+        built.engine.submit(r)
+    max_running = 0
+    while built.engine.has_work():
+        built.engine.step()
+        built.engine.check_integrity()
+        max_running = max(max_running, len(built.engine.running))
+    assert max_running == 1  # only one fits at a time; the others waited instead of failing
+    assert_same(alone, reqs)
+    built.close()
+
+
+def test_bad_requests_are_refused(model, tmp_path: Path) -> None:  # noqa: ANN001
+    built = build_engine(EngineConfig(tiers="l1"), CacheConfig(page_size=PAGE, device_pages=32,
+                                                               host_pages=0), model=model)
+    with pytest.raises(ValueError, match="empty prompt"):
+        built.engine.submit(Request("e", []))
+    with pytest.raises(ValueError, match="exceed"):
+        built.engine.submit(Request("long", [1] * 1100))
+    with pytest.raises(ValueError, match="out of range"):
+        built.engine.submit(Request("oov", [1, 2, 500]))
+    with pytest.raises(ValueError, match="pages"):
+        built.engine.submit(Request("big", [1] * 600))
+    assert not built.engine.has_work()
     built.close()

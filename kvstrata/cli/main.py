@@ -13,6 +13,8 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "kvstrata.cli.bench_cmd",
     "kvstrata.cli.check_consensus_cmd",
+    "kvstrata.cli.replay_cmd",
+    "kvstrata.cli.simulate_cmd",
 )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -23,6 +24,27 @@ Agree = Callable[[list[int]], list[int]]
 """Turns this rank's cache progress vector into the agreed one (identity on one rank)."""
 
 
+class DecisionSink(Protocol):
+    """Where a rank logs its cache decisions per step (kvstrata.dist.decision_log.DecisionLog)."""
+
+    def begin_step(self, step: int) -> None: ...
+
+    def should_skip(self, step: int | None = None) -> bool: ...
+
+    def record(self, kind: str, **payload: Any) -> bool: ...
+
+    def end_step(self, step: int | None = None) -> int: ...
+
+
+def _hold_back_one(agreed: list[int]) -> list[int]:
+    """The agreed vector minus its last applicable completion (a deliberately skipped decision)."""
+    out = list(agreed)
+    done = [i for i, v in enumerate(out) if v >= 0]
+    if done:
+        out[done[-1]] = -1
+    return out
+
+
 class Engine:
     """Runs requests to completion on one model, one device pool and (optionally) the cache."""
 
@@ -35,11 +57,13 @@ class Engine:
         config: EngineConfig,
         agree: Agree | None = None,
         clock: Callable[[], float] = time.monotonic,
+        decisions: DecisionSink | None = None,
     ) -> None:
         self.model, self.pool, self.cache, self.config = model, pool, cache, config
         self.admission = admission
         self.agree = agree or (lambda v: v)
-        self.clock = clock
+        self.clock = clock  # under several ranks: an agreed clock (rank 0's time, broadcast)
+        self.decisions = decisions
         self.page = pool.shape.page_size
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -81,18 +105,32 @@ class Engine:
     def step(self) -> list[Request]:
         """One scheduler step; returns the requests that finished in it."""
         self.steps += 1
+        log = self.decisions
+        if log is not None:
+            log.begin_step(self.steps)
         if self.cache is not None:
-            self.cache.apply(self.agree(self.cache.local_progress()))
+            agreed = self.agree(self.cache.local_progress())
+            if log is not None and log.should_skip(self.steps):
+                agreed = _hold_back_one(agreed)  # injected divergence: this rank skips a decision
+            applied = self.cache.apply(agreed)
+            if log is not None and applied:
+                log.record("apply", ops=[[op.kind, op.agreed, op.pages] for op in applied])
         slots = self.config.max_running - len(self.running)
         admitted = self.admission.advance(self.waiting, self.clock(), slots)
         for req in admitted:
             self.waiting.remove(req)
             self.running.append(req)
+            if log is not None:
+                log.record("admit", rid=req.rid, pages=req.page_table, hits=req.hits)
         work = self._plan()
+        finished = self._forward(work) if work else []
+        if log is not None:
+            for req in finished:
+                log.record("finish", rid=req.rid, cached_pages=len(req.page_table))
+            log.end_step(self.steps)
         if not work:
             time.sleep(0.0005)  # only waiting on copies or storage: don't spin hot
-            return []
-        return self._forward(work)
+        return finished
 
     def drain(self) -> None:
         if self.cache is not None:

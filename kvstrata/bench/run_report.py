@@ -1,0 +1,114 @@
+"""The report of `kvstrata run`: per-configuration figures, the JSON file and the TTFT plot.
+
+JSON shape (docs/CONTRACTS.md, issue 3):
+    {"configs": {name: {"hit_rate", "hit_rate_by_tier": {"L1","L2","L3"}, "ttft_p50_s",
+                        "ttft_p90_s", "bytes_moved": {direction: bytes}, "requests": [...]}},
+     "outputs_identical": bool, ...}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstrata.cache.counters import DIRECTIONS, TIERS
+from kvstrata.engine.request import Request
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One finished request of the workload, with its place in the workload."""
+
+    session: int
+    turn: int
+    request: Request
+    page_size: int
+
+    @property
+    def prompt_pages(self) -> int:
+        # the admission never serves the page holding the last prompt token from the cache
+        return (len(self.request.tokens) - 1) // self.page_size
+
+    def as_dict(self) -> dict[str, Any]:
+        r = self.request
+        return {
+            "rid": r.rid,
+            "session": self.session,
+            "turn": self.turn,
+            "prompt_tokens": len(r.tokens),
+            "prompt_pages": self.prompt_pages,
+            "hits": dict(r.hits),
+            "ttft_s": r.ttft_s,
+            "output": list(r.output),
+        }
+
+
+def config_report(results: list[TurnResult], counters: dict[str, Any] | None) -> dict[str, Any]:
+    """Figures of one configuration; `counters` is the cache's as_dict() (None: cache off)."""
+    pages = sum(t.prompt_pages for t in results) or 1
+    hits = {tier: sum(t.request.hits[tier] for t in results) for tier in TIERS}
+    ttfts = np.array([t.request.ttft_s for t in results], dtype=np.float64)
+    bytes_moved = (
+        dict(counters["bytes_moved"]) if counters else dict.fromkeys(DIRECTIONS.values(), 0)
+    )
+    ordered = sorted(results, key=lambda t: (t.session, t.turn))
+    return {
+        "hit_rate": sum(hits.values()) / pages,
+        "hit_rate_by_tier": {tier: n / pages for tier, n in hits.items()},
+        "ttft_p50_s": float(np.percentile(ttfts, 50)),
+        "ttft_p90_s": float(np.percentile(ttfts, 90)),
+        "ttft_mean_s": float(ttfts.mean()),
+        "bytes_moved": bytes_moved,
+        "prompt_pages": pages,
+        "cache_counters": counters,
+        "requests": [t.as_dict() for t in ordered],
+    }
+
+
+def outputs_identical(configs: dict[str, list[TurnResult]]) -> bool:
+    """True when every configuration generated the same tokens for every request."""
+    per_config = [{t.request.rid: t.request.output for t in res} for res in configs.values()]
+    return all(p == per_config[0] for p in per_config[1:])
+
+
+def ttft_by_turn(report: dict[str, Any]) -> list[float]:
+    """Mean TTFT of each turn index across sessions, for one configuration's report."""
+    by_turn: dict[int, list[float]] = {}
+    for r in report["requests"]:
+        by_turn.setdefault(r["turn"], []).append(r["ttft_s"])
+    return [float(np.mean(by_turn[k])) for k in sorted(by_turn)]
+
+
+def write_plot(configs: dict[str, dict[str, Any]], path: Path) -> Path:
+    """PNG: mean TTFT per turn, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rep in configs.items():
+        ys = ttft_by_turn(rep)
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT (s), mean over sessions")
+    ax.set_title("kvstrata run: time to first token per turn")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    """Write report.json and ttft.png into out_dir; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "report.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    return json_path, write_plot(report["configs"], out_dir / "ttft.png")

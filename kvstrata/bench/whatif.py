@@ -1,0 +1,123 @@
+"""The what-if study behind `kvstrata simulate`: one topology in detail, plus an ablation table.
+
+Ablation rows are cache configurations (off, L1, L1+L2, L1+L2+L3), each replayed once through
+the real cache; columns are topologies. Capacities are the same in every column (those of the
+main topology unless given), so along a row only parallelism changes and down a column only
+the cache does: the table separates the gain of cache reuse from that of the parallel layout
+and the storage tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstrata.bench.costmodel import CostModel, Topology
+from kvstrata.bench.hardware import HardwareProfile, ModelSpec
+from kvstrata.bench.replay import ReplayConfig, replay
+from kvstrata.bench.simulate import Outcome, Timing, fifo, no_cache, summarize
+from kvstrata.bench.trace import Trace
+
+ROWS: tuple[str, ...] = ("off", "L1", "L1+L2", "L1+L2+L3")
+
+
+def row_config(row: str, base: ReplayConfig) -> ReplayConfig | None:
+    """The replay config of one ablation row (None: cache off, nothing to replay)."""
+    if row == "off":
+        return None
+    if row == "L1":
+        return dataclasses.replace(base, l2_tokens=0, l3="off")
+    if row == "L1+L2":
+        return dataclasses.replace(base, l3="off")
+    if row == "L1+L2+L3":
+        return dataclasses.replace(base, l3="mem" if base.l3 == "off" else base.l3)
+    raise ValueError(f"unknown ablation row {row!r}; known: {', '.join(ROWS)}")
+
+
+def default_topologies(main: Topology, model: ModelSpec) -> list[Topology]:
+    """tp1, the main layout, and the main layout with P/D flipped: those that fit the model."""
+    flipped = dataclasses.replace(main, pd=not main.pd)
+    out: list[Topology] = []
+    for t in (Topology(), dataclasses.replace(main, pd=False), main, flipped):
+        try:
+            t.check(model)
+        except ValueError:
+            continue
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def with_capacities(
+    base: ReplayConfig, cost: CostModel, l1: int | None, l2: int | None
+) -> ReplayConfig:
+    """Fill unset capacities from what the main topology's HBM and host DRAM can hold."""
+    hbm, dram = cost.capacity_tokens()
+    return dataclasses.replace(
+        base, l1_tokens=hbm if l1 is None else l1, l2_tokens=dram if l2 is None else l2
+    )
+
+
+def whatif(
+    trace: Trace,
+    model: ModelSpec,
+    hw: HardwareProfile,
+    main: Topology,
+    base: ReplayConfig,
+    topologies: Sequence[Topology] | None = None,
+    time_scale: float = 1.0,
+    progress: Callable[[str, int], None] | None = None,
+) -> tuple[dict[str, Any], list[Timing]]:
+    """Report (JSON-ready) and the per-request timings of the main row/topology (L1+L2+L3)."""
+    main_cost = CostModel(model, hw, main)  # validates the main topology first
+    tops = list(topologies) if topologies else default_topologies(main, model)
+    costs = {t.label: CostModel(model, hw, t) for t in tops}
+    costs.setdefault(main.label, main_cost)
+    outcomes: dict[str, list[Outcome]] = {}
+    replays: dict[str, dict[str, Any]] = {}
+    for row in ROWS:
+        cfg = row_config(row, base)
+        if cfg is None:
+            continue
+        cb = (lambda n, r=row: progress(r, n)) if progress else None
+        res = replay(trace, cfg, cb)
+        outcomes[row] = res.outcomes
+        replays[row] = res.report()
+    outcomes["off"] = no_cache(outcomes["L1"])
+    ablation: dict[str, dict[str, Any]] = {}
+    for row in ROWS:
+        ablation[row] = {
+            label: _cell(fifo(outcomes[row], c, time_scale)) for label, c in costs.items()
+        }
+    main_timings = fifo(outcomes["L1+L2+L3"], main_cost, time_scale)
+    top = replays["L1+L2+L3"]
+    report: dict[str, Any] = {
+        "trace": trace.source,
+        "hardware": hw.name,
+        "model": model.name,
+        "topology": main.label,
+        "time_scale": time_scale,
+        "capacity_tokens": {
+            "L1": base.l1_tokens,
+            "L2": base.l2_tokens,
+            "L3": base.l3_tokens or "unbounded",
+        },
+        **summarize(main_timings),
+        "hit_rate": top["hit_rate"],
+        "hit_rate_by_tier": top["hit_rate_by_tier"],
+        "ceiling": top["ceiling"],
+        "ablation": ablation,
+        "replays": {
+            r: {k: v[k] for k in ("hit_rate", "hit_rate_by_tier", "bytes_moved", "wall_s")}
+            for r, v in replays.items()
+        },
+    }
+    return report, main_timings
+
+
+def _cell(timings: list[Timing]) -> dict[str, Any]:
+    s = summarize(timings)
+    return {
+        k: s[k] for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "decomposition")
+    }

@@ -1,0 +1,95 @@
+"""`kvstrata simulate TRACE --hardware PROFILE [--tp --cp --pp --pd] [--json PATH]`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+
+from kvstrata.bench.costmodel import Topology
+from kvstrata.bench.hardware import MODELS, PROFILES, get_model, get_profile
+from kvstrata.bench.replay import ReplayConfig
+from kvstrata.bench.report import ablation_table, decomposition_table, write_json
+from kvstrata.bench.whatif import CostModel, whatif, with_capacities
+from kvstrata.cli.replay_cmd import add_trace_args, load_trace
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate", help="what-if TTFT simulation over the real cache, with an ablation table"
+    )
+    add_trace_args(p)
+    p.add_argument(
+        "--hardware", required=True, help=f"hardware profile: {', '.join(PROFILES.names())}"
+    )
+    p.add_argument(
+        "--model", default="llama-3.1-8b", help=f"model spec: {', '.join(MODELS.names())}"
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument(
+        "--pd", action="store_true", help="prefill/decode disaggregation (KV sent over RDMA)"
+    )
+    p.add_argument(
+        "--ablate",
+        default=None,
+        help="topologies of the ablation columns, ';'-separated, e.g. 'tp1;tp4;tp4-cp2;tp4-pd'",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="stretch arrival times (2 = half the request rate)",
+    )
+    p.add_argument(
+        "--l1-tokens",
+        type=int,
+        default=None,
+        help="L1 capacity (default: what HBM holds after weights)",
+    )
+    p.add_argument(
+        "--l2-tokens", type=int, default=None, help="L2 capacity (default: the profile's host DRAM)"
+    )
+    p.add_argument("--l3", default="mem", help="L3 for the L1+L2+L3 row: 'mem' or a storage URL")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    p.add_argument("--eviction", default="lru", help="eviction policy")
+    p.add_argument("--write-policy", default="write_through", help="write policy")
+    p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    hw, model = get_profile(args.hardware), get_model(args.model)
+    main = Topology(args.tp, args.cp, args.pp, args.pd)
+    cost = CostModel(
+        model, hw, main
+    )  # clear errors for a layout that does not fit, before any work
+    tops = [Topology.parse(t) for t in args.ablate.split(";")] if args.ablate else None
+    for t in tops or []:
+        t.check(model)
+    base = ReplayConfig(
+        page_size=args.page_size, l3=args.l3, eviction=args.eviction, write_policy=args.write_policy
+    )
+    base = with_capacities(base, cost, args.l1_tokens, args.l2_tokens)
+    trace = load_trace(args, console)
+    with Progress(console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(row: str, n: int) -> None:
+            if row not in tasks:
+                tasks[row] = bar.add_task(f"replay {row}", total=len(trace))
+            bar.update(tasks[row], completed=n)
+
+        report, _ = whatif(trace, model, hw, main, base, tops, args.time_scale, progress)
+    out = Console()
+    out.print(decomposition_table(report))
+    out.print(ablation_table(report))
+    print(f"hit rate {report['hit_rate']:.4f} (ceiling {report['ceiling']:.4f})")
+    if args.json:
+        write_json(report, args.json)
+        print(f"report: {args.json}")
+    return 0

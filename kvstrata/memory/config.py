@@ -1,0 +1,43 @@
+"""Options of the memory + transfer layer (L1 device pool, L2 host pool, copy engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.configtools import doc
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Device (L1) and host (L2) KV pools and the copy engine between them."""
+
+    device: str = doc("cpu", "device of the L1 pool: cpu, cuda or cuda:N")
+    device_pages: int = doc(1024, "pages in the L1 device pool (all shards together)")
+    host_pages: int = doc(4096, "pages in the L2 host pool")
+    pin_host_memory: bool | None = doc(None, "pin the host pool (default: when CUDA is available)")
+    copy_threads: int = doc(
+        0,
+        "CPU copy path: threads copying one layer's pages in parallel (0: torch.get_num_threads())",
+    )
+
+    def __post_init__(self) -> None:
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"MemoryConfig.device must be cpu or cuda[:N], got {self.device!r}")
+        for name in ("device_pages", "host_pages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MemoryConfig.{name} must be a positive int, got {value!r}")
+        if (
+            isinstance(self.copy_threads, bool)
+            or not isinstance(self.copy_threads, int)
+            or self.copy_threads < 0
+        ):
+            raise ValueError(
+                f"MemoryConfig.copy_threads must be an int >= 0, got {self.copy_threads!r}"
+            )
+
+    def resolved_copy_threads(self) -> int:
+        """copy_threads, with 0 meaning as many as torch uses for its own copies."""
+        return self.copy_threads or max(1, torch.get_num_threads())

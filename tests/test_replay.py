@@ -1,0 +1,164 @@
+"""Replay through the real cache manager, checked against independent references."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from kvstrata.bench.reference import NaiveLRU
+from kvstrata.bench.replay import ReplayConfig, Replayer, replay
+from kvstrata.bench.synthetic import MemoryStorage, SyntheticMover
+from kvstrata.bench.trace import Request, Trace, read_mooncake, write_mooncake
+from kvstrata.bench.workloads import MultiTurnConfig, multi_turn
+
+SAMPLE = (
+    Path(__file__).resolve().parents[1].parent
+    / "shared"
+    / "data"
+    / "mooncake_synthetic_trace.jsonl"
+)
+BLOCK = 512
+
+
+def small_trace(n: int, seed: int = 0, roots: int = 3, max_blocks: int = 6) -> Trace:
+    """Hash-id requests over a few prefix trees: shared roots, branches, partial last blocks."""
+    rng = random.Random(seed)
+    ids: dict[tuple[int, int], int] = {}
+    reqs = []
+    for i in range(n):
+        chain, parent = [], -1 - rng.randrange(roots)
+        for _ in range(rng.randint(1, max_blocks)):
+            parent = ids.setdefault((parent, rng.randrange(2)), len(ids))
+            chain.append(parent)
+        length = BLOCK * (len(chain) - 1) + rng.randint(1, BLOCK)
+        reqs.append(Request(i, i * 0.1, length, 4, hash_ids=tuple(chain)))
+    return Trace(reqs, source="small")
+
+
+def block_level_ceiling(requests: list[Request], page: int) -> int:
+    """Independent infinite-capacity hit tokens, computed on hash-id blocks (no page keys).
+
+    A block's identity is its whole hash-id chain; a request can hit full pages of its first
+    input_length - 1 tokens; a block a request cached partially holds its full pages only.
+    """
+    chain_ids: dict[tuple[int, int], int] = {}
+    cached: dict[int, int] = {}  # chain id -> tokens of that block cached (multiple of page)
+    total = 0
+    for r in requests:
+        assert r.hash_ids is not None
+        hittable = (r.input_length - 1) // page * page
+        chain, parent, alive = [], -1, True
+        for j, h in enumerate(r.hash_ids):
+            parent = chain_ids.setdefault((parent, h), len(chain_ids))
+            chain.append(parent)
+            if alive:
+                have = cached.get(parent, 0)
+                room = max(0, hittable - BLOCK * j)
+                total += min(have, room)
+                alive = have == BLOCK and room > BLOCK
+        for j, c in enumerate(chain):
+            full = (min(BLOCK, r.input_length - BLOCK * j)) // page * page
+            cached[c] = max(cached.get(c, 0), full)
+    return total
+
+
+def test_ceiling_and_tiers_on_a_generated_trace() -> None:
+    trace = small_trace(120)
+    expect = block_level_ceiling(trace.requests, 64)
+    huge = replay(trace, ReplayConfig(l1_tokens=10**6, l2_tokens=0, l3="off"))
+    assert huge.ceiling_tokens == expect > 0
+    assert sum(huge.hit_tokens_by_tier().values()) == expect
+    # small L1 and L2, unbounded L3: every tier serves hits and together they reach the ceiling
+    spill = replay(trace, ReplayConfig(l1_tokens=4096, l2_tokens=8192, l3="mem", check_every=1))
+    tiers = spill.hit_tokens_by_tier()
+    assert all(v > 0 for v in tiers.values()), tiers
+    assert sum(tiers.values()) == expect == spill.ceiling_tokens
+    rep = spill.report()
+    assert rep["bytes_moved"]["L3->L2"] == tiers["L3"] // 64 * 64  # 64-byte synthetic pages
+    assert rep["storage"]["corrupt_pages"] == 0
+    assert rep["evictions"]["L1"] > 0 and rep["evictions"]["L2"] > 0
+
+
+@pytest.mark.parametrize("seed,capacity", [(1, 12), (2, 20), (3, 33)])
+def test_bounded_lru_matches_naive_reference(seed: int, capacity: int) -> None:
+    trace = small_trace(150, seed=seed, roots=4, max_blocks=5)
+    cfg = ReplayConfig(
+        page_size=128, l1_tokens=capacity * 128, l2_tokens=0, l3="off", check_every=1
+    )
+    r = Replayer(cfg)
+    naive = NaiveLRU(capacity)
+    for req in trace:
+        out, mkeys, ins = r.serve(req)
+        hit = naive.match(mkeys)
+        naive.insert(ins, hit)
+        assert out.l1 == hit * 128, f"request {req.rid}"
+        cached = {k for n in r.cache.tree.nodes() for k in n.keys}
+        assert cached == set(naive.pages), f"request {req.rid}"
+    assert r.cache.counters.evictions["L1"] > 0  # the capacity really bound
+
+
+def test_multi_turn_hits_previous_turn_including_output() -> None:
+    cfg = MultiTurnConfig(
+        clients=3, rounds=3, request_length=400, output_length=130, think_time_s=0.5
+    )
+    res = replay(multi_turn(cfg), ReplayConfig(l1_tokens=10**6, l2_tokens=0, l3="off"))
+    by_len = {o.prompt: o.l1 for o in res.outcomes}
+    assert by_len[400] == 0
+    assert by_len[930] == 512  # 400 + 130 = 530 tokens cached -> 8 full pages (of 64)
+    assert by_len[1460] == 1024  # 930 + 130 = 1060 -> 16 full pages
+    assert res.ceiling_tokens == sum(o.hit for o in res.outcomes)
+
+
+def test_corrupt_storage_pages_are_not_hits() -> None:
+    store = MemoryStorage(64)
+    mover = SyntheticMover(store, 64)
+    from kvstrata.cache.ops import BACKUP, PREFETCH, TransferOp
+
+    mover.submit(TransferOp(BACKUP, [0, 1, 2], [], keys=[11, 12, 13]))
+    store._pages[12] = bytes(64)  # damage the second page
+    op = TransferOp(PREFETCH, [], [0, 1, 2], keys=[11, 12, 13])
+    mover.submit(op)
+    assert mover.poll(op) == 1 and mover.corrupt_pages == 1
+
+
+def test_file_storage_backend_gives_the_same_hits(tmp_path: Path) -> None:
+    trace = small_trace(40, seed=5)
+    cfg = ReplayConfig(l1_tokens=4096, l2_tokens=4096, l3="mem")
+    mem = replay(trace, cfg)
+    url = f"file://{tmp_path / 'l3'}"
+    disk = replay(trace, dataclasses.replace(cfg, l3=url))
+    assert [o.hit for o in disk.outcomes] == [o.hit for o in mem.outcomes]
+    assert disk.hit_tokens_by_tier()["L3"] > 0
+
+
+def test_replay_reads_a_trace_file(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    write_mooncake(small_trace(30).requests, path)
+    rep = replay(read_mooncake(path), ReplayConfig()).report()
+    for key in ("requests", "prompt_tokens", "hit_rate", "hit_rate_by_tier", "ceiling"):
+        assert key in rep
+    assert rep["requests"] == 30 and rep["hit_rate"] == rep["ceiling"] > 0
+
+
+def test_bad_replay_config() -> None:
+    with pytest.raises(ValueError, match="l1_tokens"):
+        ReplayConfig(l1_tokens=10)
+    with pytest.raises(ValueError, match="unknown replay model"):
+        Replayer(ReplayConfig(model="nope"))
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        Replayer(ReplayConfig(eviction="mru"))
+
+
+@pytest.mark.skipif(not SAMPLE.is_file(), reason="sample trace not present")
+def test_sample_trace_ceiling_equals_block_level_computation() -> None:
+    trace = read_mooncake(SAMPLE, max_requests=700)
+    expect = block_level_ceiling(trace.requests, 64)
+    res = replay(trace, ReplayConfig(l1_tokens=2_000_000, l2_tokens=4_000_000, l3="mem"))
+    rep = res.report()
+    assert res.ceiling_tokens == expect
+    assert rep["ceiling"] == expect / trace.prompt_tokens
+    tiers = res.hit_tokens_by_tier()
+    assert sum(tiers.values()) == expect and tiers["L3"] > 0 and tiers["L2"] > 0
