@@ -184,5 +184,10 @@ def run_storage_bench(quick: bool, base_dir: str) -> dict[str, Any]:
 
 @BENCHES.register("storage")
 def bench_storage(quick: bool) -> dict[str, Any]:
-    """File backend put/get of 1 GiB (quick: 128 MiB) vs plain sequential I/O of the same bytes."""
-    return run_storage_bench(quick, tempfile.gettempdir())
+    """File backend put/get of 1 GiB (quick: 128 MiB) vs plain sequential I/O of the same bytes,
+    and the tree's metadata per cached page (1M pages; quick: 100k)."""
+    from kvstrata.bench.radix import metadata_bytes_per_page
+
+    report = run_storage_bench(quick, tempfile.gettempdir())
+    report["metadata_bytes_per_page"] = metadata_bytes_per_page(100_000 if quick else 1_000_000)
+    return report

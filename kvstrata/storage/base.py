@@ -1,0 +1,213 @@
+"""L3 storage: the backend protocol, its config, the stored page format and the URL registry.
+
+A backend stores whole pages (numpy uint8 buffers of exactly `page_nbytes`) under 128-bit page
+keys. Backends are chosen by URL scheme through `STORAGE_BACKENDS` (`file://DIR` or a plain path
+-> file backend, `redis://host:port/db` -> redis). I/O trouble (lost connection, corrupt or
+truncated page) never raises into the serving path: it is a miss or a skipped put, counted in
+`stats()`. Bad configuration at construction is a ValueError naming the parameter.
+
+Stored page format (shared by every backend so corruption is detected everywhere):
+    header (40 bytes, little endian) + payload (page_nbytes bytes)
+    header = magic b"KVSP" | version u16 | header_len u16 | payload_len u64 | xxh3-64(payload) u64
+             | page key (16 bytes, big endian)
+The key inside the header guards against a page stored under the wrong name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import xxhash
+
+from kvstrata.configtools import doc
+from kvstrata.registry import Registry
+
+PAGE_MAGIC = b"KVSP"
+PAGE_FORMAT_VERSION = 1
+_HEADER = struct.Struct("<4sHHQQ16s")
+HEADER_NBYTES = _HEADER.size  # 40
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """L3 storage backend options (file and redis backends)."""
+
+    max_bytes: int = doc(
+        0, "file backend: size cap of the directory in bytes (0 = unbounded); LRU clean-up"
+    )
+    evict_to_fraction: float = doc(
+        0.9, "file backend: on overflow, remove oldest pages until this fraction of max_bytes"
+    )
+    rescan_interval_s: float = doc(
+        30.0, "file backend: rescan the directory size this often (other processes write too)"
+    )
+    fsync: bool = doc(False, "file backend: fsync each page file before it is renamed into place")
+    create_dir: bool = doc(
+        True, "file backend: create the directory if missing (its parent must exist)"
+    )
+    touch_on_read: bool = doc(
+        True, "file backend: a read refreshes the page's mtime (the LRU clock)"
+    )
+    stale_tmp_s: float = doc(
+        600.0, "file backend: temp files older than this are removed at rescan (crashed writers)"
+    )
+    redis_key_prefix: str = doc(
+        "kvstrata:", "redis backend: prefix of every key (32 hex digits follow)"
+    )
+    redis_ttl_s: int = doc(
+        0,
+        "redis backend: expiry of stored pages in seconds (0 = none; use redis maxmemory-policy for LRU)",
+    )
+    redis_batch_pages: int = doc(32, "redis backend: pages per pipelined round trip")
+    socket_timeout_s: float = doc(1.0, "redis backend: socket read/write timeout in seconds")
+    connect_timeout_s: float = doc(0.5, "redis backend: socket connect timeout in seconds")
+    reconnect_backoff_s: float = doc(
+        0.2, "redis backend: first wait after a connection failure before retrying"
+    )
+    reconnect_backoff_max_s: float = doc(
+        5.0, "redis backend: the wait doubles per failure up to this"
+    )
+    require_reachable_at_start: bool = doc(
+        True, "redis backend: an unreachable server at construction is a ValueError"
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {self.max_bytes}")
+        if not 0.0 < self.evict_to_fraction <= 1.0:
+            raise ValueError(f"evict_to_fraction must be in (0, 1], got {self.evict_to_fraction}")
+        if self.redis_batch_pages < 1:
+            raise ValueError(f"redis_batch_pages must be >= 1, got {self.redis_batch_pages}")
+        if self.redis_ttl_s < 0:
+            raise ValueError(f"redis_ttl_s must be >= 0, got {self.redis_ttl_s}")
+        for name in (
+            "socket_timeout_s",
+            "connect_timeout_s",
+            "reconnect_backoff_s",
+            "rescan_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.reconnect_backoff_max_s < self.reconnect_backoff_s:
+            raise ValueError("reconnect_backoff_max_s must be >= reconnect_backoff_s")
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """What the cache manager needs from an L3 store (see docs/CONTRACTS.md)."""
+
+    page_nbytes: int
+
+    def exists_prefix(self, keys: Sequence[int]) -> int:
+        """How many leading keys are present (stops at the first absent one)."""
+        ...
+
+    def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
+        """Read page i into out[i]; returns the leading count read OK (stops at the first miss)."""
+        ...
+
+    def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
+        """Store pages; returns how many were stored (failures are counted skips)."""
+        ...
+
+    def delete(self, keys: Sequence[int]) -> int:
+        """Remove pages; returns how many were present."""
+        ...
+
+    def stats(self) -> dict[str, int | float]: ...
+
+    def close(self) -> None: ...
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError on broken invariants."""
+        ...
+
+
+BackendFactory = Callable[[str, int, StorageConfig], StorageBackend]
+STORAGE_BACKENDS: Registry[StorageBackend] = Registry("storage URL scheme")
+# Built-in backends register themselves on import; imported lazily so `base` has no cycles.
+_BUILTIN_MODULES = ("kvstrata.storage.file_store", "kvstrata.storage.redis_store")
+
+
+def url_scheme(url: str) -> str:
+    """The scheme of a storage URL; a plain path (no "://") is the file backend."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"storage url must be a non-empty string, got {url!r}")
+    if "://" not in url:
+        return "file"
+    return url.split("://", 1)[0].lower()
+
+
+def open_storage(url: str, page_nbytes: int, config: StorageConfig | None = None) -> StorageBackend:
+    """Open the backend named by `url`'s scheme (ValueError listing known schemes if unknown)."""
+    for mod in _BUILTIN_MODULES:
+        importlib.import_module(mod)
+    factory = STORAGE_BACKENDS.get(url_scheme(url))
+    return factory(url, check_page_nbytes(page_nbytes), config or StorageConfig())
+
+
+def check_page_nbytes(page_nbytes: int) -> int:
+    if (
+        isinstance(page_nbytes, bool)
+        or not isinstance(page_nbytes, int | np.integer)
+        or page_nbytes <= 0
+    ):
+        raise ValueError(f"page_nbytes must be a positive int, got {page_nbytes!r}")
+    return int(page_nbytes)
+
+
+def page_view(page: np.ndarray, page_nbytes: int, what: str) -> np.ndarray:
+    """`page` as a flat uint8 view (no copy); ValueError if it is not one whole page."""
+    if (
+        not isinstance(page, np.ndarray)
+        or page.nbytes != page_nbytes
+        or not page.flags.c_contiguous
+    ):
+        got = f"{type(page).__name__} of {getattr(page, 'nbytes', '?')} bytes"
+        raise ValueError(
+            f"{what}: each page must be a C-contiguous array of {page_nbytes} bytes, got {got}"
+        )
+    return page.reshape(-1).view(np.uint8)
+
+
+def check_batch(keys: Sequence[int], arrays: Sequence[np.ndarray], what: str) -> None:
+    if len(keys) != len(arrays):
+        raise ValueError(f"{what}: {len(keys)} keys but {len(arrays)} pages")
+
+
+def checksum(payload: np.ndarray | bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(key: int, payload: np.ndarray) -> bytes:
+    return _HEADER.pack(
+        PAGE_MAGIC,
+        PAGE_FORMAT_VERSION,
+        HEADER_NBYTES,
+        payload.nbytes,
+        checksum(payload),
+        key.to_bytes(16, "big"),
+    )
+
+
+def header_ok(header: bytes | bytearray | memoryview, key: int, page_nbytes: int) -> int | None:
+    """The checksum recorded in `header` if it describes page `key` of page_nbytes, else None."""
+    if len(header) < HEADER_NBYTES:
+        return None
+    magic, version, hlen, plen, digest, kbytes = _HEADER.unpack_from(header)
+    if (magic, version, hlen, plen) != (
+        PAGE_MAGIC,
+        PAGE_FORMAT_VERSION,
+        HEADER_NBYTES,
+        page_nbytes,
+    ):
+        return None
+    if kbytes != (key & ((1 << 128) - 1)).to_bytes(16, "big"):
+        return None
+    return int(digest)

@@ -1,0 +1,366 @@
+"""File backend: one file per page under a directory, safe for many processes sharing it.
+
+Layout: DIR/<first 2 hex digits>/<32 hex digits>.kvp, each file = 40-byte header + payload (see
+`kvstrata.storage.base`). Invariants that hold with any number of writer/reader processes and no
+locks:
+- a page file under its final name is always complete: writers write a uniquely named temp file in
+  the same directory and `os.replace` it into place (atomic on POSIX), so a concurrent reader opens
+  either the old complete file, the new complete file, or nothing;
+- a reader verifies length, header and xxh3-64 checksum; any mismatch is a miss and the file is
+  removed (only if the name still points at the inode that was read, so a freshly replaced good
+  page is not thrown away);
+- the LRU clock is the file mtime, set explicitly (ns) on write and on read; the size cap is kept
+  by a running estimate plus an occasional rescan, and the clean-up removes the oldest files.
+Concurrent clean-ups in several processes may remove a little more than needed: that is a miss.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvstrata.cache.keys import key_hex
+from kvstrata.storage.base import (
+    HEADER_NBYTES,
+    STORAGE_BACKENDS,
+    StorageConfig,
+    check_batch,
+    check_page_nbytes,
+    checksum,
+    encode_header,
+    header_ok,
+    page_view,
+)
+
+PAGE_SUFFIX = ".kvp"
+TMP_SUFFIX = ".tmp"
+_KEY_LIMIT = 1 << 128
+_RD = os.O_RDONLY | os.O_CLOEXEC
+_WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+_COUNTERS = (
+    "puts", "put_existing", "put_errors", "gets", "get_hits", "get_misses", "corrupt",
+    "read_errors", "exists_queries", "deleted", "evicted", "rescans", "bytes_written", "bytes_read",
+)  # fmt: skip
+
+
+def parse_file_url(url: str) -> Path:
+    """`file:///abs/dir`, `file://rel/dir` or a plain path -> Path."""
+    path = url[len("file://") :] if url.lower().startswith("file://") else url
+    if not path:
+        raise ValueError(f"storage url {url!r} names no directory")
+    return Path(path)
+
+
+def _resolve_dir(url: str, create: bool) -> Path:
+    root = parse_file_url(url)
+    if root.is_dir():
+        return root
+    if root.exists():
+        raise ValueError(f"storage url {url!r}: {root} exists and is not a directory")
+    if not create:
+        raise ValueError(
+            f"storage url {url!r}: directory {root} does not exist (create_dir is off)"
+        )
+    if not root.parent.is_dir():
+        raise ValueError(
+            f"storage url {url!r}: parent directory {root.parent} of {root} does not exist"
+        )
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _transfer_all(op: object, fd: int, bufs: list[memoryview]) -> int:
+    """Loop os.readv/os.writev until every buffer is done or EOF; returns bytes moved."""
+    done = 0
+    while bufs:
+        n = op(fd, bufs)  # type: ignore[operator]
+        if n <= 0:
+            break
+        done += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and n:
+            bufs[0] = bufs[0][n:]
+    return done
+
+
+class FileStore:
+    """L3 pages as files in one directory (the embedded default backend)."""
+
+    def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
+        self.page_nbytes = check_page_nbytes(page_nbytes)
+        self.config = config or StorageConfig()
+        self.root = _resolve_dir(url, self.config.create_dir)
+        self.file_nbytes = HEADER_NBYTES + self.page_nbytes
+        self._root_s = os.fspath(self.root)
+        self._tmp_seq = itertools.count()
+        self._lock = threading.Lock()  # guards counters and the size estimate (threads only)
+        self._cleanup_lock = threading.Lock()  # one clean-up at a time per process
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._bytes_estimate = 0
+        self._next_rescan = 0.0
+        self._closed = False
+        if self.config.max_bytes:
+            self._cleanup()
+
+    # ---- paths -------------------------------------------------------------------------------
+    def _path(self, key: int) -> str:
+        if not 0 <= key < _KEY_LIMIT:
+            raise ValueError(f"page key must be a 128-bit non-negative int, got {key!r}")
+        h = key_hex(key)
+        return f"{self._root_s}/{h[:2]}/{h}{PAGE_SUFFIX}"
+
+    def _tmp_path(self, path: str) -> str:
+        d, name = os.path.split(path)
+        return (
+            f"{d}/.{name}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}{TMP_SUFFIX}"
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"file storage {self._root_s} is closed")
+
+    def _add(self, counts: dict[str, int], nbytes: int = 0) -> None:
+        with self._lock:
+            for name, v in counts.items():
+                self._counts[name] += v
+            self._bytes_estimate = max(0, self._bytes_estimate + nbytes)
+
+    # ---- queries -----------------------------------------------------------------------------
+    def exists_prefix(self, keys: Sequence[int]) -> int:
+        self._check_open()
+        n = 0
+        for key in keys:
+            try:
+                if os.stat(self._path(key)).st_size != self.file_nbytes:
+                    break
+            except OSError:
+                break
+            n += 1
+        self._add({"exists_queries": 1})
+        return n
+
+    def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
+        self._check_open()
+        check_batch(keys, out, "get")
+        views = [page_view(o, self.page_nbytes, "get out") for o in out]
+        header = bytearray(HEADER_NBYTES)  # per call: the store may be shared by threads
+        counts = {"gets": 1, "get_hits": 0, "get_misses": 0, "corrupt": 0, "read_errors": 0}
+        freed = 0
+        for key, view in zip(keys, views, strict=True):
+            ok, gone = self._read_one(key, header, view, counts)
+            freed += gone
+            if not ok:
+                counts["get_misses"] += 1
+                break
+            counts["get_hits"] += 1
+        counts["bytes_read"] = counts["get_hits"] * self.page_nbytes
+        self._add(counts, -freed)
+        return counts["get_hits"]
+
+    def _read_one(
+        self, key: int, header: bytearray, view: np.ndarray, counts: dict[str, int]
+    ) -> tuple[bool, int]:
+        """Read page `key` into `view`; (ok, bytes of a removed corrupt file)."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, _RD)
+        except FileNotFoundError:
+            return False, 0
+        except OSError:
+            counts["read_errors"] += 1
+            return False, 0
+        try:
+            n = _transfer_all(os.readv, fd, [memoryview(header), memoryview(view)])
+            digest = header_ok(header, key, self.page_nbytes) if n == self.file_nbytes else None
+            if digest is None or checksum(view) != digest:
+                counts["corrupt"] += 1
+                return False, self._discard(path, fd)
+            if self.config.touch_on_read:
+                now = time.time_ns()
+                os.utime(fd, ns=(now, now))
+            return True, 0
+        except OSError:
+            counts["read_errors"] += 1
+            return False, 0
+        finally:
+            os.close(fd)
+
+    def _discard(self, path: str, fd: int) -> int:
+        """Remove a corrupt page file if `path` still names the inode read through `fd`."""
+        try:
+            st = os.fstat(fd)
+            cur = os.stat(path)
+            if (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+                return st.st_size
+        except OSError:
+            pass  # already replaced or removed by another process: nothing to clean
+        return 0
+
+    # ---- updates -----------------------------------------------------------------------------
+    def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
+        self._check_open()
+        check_batch(keys, pages, "put")
+        views = [page_view(p, self.page_nbytes, "put") for p in pages]
+        counts = {"puts": 0, "put_existing": 0, "put_errors": 0}
+        added = 0
+        for key, view in zip(keys, views, strict=True):
+            outcome = self._write_one(key, view)
+            counts[outcome] += 1
+            added += self.file_nbytes if outcome == "puts" else 0
+        counts["bytes_written"] = counts["puts"] * self.file_nbytes
+        self._add(counts, added)
+        self._maybe_cleanup()
+        return counts["puts"] + counts["put_existing"]
+
+    def _write_one(self, key: int, view: np.ndarray) -> str:
+        """Write one page atomically; returns the counter name of the outcome."""
+        path = self._path(key)
+        now = time.time_ns()
+        try:
+            if os.stat(path).st_size == self.file_nbytes:
+                os.utime(path, ns=(now, now))  # same key = same bytes: refresh its LRU age only
+                return "put_existing"
+        except OSError:
+            pass
+        tmp = self._tmp_path(path)
+        try:
+            try:
+                fd = os.open(tmp, _WR, 0o644)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(tmp, _WR, 0o644)
+            try:
+                bufs = [memoryview(encode_header(key, view)), memoryview(view)]
+                if _transfer_all(os.writev, fd, bufs) != self.file_nbytes:
+                    raise OSError("short write")
+                if self.config.fsync:
+                    os.fsync(fd)
+                os.utime(fd, ns=(now, now))
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            return "puts"
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return "put_errors"
+
+    def delete(self, keys: Sequence[int]) -> int:
+        self._check_open()
+        removed = 0
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+                removed += 1
+            except OSError:
+                pass
+        self._add({"deleted": removed}, -removed * self.file_nbytes)
+        return removed
+
+    # ---- size cap ----------------------------------------------------------------------------
+    def _maybe_cleanup(self) -> None:
+        if self.config.max_bytes and (
+            self._bytes_estimate > self.config.max_bytes or time.monotonic() >= self._next_rescan
+        ):
+            self._cleanup()
+
+    def _scan(self) -> Iterator[tuple[int, int, str]]:
+        """(mtime_ns, size, path) of every page file; removes stale temp files on the way."""
+        stale_before = time.time_ns() - int(self.config.stale_tmp_s * 1e9)
+        with os.scandir(self._root_s) as top:
+            subdirs = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+        for sub in subdirs:
+            try:
+                with os.scandir(sub) as it:
+                    entries = list(it)
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # removed meanwhile by another process
+                if e.name.endswith(PAGE_SUFFIX):
+                    yield st.st_mtime_ns, st.st_size, e.path
+                elif e.name.endswith(TMP_SUFFIX) and st.st_mtime_ns < stale_before:
+                    self._unlink_quiet(e.path)
+
+    @staticmethod
+    def _unlink_quiet(path: str) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except OSError:
+            return False
+
+    def _cleanup(self) -> None:
+        """Rescan the directory; if over the cap, remove the least recently used pages."""
+        if not self._cleanup_lock.acquire(blocking=False):
+            return  # another thread of this process is cleaning up already
+        try:
+            files = list(self._scan())
+            total = sum(size for _, size, _ in files)
+            evicted = 0
+            if total > self.config.max_bytes:
+                target = self.config.max_bytes * self.config.evict_to_fraction
+                files.sort()
+                for _, size, path in files:
+                    if total <= target:
+                        break
+                    if self._unlink_quiet(path):
+                        evicted += 1
+                    total -= size  # gone either way (by us or by another process)
+            with self._lock:
+                self._bytes_estimate = total
+                self._counts["evicted"] += evicted
+                self._counts["rescans"] += 1
+            self._next_rescan = time.monotonic() + self.config.rescan_interval_s
+        finally:
+            self._cleanup_lock.release()
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            out: dict[str, int | float] = dict(self._counts)
+            out["bytes_estimate"] = self._bytes_estimate
+        out["page_nbytes"] = self.page_nbytes
+        out["max_bytes"] = self.config.max_bytes
+        return out
+
+    def close(self) -> None:
+        self._closed = True
+
+    def check_integrity(self) -> None:
+        """Counters are sane and every page file has the right name, place and size."""
+        assert self.root.is_dir(), f"storage directory {self.root} is gone"
+        with self._lock:
+            assert all(v >= 0 for v in self._counts.values()), self._counts
+            assert self._bytes_estimate >= 0, self._bytes_estimate
+            c = self._counts
+            assert c["get_hits"] + c["get_misses"] >= 0 and c["get_misses"] <= c["gets"], c
+        for _, size, path in self._scan():
+            sub, name = os.path.split(path)
+            stem = name[: -len(PAGE_SUFFIX)]
+            assert len(stem) == 32 and int(stem, 16) >= 0, f"bad page file name {path}"
+            assert os.path.basename(sub) == stem[:2], (
+                f"page file {path} is in the wrong fan-out directory"
+            )
+            assert size == self.file_nbytes, (
+                f"page file {path} has {size} bytes, expected {self.file_nbytes}"
+            )
+
+
+@STORAGE_BACKENDS.register("file")
+def open_file_store(url: str, page_nbytes: int, config: StorageConfig) -> FileStore:
+    return FileStore(url, page_nbytes, config)
