@@ -40,7 +40,10 @@ from kvstrata.storage.base import StorageBackend, open_storage
 class ReplayConfig:
     """Trace replay: tier capacities in tokens, cache policies, the model that fills pages."""
 
-    model: str = doc("synthetic", "replay model (synthetic: deterministic KV bytes, no compute)")
+    model: str = doc(
+        "synthetic", "replay model: synthetic (KV bytes, no compute) or engine (the real model)"
+    )
+    model_path: str = doc("", "engine model: HF checkpoint dir; empty = SmolLM2-135M-Instruct")
     page_size: int = doc(64, "tokens per page")
     l1_tokens: int = doc(10_000_000, "L1 (device) capacity in tokens")
     l2_tokens: int = doc(30_000_000, "L2 (host) capacity in tokens; 0 disables L2 (and L3)")
@@ -104,7 +107,7 @@ class ReplayModel(Protocol):
 
 
 REPLAY_MODELS: Registry[ReplayModel] = Registry("replay model")
-MODEL_MODULES: tuple[str, ...] = ()
+MODEL_MODULES: tuple[str, ...] = ("kvstrata.bench.engine_model",)
 """Modules that register more replay models on import (e.g. the engine's)."""
 
 
