@@ -137,6 +137,7 @@ def serve(
     cache.lock(node)
     cache.unlock(m.last_node)
     cache.unlock(node)
+    cache.counters.record_request(len(keys), l1, l2, l3)
     return l1, l2, l3
 
 
