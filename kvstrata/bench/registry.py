@@ -21,6 +21,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.transfer",
     "kvstrata.bench.storage",
     "kvstrata.bench.consensus",
+    "kvstrata.bench.ttft",
 )
 
 

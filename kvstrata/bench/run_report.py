@@ -89,11 +89,13 @@ def write_plot(configs: dict[str, dict[str, Any]], path: Path) -> Path:
 
     matplotlib.use("Agg")  # no display; must precede pyplot
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, rep in configs.items():
         ys = ttft_by_turn(rep)
         ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT (s), mean over sessions")
     ax.set_title("kvstrata run: time to first token per turn")

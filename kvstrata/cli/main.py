@@ -11,6 +11,7 @@ import importlib
 import sys
 
 COMMAND_MODULES: tuple[str, ...] = (
+    "kvstrata.cli.run_cmd",
     "kvstrata.cli.bench_cmd",
     "kvstrata.cli.check_consensus_cmd",
     "kvstrata.cli.replay_cmd",

@@ -1,0 +1,252 @@
+"""`kvstrata run`: replay the built-in coding-agent workload under none / l1 / l1_l2 / l1_l2_l3.
+
+Every configuration serves the same prompts with the same model (loaded once); the job checks that
+they all generated the same tokens, prints a table, and writes report.json and ttft.png to --out.
+All input is validated before anything is written: a bad storage URL, model path or prompt is a
+ValueError (one line on stderr, exit 2, via cli/main.py) and the store stays untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstrata.bench.run_report import TurnResult, config_report, outputs_identical, write_report
+from kvstrata.cache.config import CacheConfig
+from kvstrata.configtools import add_config_args, config_from_args
+from kvstrata.engine.agent_workload import WorkloadSpec, build_workload
+from kvstrata.engine.build import build_engine, resolve_model_path
+from kvstrata.engine.checkpoint import load_model
+from kvstrata.engine.config import TIER_SETS, EngineConfig
+from kvstrata.engine.model import DecoderLM
+from kvstrata.engine.request import Request
+from kvstrata.storage.base import STORAGE_BACKENDS, StorageConfig, open_storage, url_scheme
+
+QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=4)
+FULL = WorkloadSpec(sessions=2, turns=4, first_lines=100, tool_lines=30, max_new_tokens=8)
+STORAGE_PREFIX = "storage-"
+Prompts = list[list[list[int]]]  # [session][turn] -> token ids
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="replay the coding-agent workload under every cache tier set")
+    p.add_argument("--quick", action="store_true", help="a small version (about a minute)")
+    p.add_argument("--out", type=Path, default=Path("kvstrata-out"), help="report directory")
+    p.add_argument("--sessions", type=int, default=None, help="agent sessions (interleaved)")
+    p.add_argument("--turns", type=int, default=None, help="turns per session")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per turn")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--prompt", default=None, help="serve this one prompt instead of the workload")
+    add_config_args(p, EngineConfig)
+    add_config_args(p, CacheConfig)
+    add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
+    p.set_defaults(func=run)
+
+
+# ---- validation (nothing is written before these pass) ------------------------------------------
+def check_storage_url(url: str) -> None:
+    """ValueError for a URL whose scheme no backend serves (known schemes listed)."""
+    for mod in ("kvstrata.storage.file_store", "kvstrata.storage.redis_store"):
+        importlib.import_module(mod)
+    STORAGE_BACKENDS.get(url_scheme(url))
+
+
+def _spec(args: argparse.Namespace) -> WorkloadSpec:
+    base = QUICK if args.quick else FULL
+    over = {"sessions": args.sessions, "turns": args.turns, "max_new_tokens": args.max_new_tokens}
+    return dataclasses.replace(
+        base, seed=args.seed, **{k: v for k, v in over.items() if v is not None}
+    )
+
+
+def _encoder(model_path: Path) -> Any:
+    """The chat encoder of the checkpoint's tokenizer, or None when it ships none."""
+    if not any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from kvstrata.engine.tokenizer import Tokenizer
+
+    return Tokenizer(model_path)
+
+
+def _prompts(args: argparse.Namespace, spec: WorkloadSpec, path: Path, model: DecoderLM) -> Prompts:
+    tok = _encoder(path)
+    if args.prompt is None:
+        return build_workload(spec, model.vocab_size, tok.encode_chat if tok else None)
+    if tok is None:  # tokenizer-less test checkpoints: UTF-8 bytes folded into the vocabulary
+        return [[[b % model.vocab_size for b in args.prompt.encode()]]]
+    if getattr(tok.hf, "chat_template", None):
+        return [[tok.encode_chat(args.prompt)]]
+    return [[tok.encode(args.prompt)]]
+
+
+def _check_prompts(prompts: Prompts, max_new: int, model: DecoderLM, cache: CacheConfig) -> None:
+    limit = model.spec.max_position_embeddings
+    longest = max(len(p) for s in prompts for p in s)
+    if not longest or any(not p for s in prompts for p in s):
+        raise ValueError("prompt is empty")
+    if longest + max_new > limit:
+        raise ValueError(
+            f"prompt of {longest} tokens + {max_new} new tokens exceeds the model's {limit} "
+            "positions (use fewer --turns or a shorter --prompt)"
+        )
+    need = -(-(longest + max_new - 1) // cache.page_size)
+    if need > cache.device_pages:
+        raise ValueError(f"device_pages must be >= {need} (the longest request's pages)")
+
+
+def _default_device_pages(prompts: Prompts, max_new: int, page: int) -> int:
+    """L1 that must spill: room for the longest request, 3/4 of the sessions' final pages, so
+    interleaved sessions evict part of each other's history (L2 hits) and keep part (L1 hits)."""
+    needs = [-(-(len(s[-1]) + max_new - 1) // page) for s in prompts]
+    return max(max(needs) + 1, 3 * sum(needs) // 4)
+
+
+def _configs(args: argparse.Namespace, prompts: Prompts, spec: WorkloadSpec) -> tuple[Any, ...]:
+    engine_cfg = config_from_args(EngineConfig, args)
+    cache_cfg = config_from_args(CacheConfig, args)
+    storage_cfg = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
+    over: dict[str, Any] = {}
+    if not cache_cfg.storage_url:
+        over["storage_url"] = f"file://{(args.out / 'store').resolve()}"
+    if args.device_pages is None:
+        over["device_pages"] = _default_device_pages(
+            prompts, spec.max_new_tokens, cache_cfg.page_size
+        )
+    return engine_cfg, dataclasses.replace(cache_cfg, **over), storage_cfg
+
+
+# ---- one configuration ----------------------------------------------------------------------------
+def run_config(
+    tiers: str,
+    model: DecoderLM,
+    cfgs: tuple[EngineConfig, CacheConfig, StorageConfig],
+    prompts: Prompts,
+    max_new: int,
+    on_done: Callable[[], None] | None = None,
+) -> tuple[list[TurnResult], dict[str, Any] | None]:
+    """Serve every session turn by turn (turn k+1 is submitted when turn k finished); the
+    sessions interleave, so several requests are in flight and batched together."""
+    engine_cfg, cache_cfg, storage_cfg = cfgs
+    built = build_engine(
+        dataclasses.replace(engine_cfg, tiers=tiers), cache_cfg, storage_cfg, model=model
+    )
+    eng = built.engine
+    next_turn = [0] * len(prompts)
+    results: list[TurnResult] = []
+
+    def submit(s: int) -> None:
+        k = next_turn[s]
+        eng.submit(Request(f"s{s}t{k}", prompts[s][k], max_new_tokens=max_new))
+        next_turn[s] += 1
+
+    try:
+        for s in range(len(prompts)):
+            submit(s)
+        while eng.has_work():
+            for req in eng.step():
+                s, k = (int(x) for x in req.rid[1:].split("t"))
+                results.append(TurnResult(s, k, req, cache_cfg.page_size))
+                if on_done is not None:
+                    on_done()
+                if next_turn[s] < len(prompts[s]):
+                    submit(s)
+        eng.drain()
+        eng.check_integrity()
+        counters = eng.cache.counters.as_dict() if eng.cache is not None else None
+    finally:
+        built.close()
+    return results, counters
+
+
+# ---- the job --------------------------------------------------------------------------------------
+def _table(configs: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="kvstrata run")
+    for col in ("config", "hit rate", "L1 hit", "L2 hit", "L3 hit", "TTFT p50", "TTFT p90"):
+        table.add_column(col, justify="right")
+    directions = list(next(iter(configs.values()))["bytes_moved"])
+    for d in directions:
+        table.add_column(f"{d} MB", justify="right")
+    for name, rep in configs.items():
+        by = rep["hit_rate_by_tier"]
+        table.add_row(
+            name,
+            f"{rep['hit_rate']:.1%}",
+            *(f"{by[t]:.1%}" for t in ("L1", "L2", "L3")),
+            f"{rep['ttft_p50_s']:.3f}s",
+            f"{rep['ttft_p90_s']:.3f}s",
+            *(f"{rep['bytes_moved'][d] / 1e6:.1f}" for d in directions),
+        )
+    return table
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, Prompts, Any]:
+    """Check every input, load the model once, build the prompts; then create --out and the
+    store (this is the first write)."""
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("--prompt is empty")
+    spec = _spec(args)
+    engine_cfg = config_from_args(EngineConfig, args)
+    config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)  # bad values fail here
+    url = config_from_args(CacheConfig, args).storage_url
+    if url:
+        check_storage_url(url)
+    model_path = resolve_model_path(engine_cfg)
+    model = load_model(model_path, dtype=engine_cfg.dtype)  # ValueError: not a checkpoint
+    prompts = _prompts(args, spec, model_path, model)
+    cfgs = _configs(args, prompts, spec)
+    _check_prompts(prompts, spec.max_new_tokens, model, cfgs[1])
+    args.out.mkdir(parents=True, exist_ok=True)
+    page_nbytes = model.kv_shape(cfgs[1].page_size).page_nbytes
+    open_storage(cfgs[1].storage_url, page_nbytes, cfgs[2]).close()  # fails now, not mid-run
+    return spec, model_path, model, prompts, cfgs
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, model_path, model, prompts, cfgs = _prepare(args)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: don't squeeze the table into 80 columns
+        console = Console(width=140)
+    n_req = sum(len(s) for s in prompts)
+    results: dict[str, list[TurnResult]] = {}
+    reports: dict[str, dict[str, Any]] = {}
+    with _progress(console) as progress:
+        for tiers in TIER_SETS:
+            task = progress.add_task(f"{tiers:>9}", total=n_req)
+            res, counters = run_config(
+                tiers, model, cfgs, prompts, spec.max_new_tokens, lambda t=task: progress.advance(t)
+            )
+            results[tiers], reports[tiers] = res, config_report(res, counters)
+    same = outputs_identical(results)
+    report = {
+        "configs": reports,
+        "outputs_identical": same,
+        "model": str(model_path),
+        "workload": dataclasses.asdict(spec),
+        "cache": dataclasses.asdict(cfgs[1]),
+    }
+    json_path, png_path = write_report(report, args.out)
+    console.print(_table(reports))
+    if same:
+        console.print(f"outputs identical across {', '.join(TIER_SETS)}: yes")
+    else:
+        console.print("[red]outputs DIFFER between configurations[/red]")
+    console.print(f"report: {json_path}\nplot:   {png_path}")
+    return 0 if same else 1

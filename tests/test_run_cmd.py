@@ -1,0 +1,115 @@
+"""`kvstrata run` end to end on a tiny random Llama: all four tier sets, the report, the plot,
+L3 hits carried into a second run, and bad input rejected before the store is touched."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.cli import run_cmd
+from kvstrata.engine.agent_workload import WorkloadSpec, build_workload
+from tests.tiny_models import make_llama
+
+torch.set_num_threads(1)
+TINY = ["--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "128"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstrata")
+    run_cmd.register(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """What cli/main.py does: run the handler, bad input -> one line on stderr, exit 2."""
+    import sys
+
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvstrata {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
+        tmp_path_factory.mktemp("llama") / "ckpt", seed=1, max_position_embeddings=512
+    )
+
+
+def run_args(ckpt: Path, out: Path, *extra: str) -> list[str]:
+    return ["run", "--quick", "--model", str(ckpt), "--out", str(out), *TINY, *extra]
+
+
+def test_workload_is_deterministic_and_grows() -> None:
+    spec = WorkloadSpec(sessions=2, turns=3, first_lines=3, tool_lines=2)
+    a, b = build_workload(spec, 97), build_workload(spec, 97)
+    assert a == b
+    for session in a:
+        for prev, cur in zip(session, session[1:], strict=False):
+            assert len(cur) > len(prev) and cur[: len(prev)] == prev  # the history only grows
+    assert a[0] != a[1]  # sessions differ
+    assert all(0 <= t < 97 for s in a for p in s for t in p)
+
+
+def test_run_all_configs_then_l3_hits_in_second_run(ckpt: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "out"
+    assert main(run_args(ckpt, out)) == 0
+    printed = capsys.readouterr().out
+    assert "identical" in printed and "report.json" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["outputs_identical"] is True
+    assert set(report["configs"]) == {"none", "l1", "l1_l2", "l1_l2_l3"}
+    for rep in report["configs"].values():
+        for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "bytes_moved", "requests"):
+            assert key in rep
+        assert set(rep["hit_rate_by_tier"]) == {"L1", "L2", "L3"}
+        assert len(rep["requests"]) == 6
+    cfg = report["configs"]
+    assert cfg["none"]["hit_rate"] == 0
+    assert cfg["l1"]["hit_rate"] > 0
+    assert cfg["l1_l2"]["hit_rate_by_tier"]["L2"] > 0  # L1 is too small: pages spilled to L2
+    assert cfg["l1_l2"]["bytes_moved"]["L2->L1"] > 0
+    assert cfg["l1_l2_l3"]["bytes_moved"]["L2->L3"] > 0
+    assert (out / "ttft.png").stat().st_size > 1000
+    assert any((out / "store").iterdir())
+
+    assert main(run_args(ckpt, out)) == 0  # a new engine, the same file store
+    again = json.loads((out / "report.json").read_text())
+    first_turns = [r for r in again["configs"]["l1_l2_l3"]["requests"] if r["turn"] == 0]
+    assert all(r["hits"]["L3"] > 0 for r in first_turns)
+    assert again["outputs_identical"] is True
+    assert [r["output"] for r in again["configs"]["none"]["requests"]] == [
+        r["output"] for r in report["configs"]["none"]["requests"]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--prompt", ""], "empty"),
+        (["--prompt", "x" * 600], "positions"),
+        (["--storage-url", "ftp://host/dir"], "scheme"),
+    ],
+)
+def test_bad_input_exits_with_one_line(ckpt: Path, tmp_path: Path, capsys, extra, needle) -> None:  # noqa: ANN001
+    out = tmp_path / "out"
+    assert main(run_args(ckpt, out, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err
+    assert not out.exists()  # nothing written: no store, no report
+
+
+def test_model_path_that_is_not_a_checkpoint(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "out"
+    (tmp_path / "notamodel").mkdir()
+    assert main(["run", "--quick", "--model", str(tmp_path / "notamodel"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoint" in err
+    assert not out.exists()
