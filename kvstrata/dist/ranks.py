@@ -1,0 +1,395 @@
+"""Run the engine on tp x cp x pp local ranks with one logical cache everywhere.
+
+Every rank loads the model, keeps its part (kvstrata.dist.tp / pp / cp), builds pools holding
+its part of every page (kvstrata.dist.parts), the same HiCache and the same scheduler. Per step:
+  1. rank 0 broadcasts (new requests, its clock, stop) with broadcast_object_list: inputs and
+     time are the same on every rank, so admission and prefetch budgets decide alike;
+  2. Engine.step(): its `agree` hook is helper-5's StepConsensus, one all_reduce(MIN) over the
+     cache's progress vector (+ step and, in live mode, decision-digest checks);
+  3. the forward (tp all_reduces / pp sends / cp gathers), identical tokens on every rank.
+The tree is never sent: each rank applies exactly the agreed events. A per-step tree digest
+(optional) is logged in the DecisionLog and returned, so tests compare trees step by step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.distributed as dist
+import xxhash
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.keys import Namespace
+from kvstrata.cache.manager import HiCache
+from kvstrata.cache.radix import Node
+from kvstrata.configtools import doc
+from kvstrata.dist.config import DistConfig
+from kvstrata.dist.consensus import StepConsensus
+from kvstrata.dist.cp import CPEngine, CPModel
+from kvstrata.dist.decision_log import MASK63, DecisionLog
+from kvstrata.dist.group import RankContext, init_ranks, run_ranks, teardown, verify_same
+from kvstrata.dist.parts import DistMover, PagePart, PartStorage
+from kvstrata.dist.pp import PipelineStage, stage_bounds
+from kvstrata.dist.tp import head_range, shard_tp
+from kvstrata.engine.admission import Admission
+from kvstrata.engine.build import resolve_model_path, tiers_of
+from kvstrata.engine.checkpoint import load_model
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.request import Request
+from kvstrata.memory.pool import DevicePool, HostPool
+from kvstrata.storage.base import StorageConfig, open_storage
+
+
+class Workload(Protocol):
+    """Feeds requests at rank 0: new requests after the ones that just finished; None = done."""
+
+    def poll(self, finished: list[Request]) -> list[Request] | None: ...
+
+
+@dataclass
+class StaticWorkload:
+    """All requests at the first step."""
+
+    requests: list[Request]
+    _sent: bool = False
+
+    def poll(self, finished: list[Request]) -> list[Request] | None:
+        if self._sent:
+            return None
+        self._sent = True
+        return list(self.requests)
+
+
+@dataclass
+class MultiTurn:
+    """Conversations: turn k+1 = turn k's prompt + its output + the next user chunk."""
+
+    conversations: list[list[list[int]]]  # [conversation][turn] -> new user tokens
+    max_new_tokens: int = 4
+    keep_logits: bool = False
+    _turn: dict[int, int] = field(default_factory=dict)
+    _started: bool = False
+
+    def _make(self, c: int, prev: Request | None) -> Request:
+        t = self._turn[c] = self._turn.get(c, -1) + 1
+        base = prev.tokens + prev.output if prev is not None else []
+        return Request(
+            f"c{c}t{t}",
+            base + self.conversations[c][t],
+            self.max_new_tokens,
+            keep_logits=self.keep_logits,
+        )
+
+    def poll(self, finished: list[Request]) -> list[Request] | None:
+        out = [] if self._started else [self._make(c, None) for c in range(len(self.conversations))]
+        self._started = True
+        for req in finished:
+            c = int(req.rid[1 : req.rid.index("t")])
+            if self._turn[c] + 1 < len(self.conversations[c]):
+                out.append(self._make(c, req))
+        if not out and all(
+            self._turn.get(c, -1) + 1 >= len(v) for c, v in enumerate(self.conversations)
+        ):
+            return None
+        return out
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """Knobs of a distributed run beyond the engine/cache/dist configs (testing, diagnostics)."""
+
+    delay: int = doc(0, "testing: each op looks unfinished for random 0..delay polls per rank")
+    seed: int = doc(0, "seed of the injected delays (each rank draws its own stream)")
+    demote_when_idle: bool = doc(False, "testing: push every cached page L1 -> L2 between turns")
+    tree_digests: bool = doc(False, "digest the radix tree every step (returned and logged)")
+    cp_scratch_bytes: int = doc(0, "cp: most bytes both gather buffer pairs may take; 0 = any")
+
+    def __post_init__(self) -> None:
+        for name in ("delay", "cp_scratch_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def _flat(value: Any) -> Any:
+    """Scalars stay; dicts (sorted by key) and nested lists become one flat list."""
+    if isinstance(value, dict):
+        value = [x for kv in sorted(value.items()) for x in kv]
+    if isinstance(value, list | tuple):
+        out: list[Any] = []
+        for v in value:
+            f = _flat(v)
+            out.extend(f if isinstance(f, list) else [f])
+        return out
+    return value
+
+
+def tree_digest(cache: HiCache) -> int:
+    """63-bit digest of the whole tree: keys and every tier's page ids, children by key."""
+    h = xxhash.xxh3_64()
+    stack: list[tuple[int, Node]] = [(0, cache.tree.root)]
+    while stack:
+        depth, node = stack.pop()
+        rec = (depth, node.keys, node.device, node.host, node.in_storage, node.lock_ref, node.pins)
+        h.update(repr(rec).encode())
+        stack.extend((depth + 1, node.children[k]) for k in sorted(node.children, reverse=True))
+    return h.intdigest() & MASK63
+
+
+@dataclass
+class RankParts:
+    model: Any  # DecoderLM | PipelineStage | CPModel: forward-compatible with the Engine
+    part: PagePart
+
+
+def model_part(ctx: RankContext, full: Any, page_size: int) -> RankParts:
+    """This rank's slice of the model and which part of every page it holds."""
+    cfg = ctx.config
+    spec = full.spec
+    tp_model = shard_tp(full, cfg.tp, ctx.tp_rank, ctx.tp_group)
+    model: Any = tp_model
+    layers = (0, spec.num_layers)
+    stage = None
+    if cfg.pp > 1:
+        bounds = stage_bounds(spec.num_layers, cfg.pp)
+        layers = (bounds[ctx.pp_rank], bounds[ctx.pp_rank + 1])
+        ranks = next(g for g in ctx.layout.groups("pp") if ctx.rank in g)
+        model = stage = PipelineStage(tp_model, cfg.pp, ctx.pp_rank, ranks, ctx.pp_group)
+    if cfg.cp > 1:
+        model = CPModel(tp_model, cfg.cp, ctx.cp_rank, ctx.cp_group, stage)
+    heads = head_range(spec.num_kv_heads, cfg.tp, ctx.tp_rank)
+    return RankParts(model, PagePart(full.kv_shape(page_size), layers, heads))
+
+
+class RankEngine:
+    """One rank's engine, cache and step agreement."""
+
+    def __init__(
+        self,
+        ctx: RankContext,
+        engine_cfg: EngineConfig,
+        cache_cfg: CacheConfig,
+        storage_cfg: StorageConfig | None,
+        options: RankOptions,
+    ) -> None:
+        self.ctx, self.options = ctx, options
+        self.now = 0.0
+        full = load_model(engine_cfg.model, dtype=engine_cfg.dtype)
+        cache_cfg = tiers_of(cache_cfg, engine_cfg.tiers)
+        # paths may differ per node; the weights fingerprint is the model's identity
+        check = {**dataclasses.asdict(engine_cfg), **dataclasses.asdict(cache_cfg)}
+        for local_only in ("model", "model_cache_dir", "threads"):
+            check.pop(local_only)
+        verify_same("config", {**check, "fingerprint": full.fingerprint})
+        rp = model_part(ctx, full, cache_cfg.page_size)
+        shape = rp.part.shape
+        cp = ctx.config.cp
+        self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
+        ns = Namespace(full.fingerprint, shape.dtype, page_size=cache_cfg.page_size)
+        self.cache, self.mover = self._cache(engine_cfg, cache_cfg, storage_cfg, rp.part)
+        admission = Admission(self.cache, self.pool.allocator, ns, full.vocab_size)
+        self.log = DecisionLog.from_config(ctx.config, ctx.rank)
+        self.consensus: StepConsensus | None = None
+        if self.cache is not None:
+            n = len(self.cache.local_progress())
+            self.fields = [f"p{i}" for i in range(n)]
+            self.consensus = StepConsensus(self.fields, live_check=ctx.config.live_check)
+        self.calls = 0
+        self.digests: list[int] = []
+        args = (rp.model, self.pool, self.cache, admission, engine_cfg, self.agree)
+        if cp > 1:
+            self.engine: Engine = CPEngine(
+                *args, self.clock, decisions=self, scratch_bytes=options.cp_scratch_bytes
+            )
+        else:
+            self.engine = Engine(*args, self.clock, decisions=self)
+
+    def clock(self) -> float:
+        """The agreed clock: rank 0's time, broadcast with each step's inputs."""
+        return self.now
+
+    def _cache(
+        self, ecfg: EngineConfig, ccfg: CacheConfig, scfg: StorageConfig | None, part: PagePart
+    ) -> tuple[HiCache | None, DistMover | None]:
+        if ecfg.tiers == "none":
+            return None, None
+        host = HostPool(part.shape, ccfg.host_pages) if ccfg.host_pages else None
+        storage = None
+        if ccfg.storage_url:
+            inner = open_storage(ccfg.storage_url, part.full.page_nbytes, scfg or StorageConfig())
+            storage = PartStorage(inner, part, writer=self.ctx.rank == 0)
+        o = self.options
+        delay = (o.delay, o.seed * 1000 + self.ctx.rank) if o.delay else None
+        mover = DistMover(self.pool, host, storage, self.ctx.cp_group, delay)
+        cache = HiCache(
+            ccfg,
+            self.pool.allocator,
+            host.allocator if host else None,
+            mover,
+            has_storage=storage is not None,
+            page_nbytes=part.shape.page_nbytes,
+        )
+        return cache, mover
+
+    # ---- the step agreement --------------------------------------------------------------------
+    def agree(self, local: list[int]) -> list[int]:
+        """The Engine's hook: ONE all_reduce(MIN) (+ step / live digest checks) per call."""
+        assert self.consensus is not None
+        counts = dict(zip(self.fields, local, strict=True))
+        agreed = self.consensus.agree(self.calls, counts, self.log)
+        self.calls += 1  # same count on every rank: engine steps and agreed drains alike
+        return [agreed[f] for f in self.fields]
+
+    # ---- DecisionSink for the Engine: its records, plus the tree digest at each step's end --
+    def begin_step(self, step: int) -> None:
+        self.log.begin_step(step)
+
+    def should_skip(self, step: int | None = None) -> bool:
+        return self.log.should_skip(step)
+
+    def record(self, kind: str, **payload: Any) -> bool:
+        # DecisionLog takes scalars and flat lists; the engine logs hits={"L1": n, ...} and
+        # ops=[[kind, agreed, pages], ...]: flattened in a fixed order, so digests still compare
+        return self.log.record(kind, **{k: _flat(v) for k, v in payload.items()})
+
+    def end_step(self, step: int | None = None) -> int:
+        cfg = self.ctx.config
+        if self.cache is not None and (
+            self.options.tree_digests or cfg.live_check or cfg.consensus_log
+        ):
+            d = tree_digest(self.cache)
+            self.digests.append(d)
+            self.log.record("tree", d=d)
+        return self.log.end_step(step)
+
+    def drain(self) -> None:
+        """Apply every pending op, agreed (all ranks loop the same number of times)."""
+        cache = self.cache
+        while cache is not None and len(cache.queues):
+            cache.apply(self.agree(cache.local_progress()))
+            time.sleep(0.0005)
+
+    def demote_all(self) -> None:
+        """Push every cached page out of L1 (to L2 where there is room), agreed."""
+        cache = self.cache
+        if cache is None:
+            return
+        self.drain()
+        held = cache.alloc_device(cache.tiers.device.num_free) or []
+        cache.tiers.evict_device(self.pool.capacity)
+        self.drain()
+        cache.free_device(held)
+
+    def close(self, drain: bool = True) -> None:
+        if drain:
+            self.drain()
+        self.log.close()
+        if self.mover is not None:
+            self.mover.close()
+            if self.mover.storage is not None:
+                self.mover.storage.close()
+
+
+def _result(re: RankEngine, done: list[Request]) -> dict[str, Any]:
+    """What a rank reports back: outputs, logits, hits, digests, its share of the cached pages."""
+    cache, ctx = re.cache, re.ctx
+    owned = total = 0
+    if cache is not None:
+        ids = [d for n in cache.tree.nodes() if n.device is not None for d in n.device]
+        total, owned = len(ids), sum(1 for d in ids if re.pool.owns(d))
+    return {
+        "rank": ctx.rank,
+        "outputs": {r.rid: list(r.output) for r in done},
+        # numpy, not tensors: torch's queue would pass tensors as shared memory of a dying process
+        "logits": {r.rid: [x.numpy().copy() for x in r.logits] for r in done if r.keep_logits},
+        "hits": {r.rid: dict(r.hits) for r in done},
+        "digests": list(re.digests),
+        "cached_device_pages": total,
+        "owned_device_pages": owned,
+        "pool_slots": re.pool.capacity_local,
+        "steps": re.engine.steps,
+        "tokens_computed": getattr(re.engine.model, "tokens_computed", None),
+        "peak_scratch": getattr(re.engine, "peak_scratch", None),
+        "collectives_per_step": re.consensus.collectives_per_step if re.consensus else 0.0,
+    }
+
+
+def rank_loop(
+    ctx: RankContext,
+    engine_cfg: EngineConfig,
+    cache_cfg: CacheConfig,
+    storage_cfg: StorageConfig | None,
+    workload: Workload,
+    options: RankOptions,
+) -> dict[str, Any]:
+    """Body of one rank: same inputs, same steps, same tree as every other rank."""
+    re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, options)
+    eng = re.engine
+    done: list[Request] = []
+    just: list[Request] = []
+    try:
+        while True:
+            msg: list[Any] = [None, 0.0, False]
+            if ctx.rank == 0:
+                new = workload.poll(just)
+                msg = [new or [], time.monotonic(), new is None and not eng.has_work()]
+            dist.broadcast_object_list(msg, src=0)
+            new, re.now, stop = msg
+            if stop:
+                break
+            if options.demote_when_idle and not eng.has_work():
+                re.demote_all()
+            for req in new:
+                eng.submit(req)
+            just = eng.step()
+            done += just
+            if options.tree_digests:
+                eng.check_integrity()
+    except BaseException:
+        re.close(drain=False)  # no collectives: the other ranks may be elsewhere
+        raise
+    re.close()
+    return _result(re, done)
+
+
+def run_distributed(
+    engine_cfg: EngineConfig,
+    cache_cfg: CacheConfig,
+    dist_cfg: DistConfig,
+    requests: list[Request] | Workload,
+    storage_cfg: StorageConfig | None = None,
+    options: RankOptions | None = None,
+    timeout_s: float = 600.0,
+) -> list[dict[str, Any]]:
+    """Spawn dist_cfg.world_size local ranks (tp x cp x pp) and serve `requests` on them.
+
+    Returns one report per rank (rank order): outputs / logits / hits per request id, per-step
+    tree digests (with options.tree_digests), the rank's share of cached device pages.
+    Raises RankFailure naming a rank that raised, died or hung.
+    """
+    engine_cfg = dataclasses.replace(engine_cfg, model=str(resolve_model_path(engine_cfg)))
+    workload = StaticWorkload(list(requests)) if isinstance(requests, list) else requests
+    args = (engine_cfg, cache_cfg, storage_cfg, workload, options or RankOptions())
+    return run_ranks(rank_loop, dist_cfg, args=args, timeout_s=timeout_s)
+
+
+def serve_torchrun_rank(
+    engine_cfg: EngineConfig,
+    cache_cfg: CacheConfig,
+    dist_cfg: DistConfig,
+    requests: list[Request] | Workload,
+    storage_cfg: StorageConfig | None = None,
+    options: RankOptions | None = None,
+) -> dict[str, Any]:
+    """The same rank body under torchrun (env://): call it in every launched process."""
+    ctx = init_ranks(dist_cfg)
+    try:
+        workload = StaticWorkload(list(requests)) if isinstance(requests, list) else requests
+        return rank_loop(
+            ctx, engine_cfg, cache_cfg, storage_cfg, workload, options or RankOptions()
+        )
+    finally:
+        teardown()
