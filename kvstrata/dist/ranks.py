@@ -114,19 +114,6 @@ class RankOptions:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
-def _flat(value: Any) -> Any:
-    """Scalars stay; dicts (sorted by key) and nested lists become one flat list."""
-    if isinstance(value, dict):
-        value = [x for kv in sorted(value.items()) for x in kv]
-    if isinstance(value, list | tuple):
-        out: list[Any] = []
-        for v in value:
-            f = _flat(v)
-            out.extend(f if isinstance(f, list) else [f])
-        return out
-    return value
-
-
 def tree_digest(cache: HiCache) -> int:
     """63-bit digest of the whole tree: keys and every tier's page ids, children by key."""
     h = xxhash.xxh3_64()
@@ -251,9 +238,7 @@ class RankEngine:
         return self.log.should_skip(step)
 
     def record(self, kind: str, **payload: Any) -> bool:
-        # DecisionLog takes scalars and flat lists; the engine logs hits={"L1": n, ...} and
-        # ops=[[kind, agreed, pages], ...]: flattened in a fixed order, so digests still compare
-        return self.log.record(kind, **{k: _flat(v) for k, v in payload.items()})
+        return self.log.record(kind, **payload)  # the engine logs scalars and flat lists
 
     def end_step(self, step: int | None = None) -> int:
         cfg = self.ctx.config

@@ -114,14 +114,21 @@ class Engine:
                 agreed = _hold_back_one(agreed)  # injected divergence: this rank skips a decision
             applied = self.cache.apply(agreed)
             if log is not None and applied:
-                log.record("apply", ops=[[op.kind, op.agreed, op.pages] for op in applied])
+                log.record(
+                    "apply", ops=[x for op in applied for x in (op.kind, op.agreed, op.pages)]
+                )
         slots = self.config.max_running - len(self.running)
         admitted = self.admission.advance(self.waiting, self.clock(), slots)
         for req in admitted:
             self.waiting.remove(req)
             self.running.append(req)
             if log is not None:
-                log.record("admit", rid=req.rid, pages=req.page_table, hits=req.hits)
+                log.record(
+                    "admit",
+                    rid=req.rid,
+                    pages=req.page_table,
+                    hits=[req.hits["L1"], req.hits["L2"], req.hits["L3"]],
+                )
         work = self._plan()
         finished = self._forward(work) if work else []
         if log is not None:
