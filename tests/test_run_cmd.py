@@ -3,37 +3,18 @@ L3 hits carried into a second run, and bad input rejected before the store is to
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvstrata.cli import run_cmd
+from kvstrata.cli.main import main
 from kvstrata.engine.agent_workload import WorkloadSpec, build_workload
 from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
 TINY = ["--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "128"]
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstrata")
-    run_cmd.register(p.add_subparsers(dest="command", required=True))
-    return p
-
-
-def main(argv: list[str]) -> int:
-    """What cli/main.py does: run the handler, bad input -> one line on stderr, exit 2."""
-    import sys
-
-    args = parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"kvstrata {args.command}: error: {exc}", file=sys.stderr)
-        return 2
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +94,17 @@ def test_model_path_that_is_not_a_checkpoint(tmp_path: Path, capsys) -> None:  #
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "checkpoint" in err
     assert not out.exists()
+
+
+def test_run_on_two_tensor_parallel_ranks_matches_one_rank(ckpt: Path, tmp_path: Path) -> None:
+    assert main(run_args(ckpt, tmp_path / "one", "--sessions", "1", "--turns", "2")) == 0
+    assert (
+        main(run_args(ckpt, tmp_path / "tp", "--sessions", "1", "--turns", "2", "--tp", "2")) == 0
+    )
+    one = json.loads((tmp_path / "one" / "report.json").read_text())
+    tp = json.loads((tmp_path / "tp" / "report.json").read_text())
+    assert tp["outputs_identical"]
+    for name in ("none", "l1_l2_l3"):
+        outs = [r["output"] for r in one["configs"][name]["requests"]]
+        assert [r["output"] for r in tp["configs"][name]["requests"]] == outs
+    assert tp["configs"]["l1"]["hit_rate"] == one["configs"]["l1"]["hit_rate"] > 0

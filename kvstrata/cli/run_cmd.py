@@ -22,7 +22,14 @@ from rich.table import Table
 from kvstrata.bench.run_report import TurnResult, config_report, outputs_identical, write_report
 from kvstrata.cache.config import CacheConfig
 from kvstrata.configtools import add_config_args, config_from_args
-from kvstrata.engine.agent_workload import WorkloadSpec, build_workload
+from kvstrata.dist.config import DistConfig
+from kvstrata.engine.agent_workload import (
+    SessionTurns,
+    WorkloadSpec,
+    build_workload,
+    session_of,
+    turn_of,
+)
 from kvstrata.engine.build import build_engine, resolve_model_path
 from kvstrata.engine.checkpoint import load_model
 from kvstrata.engine.config import TIER_SETS, EngineConfig
@@ -48,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p, EngineConfig)
     add_config_args(p, CacheConfig)
     add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
+    add_config_args(p, DistConfig)
     p.set_defaults(func=run)
 
 
@@ -139,31 +147,52 @@ def run_config(
         dataclasses.replace(engine_cfg, tiers=tiers), cache_cfg, storage_cfg, model=model
     )
     eng = built.engine
-    next_turn = [0] * len(prompts)
+    workload = SessionTurns(prompts, max_new)
     results: list[TurnResult] = []
-
-    def submit(s: int) -> None:
-        k = next_turn[s]
-        eng.submit(Request(f"s{s}t{k}", prompts[s][k], max_new_tokens=max_new))
-        next_turn[s] += 1
-
     try:
-        for s in range(len(prompts)):
-            submit(s)
-        while eng.has_work():
-            for req in eng.step():
-                s, k = (int(x) for x in req.rid[1:].split("t"))
-                results.append(TurnResult(s, k, req, cache_cfg.page_size))
+        finished: list[Request] = []
+        while (new := workload.poll(finished)) is not None:
+            for req in new:
+                eng.submit(req)
+            finished = eng.step()
+            for req in finished:
+                results.append(
+                    TurnResult(session_of(req.rid), turn_of(req.rid), req, cache_cfg.page_size)
+                )
                 if on_done is not None:
                     on_done()
-                if next_turn[s] < len(prompts[s]):
-                    submit(s)
         eng.drain()
         eng.check_integrity()
         counters = eng.cache.counters.as_dict() if eng.cache is not None else None
     finally:
         built.close()
     return results, counters
+
+
+def run_config_ranks(
+    tiers: str,
+    cfgs: tuple[EngineConfig, CacheConfig, StorageConfig],
+    dist_cfg: DistConfig,
+    prompts: Prompts,
+    max_new: int,
+) -> tuple[list[TurnResult], dict[str, Any] | None]:
+    """The same workload on tp x cp x pp local ranks; every rank must produce the same tokens."""
+    from kvstrata.dist.ranks import run_distributed  # spawns processes: import only when used
+
+    engine_cfg, cache_cfg, storage_cfg = cfgs
+    ecfg = dataclasses.replace(engine_cfg, tiers=tiers)
+    reports = run_distributed(
+        ecfg, cache_cfg, dist_cfg, SessionTurns(prompts, max_new), storage_cfg
+    )
+    if any(r["outputs"] != reports[0]["outputs"] for r in reports):
+        raise RuntimeError(f"{tiers}: ranks generated different tokens")
+    rank0, results = reports[0], []
+    for rid, output in rank0["outputs"].items():
+        s, k = session_of(rid), turn_of(rid)
+        req = Request(rid, prompts[s][k], max_new)
+        req.output, req.hits, req.first_token_s = output, rank0["hits"][rid], rank0["ttft"][rid]
+        results.append(TurnResult(s, k, req, cache_cfg.page_size))
+    return results, rank0["counters"]
 
 
 # ---- the job --------------------------------------------------------------------------------------
@@ -227,12 +256,24 @@ def run(args: argparse.Namespace) -> int:
     n_req = sum(len(s) for s in prompts)
     results: dict[str, list[TurnResult]] = {}
     reports: dict[str, dict[str, Any]] = {}
+    dist_cfg = config_from_args(DistConfig, args)
     with _progress(console) as progress:
         for tiers in TIER_SETS:
             task = progress.add_task(f"{tiers:>9}", total=n_req)
-            res, counters = run_config(
-                tiers, model, cfgs, prompts, spec.max_new_tokens, lambda t=task: progress.advance(t)
-            )
+            if dist_cfg.world_size > 1:
+                res, counters = run_config_ranks(
+                    tiers, cfgs, dist_cfg, prompts, spec.max_new_tokens
+                )
+                progress.advance(task, n_req)
+            else:
+                res, counters = run_config(
+                    tiers,
+                    model,
+                    cfgs,
+                    prompts,
+                    spec.max_new_tokens,
+                    lambda t=task: progress.advance(t),
+                )
             results[tiers], reports[tiers] = res, config_report(res, counters)
     same = outputs_identical(results)
     report = {

@@ -291,6 +291,8 @@ def _result(re: RankEngine, done: list[Request]) -> dict[str, Any]:
         # numpy, not tensors: torch's queue would pass tensors as shared memory of a dying process
         "logits": {r.rid: [x.numpy().copy() for x in r.logits] for r in done if r.keep_logits},
         "hits": {r.rid: dict(r.hits) for r in done},
+        "ttft": {r.rid: r.ttft_s for r in done},
+        "counters": re.cache.counters.as_dict() if re.cache is not None else None,
         "digests": list(re.digests),
         "cached_device_pages": total,
         "owned_device_pages": owned,

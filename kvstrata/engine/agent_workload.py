@@ -14,6 +14,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstrata.engine.request import Request
+
 ChatEncoder = Callable[[Sequence[dict[str, str]]], list[int]]
 
 SYSTEM = (
@@ -127,3 +129,39 @@ def build_workload(
         else:
             sessions.append([encode_chat(m) for m in _session_messages(spec, rng)])
     return sessions
+
+
+class SessionTurns:
+    """Feeds a [session][turn] prompt set: every session's first turn at once, then turn k+1 of a
+    session as soon as its turn k finished, so sessions interleave in the batch. Request ids are
+    `s{session}t{turn}`. `poll(finished)` returns the new requests, or None once all are done."""
+
+    def __init__(self, prompts: Sequence[Sequence[list[int]]], max_new_tokens: int) -> None:
+        self.prompts, self.max_new = prompts, max_new_tokens
+        self.next_turn = [0] * len(prompts)
+        self.pending = 0
+
+    def _make(self, s: int) -> Request:
+        k = self.next_turn[s]
+        self.next_turn[s] += 1
+        self.pending += 1
+        return Request(f"s{s}t{k}", list(self.prompts[s][k]), max_new_tokens=self.max_new)
+
+    def poll(self, finished: Sequence[Request]) -> list[Request] | None:
+        out = [self._make(s) for s in range(len(self.prompts)) if self.next_turn[s] == 0]
+        for req in finished:
+            self.pending -= 1
+            s = session_of(req.rid)
+            if self.next_turn[s] < len(self.prompts[s]):
+                out.append(self._make(s))
+        if not out and not self.pending:
+            return None
+        return out
+
+
+def session_of(rid: str) -> int:
+    return int(rid[1:].split("t")[0])
+
+
+def turn_of(rid: str) -> int:
+    return int(rid[1:].split("t")[1])
