@@ -1,13 +1,14 @@
 """Deterministic chained page keys.
 
 key(page i) = H(key(page i-1), tokens of page i), seeded by the namespace. H is xxh3-128 over the
-page's int32 token bytes with the previous key folded to 64 bits as the xxh3 seed; keys are
+page's int32 token bytes with the previous key's low 64 bits as the xxh3 seed; keys are
 128-bit Python ints (storage names them by 32 hex digits). Never Python's `hash()`: keys are equal
 across processes, machines and runs.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -31,8 +32,8 @@ class Namespace:
     tenant_salt: str = doc("", "optional per-tenant salt; tenants never share pages")
     page_size: int = doc(64, "tokens per page")
 
-    def seed(self) -> int:
-        """The 128-bit root key that every chain starts from."""
+    @functools.cached_property
+    def _seed(self) -> int:
         blob = json.dumps(
             [
                 self.model_fingerprint,
@@ -43,6 +44,10 @@ class Namespace:
             ]
         ).encode()
         return xxhash.xxh3_128_intdigest(blob)
+
+    def seed(self) -> int:
+        """The 128-bit root key that every chain starts from."""
+        return self._seed
 
 
 def as_token_array(tokens: object, vocab_size: int | None = None) -> np.ndarray:
@@ -80,7 +85,7 @@ def page_keys(
     keys: list[int] = []
     append = keys.append
     for start in range(0, n_pages * step, step):
-        key = digest(data[start : start + step], (key ^ (key >> 64)) & _MASK64)
+        key = digest(data[start : start + step], key & _MASK64)  # low 64 bits seed the next
         append(key)
     return keys
 
