@@ -12,6 +12,7 @@ and calls `step()` (or `local_progress()` -> agree -> `apply()` under several ra
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvstrata.cache.config import CacheConfig
@@ -194,13 +195,14 @@ class HiCache:
         """One rank alone: its local progress is the agreed progress."""
         return self.apply(self.local_progress())
 
-    def drain(self, max_steps: int = 100_000) -> None:
-        """Step until no op is pending (tests, shutdown)."""
-        for _ in range(max_steps):
-            if not len(self.queues):
-                return
-            self.step()
-        raise TimeoutError("cache ops did not finish")
+    def drain(self, timeout_s: float = 600.0) -> None:
+        """Step until no op is pending (tests, shutdown); pauses briefly while copies run."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.queues):
+            if not self.step():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"cache ops did not finish within {timeout_s} s")
+                time.sleep(0.0002)
 
     # ---- op plumbing --------------------------------------------------------------------------
     def _submit(self, op: TransferOp) -> None:
