@@ -97,10 +97,11 @@ def test_model_path_that_is_not_a_checkpoint(tmp_path: Path, capsys) -> None:  #
 
 
 def test_run_on_two_tensor_parallel_ranks_matches_one_rank(ckpt: Path, tmp_path: Path) -> None:
-    assert main(run_args(ckpt, tmp_path / "one", "--sessions", "1", "--turns", "2")) == 0
-    assert (
-        main(run_args(ckpt, tmp_path / "tp", "--sessions", "1", "--turns", "2", "--tp", "2")) == 0
-    )
+    logs = tmp_path / "logs"
+    one_args = ("--sessions", "1", "--turns", "2", "--consensus-log", str(logs / "one"))
+    assert main(run_args(ckpt, tmp_path / "one", *one_args)) == 0
+    tp_args = ("--sessions", "1", "--turns", "2", "--tp", "2", "--consensus-log", str(logs / "tp"))
+    assert main(run_args(ckpt, tmp_path / "tp", *tp_args)) == 0
     one = json.loads((tmp_path / "one" / "report.json").read_text())
     tp = json.loads((tmp_path / "tp" / "report.json").read_text())
     assert tp["outputs_identical"]
@@ -108,3 +109,6 @@ def test_run_on_two_tensor_parallel_ranks_matches_one_rank(ckpt: Path, tmp_path:
         outs = [r["output"] for r in one["configs"][name]["requests"]]
         assert [r["output"] for r in tp["configs"][name]["requests"]] == outs
     assert tp["configs"]["l1"]["hit_rate"] == one["configs"]["l1"]["hit_rate"] > 0
+    for tiers in ("none", "l1", "l1_l2", "l1_l2_l3"):  # each configuration logged, ranks agree
+        assert (logs / "one" / tiers / "rank-0.jsonl").stat().st_size > 0
+        assert main(["check-consensus", str(logs / "tp" / tiers)]) == 0

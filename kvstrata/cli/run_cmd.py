@@ -23,6 +23,7 @@ from kvstrata.bench.run_report import TurnResult, config_report, outputs_identic
 from kvstrata.cache.config import CacheConfig
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.dist.config import DistConfig
+from kvstrata.dist.decision_log import DecisionLog
 from kvstrata.engine.agent_workload import (
     SessionTurns,
     WorkloadSpec,
@@ -139,13 +140,13 @@ def run_config(
     prompts: Prompts,
     max_new: int,
     on_done: Callable[[], None] | None = None,
+    log: DecisionLog | None = None,
 ) -> tuple[list[TurnResult], dict[str, Any] | None]:
     """Serve every session turn by turn (turn k+1 is submitted when turn k finished); the
     sessions interleave, so several requests are in flight and batched together."""
     engine_cfg, cache_cfg, storage_cfg = cfgs
-    built = build_engine(
-        dataclasses.replace(engine_cfg, tiers=tiers), cache_cfg, storage_cfg, model=model
-    )
+    ecfg = dataclasses.replace(engine_cfg, tiers=tiers)
+    built = build_engine(ecfg, cache_cfg, storage_cfg, model=model, decisions=log)
     eng = built.engine
     workload = SessionTurns(prompts, max_new)
     results: list[TurnResult] = []
@@ -166,6 +167,8 @@ def run_config(
         counters = eng.cache.counters.as_dict() if eng.cache is not None else None
     finally:
         built.close()
+        if log is not None:
+            log.close()
     return results, counters
 
 
@@ -193,6 +196,13 @@ def run_config_ranks(
         req.output, req.hits, req.first_token_s = output, rank0["hits"][rid], rank0["ttft"][rid]
         results.append(TurnResult(s, k, req, cache_cfg.page_size))
     return results, rank0["counters"]
+
+
+def _per_config_log(dist_cfg: DistConfig, tiers: str) -> DistConfig:
+    """Each configuration logs its decisions to its own folder: --consensus-log DIR/<tiers>."""
+    if not dist_cfg.consensus_log:
+        return dist_cfg
+    return dataclasses.replace(dist_cfg, consensus_log=str(Path(dist_cfg.consensus_log) / tiers))
 
 
 # ---- the job --------------------------------------------------------------------------------------
@@ -256,16 +266,18 @@ def run(args: argparse.Namespace) -> int:
     n_req = sum(len(s) for s in prompts)
     results: dict[str, list[TurnResult]] = {}
     reports: dict[str, dict[str, Any]] = {}
-    dist_cfg = config_from_args(DistConfig, args)
+    dist_all = config_from_args(DistConfig, args)
     with _progress(console) as progress:
         for tiers in TIER_SETS:
             task = progress.add_task(f"{tiers:>9}", total=n_req)
+            dist_cfg = _per_config_log(dist_all, tiers)
             if dist_cfg.world_size > 1:
                 res, counters = run_config_ranks(
                     tiers, cfgs, dist_cfg, prompts, spec.max_new_tokens
                 )
                 progress.advance(task, n_req)
             else:
+                log = DecisionLog.from_config(dist_cfg, 0) if dist_cfg.consensus_log else None
                 res, counters = run_config(
                     tiers,
                     model,
@@ -273,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
                     prompts,
                     spec.max_new_tokens,
                     lambda t=task: progress.advance(t),
+                    log,
                 )
             results[tiers], reports[tiers] = res, config_report(res, counters)
     same = outputs_identical(results)

@@ -14,7 +14,7 @@ from kvstrata.cache.manager import HiCache
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.checkpoint import load_model
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.engine import Agree, Engine
+from kvstrata.engine.engine import Agree, DecisionSink, Engine
 from kvstrata.engine.model import DecoderLM
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import TensorMover
@@ -63,6 +63,7 @@ def build_engine(
     model: DecoderLM | None = None,
     agree: Agree | None = None,
     tenant: str = "",
+    decisions: DecisionSink | None = None,
 ) -> Built:
     """Everything one rank needs to serve; a loaded `model` may be shared between builds."""
     if config.threads:
@@ -77,7 +78,7 @@ def build_engine(
     )
     if config.tiers == "none":
         admission = Admission(None, pool.allocator, ns, model.vocab_size)
-        return Built(Engine(model, pool, None, admission, config, agree), None)
+        return Built(Engine(model, pool, None, admission, config, agree, decisions=decisions), None)
     host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
     storage = None
     if cache_cfg.storage_url:
@@ -94,4 +95,5 @@ def build_engine(
         page_nbytes=shape.page_nbytes,
     )
     admission = Admission(cache, pool.allocator, ns, model.vocab_size)
-    return Built(Engine(model, pool, cache, admission, config, agree), mover)
+    engine = Engine(model, pool, cache, admission, config, agree, decisions=decisions)
+    return Built(engine, mover)
