@@ -103,6 +103,26 @@ def _check_line(obj: object) -> tuple[float, int, int, tuple[int, ...]]:
     return float(ts), n_in, n_out, tuple(ids)
 
 
+Row = tuple[float, int, int, tuple[int, ...]]
+
+
+def _read_rows(path: Path, max_requests: int | None) -> tuple[list[Row], list[str]]:
+    """Valid rows and `file:line: reason` for every malformed line."""
+    rows: list[Row] = []
+    errors: list[str] = []
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(_check_line(json.loads(line)))
+            except ValueError as exc:  # json.JSONDecodeError is a ValueError
+                errors.append(f"{path}:{lineno}: {exc}")
+            if max_requests is not None and len(rows) >= max_requests:
+                break
+    return rows, errors
+
+
 def read_mooncake(
     path: str | Path, on_error: str = "strict", max_requests: int | None = None
 ) -> Trace:
@@ -117,18 +137,7 @@ def read_mooncake(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
-    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
-    errors: list[str] = []
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(_check_line(json.loads(line)))
-            except ValueError as exc:  # json.JSONDecodeError is a ValueError
-                errors.append(f"{path}:{lineno}: {exc}")
-            if max_requests is not None and len(rows) >= max_requests:
-                break
+    rows, errors = _read_rows(path, max_requests)
     if errors and on_error == "strict":
         shown = "\n  ".join(errors[:20]) + (
             f"\n  ... {len(errors) - 20} more" if len(errors) > 20 else ""

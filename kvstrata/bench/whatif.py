@@ -74,22 +74,11 @@ def whatif(
     tops = list(topologies) if topologies else default_topologies(main, model)
     costs = {t.label: CostModel(model, hw, t) for t in tops}
     costs.setdefault(main.label, main_cost)
-    outcomes: dict[str, list[Outcome]] = {}
-    replays: dict[str, dict[str, Any]] = {}
-    for row in ROWS:
-        cfg = row_config(row, base)
-        if cfg is None:
-            continue
-        cb = (lambda n, r=row: progress(r, n)) if progress else None
-        res = replay(trace, cfg, cb)
-        outcomes[row] = res.outcomes
-        replays[row] = res.report()
-    outcomes["off"] = no_cache(outcomes["L1"])
-    ablation: dict[str, dict[str, Any]] = {}
-    for row in ROWS:
-        ablation[row] = {
-            label: _cell(fifo(outcomes[row], c, time_scale)) for label, c in costs.items()
-        }
+    outcomes, replays = _replay_rows(trace, base, progress)
+    ablation = {
+        row: {label: _cell(fifo(outcomes[row], c, time_scale)) for label, c in costs.items()}
+        for row in ROWS
+    }
     main_timings = fifo(outcomes["L1+L2+L3"], main_cost, time_scale)
     top = replays["L1+L2+L3"]
     report: dict[str, Any] = {
@@ -114,6 +103,24 @@ def whatif(
         },
     }
     return report, main_timings
+
+
+def _replay_rows(
+    trace: Trace, base: ReplayConfig, progress: Callable[[str, int], None] | None
+) -> tuple[dict[str, list[Outcome]], dict[str, dict[str, Any]]]:
+    """Replay the trace once per cache row; the "off" row is L1's requests with no hits."""
+    outcomes: dict[str, list[Outcome]] = {}
+    replays: dict[str, dict[str, Any]] = {}
+    for row in ROWS:
+        cfg = row_config(row, base)
+        if cfg is None:
+            continue
+        cb = (lambda n, r=row: progress(r, n)) if progress else None
+        res = replay(trace, cfg, cb)
+        outcomes[row] = res.outcomes
+        replays[row] = res.report()
+    outcomes["off"] = no_cache(outcomes["L1"])
+    return outcomes, replays
 
 
 def _cell(timings: list[Timing]) -> dict[str, Any]:

@@ -258,37 +258,41 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     return spec, model_path, model, prompts, cfgs
 
 
-def run(args: argparse.Namespace) -> int:
-    spec, model_path, model, prompts, cfgs = _prepare(args)
-    console = Console()
-    if not console.is_terminal:  # logs and pipes: don't squeeze the table into 80 columns
-        console = Console(width=140)
+def _serve_all(
+    args: argparse.Namespace,
+    console: Console,
+    model: DecoderLM,
+    prompts: Prompts,
+    cfgs: Any,
+    max_new: int,
+) -> dict[str, tuple[list[TurnResult], dict[str, Any] | None]]:
+    """Every configuration over the same workload, on one rank or on tp x cp x pp ranks."""
     n_req = sum(len(s) for s in prompts)
-    results: dict[str, list[TurnResult]] = {}
-    reports: dict[str, dict[str, Any]] = {}
     dist_all = config_from_args(DistConfig, args)
+    results: dict[str, tuple[list[TurnResult], dict[str, Any] | None]] = {}
     with _progress(console) as progress:
         for tiers in TIER_SETS:
             task = progress.add_task(f"{tiers:>9}", total=n_req)
             dist_cfg = _per_config_log(dist_all, tiers)
             if dist_cfg.world_size > 1:
-                res, counters = run_config_ranks(
-                    tiers, cfgs, dist_cfg, prompts, spec.max_new_tokens
-                )
+                res = run_config_ranks(tiers, cfgs, dist_cfg, prompts, max_new)
                 progress.advance(task, n_req)
             else:
                 log = DecisionLog.from_config(dist_cfg, 0) if dist_cfg.consensus_log else None
-                res, counters = run_config(
-                    tiers,
-                    model,
-                    cfgs,
-                    prompts,
-                    spec.max_new_tokens,
-                    lambda t=task: progress.advance(t),
-                    log,
-                )
-            results[tiers], reports[tiers] = res, config_report(res, counters)
-    same = outputs_identical(results)
+                advance = lambda t=task: progress.advance(t)  # noqa: E731
+                res = run_config(tiers, model, cfgs, prompts, max_new, advance, log)
+            results[tiers] = res
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, model_path, model, prompts, cfgs = _prepare(args)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: don't squeeze the table into 80 columns
+        console = Console(width=140)
+    served = _serve_all(args, console, model, prompts, cfgs, spec.max_new_tokens)
+    reports = {tiers: config_report(res, counters) for tiers, (res, counters) in served.items()}
+    same = outputs_identical({tiers: res for tiers, (res, _) in served.items()})
     report = {
         "configs": reports,
         "outputs_identical": same,
