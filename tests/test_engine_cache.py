@@ -140,7 +140,7 @@ def test_l3_hits_in_a_fresh_process(model, ckpt: Path, tmp_path: Path) -> None: 
     proc.join(120)
     assert proc.exitcode == 0
     child = torch.load(out)
-    for r, (output, logits, hits) in zip(ref, child, strict=True):
+    for r, (output, logits, _hits) in zip(ref, child, strict=True):
         assert output == r.output
         assert all(rel_err(a, b) <= 1e-4 for a, b in zip(logits, r.logits, strict=True))
     assert child[0][2]["L3"] > 0  # the very first turn of the new process hits L3

@@ -24,6 +24,7 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.dist.config import DistConfig
 from kvstrata.dist.decision_log import DecisionLog
+from kvstrata.dist.tp import check_layout
 from kvstrata.engine.agent_workload import (
     SessionTurns,
     WorkloadSpec,
@@ -252,6 +253,8 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     prompts = _prompts(args, spec, model_path, model)
     cfgs = _configs(args, prompts, spec)
     _check_prompts(prompts, spec.max_new_tokens, model, cfgs[1])
+    dist_cfg = config_from_args(DistConfig, args)
+    check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     args.out.mkdir(parents=True, exist_ok=True)
     page_nbytes = model.kv_shape(cfgs[1].page_size).page_nbytes
     open_storage(cfgs[1].storage_url, page_nbytes, cfgs[2]).close()  # fails now, not mid-run

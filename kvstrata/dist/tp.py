@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvstrata.engine.model import DecoderLM
+from kvstrata.engine.model import DecoderLM, ModelSpec
 
 
 class AllReduceOut(nn.Module):
@@ -42,6 +42,19 @@ def head_range(num_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
         raise ValueError(f"tp={tp} must divide the number of heads ({num_heads})")
     per = num_heads // tp
     return tp_rank * per, (tp_rank + 1) * per
+
+
+def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
+    """ValueError, before any rank starts, for a layout this model cannot be split into."""
+    for what, n in (
+        ("query heads", spec.num_heads),
+        ("K/V heads", spec.num_kv_heads),
+        ("MLP width", spec.intermediate_size),
+    ):
+        if n % tp:
+            raise ValueError(f"--tp {tp} must divide the model's {what} ({n})")
+    if not 1 <= pp <= spec.num_layers:
+        raise ValueError(f"--pp {pp} must be in [1, {spec.num_layers}] (the model's layers)")
 
 
 def _sliced_state(model: DecoderLM, tp: int, r: int) -> dict[str, torch.Tensor]:
