@@ -135,7 +135,8 @@ def test_l3_hits_in_a_fresh_process(model, ckpt: Path, tmp_path: Path) -> None: 
     run_turns(model, "l1_l2_l3", tmp_path / "store", prompts)  # this process fills the store
     out = tmp_path / "child.pt"
     proc = mp.get_context("spawn").Process(
-        target=_turns_in_fresh_process, args=(str(ckpt), str(tmp_path / "store"), prompts, str(out)))
+        target=_turns_in_fresh_process, args=(str(ckpt), str(tmp_path / "store"), prompts, str(out))
+    )
     proc.start()
     proc.join(120)
     assert proc.exitcode == 0
@@ -151,7 +152,9 @@ def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa
     alone = run_turns(model, "none", tmp_path / "a", prompts)
     need = max(-(-(len(p) + 3) // PAGE) for p in prompts)
     cfg = CacheConfig(page_size=PAGE, device_pages=need + 2, host_pages=0)
-    built = build_engine(EngineConfig(tiers="l1", chunk_tokens=64, max_batch_tokens=128), cfg, model=model)
+    built = build_engine(
+        EngineConfig(tiers="l1", chunk_tokens=64, max_batch_tokens=128), cfg, model=model
+    )
     reqs = [Request(f"w{i}", p, max_new_tokens=4, keep_logits=True) for i, p in enumerate(prompts)]
     for r in reqs:
         built.engine.submit(r)
@@ -166,8 +169,11 @@ def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa
 
 
 def test_bad_requests_are_refused(model, tmp_path: Path) -> None:  # noqa: ANN001
-    built = build_engine(EngineConfig(tiers="l1"), CacheConfig(page_size=PAGE, device_pages=32,
-                                                               host_pages=0), model=model)
+    built = build_engine(
+        EngineConfig(tiers="l1"),
+        CacheConfig(page_size=PAGE, device_pages=32, host_pages=0),
+        model=model,
+    )
     with pytest.raises(ValueError, match="empty prompt"):
         built.engine.submit(Request("e", []))
     with pytest.raises(ValueError, match="exceed"):
