@@ -14,6 +14,7 @@ from kvstrata.engine.build import build_engine
 from kvstrata.engine.checkpoint import load_model
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
+from kvstrata.storage.base import StorageConfig
 from tests.tiny_models import make_llama, rel_err
 
 torch.set_num_threads(1)
@@ -51,16 +52,21 @@ def run_turns(
     device_pages: int = 64,
     demote: bool = False,
     chunk: int = 1024,
+    storage_url: str = "",
+    storage_cfg: StorageConfig | None = None,
 ):  # noqa: ANN001, ANN201
     cfg = CacheConfig(
         page_size=PAGE,
         device_pages=device_pages,
         host_pages=64,
-        storage_url=f"file://{storage}",
+        storage_url=storage_url or f"file://{storage}",
         prefetch_policy="wait_complete",
     )
     built = build_engine(
-        EngineConfig(tiers=tiers, chunk_tokens=chunk, max_batch_tokens=1024), cfg, model=model
+        EngineConfig(tiers=tiers, chunk_tokens=chunk, max_batch_tokens=1024),
+        cfg,
+        storage_cfg,
+        model=model,
     )
     eng = built.engine
     results = []
@@ -184,3 +190,27 @@ def test_bad_requests_are_refused(model, tmp_path: Path) -> None:  # noqa: ANN00
         built.engine.submit(Request("big", [1] * 600))
     assert not built.engine.has_work()
     built.close()
+
+
+def test_redis_as_shared_l3_across_engines(model, tmp_path: Path) -> None:  # noqa: ANN001
+    """Two engines (as two workers would) share a real redis-server as L3: the second one's
+    first turn comes from L3 and equals recomputation; a dead server only costs hits."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        prompts = conversation(3, seed=21)
+        ref = run_turns(model, "none", tmp_path / "unused", prompts)
+        run_turns(model, "l1_l2_l3", tmp_path, prompts, storage_url=server.url)
+        second = run_turns(model, "l1_l2_l3", tmp_path, prompts, storage_url=server.url)
+        assert_same(ref, second)
+        assert second[0].hits["L3"] > 0
+        server.kill()  # the storage is gone: misses, same tokens, no exception
+        lenient = StorageConfig(require_reachable_at_start=False)
+        third = run_turns(
+            model, "l1_l2_l3", tmp_path, prompts, storage_url=server.url, storage_cfg=lenient
+        )
+        assert_same(ref, third)
+        assert third[0].hits["L3"] == 0
+    finally:
+        server.stop()
