@@ -79,6 +79,7 @@ def test_run_all_configs_then_l3_hits_in_second_run(ckpt: Path, tmp_path: Path, 
         (["--storage-url", "ftp://host/dir"], "scheme"),
         (["--tp", "3"], "--tp 3 must divide"),  # the tiny model has 4 query / 2 K/V heads
         (["--pp", "9"], "--pp 9 must be in"),
+        (["--cp", "2", "--device-pages", "61"], "multiple of --cp"),
     ],
 )
 def test_bad_input_exits_with_one_line(ckpt: Path, tmp_path: Path, capsys, extra, needle) -> None:  # noqa: ANN001

@@ -127,9 +127,9 @@ def _configs(args: argparse.Namespace, prompts: Prompts, spec: WorkloadSpec) -> 
     if not cache_cfg.storage_url:
         over["storage_url"] = f"file://{(args.out / 'store').resolve()}"
     if args.device_pages is None:
-        over["device_pages"] = _default_device_pages(
-            prompts, spec.max_new_tokens, cache_cfg.page_size
-        )
+        pages = _default_device_pages(prompts, spec.max_new_tokens, cache_cfg.page_size)
+        cp = config_from_args(DistConfig, args).cp
+        over["device_pages"] = -(-pages // cp) * cp  # CP shards the pool: a multiple of cp
     return engine_cfg, dataclasses.replace(cache_cfg, **over), storage_cfg
 
 
@@ -255,6 +255,8 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     _check_prompts(prompts, spec.max_new_tokens, model, cfgs[1])
     dist_cfg = config_from_args(DistConfig, args)
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
+    if cfgs[1].device_pages % dist_cfg.cp:
+        raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
     args.out.mkdir(parents=True, exist_ok=True)
     page_nbytes = model.kv_shape(cfgs[1].page_size).page_nbytes
     open_storage(cfgs[1].storage_url, page_nbytes, cfgs[2]).close()  # fails now, not mid-run
