@@ -112,6 +112,7 @@ def test_run_on_two_tensor_parallel_ranks_matches_one_rank(ckpt: Path, tmp_path:
         outs = [r["output"] for r in one["configs"][name]["requests"]]
         assert [r["output"] for r in tp["configs"][name]["requests"]] == outs
     assert tp["configs"]["l1"]["hit_rate"] == one["configs"]["l1"]["hit_rate"] > 0
+    assert all(r["ttft_s"] > 0 for r in tp["configs"]["none"]["requests"])  # wall time, per rank
     for tiers in ("none", "l1", "l1_l2", "l1_l2_l3"):  # each configuration logged, ranks agree
         assert (logs / "one" / tiers / "rank-0.jsonl").stat().st_size > 0
         assert main(["check-consensus", str(logs / "tp" / tiers)]) == 0

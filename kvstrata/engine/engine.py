@@ -62,7 +62,9 @@ class Engine:
         self.model, self.pool, self.cache, self.config = model, pool, cache, config
         self.admission = admission
         self.agree = agree or (lambda v: v)
-        self.clock = clock  # under several ranks: an agreed clock (rank 0's time, broadcast)
+        # decisions (prefetch budgets) read `clock`: under several ranks an agreed clock (rank 0's
+        # time, broadcast); TTFT and other metrics read this rank's wall time
+        self.clock = clock
         self.decisions = decisions
         self.page = pool.shape.page_size
         self.waiting: list[Request] = []
@@ -87,7 +89,7 @@ class Engine:
                 f"request {req.rid} needs {req.pages_needed(self.page)} pages; "
                 f"the device pool holds {self.pool.capacity}"
             )
-        req.arrival_s = self.clock()
+        req.arrival_s = time.monotonic()  # metrics use this rank's wall time
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -188,13 +190,13 @@ class Engine:
         if req.keep_logits:
             req.logits.append(row.clone())
         if req.state is State.PREFILL:
-            req.first_token_s = self.clock()
+            req.first_token_s = time.monotonic()
             req.state = State.DECODE
             self.admission.cache_pages(req, final=False)  # share the prompt with later requests
         if len(req.output) < req.max_new_tokens:
             return False
         req.state = State.DONE
-        req.finish_s = self.clock()
+        req.finish_s = time.monotonic()
         self.admission.cache_pages(req, final=True)
         self.running.remove(req)
         return True
