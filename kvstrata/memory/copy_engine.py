@@ -169,12 +169,19 @@ class _CpuCopier:
 
     def copy_layer(self, kind: str, layer: int, runs: Runs) -> None:
         dev, host = self.dev[layer], self.host[:, layer]  # [2, cap, lb], [cap, 2, lb]
+        # single pages (the scattered case) take integer indexing: half the numpy overhead
         if kind == "load":
             for s, d, r in runs:
-                np.copyto(dev[:, d : d + r], host[s : s + r].swapaxes(0, 1))
+                if r == 1:
+                    np.copyto(dev[:, d], host[s])
+                else:
+                    np.copyto(dev[:, d : d + r], host[s : s + r].swapaxes(0, 1))
         else:
             for s, d, r in runs:
-                np.copyto(host[d : d + r], dev[:, s : s + r].swapaxes(0, 1))
+                if r == 1:
+                    np.copyto(host[d], dev[:, s])
+                else:
+                    np.copyto(host[d : d + r], dev[:, s : s + r].swapaxes(0, 1))
 
     def _split(self, runs: Runs) -> list[Runs]:
         """Up to `threads` parts of consecutive runs with about equal page counts."""
