@@ -31,17 +31,19 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """Add one `--prefix-field-name` option per field of the dataclass `cls`."""
+def add_config_args(
+    parser: argparse.ArgumentParser, cls: type, prefix: str = "", exclude: tuple[str, ...] = ()
+) -> None:
+    """Add one `--prefix-field-name` option per field of the dataclass `cls` (but `exclude`)."""
     hints = get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
     for f in dataclasses.fields(cls):
-        if f.metadata.get("cli") is False:
+        if f.metadata.get("cli") is False or f.name in exclude:
             continue
         name = "--" + (prefix + f.name).replace("_", "-")
         tp = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_text = f"{f.metadata.get('help', '')} (default: {default})"
+        help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
         dest = prefix.replace("-", "_") + f.name
         if tp is bool:
             group.add_argument(

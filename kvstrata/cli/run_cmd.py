@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per turn")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--prompt", default=None, help="serve this one prompt instead of the workload")
-    add_config_args(p, EngineConfig)
+    add_config_args(p, EngineConfig, exclude=("tiers",))  # run serves every tier set
     add_config_args(p, CacheConfig)
     add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
     add_config_args(p, DistConfig)
