@@ -156,3 +156,20 @@ def test_before_layer_runs_before_the_layer_touches_the_pool(
     untouched = sorted(set(range(pool.capacity)) - set(table.tolist()))
     assert float(pool.data[:, :, untouched].abs().sum()) == 0.0  # only its own pages written
     pool.check_integrity()
+
+
+def test_long_prefill_takes_the_expanded_kv_path_and_matches_hf(tmp_path: Path) -> None:
+    """>= EXPAND_KV_FROM query tokens repeat the K/V heads; fewer use enable_gqa: both = HF."""
+    from kvstrata.engine.attention import EXPAND_KV_FROM
+
+    path = make_llama(tmp_path / "long", seed=7, max_position_embeddings=1024)
+    ours, hf = load_model(path), load_hf(path)
+    assert ours.spec.num_kv_heads < ours.spec.num_heads
+    n = EXPAND_KV_FROM + 88
+    toks = tokens(n, seed=8)
+    ref = hf_logits(hf, toks)
+    one_shot = run_chunks(ours, new_pool(ours, capacity=n // PAGE + 1), toks, [n])  # expanded
+    half = n // 2  # both chunks below the threshold: the enable_gqa path
+    chunked = run_chunks(ours, new_pool(ours, capacity=n // PAGE + 1), toks, [half, n - half])
+    assert rel_err(one_shot, ref) <= TOL and rel_err(chunked, ref) <= TOL
+    assert torch.equal(one_shot.argmax(-1), ref.argmax(-1))
