@@ -116,3 +116,14 @@ def test_run_on_two_tensor_parallel_ranks_matches_one_rank(ckpt: Path, tmp_path:
     for tiers in ("none", "l1", "l1_l2", "l1_l2_l3"):  # each configuration logged, ranks agree
         assert (logs / "one" / tiers / "rank-0.jsonl").stat().st_size > 0
         assert main(["check-consensus", str(logs / "tp" / tiers)]) == 0
+
+
+def test_live_check_stops_the_run_at_an_injected_divergence(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = ("--sessions", "1", "--turns", "2", "--tp", "2", "--consensus-check", "live")
+    code = main(run_args(ckpt, tmp_path / "out", *extra, "--inject-divergence", "5:1"))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "consensus diverged at step 5" in err and "rank 1 differs" in err
+    assert "Traceback" not in err

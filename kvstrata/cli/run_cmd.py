@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.dist.config import DistConfig
 from kvstrata.dist.decision_log import DecisionLog
+from kvstrata.dist.group import RankFailure
 from kvstrata.dist.tp import check_layout
 from kvstrata.engine.agent_workload import (
     SessionTurns,
@@ -295,7 +297,11 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:  # logs and pipes: don't squeeze the table into 80 columns
         console = Console(width=140)
-    served = _serve_all(args, console, model, prompts, cfgs, spec.max_new_tokens)
+    try:
+        served = _serve_all(args, console, model, prompts, cfgs, spec.max_new_tokens)
+    except RankFailure as exc:  # a rank diverged (live check), raised, died or hung
+        print(f"kvstrata run: ranks stopped: {exc}", file=sys.stderr)
+        return 1
     reports = {tiers: config_report(res, counters) for tiers, (res, counters) in served.items()}
     same = outputs_identical({tiers: res for tiers, (res, _) in served.items()})
     report = {

@@ -30,6 +30,8 @@ from kvstrata.dist.decision_log import MASK63, DecisionLog
 class ConsensusDivergence(RuntimeError):
     """Ranks' decision digests differ at a step; raised identically on every rank."""
 
+    is_report = True  # the message is the whole story: rank reports leave out the traceback
+
     def __init__(self, divergence: Divergence) -> None:
         super().__init__(divergence.text())
         self.divergence = divergence

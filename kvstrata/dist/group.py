@@ -183,7 +183,8 @@ def _rank_main(rank: int, config: DistConfig, fn: Callable[..., Any], args: tupl
         result = fn(ctx, *args)
         q.put((rank, True, result))
     except BaseException as exc:  # report everything: the parent names the rank
-        q.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        trace = "" if getattr(exc, "is_report", False) else f"\n{traceback.format_exc()}"
+        q.put((rank, False, f"{type(exc).__name__}: {exc}{trace}"))
     finally:
         teardown()
 
