@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite: set up (venv, pinned deps, Debian's redis-server) and run pytest on 2 workers.
+# The test suite: set up (venv, pinned deps, Debian's redis-server), lint, and run pytest on 2 workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -8,4 +8,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
+# the house checks over every file (no folder skipped), before the tests
+.venv/bin/ruff check --no-cache .
+.venv/bin/ruff format --check --no-cache .
 exec .venv/bin/python -m pytest -n 2 -p no:cacheprovider "$@"

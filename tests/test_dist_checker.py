@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvstrata.cli import check_consensus_cmd
-from kvstrata.dist.checker import LogError, check_logs, split_majority
-from kvstrata.dist.config import DistConfig, parse_injection
-from kvstrata.dist.decision_log import DecisionLog, chain_digest, key_prefix
+from kvstrata.parallel.checker import LogError, check_logs, split_majority
+from kvstrata.parallel.config import DistConfig, parse_injection
+from kvstrata.parallel.decision_log import DecisionLog, chain_digest, key_prefix
 
 
 def _cli(directory: Path, *extra: str) -> int:

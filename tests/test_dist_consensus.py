@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kvstrata.dist.checker import check_logs
-from kvstrata.dist.config import DistConfig
-from kvstrata.dist.consensus import ConsensusDivergence, StepConsensus, StepMisalignment
-from kvstrata.dist.decision_log import DecisionLog
-from kvstrata.dist.group import RankContext, RankFailure, run_ranks, verify_same
+from kvstrata.parallel.checker import check_logs
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.consensus import ConsensusDivergence, StepConsensus, StepMisalignment
+from kvstrata.parallel.decision_log import DecisionLog
+from kvstrata.parallel.group import RankContext, RankFailure, run_ranks, verify_same
 
 torch.set_num_threads(1)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.dist.config import DistConfig
-from kvstrata.dist.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
-from kvstrata.dist.group import RankContext, run_ranks
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
+from kvstrata.parallel.group import RankContext, run_ranks
 
 torch.set_num_threads(1)
 

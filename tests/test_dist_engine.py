@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from kvstrata.cache.config import CacheConfig
-from kvstrata.dist.checker import check_logs
-from kvstrata.dist.config import DistConfig
-from kvstrata.dist.group import RankFailure
-from kvstrata.dist.ranks import MultiTurn, RankOptions, Workload, run_distributed
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
+from kvstrata.parallel.checker import check_logs
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.group import RankFailure
+from kvstrata.parallel.ranks import RankOptions, run_distributed
+from kvstrata.workloads.feed import MultiTurn, Workload
 from tests.tiny_models import make_llama, rel_err
 
 torch.set_num_threads(1)

@@ -11,9 +11,9 @@ import torch
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
-from kvstrata.engine.checkpoint import load_model
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
+from kvstrata.model.checkpoint import load_model
 from kvstrata.storage.base import StorageConfig
 from tests.tiny_models import make_llama, rel_err
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata.engine.checkpoint import fingerprint, load_model, parse_spec, read_config
-from kvstrata.engine.model import SeqBatch
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
+from kvstrata.model.checkpoint import fingerprint, load_model, parse_spec, read_config
+from kvstrata.model.decoder import SeqBatch
 from tests.tiny_models import hf_logits, load_hf, make_llama, make_qwen2, rel_err
 
 torch.set_num_threads(1)
@@ -92,7 +92,7 @@ def test_fingerprint_identifies_the_weights(llama: Path, tmp_path: Path) -> None
     assert fingerprint(same) == fp  # same seed, another directory
     assert fingerprint(other) != fp
     assert fingerprint(make_qwen2(tmp_path / "q", seed=0)) != fp
-    code = f"from kvstrata.engine.checkpoint import fingerprint; print(fingerprint({str(llama)!r}))"
+    code = f"from kvstrata.model.checkpoint import fingerprint; print(fingerprint({str(llama)!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == fp  # another process (its own hash seed) agrees
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvstrata.engine.checkpoint import load_model
-from kvstrata.engine.model import DecoderLM, SeqBatch
 from kvstrata.memory.pool import DevicePool
+from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import DecoderLM, SeqBatch
 from tests.tiny_models import (
     LLAMA3_SCALING,
     hf_greedy,
@@ -160,7 +160,7 @@ def test_before_layer_runs_before_the_layer_touches_the_pool(
 
 def test_long_prefill_takes_the_expanded_kv_path_and_matches_hf(tmp_path: Path) -> None:
     """>= EXPAND_KV_FROM query tokens repeat the K/V heads; fewer use enable_gqa: both = HF."""
-    from kvstrata.engine.attention import EXPAND_KV_FROM
+    from kvstrata.model.attention import EXPAND_KV_FROM
 
     path = make_llama(tmp_path / "long", seed=7, max_position_embeddings=1024)
     ours, hf = load_model(path), load_hf(path)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstrata.engine.checkpoint import load_model
-from kvstrata.engine.model import SeqBatch
-from kvstrata.engine.smollm2 import MODEL_NAME, ensure_smollm2, find_gguf
-from kvstrata.engine.tokenizer import Tokenizer
 from kvstrata.memory.pool import DevicePool
+from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import SeqBatch
+from kvstrata.model.smollm2 import MODEL_NAME, ensure_smollm2, find_gguf
+from kvstrata.model.tokenizer import Tokenizer
 from tests.tiny_models import hf_logits, load_hf, rel_err
 
 torch.set_num_threads(1)

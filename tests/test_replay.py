@@ -11,8 +11,8 @@ import pytest
 from kvstrata.bench.reference import NaiveLRU
 from kvstrata.bench.replay import ReplayConfig, Replayer, replay
 from kvstrata.bench.synthetic import MemoryStorage, SyntheticMover
-from kvstrata.bench.trace import Request, Trace, read_mooncake, write_mooncake
-from kvstrata.bench.workloads import MultiTurnConfig, multi_turn
+from kvstrata.workloads.generated import MultiTurnConfig, multi_turn
+from kvstrata.workloads.trace import Trace, TraceRequest, read_mooncake, write_mooncake
 
 SAMPLE = (
     Path(__file__).resolve().parents[1].parent
@@ -34,11 +34,11 @@ def small_trace(n: int, seed: int = 0, roots: int = 3, max_blocks: int = 6) -> T
             parent = ids.setdefault((parent, rng.randrange(2)), len(ids))
             chain.append(parent)
         length = BLOCK * (len(chain) - 1) + rng.randint(1, BLOCK)
-        reqs.append(Request(i, i * 0.1, length, 4, hash_ids=tuple(chain)))
+        reqs.append(TraceRequest(i, i * 0.1, length, 4, hash_ids=tuple(chain)))
     return Trace(reqs, source="small")
 
 
-def block_level_ceiling(requests: list[Request], page: int) -> int:
+def block_level_ceiling(requests: list[TraceRequest], page: int) -> int:
     """Independent infinite-capacity hit tokens, computed on hash-id blocks (no page keys).
 
     A block's identity is its whole hash-id chain; a request can hit full pages of its first

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvstrata.bench.replay import ReplayConfig, Replayer
-from kvstrata.bench.trace import Request
-from kvstrata.engine.model import SeqBatch
 from kvstrata.memory.pool import DevicePool
+from kvstrata.model.decoder import SeqBatch
+from kvstrata.workloads.trace import TraceRequest
 from tests.test_replay import small_trace
 from tests.tiny_models import make_llama, rel_err
 
@@ -33,7 +33,7 @@ def test_engine_replay_matches_synthetic_and_recompute(ckpt: Path) -> None:
     assert e_res.hit_tokens_by_tier()["L2"] > 0  # the run spilled and came back from L2
     assert e_res.hit_tokens_by_tier()["L3"] > 0
     # every L1 page the tree holds equals the KV computed from scratch for its tokens
-    req: Request = trace.requests[-1]
+    req: TraceRequest = trace.requests[-1]
     keys = engine.keys.keys(req)
     m = engine.cache.match(keys)
     assert m.device_pages > 0

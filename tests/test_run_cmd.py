@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstrata.cli.main import main
-from kvstrata.engine.agent_workload import WorkloadSpec, build_workload
+from kvstrata.workloads.agent import WorkloadSpec, build_workload
 from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)

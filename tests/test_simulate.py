@@ -13,8 +13,8 @@ from kvstrata.bench.costmodel import CostModel, Topology
 from kvstrata.bench.hardware import get_model, get_profile
 from kvstrata.bench.replay import ReplayConfig
 from kvstrata.bench.simulate import TERMS, Outcome, fifo, no_cache
-from kvstrata.bench.trace import write_mooncake
 from kvstrata.bench.whatif import ROWS, whatif
+from kvstrata.workloads.trace import write_mooncake
 from tests.test_replay import small_trace
 
 MODEL, HW = get_model("llama-3.1-8b"), get_profile("h100-nvme")

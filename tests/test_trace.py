@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.bench.trace import (
+from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.workloads.generated import AgentConfig, MultiTurnConfig, coding_agent, multi_turn
+from kvstrata.workloads.trace import (
     KeyMapper,
-    Request,
     TokenMapper,
     TraceError,
+    TraceRequest,
     read_mooncake,
     write_mooncake,
 )
-from kvstrata.bench.workloads import AgentConfig, MultiTurnConfig, coding_agent, multi_turn
-from kvstrata.cache.keys import Namespace, page_keys
 
 SAMPLE = (
     Path(__file__).resolve().parents[1].parent
@@ -106,7 +106,7 @@ def test_token_mapping_is_deterministic_and_in_range() -> None:
     # a fixed value pins the mapping across machines and releases
     assert a.block_tokens(0)[:4].tolist() == [535, 465, 110, 53]
     assert TokenMapper().block_tokens(7)[:4].tolist() == [9721, 13281, 41417, 43510]
-    req = Request(0, 0.0, 700, 1, hash_ids=(5, 6))
+    req = TraceRequest(0, 0.0, 700, 1, hash_ids=(5, 6))
     toks = a.prompt_tokens(req)
     assert toks.shape == (700,)
     assert np.array_equal(toks[:512], a.block_tokens(5)) and np.array_equal(
@@ -119,8 +119,8 @@ def test_memoised_keys_equal_direct_page_keys() -> None:
     mapper = TokenMapper()
     km = KeyMapper(ns, mapper)
     reqs = [
-        Request(0, 0.0, 1500, 1, hash_ids=(1, 2, 3)),
-        Request(1, 0.0, 1100, 1, hash_ids=(1, 2, 9)),
+        TraceRequest(0, 0.0, 1500, 1, hash_ids=(1, 2, 3)),
+        TraceRequest(1, 0.0, 1100, 1, hash_ids=(1, 2, 9)),
     ]
     for req in reqs * 2:  # second pass is served from the memo
         assert km.keys(req) == page_keys(mapper.prompt_tokens(req), ns)
@@ -136,7 +136,7 @@ def test_multi_turn_prompts_grow_by_output_and_message() -> None:
         a.arrival_s <= b.arrival_s for a, b in zip(trace, list(trace)[1:], strict=False)
     )
     mapper = TokenMapper(500)
-    by_len: dict[int, list[Request]] = {}
+    by_len: dict[int, list[TraceRequest]] = {}
     for r in trace:
         by_len.setdefault(r.input_length, []).append(r)
     assert sorted(by_len) == [300, 650, 1000, 1350]

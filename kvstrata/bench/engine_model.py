@@ -11,15 +11,15 @@ import numpy as np
 import torch
 
 from kvstrata.bench.replay import REPLAY_MODELS, ReplayConfig
-from kvstrata.bench.trace import Request, TokenMapper
 from kvstrata.cache.ops import PageMover, TransferOp
 from kvstrata.engine.build import resolve_model_path
-from kvstrata.engine.checkpoint import load_model
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.model import SeqBatch
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import TensorMover
+from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import SeqBatch
 from kvstrata.storage.base import StorageBackend
+from kvstrata.workloads.trace import TokenMapper, TraceRequest
 
 
 @REPLAY_MODELS.register("engine")
@@ -46,7 +46,7 @@ class EngineReplayModel:
         return self._mover
 
     def prefill(
-        self, req: Request, hit_tokens: int, page_ids: list[int], load: TransferOp | None
+        self, req: TraceRequest, hit_tokens: int, page_ids: list[int], load: TransferOp | None
     ) -> None:
         """Compute tokens [hit_tokens, full pages) into `page_ids`; wait for the L2 load per layer."""
         toks = self.tokens.prompt_tokens(req)

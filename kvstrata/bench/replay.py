@@ -24,7 +24,6 @@ from typing import Any, Protocol
 from kvstrata.bench.reference import ceiling, hittable_pages
 from kvstrata.bench.simulate import Outcome
 from kvstrata.bench.synthetic import MemoryStorage, SyntheticMover
-from kvstrata.bench.trace import DEFAULT_VOCAB, KeyMapper, Request, TokenMapper, Trace
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import Namespace
 from kvstrata.cache.manager import HiCache
@@ -34,6 +33,7 @@ from kvstrata.configtools import doc
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.registry import Registry
 from kvstrata.storage.base import StorageBackend, open_storage
+from kvstrata.workloads.trace import DEFAULT_VOCAB, KeyMapper, TokenMapper, Trace, TraceRequest
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class ReplayModel(Protocol):
     def mover(self, storage: StorageBackend | None) -> PageMover: ...
 
     def prefill(
-        self, req: Request, hit_tokens: int, page_ids: list[int], load: TransferOp | None
+        self, req: TraceRequest, hit_tokens: int, page_ids: list[int], load: TransferOp | None
     ) -> None:
         """Compute prompt tokens [hit_tokens, input_length) into L1 `page_ids` (one per full page
         of prompt + output); `load` is the L2 -> L1 copy of the hit pages to wait on per layer."""
@@ -124,7 +124,7 @@ class SyntheticModel:
         return self._mover
 
     def prefill(
-        self, req: Request, hit_tokens: int, page_ids: list[int], load: TransferOp | None
+        self, req: TraceRequest, hit_tokens: int, page_ids: list[int], load: TransferOp | None
     ) -> None:
         """Nothing to compute; the bytes that matter are written at backup time."""
 
@@ -216,7 +216,7 @@ class Replayer:
         self.cache.lock(m2.last_node)  # type: ignore[arg-type]
         return m2
 
-    def serve(self, req: Request) -> tuple[Outcome, list[int], list[int]]:
+    def serve(self, req: TraceRequest) -> tuple[Outcome, list[int], list[int]]:
         """Run one request; returns its outcome, hittable keys and the keys it leaves cached."""
         page, cache = self.cfg.page_size, self.cache
         keys = self.keys.keys(req)

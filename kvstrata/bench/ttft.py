@@ -19,11 +19,11 @@ from typing import Any
 from kvstrata.bench.registry import BENCHES
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import Built, build_engine, resolve_model_path
-from kvstrata.engine.checkpoint import load_model
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.model import DecoderLM
 from kvstrata.engine.request import Request
+from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import DecoderLM
 
 PAGE = 64
 GOALS = {"l1_ratio": 0.05, "l2_ratio": 0.10, "l3_ratio": 0.20}

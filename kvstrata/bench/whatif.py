@@ -17,7 +17,7 @@ from kvstrata.bench.costmodel import CostModel, Topology
 from kvstrata.bench.hardware import HardwareProfile, ModelSpec
 from kvstrata.bench.replay import ReplayConfig, replay
 from kvstrata.bench.simulate import Outcome, Timing, fifo, no_cache, summarize
-from kvstrata.bench.trace import Trace
+from kvstrata.workloads.trace import Trace
 
 ROWS: tuple[str, ...] = ("off", "L1", "L1+L2", "L1+L2+L3")
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvstrata.dist.checker import LogError, check_logs
+from kvstrata.parallel.checker import LogError, check_logs
 
 
 def register(sub: argparse._SubParsersAction) -> None:

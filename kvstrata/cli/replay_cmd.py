@@ -10,9 +10,9 @@ from rich.progress import Progress
 
 from kvstrata.bench.replay import ReplayConfig, replay
 from kvstrata.bench.report import hit_rate_png, replay_table, write_json
-from kvstrata.bench.trace import Trace, read_mooncake
-from kvstrata.bench.workloads import AgentConfig, MultiTurnConfig, coding_agent, multi_turn
 from kvstrata.configtools import add_config_args
+from kvstrata.workloads.generated import AgentConfig, MultiTurnConfig, coding_agent, multi_turn
+from kvstrata.workloads.trace import Trace, read_mooncake
 
 GENERATED = {"multi-turn": (MultiTurnConfig, multi_turn), "agent": (AgentConfig, coding_agent)}
 

@@ -23,23 +23,23 @@ from rich.table import Table
 from kvstrata.bench.run_report import TurnResult, config_report, outputs_identical, write_report
 from kvstrata.cache.config import CacheConfig
 from kvstrata.configtools import add_config_args, config_from_args
-from kvstrata.dist.config import DistConfig
-from kvstrata.dist.decision_log import DecisionLog
-from kvstrata.dist.group import RankFailure
-from kvstrata.dist.tp import check_layout
-from kvstrata.engine.agent_workload import (
+from kvstrata.engine.build import build_engine, resolve_model_path
+from kvstrata.engine.config import TIER_SETS, EngineConfig
+from kvstrata.engine.request import Request
+from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import DecoderLM
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.decision_log import DecisionLog
+from kvstrata.parallel.group import RankFailure
+from kvstrata.parallel.tp import check_layout
+from kvstrata.storage.base import STORAGE_BACKENDS, StorageConfig, open_storage, url_scheme
+from kvstrata.workloads.agent import (
     SessionTurns,
     WorkloadSpec,
     build_workload,
     session_of,
     turn_of,
 )
-from kvstrata.engine.build import build_engine, resolve_model_path
-from kvstrata.engine.checkpoint import load_model
-from kvstrata.engine.config import TIER_SETS, EngineConfig
-from kvstrata.engine.model import DecoderLM
-from kvstrata.engine.request import Request
-from kvstrata.storage.base import STORAGE_BACKENDS, StorageConfig, open_storage, url_scheme
 
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=4)
 FULL = WorkloadSpec(sessions=2, turns=4, first_lines=100, tool_lines=30, max_new_tokens=8)
@@ -83,7 +83,7 @@ def _encoder(model_path: Path) -> Any:
     """The chat encoder of the checkpoint's tokenizer, or None when it ships none."""
     if not any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from kvstrata.engine.tokenizer import Tokenizer
+    from kvstrata.model.tokenizer import Tokenizer
 
     return Tokenizer(model_path)
 
@@ -183,7 +183,7 @@ def run_config_ranks(
     max_new: int,
 ) -> tuple[list[TurnResult], dict[str, Any] | None]:
     """The same workload on tp x cp x pp local ranks; every rank must produce the same tokens."""
-    from kvstrata.dist.ranks import run_distributed  # spawns processes: import only when used
+    from kvstrata.parallel.ranks import run_distributed  # spawns processes: import only when used
 
     engine_cfg, cache_cfg, storage_cfg = cfgs
     ecfg = dataclasses.replace(engine_cfg, tiers=tiers)

@@ -12,12 +12,12 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import Namespace
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.admission import Admission
-from kvstrata.engine.checkpoint import load_model
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Agree, DecisionSink, Engine
-from kvstrata.engine.model import DecoderLM
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import TensorMover
+from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import DecoderLM
 from kvstrata.storage.base import StorageConfig, open_storage
 
 
@@ -40,7 +40,7 @@ def resolve_model_path(config: EngineConfig) -> Path:
     """The checkpoint to serve: --model, or SmolLM2 converted once from its GGUF."""
     if config.model:
         return Path(config.model)
-    from kvstrata.engine.smollm2 import ensure_smollm2
+    from kvstrata.model.smollm2 import ensure_smollm2
 
     return ensure_smollm2(config.model_cache_dir or None)
 

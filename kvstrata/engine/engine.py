@@ -16,16 +16,16 @@ from kvstrata.cache.keys import as_token_array
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.model import DecoderLM, SeqBatch
 from kvstrata.engine.request import Request, State
 from kvstrata.memory.pool import DevicePool
+from kvstrata.model.decoder import DecoderLM, SeqBatch
 
 Agree = Callable[[list[int]], list[int]]
 """Turns this rank's cache progress vector into the agreed one (identity on one rank)."""
 
 
 class DecisionSink(Protocol):
-    """Where a rank logs its cache decisions per step (kvstrata.dist.decision_log.DecisionLog)."""
+    """Where a rank logs its cache decisions per step (kvstrata.parallel.decision_log.DecisionLog)."""
 
     def begin_step(self, step: int) -> None: ...
 

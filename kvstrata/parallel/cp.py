@@ -1,6 +1,6 @@
 """Context parallel over a page-sharded device pool: a rank computes the tokens of its pages.
 
-Ownership is helper-5's fixed rule (kvstrata.dist.cp_gather.CPOwnership): owner = id % cp,
+Ownership is helper-5's fixed rule (kvstrata.parallel.cp_gather.CPOwnership): owner = id % cp,
 local slot = id // cp; the DevicePool(n_shards=cp, rank=r) of rank r holds only its pages, and
 rank r computes exactly the new tokens whose page it owns (its KV is written locally; no KV moves
 on write). Per layer l:
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvstrata.dist.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
-from kvstrata.dist.pp import PipelineStage
-from kvstrata.engine.attention import AttnMeta, build_meta
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.layers import apply_rotary
-from kvstrata.engine.model import DecoderLayer, DecoderLM, SeqBatch
 from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
+from kvstrata.model.attention import AttnMeta, build_meta
+from kvstrata.model.decoder import DecoderLayer, DecoderLM, SeqBatch
+from kvstrata.model.layers import apply_rotary
+from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
+from kvstrata.parallel.pp import PipelineStage
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -251,7 +251,7 @@ class CPModel:
 
 class CPEngine(Engine):
     """The Engine whose batches also fit the CP scratch: both (recv, scratch) buffer pairs of
-    the per-layer gather (kvstrata.dist.cp_gather.scratch_nbytes) stay within `scratch_bytes`.
+    the per-layer gather (kvstrata.parallel.cp_gather.scratch_nbytes) stay within `scratch_bytes`.
 
     Requests are dropped from the end of the planned batch until it fits (the first always
     runs); they wait for a later step. The plan depends only on agreed state, so every rank

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvstrata.dist.checker import Divergence, describe_divergence
-from kvstrata.dist.decision_log import MASK63, DecisionLog
+from kvstrata.parallel.checker import Divergence, describe_divergence
+from kvstrata.parallel.decision_log import MASK63, DecisionLog
 
 
 class ConsensusDivergence(RuntimeError):

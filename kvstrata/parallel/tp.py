@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvstrata.engine.model import DecoderLM, ModelSpec
+from kvstrata.model.decoder import DecoderLM, ModelSpec
 
 
 class AllReduceOut(nn.Module):

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvstrata.engine.attention import build_meta
-from kvstrata.engine.model import DecoderLM, KVPool, SeqBatch
 from kvstrata.memory.layout import KVShape
+from kvstrata.model.attention import build_meta
+from kvstrata.model.decoder import DecoderLM, KVPool, SeqBatch
 
 
 def stage_bounds(num_layers: int, pp: int) -> list[int]:

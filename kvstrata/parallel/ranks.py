@@ -1,7 +1,7 @@
 """Run the engine on tp x cp x pp local ranks with one logical cache everywhere.
 
-Every rank loads the model, keeps its part (kvstrata.dist.tp / pp / cp), builds pools holding
-its part of every page (kvstrata.dist.parts), the same HiCache and the same scheduler. Per step:
+Every rank loads the model, keeps its part (kvstrata.parallel.tp / pp / cp), builds pools holding
+its part of every page (kvstrata.parallel.parts), the same HiCache and the same scheduler. Per step:
   1. rank 0 broadcasts (new requests, its clock, stop) with broadcast_object_list: inputs and
      time are the same on every rank, so admission and prefetch budgets decide alike;
   2. Engine.step(): its `agree` hook is helper-5's StepConsensus, one all_reduce(MIN) over the
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 import xxhash
@@ -26,76 +26,23 @@ from kvstrata.cache.keys import Namespace
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Node
 from kvstrata.configtools import doc
-from kvstrata.dist.config import DistConfig
-from kvstrata.dist.consensus import StepConsensus
-from kvstrata.dist.cp import CPEngine, CPModel
-from kvstrata.dist.decision_log import MASK63, DecisionLog
-from kvstrata.dist.group import RankContext, init_ranks, run_ranks, teardown, verify_same
-from kvstrata.dist.parts import DistMover, PagePart, PartStorage
-from kvstrata.dist.pp import PipelineStage, stage_bounds
-from kvstrata.dist.tp import head_range, shard_tp
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.build import resolve_model_path, tiers_of
-from kvstrata.engine.checkpoint import load_model
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.memory.pool import DevicePool, HostPool
+from kvstrata.model.checkpoint import load_model
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.consensus import StepConsensus
+from kvstrata.parallel.cp import CPEngine, CPModel
+from kvstrata.parallel.decision_log import MASK63, DecisionLog
+from kvstrata.parallel.group import RankContext, init_ranks, run_ranks, teardown, verify_same
+from kvstrata.parallel.parts import DistMover, PagePart, PartStorage
+from kvstrata.parallel.pp import PipelineStage, stage_bounds
+from kvstrata.parallel.tp import head_range, shard_tp
 from kvstrata.storage.base import StorageConfig, open_storage
-
-
-class Workload(Protocol):
-    """Feeds requests at rank 0: new requests after the ones that just finished; None = done."""
-
-    def poll(self, finished: list[Request]) -> list[Request] | None: ...
-
-
-@dataclass
-class StaticWorkload:
-    """All requests at the first step."""
-
-    requests: list[Request]
-    _sent: bool = False
-
-    def poll(self, finished: list[Request]) -> list[Request] | None:
-        if self._sent:
-            return None
-        self._sent = True
-        return list(self.requests)
-
-
-@dataclass
-class MultiTurn:
-    """Conversations: turn k+1 = turn k's prompt + its output + the next user chunk."""
-
-    conversations: list[list[list[int]]]  # [conversation][turn] -> new user tokens
-    max_new_tokens: int = 4
-    keep_logits: bool = False
-    _turn: dict[int, int] = field(default_factory=dict)
-    _started: bool = False
-
-    def _make(self, c: int, prev: Request | None) -> Request:
-        t = self._turn[c] = self._turn.get(c, -1) + 1
-        base = prev.tokens + prev.output if prev is not None else []
-        return Request(
-            f"c{c}t{t}",
-            base + self.conversations[c][t],
-            self.max_new_tokens,
-            keep_logits=self.keep_logits,
-        )
-
-    def poll(self, finished: list[Request]) -> list[Request] | None:
-        out = [] if self._started else [self._make(c, None) for c in range(len(self.conversations))]
-        self._started = True
-        for req in finished:
-            c = int(req.rid[1 : req.rid.index("t")])
-            if self._turn[c] + 1 < len(self.conversations[c]):
-                out.append(self._make(c, req))
-        if not out and all(
-            self._turn.get(c, -1) + 1 >= len(v) for c, v in enumerate(self.conversations)
-        ):
-            return None
-        return out
+from kvstrata.workloads.feed import StaticWorkload, Workload
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvstrata.engine.layers import apply_rotary
+from kvstrata.model.layers import apply_rotary
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Generated workloads: SGLang-style multi-turn chat and coding-agent sessions.
 
-Both produce `Request`s with explicit token segments (int32 arrays shared between the turns of a
+Both produce `TraceRequest`s with explicit token segments (int32 arrays shared between the turns of a
 session, so a 200k-token history costs its memory once). A turn's prompt is the previous turn's
 prompt + the previous output + the new input, so the prefix cache sees real, growing reuse.
 """
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstrata.bench.trace import DEFAULT_VOCAB, Request, Trace
 from kvstrata.configtools import doc
+from kvstrata.workloads.trace import DEFAULT_VOCAB, Trace, TraceRequest
 
 _SYSTEM, _USER, _OUTPUT, _CONTEXT, _TOOL = range(5)
 
@@ -29,7 +29,7 @@ def _finish(rows: list[tuple[float, tuple[np.ndarray, ...], np.ndarray]], name: 
     reqs = []
     for rid, (t, segs, out) in enumerate(rows):
         n_in = sum(len(s) for s in segs)
-        reqs.append(Request(rid, t, n_in, len(out), segments=segs, output=out))
+        reqs.append(TraceRequest(rid, t, n_in, len(out), segments=segs, output=out))
     if not reqs:
         raise ValueError(f"{name}: the configuration produces no requests")
     return Trace(reqs, source=name)

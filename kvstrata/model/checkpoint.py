@@ -15,9 +15,9 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 
-from kvstrata.engine.layers import Rotary
-from kvstrata.engine.model import DecoderLM, ModelSpec
 from kvstrata.memory.layout import DTYPES
+from kvstrata.model.decoder import DecoderLM, ModelSpec
+from kvstrata.model.layers import Rotary
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from kvstrata.dist.config import DistConfig
+from kvstrata.parallel.config import DistConfig
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from kvstrata.engine.attention import AttnMeta, PagedAttention, build_meta
-from kvstrata.engine.layers import RMSNorm, Rotary, SwiGLU
 from kvstrata.memory.layout import DTYPES, KVShape
+from kvstrata.model.attention import AttnMeta, PagedAttention, build_meta
+from kvstrata.model.layers import RMSNorm, Rotary, SwiGLU
 
 
 class KVPool(Protocol):

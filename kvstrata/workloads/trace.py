@@ -5,7 +5,7 @@ A Mooncake trace line is `{"timestamp": ms, "input_length": n, "output_length": 
 Equal ids in equal positions mean a shared prefix. Each hash id maps to a deterministic block of
 512 token ids, so the real page keys, tree and tiers run over it.
 
-Generated workloads (kvstrata/bench/workloads.py) carry explicit token segments instead.
+Generated workloads (kvstrata/workloads/generated.py) carry explicit token segments instead.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _U64 = np.uint64
 
 
 @dataclass(frozen=True)
-class Request:
+class TraceRequest:
     """One prompt arriving at `arrival_s`; either hash-id blocks or explicit token segments."""
 
     rid: int
@@ -45,7 +45,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if (self.hash_ids is None) == (self.segments is None):
-            raise ValueError("Request needs exactly one of hash_ids or segments")
+            raise ValueError("TraceRequest needs exactly one of hash_ids or segments")
         if self.input_length <= 0:
             raise ValueError(f"input_length must be > 0, got {self.input_length}")
 
@@ -54,14 +54,14 @@ class Request:
 class Trace:
     """Requests sorted by arrival, plus the problems found while reading (skip mode)."""
 
-    requests: list[Request]
+    requests: list[TraceRequest]
     source: str = ""
     errors: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def __iter__(self) -> Iterator[Request]:
+    def __iter__(self) -> Iterator[TraceRequest]:
         return iter(self.requests)
 
     @property
@@ -151,7 +151,7 @@ def read_mooncake(
         )
     order = sorted(range(len(rows)), key=lambda i: rows[i][0])
     reqs = [
-        Request(
+        TraceRequest(
             rid=k,
             arrival_s=rows[i][0] / 1000.0,
             input_length=rows[i][1],
@@ -163,7 +163,7 @@ def read_mooncake(
     return Trace(reqs, source=str(path), errors=errors)
 
 
-def write_mooncake(requests: Sequence[Request], path: str | Path) -> None:
+def write_mooncake(requests: Sequence[TraceRequest], path: str | Path) -> None:
     """Write hash-id requests back as Mooncake jsonl (timestamps in ms)."""
     with Path(path).open("w", encoding="utf-8") as f:
         for r in requests:
@@ -206,7 +206,7 @@ class TokenMapper:
         mixed = _splitmix64(self._offsets + base)
         return (mixed % _U64(self.vocab_size)).astype(np.int32)
 
-    def prompt_tokens(self, req: Request) -> np.ndarray:
+    def prompt_tokens(self, req: TraceRequest) -> np.ndarray:
         """[input_length] int32 prompt token ids of a request."""
         if req.segments is not None:
             toks = np.concatenate(req.segments) if len(req.segments) > 1 else req.segments[0]
@@ -233,7 +233,7 @@ class KeyMapper:
         self._root = namespace.seed()
         self._memo: dict[tuple[int, int], list[int]] = {}
 
-    def keys(self, req: Request, n_tokens: int | None = None) -> list[int]:
+    def keys(self, req: TraceRequest, n_tokens: int | None = None) -> list[int]:
         """Keys of the full pages in the first `n_tokens` (default all) prompt tokens."""
         n = req.input_length if n_tokens is None else min(n_tokens, req.input_length)
         page = self.ns.page_size
@@ -255,7 +255,7 @@ class KeyMapper:
             parent = block_keys[-1]
         return out
 
-    def output_keys(self, req: Request, prompt_keys: list[int]) -> list[int]:
+    def output_keys(self, req: TraceRequest, prompt_keys: list[int]) -> list[int]:
         """Keys of the full pages of prompt + output (what a finished request leaves cached)."""
         if req.output is None or req.segments is None:
             return prompt_keys

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from kvstrata.cache.ops import BACKUP, LOAD, STORE, TransferOp
-from kvstrata.dist.cp_gather import CPOwnership
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import TensorMover
+from kvstrata.parallel.cp_gather import CPOwnership
 from kvstrata.storage.base import StorageBackend
 
 
