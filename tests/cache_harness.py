@@ -11,6 +11,7 @@ import random
 import numpy as np
 
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.lease import Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
 from kvstrata.memory.allocator import PageAllocator
@@ -103,48 +104,33 @@ def content(key: int) -> int:
 def serve(
     cache: HiCache, mover: ArrayMover, keys: list[int], max_steps: int = 1000
 ) -> tuple[int, int, int]:
-    """One request through every tier, as the engine does it; returns (L1, L2, L3) hit pages.
+    """One request through every tier through its lease; returns (L1, L2, L3) hit pages.
 
-    Checks that every page the cache hands back holds that page's content.
+    The request is `keys` full pages plus one token (so every page may hit). Checks that every
+    page the cache hands back holds that page's content.
     """
-    m = cache.match(keys)
-    cache.lock(m.last_node)
-    l1, l2, l3 = m.device_pages, m.host_pages, 0
-    probe = cache.start_probe(keys[m.pages :])
-    if probe is not None:
-        _wait(cache, probe, max_steps)
-        if probe.agreed:
-            op = cache.start_prefetch(keys[m.pages : m.pages + probe.agreed], m.last_node)
-            if op is not None:
-                _wait(cache, op, max_steps)
-                cache.unlock(m.last_node)
-                m = cache.match(keys)
-                cache.lock(m.last_node)
-                l3 = m.pages - l1 - l2
-    load = cache.load_host(m)
-    if load is None:  # L1 full of locked pages: serve from scratch instead
-        cache.unlock(m.last_node)
-        return 0, 0, 0
-    _wait(cache, load, max_steps)
-    hit = m.device_ids + load.dst
-    assert [int(x) for x in mover.device[hit]] == [content(k) for k in keys[: len(hit)]]
-    new = cache.alloc_device(len(keys) - len(hit))
-    if new is None:
-        cache.unlock(m.last_node)
-        return l1, l2, l3
-    mover.device[new] = [content(k) for k in keys[len(hit) :]]
-    node = cache.insert(keys, hit + new)
-    cache.lock(node)
-    cache.unlock(m.last_node)
-    cache.unlock(node)
-    cache.counters.record_request(len(keys), l1, l2, l3)
-    return l1, l2, l3
-
-
-def _wait(cache: HiCache, op: TransferOp, max_steps: int) -> None:
+    page = cache.config.page_size
+    lease = Lease(cache, keys, len(keys) * page + 1, len(keys), page)
     for _ in range(max_steps):
-        if op.agreed is not None:
-            return
+        if lease.advance(0.0, can_schedule=False):
+            break
         cache.step()
         cache.check_integrity()
-    raise TimeoutError(f"{op.kind} op never completed")
+    else:
+        raise TimeoutError(f"lease still {lease.state.value} after {max_steps} steps")
+    if not lease.admit():  # L1 full of locked pages: nothing is served
+        lease.release()
+        return 0, 0, 0
+    for _ in range(max_steps):
+        if lease.load is None or lease.load.agreed is not None:
+            break
+        cache.step()
+        cache.check_integrity()
+    hit = lease.page_table[: lease.hits.pages]
+    assert [int(x) for x in mover.device[hit]] == [content(k) for k in keys[: len(hit)]]
+    new = lease.page_table[len(hit) :]
+    mover.device[new] = [content(k) for k in keys[len(hit) :]]
+    lease.commit(len(keys) * page)
+    lease.release()
+    h = lease.hits
+    return h.device, h.host, h.storage

@@ -10,7 +10,9 @@ import pytest
 
 from kvstrata.bench.reference import NaiveLRU
 from kvstrata.bench.replay import ReplayConfig, Replayer, replay
-from kvstrata.bench.synthetic import MemoryStorage, SyntheticMover
+from kvstrata.bench.synthetic import SyntheticMover
+from kvstrata.cache.config import CacheConfig
+from kvstrata.storage.memory_store import MemoryStorage
 from kvstrata.workloads.generated import MultiTurnConfig, multi_turn
 from kvstrata.workloads.trace import Trace, TraceRequest, read_mooncake, write_mooncake
 
@@ -68,11 +70,14 @@ def block_level_ceiling(requests: list[TraceRequest], page: int) -> int:
 def test_ceiling_and_tiers_on_a_generated_trace() -> None:
     trace = small_trace(120)
     expect = block_level_ceiling(trace.requests, 64)
-    huge = replay(trace, ReplayConfig(l1_tokens=10**6, l2_tokens=0, l3="off"))
+    huge = replay(trace, ReplayConfig.sized(10**6))
     assert huge.ceiling_tokens == expect > 0
     assert sum(huge.hit_tokens_by_tier().values()) == expect
     # small L1 and L2, unbounded L3: every tier serves hits and together they reach the ceiling
-    spill = replay(trace, ReplayConfig(l1_tokens=4096, l2_tokens=8192, l3="mem", check_every=1))
+    spill = replay(
+        trace,
+        ReplayConfig.sized(4096, 8192, "mem://", check_every=1, prefetch_policy="wait_complete"),
+    )
     tiers = spill.hit_tokens_by_tier()
     assert all(v > 0 for v in tiers.values()), tiers
     assert sum(tiers.values()) == expect == spill.ceiling_tokens
@@ -85,16 +90,15 @@ def test_ceiling_and_tiers_on_a_generated_trace() -> None:
 @pytest.mark.parametrize("seed,capacity", [(1, 12), (2, 20), (3, 33)])
 def test_bounded_lru_matches_naive_reference(seed: int, capacity: int) -> None:
     trace = small_trace(150, seed=seed, roots=4, max_blocks=5)
-    cfg = ReplayConfig(
-        page_size=128, l1_tokens=capacity * 128, l2_tokens=0, l3="off", check_every=1
-    )
+    cfg = ReplayConfig.sized(capacity * 128, page_size=128, check_every=1)
     r = Replayer(cfg)
     naive = NaiveLRU(capacity)
     for req in trace:
         out, mkeys, ins = r.serve(req)
         hit = naive.match(mkeys)
-        naive.insert(ins, hit)
-        assert out.l1 == hit * 128, f"request {req.rid}"
+        fits = naive.insert(ins, hit)
+        # admission is all or nothing: a request whose pages do not fit is served uncached
+        assert out.l1 == (hit if fits else 0) * 128, f"request {req.rid}"
         cached = {k for n in r.cache.tree.nodes() for k in n.keys}
         assert cached == set(naive.pages), f"request {req.rid}"
     assert r.cache.counters.evictions["L1"] > 0  # the capacity really bound
@@ -104,7 +108,7 @@ def test_multi_turn_hits_previous_turn_including_output() -> None:
     cfg = MultiTurnConfig(
         clients=3, rounds=3, request_length=400, output_length=130, think_time_s=0.5
     )
-    res = replay(multi_turn(cfg), ReplayConfig(l1_tokens=10**6, l2_tokens=0, l3="off"))
+    res = replay(multi_turn(cfg), ReplayConfig.sized(10**6))
     by_len = {o.prompt: o.l1 for o in res.outcomes}
     assert by_len[400] == 0
     assert by_len[930] == 512  # 400 + 130 = 530 tokens cached -> 8 full pages (of 64)
@@ -113,7 +117,7 @@ def test_multi_turn_hits_previous_turn_including_output() -> None:
 
 
 def test_corrupt_storage_pages_are_not_hits() -> None:
-    store = MemoryStorage(64)
+    store = MemoryStorage(64)  # the in-process backend behind mem://
     mover = SyntheticMover(store, 64)
     from kvstrata.cache.ops import BACKUP, PREFETCH, TransferOp
 
@@ -126,10 +130,12 @@ def test_corrupt_storage_pages_are_not_hits() -> None:
 
 def test_file_storage_backend_gives_the_same_hits(tmp_path: Path) -> None:
     trace = small_trace(40, seed=5)
-    cfg = ReplayConfig(l1_tokens=4096, l2_tokens=4096, l3="mem")
+    cfg = ReplayConfig.sized(4096, 4096, "mem://")
     mem = replay(trace, cfg)
     url = f"file://{tmp_path / 'l3'}"
-    disk = replay(trace, dataclasses.replace(cfg, l3=url))
+    disk = replay(
+        trace, dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, storage_url=url))
+    )
     assert [o.hit for o in disk.outcomes] == [o.hit for o in mem.outcomes]
     assert disk.hit_tokens_by_tier()["L3"] > 0
 
@@ -137,7 +143,7 @@ def test_file_storage_backend_gives_the_same_hits(tmp_path: Path) -> None:
 def test_replay_reads_a_trace_file(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     write_mooncake(small_trace(30).requests, path)
-    rep = replay(read_mooncake(path), ReplayConfig()).report()
+    rep = replay(read_mooncake(path), ReplayConfig.sized(10**6)).report()
     for key in ("requests", "prompt_tokens", "hit_rate", "hit_rate_by_tier", "ceiling"):
         assert key in rep
     assert rep["requests"] == 30 and rep["hit_rate"] == rep["ceiling"] > 0
@@ -145,18 +151,21 @@ def test_replay_reads_a_trace_file(tmp_path: Path) -> None:
 
 def test_bad_replay_config() -> None:
     with pytest.raises(ValueError, match="l1_tokens"):
-        ReplayConfig(l1_tokens=10)
+        ReplayConfig.sized(10)
     with pytest.raises(ValueError, match="unknown replay model"):
         Replayer(ReplayConfig(model="nope"))
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        Replayer(ReplayConfig(eviction="mru"))
+        Replayer(ReplayConfig(cache=CacheConfig(eviction="mru")))
 
 
 @pytest.mark.skipif(not SAMPLE.is_file(), reason="sample trace not present")
 def test_sample_trace_ceiling_equals_block_level_computation() -> None:
     trace = read_mooncake(SAMPLE, max_requests=700)
     expect = block_level_ceiling(trace.requests, 64)
-    res = replay(trace, ReplayConfig(l1_tokens=2_000_000, l2_tokens=4_000_000, l3="mem"))
+    res = replay(
+        trace,
+        ReplayConfig.sized(2_000_000, 4_000_000, "mem://", prefetch_policy="wait_complete"),
+    )
     rep = res.report()
     assert res.ceiling_tokens == expect
     assert rep["ceiling"] == expect / trace.prompt_tokens

@@ -23,7 +23,7 @@ MODEL, HW = get_model("llama-3.1-8b"), get_profile("h100-nvme")
 @pytest.mark.parametrize("topo", ["tp1", "tp2-cp2", "tp4-pp2-pd", "tp8-cp2-pd"])
 def test_decomposition_adds_up_and_cache_off_has_no_hit_terms(topo: str) -> None:
     trace = small_trace(80, seed=3)
-    cfg = ReplayConfig(l1_tokens=4096, l2_tokens=8192, l3="mem")
+    cfg = ReplayConfig.sized(4096, 8192, "mem://")
     report, timings = whatif(trace, MODEL, HW, Topology.parse(topo), cfg, time_scale=0.01)
     assert len(timings) == 80
     for t in timings:
@@ -118,7 +118,9 @@ def test_cli_simulate_and_replay_write_reports(
     assert set(rep["decomposition"]) == set(TERMS) and rep["decomposition"]["gather_s"] > 0
     rj, png = tmp_path / "r.json", tmp_path / "r.png"
     assert (
-        cli_main(["replay", str(path), "--json", str(rj), "--png", str(png), "--l1-tokens", "4096"])
+        cli_main(
+            ["replay", str(path), "--json", str(rj), "--png", str(png), "--device-pages", "64"]
+        )
         == 0
     )
     assert json.loads(rj.read_text())["requests"] == 40 and png.stat().st_size > 1000

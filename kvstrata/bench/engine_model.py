@@ -7,6 +7,8 @@ back through the chosen L3 backend. For small traces: every prompt token is real
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -33,7 +35,7 @@ class EngineReplayModel:
                 f"vocab_size {cfg.vocab_size} exceeds the model's {self.lm.vocab_size}"
             )
         shape = self.lm.kv_shape(cfg.page_size)
-        cc = cfg.cache_config()
+        cc = cfg.cache
         self.page = cfg.page_size
         self.page_nbytes = shape.page_nbytes
         self.device = DevicePool(shape, cc.device_pages)
@@ -41,7 +43,9 @@ class EngineReplayModel:
         self.tokens = TokenMapper(cfg.vocab_size)
         self._mover: TensorMover | None = None
 
-    def mover(self, storage: StorageBackend | None) -> PageMover:
+    virtual_time = False  # real copies and storage reads: the replay waits on wall time
+
+    def mover(self, storage: StorageBackend | None, clock: Callable[[], float]) -> PageMover:
         self._mover = TensorMover(self.device, self.host, storage)
         return self._mover
 

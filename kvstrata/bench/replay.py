@@ -1,34 +1,35 @@
-"""Replay a trace through the real cache manager (keys, tree, tiers, policies, storage backend).
+"""Replay a trace through the real cache (keys, tree, tiers, policies, storage backend).
 
-One request at a time, in arrival order:
-    match the hittable pages -> probe L3 and prefetch what it holds into L2 -> re-match ->
-    load L2 pages into L1 -> allocate L1 pages for the rest -> model.prefill -> insert -> drain.
-The hittable pages are the full pages inside the first input_length - 1 tokens (the last token
-is always computed, for the logits); a finished request leaves prompt (+ output) pages cached.
+One request at a time, in arrival order, each driving its lease (kvstrata.cache.lease): match,
+L3 probe and prefetch under the prefetch policy, re-match, L2 -> L1 load, allocation of the
+rest, model.prefill, insert, release. A finished request leaves prompt (+ output) pages cached.
+With the synthetic model, time is a step clock: an L3 read takes `l3_first_byte_s +
+l3_page_s * pages` and a waiting request costs `step_s` per step, so the prefetch policies give
+different hit rates and waits (best_effort never waits here: nothing else runs, so the request
+can always be scheduled at once).
 
 The model is pluggable through REPLAY_MODELS: "synthetic" (kvstrata/bench/synthetic.py) moves no
-tensors and writes deterministic, checked page bytes to L3. REGISTRATION POINT for a real-engine
-model: `@REPLAY_MODELS.register("engine")` a factory `(cfg: ReplayConfig) -> ReplayModel` whose
-`mover()` is the engine's copy engine + storage and whose `prefill()` computes the missed suffix
-into the given L1 page ids; add its module to MODEL_MODULES.
+tensors and writes deterministic, checked page bytes to L3; "engine"
+(kvstrata/bench/engine_model.py) computes every missed page with the real model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvstrata.bench.reference import ceiling, hittable_pages
+from kvstrata.bench.reference import ceiling
 from kvstrata.bench.simulate import Outcome
-from kvstrata.bench.synthetic import MemoryStorage, SyntheticMover
+from kvstrata.bench.synthetic import StorageLatency, SyntheticMover
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import Namespace
+from kvstrata.cache.lease import Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import PageMover, TransferOp
-from kvstrata.cache.radix import Match
 from kvstrata.configtools import doc
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.registry import Registry
@@ -38,64 +39,76 @@ from kvstrata.workloads.trace import DEFAULT_VOCAB, KeyMapper, TokenMapper, Trac
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """Trace replay: tier capacities in tokens, cache policies, the model that fills pages."""
+    """Trace replay: the cache (its own config), the model that fills pages, L3 timing."""
 
+    cache: CacheConfig = doc(CacheConfig(), "the cache under test", cli=False)
     model: str = doc(
         "synthetic", "replay model: synthetic (KV bytes, no compute) or engine (the real model)"
     )
     model_path: str = doc("", "engine model: HF checkpoint dir; empty = SmolLM2-135M-Instruct")
-    page_size: int = doc(64, "tokens per page")
-    l1_tokens: int = doc(10_000_000, "L1 (device) capacity in tokens")
-    l2_tokens: int = doc(30_000_000, "L2 (host) capacity in tokens; 0 disables L2 (and L3)")
-    l3: str = doc(
-        "mem", "L3: 'mem' (in-process store), 'off', or a storage URL (file:///dir, redis://...)"
-    )
-    l3_tokens: int = doc(0, "capacity of the 'mem' L3 in tokens (0 = unbounded)")
-    eviction: str = doc("lru", "eviction policy (lru, lfu)")
-    write_policy: str = doc("write_through", "write_through, write_through_selective, write_back")
-    prefetch_policy: str = doc("best_effort", "best_effort, wait_complete, timeout")
     page_nbytes: int = doc(
         64, "synthetic KV bytes per page written to L3 (tiny: only decisions matter)"
     )
+    l3_first_byte_s: float = doc(0.002, "synthetic L3 read: time to the first byte (seconds)")
+    l3_page_s: float = doc(
+        0.01, "synthetic L3 read: seconds per page (a 20 MB 70B-class page at 2 GB/s)"
+    )
+    step_s: float = doc(0.005, "synthetic clock: one scheduler step while a request waits")
+    max_wait_s: float = doc(600.0, "a request waiting on L3 longer than this is an error")
     vocab_size: int = doc(DEFAULT_VOCAB, "token ids of mapped hash ids are < vocab_size")
     check_every: int = doc(
         0, "run the cache's check_integrity every N requests (0: only at the end)"
     )
 
     def __post_init__(self) -> None:
-        if self.page_size <= 0 or self.page_nbytes <= 0:
-            raise ValueError("page_size and page_nbytes must be > 0")
-        if self.l1_tokens < self.page_size:
-            raise ValueError(
-                f"l1_tokens must hold at least one page ({self.page_size} tokens), got {self.l1_tokens}"
-            )
-        if self.l2_tokens < 0 or self.l3_tokens < 0 or self.check_every < 0:
-            raise ValueError("l2_tokens, l3_tokens and check_every must be >= 0")
+        if self.page_nbytes <= 0:
+            raise ValueError("page_nbytes must be > 0")
+        if min(self.l3_first_byte_s, self.l3_page_s, self.check_every) < 0:
+            raise ValueError("l3_first_byte_s, l3_page_s and check_every must be >= 0")
+        if self.step_s <= 0 or self.max_wait_s <= 0:
+            raise ValueError("step_s and max_wait_s must be > 0")
+
+    @classmethod
+    def sized(
+        cls, l1_tokens: int, l2_tokens: int = 0, storage_url: str = "", **fields: Any
+    ) -> ReplayConfig:
+        """A replay whose tier capacities are given in tokens; other keyword arguments go to
+        the CacheConfig field or the ReplayConfig field of that name."""
+        cache_names = {f.name for f in dataclasses.fields(CacheConfig)}
+        cache_kw = {k: fields.pop(k) for k in list(fields) if k in cache_names}
+        page = cache_kw.get("page_size", CacheConfig.page_size)
+        if l1_tokens < page:
+            raise ValueError(f"l1_tokens must hold at least one page ({page} tokens)")
+        cache = CacheConfig(
+            device_pages=l1_tokens // page,
+            host_pages=l2_tokens // page,
+            storage_url=storage_url if l2_tokens >= page else "",
+            **cache_kw,
+        )
+        return cls(cache=cache, **fields)
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
 
     @property
     def tiers(self) -> str:
-        has_l2 = self.l2_tokens >= self.page_size
-        return "L1" + ("+L2" if has_l2 else "") + ("+L3" if has_l2 and self.l3 != "off" else "")
+        c = self.cache
+        return "L1" + ("+L2" if c.host_pages else "") + ("+L3" if c.storage_url else "")
 
-    def cache_config(self) -> CacheConfig:
-        host = self.l2_tokens // self.page_size
-        return CacheConfig(
-            page_size=self.page_size,
-            device_pages=self.l1_tokens // self.page_size,
-            host_pages=host,
-            storage_url=self.l3 if host and self.l3 != "off" else "",
-            eviction=self.eviction,
-            write_policy=self.write_policy,
-            prefetch_policy=self.prefetch_policy,
-        )
+    @property
+    def latency(self) -> StorageLatency:
+        return StorageLatency(self.l3_first_byte_s, self.l3_page_s)
 
 
 class ReplayModel(Protocol):
     """What fills the pages of the missed suffix."""
 
     page_nbytes: int
+    virtual_time: bool
+    """True: ops take time on the replay's step clock; False: real copies, wall time."""
 
-    def mover(self, storage: StorageBackend | None) -> PageMover: ...
+    def mover(self, storage: StorageBackend | None, clock: Callable[[], float]) -> PageMover: ...
 
     def prefill(
         self, req: TraceRequest, hit_tokens: int, page_ids: list[int], load: TransferOp | None
@@ -115,12 +128,15 @@ MODEL_MODULES: tuple[str, ...] = ("kvstrata.bench.engine_model",)
 class SyntheticModel:
     """No compute: the cache decisions and L3 page bytes are real, the KV values are synthetic."""
 
+    virtual_time = True
+
     def __init__(self, cfg: ReplayConfig) -> None:
         self.page_nbytes = cfg.page_nbytes
+        self.latency = cfg.latency
         self._mover: SyntheticMover | None = None
 
-    def mover(self, storage: StorageBackend | None) -> PageMover:
-        self._mover = SyntheticMover(storage, self.page_nbytes)
+    def mover(self, storage: StorageBackend | None, clock: Callable[[], float]) -> PageMover:
+        self._mover = SyntheticMover(storage, self.page_nbytes, self.latency, clock)
         return self._mover
 
     def prefill(
@@ -130,14 +146,6 @@ class SyntheticModel:
 
     def close(self) -> None:
         pass
-
-
-def _open_l3(cfg: ReplayConfig, page_nbytes: int) -> StorageBackend | None:
-    if cfg.l3 == "off" or cfg.l2_tokens < cfg.page_size:
-        return None
-    if cfg.l3 == "mem":
-        return MemoryStorage(page_nbytes, cfg.l3_tokens // cfg.page_size)
-    return open_storage(cfg.l3, page_nbytes)
 
 
 @dataclass
@@ -159,6 +167,7 @@ class ReplayResult:
     def report(self) -> dict[str, Any]:
         total = self.prompt_tokens
         by_tier = self.hit_tokens_by_tier()
+        waits = [o.l3_wait_s for o in self.outcomes]
         hits = sum(by_tier.values())
         return {
             "requests": len(self.outcomes),
@@ -172,81 +181,84 @@ class ReplayResult:
             "pages_moved": self.stats["pages_moved"],
             "evictions": self.stats["evictions"],
             "prefetch": self.stats["prefetch"],
+            "prefetch_policy": self.config.cache.prefetch_policy,
+            "l3_wait_s_total": sum(waits),
+            "l3_wait_s_max": max(waits, default=0.0),
             "wall_s": self.wall_s,
             "tokens_per_s": total / self.wall_s if self.wall_s > 0 else 0.0,
             "storage": self.storage_stats,
-            "config": {k: getattr(self.config, k) for k in self.config.__dataclass_fields__},
+            "config": dataclasses.asdict(self.config),
         }
 
 
 class Replayer:
-    """Owns one cache and serves requests through it one by one."""
+    """Owns one cache and serves requests through it one by one, each through its lease."""
 
     def __init__(self, cfg: ReplayConfig) -> None:
         for mod in MODEL_MODULES:
             importlib.import_module(mod)
         self.cfg = cfg
         self.model = REPLAY_MODELS.create(cfg.model, cfg)
-        self.storage = _open_l3(cfg, self.model.page_nbytes)
-        cc = cfg.cache_config()
+        cc = cfg.cache
+        self.storage = (
+            open_storage(cc.storage_url, self.model.page_nbytes) if cc.storage_url else None
+        )
         host = PageAllocator(cc.host_pages) if cc.host_pages else None
+        self.now = 0.0  # the step clock of a virtual-time model (seconds)
         self.cache = HiCache(
             cc,
             PageAllocator(cc.device_pages),
             host,
-            self.model.mover(self.storage),
+            self.model.mover(self.storage, self.clock),
             has_storage=self.storage is not None,
             page_nbytes=self.model.page_nbytes,
         )
-        self.keys = KeyMapper(Namespace(page_size=cfg.page_size), TokenMapper(cfg.vocab_size))
-        self.uncached = 0  # requests whose new pages did not fit in L1
+        self.keys = KeyMapper(Namespace(page_size=cc.page_size), TokenMapper(cfg.vocab_size))
+        self.uncached = 0  # requests whose pages did not fit in L1
 
-    def _from_storage(self, mkeys: list[int], m: Match) -> Match:
-        """Probe L3 for the pages after the L1 + L2 prefix, prefetch the hit into L2, re-match."""
-        probe = self.cache.start_probe(mkeys[m.pages :])
-        if probe is None:
-            return m
-        self.cache.drain()
-        n = probe.agreed or 0
-        if n == 0 or self.cache.start_prefetch(mkeys[m.pages : m.pages + n], m.last_node) is None:
-            return m
-        self.cache.drain()
-        self.cache.unlock(m.last_node)  # type: ignore[arg-type]
-        m2 = self.cache.match(mkeys)
-        self.cache.lock(m2.last_node)  # type: ignore[arg-type]
-        return m2
+    def clock(self) -> float:
+        return self.now if self.model.virtual_time else time.monotonic()
+
+    def _tick(self) -> None:
+        """One scheduler step of waiting: apply what finished, let time pass."""
+        self.cache.step()
+        if self.model.virtual_time:
+            self.now += self.cfg.step_s
+        else:
+            time.sleep(0.0002)
 
     def serve(self, req: TraceRequest) -> tuple[Outcome, list[int], list[int]]:
         """Run one request; returns its outcome, hittable keys and the keys it leaves cached."""
         page, cache = self.cfg.page_size, self.cache
         keys = self.keys.keys(req)
         ins = self.keys.output_keys(req, keys)
-        mkeys = keys[: hittable_pages(req.input_length, page)]
-        m = cache.match(mkeys)
-        cache.lock(m.last_node)  # type: ignore[arg-type]
-        l1, l2 = m.device_pages, m.host_pages
-        if self.storage is not None and m.pages < len(mkeys):
-            m = self._from_storage(mkeys, m)
-        l3 = m.pages - l1 - l2
-        load = cache.load_host(m)
-        if load is None:  # L1 too full of locked pages to take the host hit: compute it instead
-            l2 = l3 = 0
-        have = l1 + l2 + l3
-        new_ids = cache.alloc_device(len(ins) - have) if len(ins) > have else []
-        if new_ids is None:
+        lease = Lease(cache, ins, req.input_length, len(ins), page)
+        start = self.clock()
+        while not lease.advance(self.clock(), can_schedule=True):
+            if self.clock() - start > self.cfg.max_wait_s:
+                raise TimeoutError(
+                    f"request {req.rid}: L3 probe/prefetch unfinished after {self.cfg.max_wait_s} s"
+                )
+            self._tick()
+        waited = self.clock() - start
+        if lease.admit():
+            self.model.prefill(req, lease.hit_tokens, lease.page_table, lease.load)
+            lease.commit(len(ins) * page)
+        else:  # nothing else runs here, so waiting cannot free L1: serve it uncached
             self.uncached += 1
-        else:
-            ids = m.device_ids + (list(load.dst) if load is not None else []) + new_ids
-            self.model.prefill(req, have * page, ids, load)
-            cache.insert(ins[: len(ids)], ids)
-        cache.unlock(m.last_node)  # type: ignore[arg-type]
-        cache.counters.record_request(len(mkeys), l1, l2, l3)
+        lease.release()
         cache.drain()
-        return (
-            Outcome(req.rid, req.arrival_s, req.input_length, l1 * page, l2 * page, l3 * page),
-            mkeys,
-            ins,
+        h = lease.hits
+        out = Outcome(
+            req.rid,
+            req.arrival_s,
+            req.input_length,
+            h.device * page,
+            h.host * page,
+            h.storage * page,
+            l3_wait_s=waited,
         )
+        return out, ins[: lease.match_pages], ins
 
     def run(self, trace: Trace, progress: Callable[[int], None] | None = None) -> ReplayResult:
         """Replay every request; `progress(n)` is called after each one."""

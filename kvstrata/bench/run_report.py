@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.cache.counters import DIRECTIONS, TIERS
+from kvstrata.cache.lease import hittable_pages
 from kvstrata.engine.request import Request
 
 
@@ -25,33 +26,48 @@ class TurnResult:
 
     session: int
     turn: int
-    request: Request
+    rid: str
+    prompt_tokens: int
+    output: list[int]
+    hits: dict[str, int]  # prompt pages by tier: L1, L2, L3
+    ttft_s: float
     page_size: int
+
+    @classmethod
+    def of(cls, session: int, turn: int, req: Request, page_size: int) -> TurnResult:
+        return cls(
+            session,
+            turn,
+            req.rid,
+            len(req.tokens),
+            list(req.output),
+            req.hits,
+            req.ttft_s,
+            page_size,
+        )
 
     @property
     def prompt_pages(self) -> int:
-        # the admission never serves the page holding the last prompt token from the cache
-        return (len(self.request.tokens) - 1) // self.page_size
+        return hittable_pages(self.prompt_tokens, self.page_size)
 
     def as_dict(self) -> dict[str, Any]:
-        r = self.request
         return {
-            "rid": r.rid,
+            "rid": self.rid,
             "session": self.session,
             "turn": self.turn,
-            "prompt_tokens": len(r.tokens),
+            "prompt_tokens": self.prompt_tokens,
             "prompt_pages": self.prompt_pages,
-            "hits": dict(r.hits),
-            "ttft_s": r.ttft_s,
-            "output": list(r.output),
+            "hits": dict(self.hits),
+            "ttft_s": self.ttft_s,
+            "output": list(self.output),
         }
 
 
 def config_report(results: list[TurnResult], counters: dict[str, Any] | None) -> dict[str, Any]:
     """Figures of one configuration; `counters` is the cache's as_dict() (None: cache off)."""
     pages = sum(t.prompt_pages for t in results) or 1
-    hits = {tier: sum(t.request.hits[tier] for t in results) for tier in TIERS}
-    ttfts = np.array([t.request.ttft_s for t in results], dtype=np.float64)
+    hits = {tier: sum(t.hits[tier] for t in results) for tier in TIERS}
+    ttfts = np.array([t.ttft_s for t in results], dtype=np.float64)
     bytes_moved = (
         dict(counters["bytes_moved"]) if counters else dict.fromkeys(DIRECTIONS.values(), 0)
     )
@@ -71,7 +87,7 @@ def config_report(results: list[TurnResult], counters: dict[str, Any] | None) ->
 
 def outputs_identical(configs: dict[str, list[TurnResult]]) -> bool:
     """True when every configuration generated the same tokens for every request."""
-    per_config = [{t.request.rid: t.request.output for t in res} for res in configs.values()]
+    per_config = [{t.rid: t.output for t in res} for res in configs.values()]
     return all(p == per_config[0] for p in per_config[1:])
 
 

@@ -44,6 +44,8 @@ class Outcome:
     l1: int = 0
     l2: int = 0
     l3: int = 0
+    l3_wait_s: float = 0.0
+    """Time the request waited on its L3 probe and prefetch (the replay's clock)."""
 
     @property
     def hit(self) -> int:

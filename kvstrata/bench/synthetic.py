@@ -6,13 +6,15 @@ StorageBackend: a backup writes each page's deterministic bytes (a function of i
 prefetch reads them back and counts a page only if its bytes are exactly what was written. So L3
 hits at full trace scale are real reads of real stored pages, checked.
 
-`MemoryStorage` is an in-process StorageBackend (dict of key -> bytes) for full-scale replays;
-file:// and redis:// backends plug in through kvstrata.storage.open_storage instead.
+L3 reads take time on the replay's clock (`StorageLatency`), so the prefetch policies decide
+differently: best_effort stops as soon as the request could run, wait_complete waits for every
+page, timeout waits for a budget that grows with the prefetch length.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,76 +28,45 @@ def synthetic_page(key: int, nbytes: int) -> np.ndarray:
     return np.resize(pattern, nbytes)
 
 
-class MemoryStorage:
-    """StorageBackend in a dict; `max_pages` > 0 bounds it (oldest written first out)."""
+@dataclass(frozen=True)
+class StorageLatency:
+    """Time an L3 read takes in the synthetic model: first byte, then a fixed time per page."""
 
-    def __init__(self, page_nbytes: int, max_pages: int = 0) -> None:
-        if page_nbytes <= 0:
-            raise ValueError(f"page_nbytes must be > 0, got {page_nbytes}")
-        if max_pages < 0:
-            raise ValueError(f"max_pages must be >= 0, got {max_pages}")
-        self.page_nbytes, self.max_pages = page_nbytes, max_pages
-        self._pages: dict[int, bytes] = {}  # insertion order = write order (FIFO clean-up)
-        self._stats = {"puts": 0, "gets": 0, "hits": 0, "evicted": 0}
+    first_byte_s: float = 0.0
+    per_page_s: float = 0.0
 
-    def exists_prefix(self, keys: Sequence[int]) -> int:
-        n = 0
-        for k in keys:
-            if k not in self._pages:
-                break
-            n += 1
-        return n
+    def done_after(self, pages: int) -> float:
+        return self.first_byte_s + self.per_page_s * pages
 
-    def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
-        if len(keys) != len(out):
-            raise ValueError(f"get: {len(keys)} keys but {len(out)} buffers")
-        self._stats["gets"] += len(keys)
-        for i, k in enumerate(keys):
-            data = self._pages.get(k)
-            if data is None:
-                return i
-            out[i][:] = np.frombuffer(data, dtype=np.uint8)
-            self._stats["hits"] += 1
-        return len(keys)
+    def landed(self, elapsed_s: float, pages: int) -> int:
+        """Leading pages of a read of `pages` that arrived `elapsed_s` after it started."""
+        if elapsed_s < self.first_byte_s:
+            return 0
+        if self.per_page_s <= 0:
+            return pages
+        return min(pages, int((elapsed_s - self.first_byte_s) / self.per_page_s))
 
-    def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
-        if len(keys) != len(pages):
-            raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
-        for k, p in zip(keys, pages, strict=True):
-            if p.nbytes != self.page_nbytes:
-                raise ValueError(f"put: page of {p.nbytes} bytes, expected {self.page_nbytes}")
-            self._pages[k] = p.tobytes()
-        self._stats["puts"] += len(keys)
-        while self.max_pages and len(self._pages) > self.max_pages:
-            del self._pages[next(iter(self._pages))]
-            self._stats["evicted"] += 1
-        return len(keys)
 
-    def delete(self, keys: Sequence[int]) -> int:
-        return sum(self._pages.pop(k, None) is not None for k in keys)
-
-    def stats(self) -> dict[str, int | float]:
-        return {
-            **self._stats,
-            "pages": len(self._pages),
-            "bytes": len(self._pages) * self.page_nbytes,
-        }
-
-    def close(self) -> None:
-        self._pages.clear()
-
-    def check_integrity(self) -> None:
-        assert all(len(v) == self.page_nbytes for v in self._pages.values()), (
-            "page of the wrong size"
-        )
-        assert not self.max_pages or len(self._pages) <= self.max_pages, "over capacity"
+@dataclass
+class _Pending:
+    result: int  # pages the storage really read/wrote OK
+    started_s: float
+    ready_s: float
 
 
 class SyntheticMover:
-    """PageMover for replays: instant L1/L2 moves, real checked L3 reads and writes."""
+    """PageMover for replays: instant L1/L2 moves and backups, checked L3 reads that take
+    `latency` on the replay's `clock` (probes pay the first byte, prefetches every page)."""
 
-    def __init__(self, storage: StorageBackend | None, page_nbytes: int) -> None:
+    def __init__(
+        self,
+        storage: StorageBackend | None,
+        page_nbytes: int,
+        latency: StorageLatency | None = None,
+        clock: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.storage, self.page_nbytes = storage, page_nbytes
+        self.latency, self.clock = latency or StorageLatency(), clock
         self.corrupt_pages = 0
 
     def submit(self, op: TransferOp) -> None:
@@ -104,7 +75,9 @@ class SyntheticMover:
             if self.storage is None:
                 raise ValueError(f"{op.kind} op submitted without a storage backend")
             ok = self._storage_op(op)
-        op.handle = ok  # the op finished here: poll reads the count back
+        now = self.clock()
+        delay = {PROBE: self.latency.first_byte_s, PREFETCH: self.latency.done_after(ok)}
+        op.handle = _Pending(ok, now, now + delay.get(op.kind, 0.0))
 
     def _storage_op(self, op: TransferOp) -> int:
         assert self.storage is not None
@@ -122,10 +95,17 @@ class SyntheticMover:
         return got
 
     def poll(self, op: TransferOp) -> int | None:
-        return op.handle if isinstance(op.handle, int) else None
+        p = op.handle
+        assert isinstance(p, _Pending), "op was not submitted here"
+        return p.result if self.clock() >= p.ready_s else None
 
     def cancel(self, op: TransferOp) -> None:
-        """Moves finish at submission, so there is nothing left to stop."""
+        """A stopped prefetch ends now with the pages that have arrived."""
+        p = op.handle
+        assert isinstance(p, _Pending), "op was not submitted here"
+        now = self.clock()
+        if now < p.ready_s:
+            op.handle = _Pending(self.latency.landed(now - p.started_s, p.result), p.started_s, now)
 
     def release(self, op: TransferOp) -> None:
         """Nothing is kept per op beyond op.handle, which goes with the op."""

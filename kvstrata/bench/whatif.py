@@ -24,14 +24,17 @@ ROWS: tuple[str, ...] = ("off", "L1", "L1+L2", "L1+L2+L3")
 
 def row_config(row: str, base: ReplayConfig) -> ReplayConfig | None:
     """The replay config of one ablation row (None: cache off, nothing to replay)."""
+    c = base.cache
     if row == "off":
         return None
     if row == "L1":
-        return dataclasses.replace(base, l2_tokens=0, l3="off")
+        return dataclasses.replace(base, cache=dataclasses.replace(c, host_pages=0, storage_url=""))
     if row == "L1+L2":
-        return dataclasses.replace(base, l3="off")
+        return dataclasses.replace(base, cache=dataclasses.replace(c, storage_url=""))
     if row == "L1+L2+L3":
-        return dataclasses.replace(base, l3="mem" if base.l3 == "off" else base.l3)
+        return dataclasses.replace(
+            base, cache=dataclasses.replace(c, storage_url=c.storage_url or "mem://")
+        )
     raise ValueError(f"unknown ablation row {row!r}; known: {', '.join(ROWS)}")
 
 
@@ -52,11 +55,16 @@ def default_topologies(main: Topology, model: ModelSpec) -> list[Topology]:
 def with_capacities(
     base: ReplayConfig, cost: CostModel, l1: int | None, l2: int | None
 ) -> ReplayConfig:
-    """Fill unset capacities from what the main topology's HBM and host DRAM can hold."""
+    """Fill unset capacities (tokens) from what the main topology's HBM and host DRAM hold."""
     hbm, dram = cost.capacity_tokens()
-    return dataclasses.replace(
-        base, l1_tokens=hbm if l1 is None else l1, l2_tokens=dram if l2 is None else l2
+    page = base.page_size
+    device = (hbm if l1 is None else l1) // page
+    host = (dram if l2 is None else l2) // page
+    c = base.cache
+    cache = dataclasses.replace(
+        c, device_pages=device, host_pages=host, storage_url=c.storage_url if host else ""
     )
+    return dataclasses.replace(base, cache=cache)
 
 
 def whatif(
@@ -88,9 +96,9 @@ def whatif(
         "topology": main.label,
         "time_scale": time_scale,
         "capacity_tokens": {
-            "L1": base.l1_tokens,
-            "L2": base.l2_tokens,
-            "L3": base.l3_tokens or "unbounded",
+            "L1": base.cache.device_pages * base.page_size,
+            "L2": base.cache.host_pages * base.page_size,
+            "L3": "unbounded",
         },
         **summarize(main_timings),
         "hit_rate": top["hit_rate"],

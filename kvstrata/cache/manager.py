@@ -111,6 +111,7 @@ class HiCache:
         at = 0
         for node in m.host_nodes:
             assert node.host is not None and node.device is None
+            node.pins += 1  # the copy writes these device pages until it is applied
             node.device = ids[at : at + len(node)]
             src.extend(node.host)
             at += len(node)
@@ -180,7 +181,7 @@ class HiCache:
             if op.kind != PROBE:
                 self.counters.record_move(op.kind, op.pages, ok)
             {
-                LOAD: _noop,
+                LOAD: self._load_done,
                 STORE: self._store_done,
                 BACKUP: self._backup_done,
                 PROBE: _noop,
@@ -222,6 +223,11 @@ class HiCache:
     def _demote(self, node: Node, host_ids: list[int]) -> None:
         assert node.device is not None
         self._submit(TransferOp(STORE, list(node.device), host_ids, node=node, evict_after=True))
+
+    def _load_done(self, op: TransferOp, ok: int) -> None:
+        for node in _covering(op):
+            node.pins -= 1
+            self.tiers.touched(node)
 
     def _store_done(self, op: TransferOp, ok: int) -> None:
         nodes = _covering(op)
@@ -268,33 +274,12 @@ class HiCache:
         self.counters.prefetch["complete" if ok == op.pages else "partial" if ok else "empty"] += 1
         spare = list(op.dst[ok:])
         if ok:
-            spare += self._insert_host(parent, op.keys[:ok], op.dst[:ok])
+            for node, fresh in self.tree.insert_host(parent, op.keys[:ok], op.dst[:ok], spare):
+                if fresh:
+                    self.tiers.touched(node)
         if spare:
             self.tiers.host.free(spare)  # type: ignore[union-attr]
         self.tiers.touched(parent)
-
-    def _insert_host(self, parent: Node, keys: list[int], host_ids: list[int]) -> list[int]:
-        """Hang prefetched pages under `parent` as host-only (stored) pages; returns unused ids."""
-        node, i, spare = parent, 0, []
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                leaf = Node(node, keys[i:], None, list(host_ids[i:]), self.tree.clock)
-                leaf.in_storage = True
-                node.children[keys[i]] = leaf
-                self.tiers.touched(leaf)
-                return spare
-            n = _common_prefix(child.keys, keys, i)
-            if n < len(child):
-                child = self.tree.split(child, n)
-            if child.host is None:
-                child.host = list(host_ids[i : i + n])
-                self.tiers.touched(child)
-            else:
-                spare.extend(host_ids[i : i + n])
-            child.in_storage = True
-            node, i = child, i + n
-        return spare
 
     # ---- integrity ----------------------------------------------------------------------------
     def accounting(self) -> dict[str, dict[str, int]]:
@@ -352,8 +337,7 @@ class HiCache:
 
 
 def _noop(op: TransferOp, ok: int) -> None:
-    """Loads and probes change no tree state: load pages were placed at submission (the engine
-    waited per layer), and a probe's answer is op.agreed."""
+    """A probe changes no tree state: its answer is op.agreed."""
 
 
 def _covering(op: TransferOp) -> list[Node]:
@@ -366,13 +350,6 @@ def _covering(op: TransferOp) -> list[Node]:
         node = node.parent
     assert pages == op.pages, "op pages do not align with node edges"
     return nodes[::-1]
-
-
-def _common_prefix(edge: list[int], keys: list[int], start: int) -> int:
-    n = 0
-    while n < len(edge) and start + n < len(keys) and edge[n] == keys[start + n]:
-        n += 1
-    return n
 
 
 def _check_pool(name: str, used: list[int], alloc: Allocator) -> None:

@@ -175,6 +175,37 @@ class RadixTree:
             node, i = child, i + n
         return node, spare
 
+    def insert_host(
+        self, parent: Node, keys: list[int], host_ids: list[int], spare: list[int]
+    ) -> list[tuple[Node, bool]]:
+        """Hang pages read from storage under `parent` as host pages marked stored.
+
+        Returns the nodes walked, each with True where it got its host ids here; the ids of
+        pages that already had a host copy are appended to `spare` for the caller to free.
+        """
+        assert len(keys) == len(host_ids), "one host page per key"
+        node, i, walked = parent, 0, []
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                leaf = Node(node, keys[i:], None, list(host_ids[i:]), self.clock)
+                leaf.in_storage = True
+                node.children[keys[i]] = leaf
+                walked.append((leaf, True))
+                return walked
+            n = _common_len(child.keys, keys, i)
+            if n < len(child):
+                child = self.split(child, n)
+            fresh = child.host is None
+            if fresh:
+                child.host = list(host_ids[i : i + n])
+            else:
+                spare.extend(host_ids[i : i + n])
+            child.in_storage = True
+            walked.append((child, fresh))
+            node, i = child, i + n
+        return walked
+
     def remove_leaf(self, node: Node) -> None:
         """Unlink a leaf that has left every tier."""
         assert not node.children and node.parent is not None, "only leaves are removed"

@@ -10,6 +10,7 @@ from rich.progress import Progress
 
 from kvstrata.bench.replay import ReplayConfig, replay
 from kvstrata.bench.report import hit_rate_png, replay_table, write_json
+from kvstrata.cache.config import CacheConfig
 from kvstrata.configtools import add_config_args
 from kvstrata.workloads.generated import AgentConfig, MultiTurnConfig, coding_agent, multi_turn
 from kvstrata.workloads.trace import Trace, read_mooncake
@@ -59,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_trace_args(p)
     p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--png", type=Path, default=None, help="write the hit-rate-over-time plot here")
+    add_config_args(p, CacheConfig)
     add_config_args(p, ReplayConfig)
     p.set_defaults(func=run)
 
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.configtools import config_from_args
 
     console = Console(stderr=True)
-    cfg = config_from_args(ReplayConfig, args)
+    cfg = config_from_args(ReplayConfig, args, cache=config_from_args(CacheConfig, args))
     trace = load_trace(args, console)
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"replay {len(trace)} requests", total=len(trace))

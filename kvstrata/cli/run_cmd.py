@@ -161,7 +161,7 @@ def run_config(
             finished = eng.step()
             for req in finished:
                 results.append(
-                    TurnResult(session_of(req.rid), turn_of(req.rid), req, cache_cfg.page_size)
+                    TurnResult.of(session_of(req.rid), turn_of(req.rid), req, cache_cfg.page_size)
                 )
                 if on_done is not None:
                     on_done()
@@ -195,9 +195,10 @@ def run_config_ranks(
     rank0, results = reports[0], []
     for rid, output in rank0["outputs"].items():
         s, k = session_of(rid), turn_of(rid)
-        req = Request(rid, prompts[s][k], max_new)
-        req.output, req.hits, req.first_token_s = output, rank0["hits"][rid], rank0["ttft"][rid]
-        results.append(TurnResult(s, k, req, cache_cfg.page_size))
+        hits, ttft = rank0["hits"][rid], rank0["ttft"][rid]
+        results.append(
+            TurnResult(s, k, rid, len(prompts[s][k]), output, hits, ttft, cache_cfg.page_size)
+        )
     return results, rank0["counters"]
 
 

@@ -13,6 +13,7 @@ from kvstrata.bench.hardware import MODELS, PROFILES, get_model, get_profile
 from kvstrata.bench.replay import ReplayConfig
 from kvstrata.bench.report import ablation_table, decomposition_table, write_json
 from kvstrata.bench.whatif import CostModel, whatif, with_capacities
+from kvstrata.cache.config import CacheConfig
 from kvstrata.cli.replay_cmd import add_trace_args, load_trace
 
 
@@ -57,6 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=64, help="tokens per page")
     p.add_argument("--eviction", default="lru", help="eviction policy")
     p.add_argument("--write-policy", default="write_through", help="write policy")
+    p.add_argument(
+        "--prefetch-policy",
+        default="timeout",
+        help="L3 -> L2 prefetch policy: best_effort, wait_complete, timeout",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
     p.set_defaults(func=run)
 
@@ -71,9 +77,14 @@ def run(args: argparse.Namespace) -> int:
     tops = [Topology.parse(t) for t in args.ablate.split(";")] if args.ablate else None
     for t in tops or []:
         t.check(model)
-    base = ReplayConfig(
-        page_size=args.page_size, l3=args.l3, eviction=args.eviction, write_policy=args.write_policy
+    cache = CacheConfig(
+        page_size=args.page_size,
+        storage_url="mem://" if args.l3 == "mem" else args.l3,
+        eviction=args.eviction,
+        write_policy=args.write_policy,
+        prefetch_policy=args.prefetch_policy,
     )
+    base = ReplayConfig(cache=cache)
     base = with_capacities(base, cost, args.l1_tokens, args.l2_tokens)
     trace = load_trace(args, console)
     with Progress(console=console, transient=True) as bar:

@@ -1,141 +1,88 @@
-"""Admission of waiting requests through the cache: match, L3 probe/prefetch, L2 load, L1 pages.
+"""Admission of waiting requests: each drives its cache lease (kvstrata.cache.lease) to a start.
 
 Every decision here depends only on agreed state (the tree, agreed op results, the agreed step
-clock), so all ranks admit the same requests with the same pages in the same order. The head of
-the queue is admitted first; a request that does not fit waits, and so do those behind it.
+clock), so all ranks admit the same requests with the same pages in the same order.
+
+No head-of-line blocking: the first `lookahead` waiting requests advance their leases (match,
+L3 probe, prefetch) at once; a request still waiting on storage is passed over, and the ready
+ones behind it are admitted in arrival order while slots and pages last. Among ready requests
+admission stays first come first served: a ready request that does not fit stops the scan, so a
+large request is not starved by small ones behind it.
 """
 
 from __future__ import annotations
 
 from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.cache.lease import Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.request import Request, State
 from kvstrata.memory.allocator import PageAllocator
 
 
 class Admission:
-    """Moves requests from waiting to prefill; owns the request <-> cache bookkeeping."""
+    """Moves requests from waiting to prefill and keeps their leases' keys up to date."""
 
     def __init__(
-        self, cache: HiCache | None, allocator: PageAllocator, namespace: Namespace, vocab_size: int
+        self,
+        cache: HiCache | None,
+        allocator: PageAllocator,
+        namespace: Namespace,
+        vocab_size: int,
+        lookahead: int = 4,
     ) -> None:
+        if lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, got {lookahead}")
         self.cache = cache
-        self.allocator = allocator  # used directly only when the cache is off
+        self.allocator = allocator  # the lease allocates from it directly when the cache is off
         self.ns = namespace
         self.page = namespace.page_size
         self.vocab_size = vocab_size
+        self.lookahead = lookahead
 
     def advance(self, waiting: list[Request], now_s: float, slots: int) -> list[Request]:
-        """Admit up to `slots` requests that fit, from the head of `waiting`."""
+        """Admit up to `slots` ready requests that fit, in arrival order (see module doc)."""
         admitted: list[Request] = []
-        for i, req in enumerate(waiting):
-            if not self._prepare(req, now_s, can_schedule=slots > 0 and i == 0):
+        for req in waiting[: self.lookahead]:
+            lease = req.lease if req.lease is not None else self._open(req)
+            if not lease.advance(now_s, can_schedule=slots > 0):
+                continue  # waiting on L3: the ready requests behind it go first
+            if slots <= 0 or not lease.admit():
                 break
-            if slots <= 0 or not self._admit(req):
-                break
+            req.computed = lease.hit_tokens
+            req.state = State.PREFILL
             admitted.append(req)
             slots -= 1
         return admitted
 
-    # ---- L3 ------------------------------------------------------------------------------------
-    def _prepare(self, req: Request, now_s: float, can_schedule: bool) -> bool:
-        """Run the match / probe / prefetch steps; True once the request may be admitted."""
-        cache = self.cache
-        if cache is None:
-            return True
-        if req.match is None:
-            # the last prompt token is always computed, so its page is never a hit
-            usable = (len(req.tokens) - 1) // self.page
-            req.keys = page_keys(req.tokens[: usable * self.page], self.ns, self.vocab_size)
-            self._rematch(req)
-            req.probe = cache.start_probe(req.keys[req.match.pages :])  # type: ignore[union-attr]
-            req.state = State.PROBING if req.probe is not None else State.WAITING
-        if req.state is State.PROBING:
-            if req.probe.agreed is None:  # type: ignore[union-attr]
-                return False
-            n = req.probe.agreed  # type: ignore[union-attr]
-            start = req.match.pages  # type: ignore[union-attr]
-            req.prefetch = (
-                cache.start_prefetch(req.keys[start : start + n], req.locked, now_s) if n else None
-            )
-            req.state = State.PREFETCHING if req.prefetch is not None else State.WAITING
-        if req.state is State.PREFETCHING:
-            op = req.prefetch
-            assert op is not None
-            if op.agreed is None:
-                if cache.prefetch_should_stop(op, now_s, can_schedule):
-                    cache.stop_prefetch(op)
-                return False
-            req.l3_pages = op.agreed
-            self._rematch(req)
-            req.state = State.WAITING
-        return True
+    def _open(self, req: Request) -> Lease:
+        """The request's lease, keyed by the full pages of its prompt."""
+        n_full = len(req.tokens) // self.page
+        keys = page_keys(req.tokens[: n_full * self.page], self.ns, self.vocab_size)
+        req.lease = Lease(
+            self.cache,
+            keys,
+            len(req.tokens),
+            req.pages_needed(self.page),
+            self.page,
+            allocator=self.allocator,
+        )
+        return req.lease
 
-    def _rematch(self, req: Request) -> None:
-        assert self.cache is not None
-        if req.locked is not None:
-            self.cache.unlock(req.locked)
-        req.match = self.cache.match(req.keys)
-        req.locked = req.match.last_node
-        self.cache.lock(req.locked)  # type: ignore[arg-type]
-
-    # ---- L1 -------------------------------------------------------------------------------------
-    def _admit(self, req: Request) -> bool:
-        """Give the request every device page it needs (loads included), or nothing."""
-        total = req.pages_needed(self.page)
-        if self.cache is None:
-            ids = self.allocator.alloc(total)
-            if ids is None:
-                return False
-            req.page_table = ids
-        else:
-            m = req.match
-            assert m is not None
-            new = self.cache.alloc_device(total - m.pages)
-            if new is None:
-                return False
-            load = self.cache.load_host(m)
-            if load is None:
-                self.cache.free_device(new)
-                return False
-            req.load = load
-            req.page_table = m.device_ids + load.dst + new
-            req.computed = m.pages * self.page
-            req.hits = {"L1": m.device_pages, "L2": m.host_pages - req.l3_pages, "L3": req.l3_pages}
-            self.cache.counters.record_request(
-                len(req.keys), m.device_pages, m.host_pages - req.l3_pages, req.l3_pages
-            )
-        req.state = State.PREFILL
-        return True
-
-    # ---- completion -----------------------------------------------------------------------------
     def cache_pages(self, req: Request, final: bool) -> None:
-        """Insert the request's full pages; at the end also release everything it holds."""
-        if self.cache is None:
-            if final:
-                self.allocator.free(req.page_table)
-            return
+        """Share the request's full computed pages; at the end release everything it holds."""
+        lease = req.lease
+        assert lease is not None, f"request {req.rid} was never admitted"
         n_full = req.computed // self.page
-        keys = self._keys_upto(req, n_full)
-        if keys:
-            node = self.cache.insert(keys, req.page_table[:n_full])
-            self.cache.lock(node)
-            self.cache.unlock(req.locked)  # type: ignore[arg-type]
-            req.locked = node
-            # pages another request cached first were freed by insert: use the tree's copies
-            req.page_table[:n_full] = self.cache.tree.match(keys, touch=False).device_ids
+        if self.cache is not None and n_full > len(lease.keys):
+            parent = lease.keys[-1] if lease.keys else None
+            more = req.all_tokens[len(lease.keys) * self.page : n_full * self.page]
+            lease.extend_keys(page_keys(more, self.ns, self.vocab_size, parent_key=parent))
+        lease.commit(req.computed)
         if final:
-            self.cache.unlock(req.locked)  # type: ignore[arg-type]
-            req.locked = None
-            self.cache.free_device(req.page_table[n_full:])
-            req.page_table = req.page_table[:n_full]
+            lease.release()
 
-    def _keys_upto(self, req: Request, n_pages: int) -> list[int]:
-        """Page keys of the first n_pages of the request's tokens (prompt keys reused)."""
-        keys = req.keys[:n_pages]
-        if len(keys) < n_pages:
-            parent = keys[-1] if keys else None
-            more = req.all_tokens[len(keys) * self.page : n_pages * self.page]
-            keys = keys + page_keys(more, self.ns, self.vocab_size, parent_key=parent)
-            req.keys = keys
-        return keys
+    def abort(self, req: Request) -> None:
+        """Drop a request in any state: its lease gives back every page and lock at once."""
+        if req.lease is not None:
+            req.lease.release()
+        req.state = State.DONE

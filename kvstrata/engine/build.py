@@ -77,7 +77,9 @@ def build_engine(
         model.fingerprint, shape.dtype, tenant_salt=tenant, page_size=cache_cfg.page_size
     )
     if config.tiers == "none":
-        admission = Admission(None, pool.allocator, ns, model.vocab_size)
+        admission = Admission(
+            None, pool.allocator, ns, model.vocab_size, config.admission_lookahead
+        )
         return Built(Engine(model, pool, None, admission, config, agree, decisions=decisions), None)
     host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
     storage = None
@@ -94,6 +96,6 @@ def build_engine(
         has_storage=storage is not None,
         page_nbytes=shape.page_nbytes,
     )
-    admission = Admission(cache, pool.allocator, ns, model.vocab_size)
+    admission = Admission(cache, pool.allocator, ns, model.vocab_size, config.admission_lookahead)
     engine = Engine(model, pool, cache, admission, config, agree, decisions=decisions)
     return Built(engine, mover)

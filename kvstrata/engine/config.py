@@ -25,12 +25,15 @@ class EngineConfig:
     chunk_tokens: int = doc(1024, "prefill chunk: new tokens per sequence per forward")
     max_batch_tokens: int = doc(2048, "new tokens per forward across the batch")
     max_running: int = doc(8, "requests decoding at once")
+    admission_lookahead: int = doc(
+        4, "waiting requests whose leases match, probe and prefetch at once (no head-of-line wait)"
+    )
     threads: int = doc(0, "torch CPU threads; 0 = torch's default")
 
     def __post_init__(self) -> None:
         if self.tiers not in TIER_SETS:
             raise ValueError(f"tiers must be one of {', '.join(TIER_SETS)}, got {self.tiers!r}")
-        for name in ("chunk_tokens", "max_batch_tokens", "max_running"):
+        for name in ("chunk_tokens", "max_batch_tokens", "max_running", "admission_lookahead"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.chunk_tokens > self.max_batch_tokens:

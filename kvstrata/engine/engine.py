@@ -141,6 +141,16 @@ class Engine:
             time.sleep(0.0005)  # only waiting on copies or storage: don't spin hot
         return finished
 
+    def abort(self, rid: str) -> bool:
+        """Stop a waiting or running request now; its pages and locks go back at once."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self.admission.abort(req)
+                    return True
+        return False
+
     def drain(self) -> None:
         if self.cache is not None:
             self.cache.drain()
@@ -165,7 +175,7 @@ class Engine:
         batch = SeqBatch.build(
             [t for _, t in work], [r.computed for r, _ in work], [r.page_table for r, _ in work]
         )
-        loads = [r.load.handle for r, _ in work if r.load is not None and r.load.handle is not None]
+        loads = [r.lease.load.handle for r, _ in work if _pending_load(r)]
 
         def wait_layer(layer: int) -> None:
             for handle in loads:  # layer l's pages arrived from L2 before layer l reads them
@@ -176,9 +186,11 @@ class Engine:
         )
         finished = []
         for (req, toks), row in zip(work, logits, strict=True):
-            req.load = None
+            assert req.lease is not None
+            req.lease.load = None  # waited for, layer by layer, in this forward
             req.computed += len(toks)
             if req.state is State.PREFILL and req.computed < len(req.tokens):
+                self.admission.cache_pages(req, final=False)  # finished pages: shared at once
                 continue  # more prompt chunks to go
             if self._emit(req, row):
                 finished.append(req)
@@ -212,3 +224,9 @@ class Engine:
             assert all(not self.pool.allocator.is_free(p) for p in req.page_table), (
                 "running on a free page"
             )
+
+
+def _pending_load(req: Request) -> bool:
+    """The request's L2 -> L1 copy has not been waited for yet."""
+    lease = req.lease
+    return lease is not None and lease.load is not None and lease.load.handle is not None

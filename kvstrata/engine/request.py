@@ -1,4 +1,4 @@
-"""A request's life in the engine: waiting (probe, prefetch) -> prefill -> decode -> done."""
+"""A request's life in the engine: waiting (its cache lease) -> prefill -> decode -> done."""
 
 from __future__ import annotations
 
@@ -7,14 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.cache.ops import TransferOp
-from kvstrata.cache.radix import Match, Node
+from kvstrata.cache.lease import Hits, Lease
 
 
 class State(enum.Enum):
-    WAITING = "waiting"  # not matched yet, or waiting for L1 room
-    PROBING = "probing"  # asked storage how much of the prompt it holds
-    PREFETCHING = "prefetching"  # L3 -> L2 copy under way
+    WAITING = "waiting"  # its lease matches, probes L3, prefetches, or waits for L1 room
     PREFILL = "prefill"
     DECODE = "decode"
     DONE = "done"
@@ -33,24 +30,27 @@ class Request:
 
     # --- engine state -------------------------------------------------------------------------
     state: State = State.WAITING
-    keys: list[int] = field(default_factory=list)  # page keys of the cacheable prompt pages
-    match: Match | None = None
-    locked: Node | None = None  # the tree node this request holds locked
-    probe: TransferOp | None = None
-    prefetch: TransferOp | None = None
-    load: TransferOp | None = None  # L2 -> L1 copy the first forward waits on, layer by layer
-    page_table: list[int] = field(default_factory=list)  # device page of each logical page
+    lease: Lease | None = None  # the request's way through the cache (kvstrata.cache.lease)
     computed: int = 0  # tokens whose KV is in the pool
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] per produced token
-    hits: dict[str, int] = field(default_factory=lambda: {"L1": 0, "L2": 0, "L3": 0})
-    l3_pages: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
 
     @property
     def all_tokens(self) -> list[int]:
         return self.tokens + self.output
+
+    @property
+    def page_table(self) -> list[int]:
+        """Device page of each logical page (empty before admission and after release)."""
+        return self.lease.page_table if self.lease is not None else []
+
+    @property
+    def hits(self) -> dict[str, int]:
+        """Prompt pages served by each tier: L1 (device), L2 (host), L3 (storage)."""
+        h = self.lease.hits if self.lease is not None else Hits()
+        return {"L1": h.device, "L2": h.host, "L3": h.storage}
 
     @property
     def ttft_s(self) -> float:

@@ -124,7 +124,9 @@ class RankEngine:
         self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
         ns = Namespace(full.fingerprint, shape.dtype, page_size=cache_cfg.page_size)
         self.cache, self.mover = self._cache(engine_cfg, cache_cfg, storage_cfg, rp.part)
-        admission = Admission(self.cache, self.pool.allocator, ns, full.vocab_size)
+        admission = Admission(
+            self.cache, self.pool.allocator, ns, full.vocab_size, engine_cfg.admission_lookahead
+        )
         self.log = DecisionLog.from_config(ctx.config, ctx.rank)
         self.consensus: StepConsensus | None = None
         if self.cache is not None:

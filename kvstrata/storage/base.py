@@ -132,7 +132,11 @@ class StorageBackend(Protocol):
 BackendFactory = Callable[[str, int, StorageConfig], StorageBackend]
 STORAGE_BACKENDS: Registry[StorageBackend] = Registry("storage URL scheme")
 # Built-in backends register themselves on import; imported lazily so `base` has no cycles.
-_BUILTIN_MODULES = ("kvstrata.storage.file_store", "kvstrata.storage.redis_store")
+_BUILTIN_MODULES = (
+    "kvstrata.storage.file_store",
+    "kvstrata.storage.redis_store",
+    "kvstrata.storage.memory_store",
+)
 
 
 def url_scheme(url: str) -> str:

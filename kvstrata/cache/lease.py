@@ -1,0 +1,231 @@
+"""One request's way through the cache: a tensor-free lease, advanced at step boundaries.
+
+    NEW --match+lock--> PROBING --agreed L3 answer--> PREFETCHING --landed or stopped--> READY
+                     \\______________ (nothing to ask L3) _______________________________/
+    READY --admit(): device pages for the rest + the L2 -> L1 load, all or nothing--> ADMITTED
+    ADMITTED --commit(tokens) as prefill goes: full computed pages join the tree-->
+    --release(): unlock, free what the tree did not take--> RELEASED
+
+The engine's admission, trace replay, the simulator and the tests all drive this object; none
+re-spells its steps. Every transition reads agreed state only (the tree, agreed op results and
+the agreed clock passed in), so every rank moves every lease the same way.
+
+Rules that live here, once:
+- the page holding the last prompt token is never a hit: its logits must be computed;
+- hits per tier come from the final match: L1 pages, L2 pages, and the L2 pages that this
+  lease's own prefetch brought from L3 count as L3;
+- admission is all or nothing: a lease either owns every device page it needs or none.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvstrata.cache.manager import HiCache
+from kvstrata.cache.ops import TransferOp
+from kvstrata.cache.radix import Match, Node
+from kvstrata.cache.tiers import Allocator
+
+
+def hittable_pages(prompt_tokens: int, page_size: int) -> int:
+    """Full pages a prompt may take from the cache (its last token is always computed)."""
+    return max(0, prompt_tokens - 1) // page_size
+
+
+class LeaseState(enum.Enum):
+    NEW = "new"
+    PROBING = "probing"  # asked L3 how many of the pages after the L1+L2 prefix it holds
+    PREFETCHING = "prefetching"  # L3 -> L2 copy under way, under the prefetch policy
+    READY = "ready"  # matched; may be admitted
+    ADMITTED = "admitted"  # owns its device pages; prefill/decode running
+    RELEASED = "released"
+
+
+@dataclass(frozen=True)
+class Hits:
+    """Prompt pages served by each tier (the rest is computed)."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+    @property
+    def pages(self) -> int:
+        return self.device + self.host + self.storage
+
+
+class Lease:
+    """A request's hold on cache pages, from first match to release.
+
+    `keys` are the chained keys of the request's full pages known so far (at least those the
+    prompt may hit; `extend_keys` adds pages of generated tokens). `pages_needed` is every device
+    page the request will write or read. Without a cache (`cache is None`) the lease only
+    allocates from `allocator` and never matches or inserts.
+    """
+
+    def __init__(
+        self,
+        cache: HiCache | None,
+        keys: list[int],
+        prompt_tokens: int,
+        pages_needed: int,
+        page_size: int,
+        allocator: Allocator | None = None,
+    ) -> None:
+        if cache is None and allocator is None:
+            raise ValueError("a lease without a cache needs a page allocator")
+        self.cache, self.allocator = cache, allocator
+        self.page = page_size
+        self.keys = list(keys)
+        self.match_pages = min(len(self.keys), hittable_pages(prompt_tokens, page_size))
+        self.pages_needed = pages_needed
+        self.state = LeaseState.NEW
+        self.match: Match | None = None
+        self.locked: Node | None = None  # the deepest node this lease holds locked
+        self.probe: TransferOp | None = None
+        self.prefetch: TransferOp | None = None
+        self.load: TransferOp | None = None  # L2 -> L1 copy the first forward waits on
+        self.page_table: list[int] = []  # device page of each logical page once admitted
+        self.inserted = 0  # leading pages of page_table that the tree owns
+        self.from_storage = 0  # pages this lease's prefetch landed in L2
+        self.hits = Hits()
+
+    # ---- before admission ---------------------------------------------------------------------
+    @property
+    def waiting_on_storage(self) -> bool:
+        return self.state in (LeaseState.PROBING, LeaseState.PREFETCHING)
+
+    def advance(self, now_s: float, can_schedule: bool) -> bool:
+        """Take every step agreed state allows; True once the lease may be admitted."""
+        cache = self.cache
+        if self.state is LeaseState.NEW:
+            if cache is None:
+                self.state = LeaseState.READY
+                return True
+            self._rematch()
+            self.probe = cache.start_probe(self._after_match())
+            self.state = LeaseState.PROBING if self.probe else LeaseState.READY
+        if self.state is LeaseState.PROBING:
+            if self.probe is None or self.probe.agreed is None:
+                return False
+            self._start_prefetch(now_s)
+        if self.state is LeaseState.PREFETCHING:
+            op = self.prefetch
+            assert cache is not None and op is not None
+            if op.agreed is None:
+                if cache.prefetch_should_stop(op, now_s, can_schedule):
+                    cache.stop_prefetch(op)
+                return False
+            self.from_storage = op.agreed
+            self._rematch()
+            self.state = LeaseState.READY
+        return self.state is not LeaseState.RELEASED
+
+    def _after_match(self) -> list[int]:
+        assert self.match is not None
+        return self.keys[self.match.pages : self.match_pages]
+
+    def _start_prefetch(self, now_s: float) -> None:
+        assert self.cache is not None and self.probe is not None and self.locked is not None
+        n = self.probe.agreed or 0
+        want = self._after_match()[:n]
+        self.prefetch = self.cache.start_prefetch(want, self.locked, now_s) if want else None
+        self.state = LeaseState.PREFETCHING if self.prefetch else LeaseState.READY
+
+    def _rematch(self) -> None:
+        assert self.cache is not None
+        if self.locked is not None:
+            self.cache.unlock(self.locked)
+        self.match = self.cache.match(self.keys[: self.match_pages])
+        self.locked = self.match.last_node
+        self.cache.lock(self.locked)  # type: ignore[arg-type]
+
+    # ---- admission ----------------------------------------------------------------------------
+    def admit(self) -> bool:
+        """Own every device page the request needs and start the L2 -> L1 load, or nothing.
+
+        False: L1 cannot hold it now (the caller retries at a later step, or gives up when
+        nothing it runs can free pages); the lease stays READY and keeps its lock.
+        """
+        assert self.state is LeaseState.READY, f"admit in state {self.state.value}"
+        if self.cache is None:
+            assert self.allocator is not None
+            ids = self.allocator.alloc(self.pages_needed)
+            if ids is None:
+                return False
+            self.page_table = ids
+        elif not self._admit_cached():
+            return False
+        self.state = LeaseState.ADMITTED
+        return True
+
+    def _admit_cached(self) -> bool:
+        cache, m = self.cache, self.match
+        assert cache is not None and m is not None
+        new = cache.alloc_device(self.pages_needed - m.pages)
+        if new is None:
+            return False
+        load = cache.load_host(m)
+        if load is None:
+            cache.free_device(new)
+            return False
+        self.load = load
+        self.page_table = m.device_ids + load.dst + new
+        self.inserted = m.pages  # matched and loaded pages already belong to the tree
+        storage = min(self.from_storage, m.host_pages)
+        self.hits = Hits(m.device_pages, m.host_pages - storage, storage)
+        cache.counters.record_request(self.match_pages, *self._hit_tuple())
+        return True
+
+    def _hit_tuple(self) -> tuple[int, int, int]:
+        return self.hits.device, self.hits.host, self.hits.storage
+
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens whose KV the cache provides (prefill starts here)."""
+        return self.hits.pages * self.page
+
+    # ---- while running ------------------------------------------------------------------------
+    def extend_keys(self, more: list[int]) -> None:
+        """Keys of further full pages (generated tokens), chained after `keys`."""
+        self.keys.extend(more)
+
+    def commit(self, computed_tokens: int) -> None:
+        """Hand the full pages among the first `computed_tokens` to the tree (shared from now)."""
+        n_full = min(computed_tokens // self.page, len(self.keys), len(self.page_table))
+        if self.cache is None or n_full <= self.inserted:
+            return
+        keys = self.keys[:n_full]
+        node = self.cache.insert(keys, self.page_table[:n_full])
+        self.cache.lock(node)
+        if self.locked is not None:
+            self.cache.unlock(self.locked)
+        self.locked = node
+        # a page another request cached first was freed by insert: use the tree's copy
+        self.page_table[:n_full] = self.cache.tree.match(keys, touch=False).device_ids
+        self.inserted = n_full
+
+    def release(self) -> None:
+        """Give back everything: unlock the prefix, free pages the tree did not take.
+
+        Safe in any state (a request aborted while probing, prefetching or running). A
+        prefetch still under way is stopped; its pages land (or not) at a later agreed step.
+        """
+        if self.state is LeaseState.RELEASED:
+            return
+        cache = self.cache
+        if cache is None:
+            if self.page_table:
+                assert self.allocator is not None
+                self.allocator.free(self.page_table)
+        else:
+            if self.prefetch is not None and self.prefetch.agreed is None:
+                cache.stop_prefetch(self.prefetch)
+            if self.locked is not None:
+                cache.unlock(self.locked)
+            if self.page_table[self.inserted :]:
+                cache.free_device(self.page_table[self.inserted :])
+        self.page_table = self.page_table[: self.inserted]
+        self.locked = None
+        self.state = LeaseState.RELEASED
