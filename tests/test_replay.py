@@ -171,3 +171,35 @@ def test_sample_trace_ceiling_equals_block_level_computation() -> None:
     assert rep["ceiling"] == expect / trace.prompt_tokens
     tiers = res.hit_tokens_by_tier()
     assert sum(tiers.values()) == expect and tiers["L3"] > 0 and tiers["L2"] > 0
+
+
+def _l3_only_trace() -> Trace:
+    """Request A (80 pages), three 80-page fillers that push A out of L1 and L2, then A again."""
+    a = tuple(range(10))  # 10 blocks of 512 tokens = 80 pages of 64
+    fillers = [tuple(range(100 * (f + 1), 100 * (f + 1) + 10)) for f in range(3)]
+    chains = [a, *fillers, a]
+    reqs = [TraceRequest(i, i * 1.0, 10 * BLOCK + 1, 1, hash_ids=c) for i, c in enumerate(chains)]
+    return Trace(reqs, source="l3-only")
+
+
+@pytest.mark.parametrize(
+    "policy,l3_pages",
+    [
+        ("wait_complete", 80),  # waits for every page: 2 ms + 80 x 10 ms = 0.802 s
+        ("best_effort", 0),  # the request can run at once, so the prefetch stops at once
+        # budget 0.2 s + 80 x 5 ms = 0.6 s; by then (0.6 - 0.002) / 0.01 = 59.8 pages landed
+        ("timeout", 59),
+    ],
+)
+def test_prefetch_policy_decides_the_l3_hit(policy: str, l3_pages: int) -> None:
+    cfg = ReplayConfig.sized(100 * 64, 100 * 64, "mem://", prefetch_policy=policy, check_every=1)
+    res = replay(_l3_only_trace(), cfg)
+    last = res.outcomes[-1]
+    assert (last.l1, last.l2, last.l3) == (0, 0, l3_pages * 64)
+    assert all(o.hit == 0 for o in res.outcomes[:-1])
+    rep = res.report()
+    assert rep["prefetch_policy"] == policy
+    assert rep["storage"]["corrupt_pages"] == 0
+    # the wait is what the policy allowed: all of the read, nothing, or the budget
+    bound = {"wait_complete": 0.802, "best_effort": 0.0, "timeout": 0.6}[policy]
+    assert bound <= last.l3_wait_s <= bound + 0.02

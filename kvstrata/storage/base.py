@@ -73,6 +73,9 @@ class StorageConfig:
     reconnect_backoff_max_s: float = doc(
         5.0, "redis backend: the wait doubles per failure up to this"
     )
+    emulate_read_s_per_page: float = doc(
+        0.0, "benchmarks: every read waits this long per page first (emulates remote storage)"
+    )
     require_reachable_at_start: bool = doc(
         True, "redis backend: an unreachable server at construction is a ValueError"
     )
@@ -96,6 +99,10 @@ class StorageConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.reconnect_backoff_max_s < self.reconnect_backoff_s:
             raise ValueError("reconnect_backoff_max_s must be >= reconnect_backoff_s")
+        if self.emulate_read_s_per_page < 0:
+            raise ValueError(
+                f"emulate_read_s_per_page must be >= 0, got {self.emulate_read_s_per_page}"
+            )
 
 
 @runtime_checkable
@@ -153,7 +160,13 @@ def open_storage(url: str, page_nbytes: int, config: StorageConfig | None = None
     for mod in _BUILTIN_MODULES:
         importlib.import_module(mod)
     factory = STORAGE_BACKENDS.get(url_scheme(url))
-    return factory(url, check_page_nbytes(page_nbytes), config or StorageConfig())
+    config = config or StorageConfig()
+    backend = factory(url, check_page_nbytes(page_nbytes), config)
+    if config.emulate_read_s_per_page > 0:
+        from kvstrata.storage.latency import SlowReads
+
+        return SlowReads(backend, config.emulate_read_s_per_page)
+    return backend
 
 
 def check_page_nbytes(page_nbytes: int) -> int:

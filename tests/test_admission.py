@@ -1,0 +1,76 @@
+"""Admission drives each request's lease; a request waiting on L3 does not block ready ones."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.build import build_engine
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.request import Request, State
+from kvstrata.model.checkpoint import load_model
+from kvstrata.storage.base import StorageConfig
+from tests.tiny_models import make_llama
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(tmp_path_factory.mktemp("m") / "ckpt", seed=3, max_position_embeddings=1024)
+
+
+def _engine(ckpt: Path, store: Path, lookahead: int, slow: float) -> object:
+    ecfg = EngineConfig(model=str(ckpt), admission_lookahead=lookahead, chunk_tokens=256)
+    ccfg = CacheConfig(
+        page_size=PAGE,
+        device_pages=96,
+        host_pages=96,
+        storage_url=f"file://{store}",
+        prefetch_policy="wait_complete",
+    )
+    return build_engine(
+        ecfg, ccfg, StorageConfig(emulate_read_s_per_page=slow), model=load_model(ckpt)
+    )
+
+
+@pytest.mark.parametrize("lookahead", [1, 4])
+def test_ready_requests_pass_one_waiting_on_storage(
+    ckpt: Path, tmp_path: Path, lookahead: int
+) -> None:
+    rng = random.Random(1)
+    long = [rng.randrange(97) for _ in range(40 * PAGE + 1)]
+    shorts = [[rng.randrange(97) for _ in range(2 * PAGE + 1)] for _ in range(3)]
+    warm = _engine(ckpt, tmp_path, lookahead, 0.0)
+    warm.engine.run([Request("warm", long, 1)])  # type: ignore[attr-defined]
+    warm.close()  # type: ignore[attr-defined]
+    built = _engine(ckpt, tmp_path, lookahead, 0.01)  # 40 pages take >= 0.4 s to read
+    eng = built.engine  # type: ignore[attr-defined]
+    eng.run([Request(f"s{i}", t, 1) for i, t in enumerate(shorts)])
+    eng.drain()
+    head = Request("long", long, 1)
+    behind = [Request(f"again{i}", t, 1) for i, t in enumerate(shorts)]
+    for req in (head, *behind):
+        eng.submit(req)
+    # step 1: the head starts its L3 probe; one-token requests admitted now also finish now
+    finished = [r.rid for r in eng.step()]
+    done_while_head_waits = list(finished)
+    assert head.state is State.WAITING and head.lease is not None
+    assert head.lease.waiting_on_storage
+    while eng.has_work():
+        finished += [r.rid for r in eng.step()]
+        eng.check_integrity()
+    eng.drain()
+    eng.check_integrity()
+    built.close()  # type: ignore[attr-defined]
+    assert head.hits == {"L1": 0, "L2": 0, "L3": 40}
+    assert all(r.hits == {"L1": 2, "L2": 0, "L3": 0} for r in behind)
+    if lookahead == 1:  # the old behaviour: everything waits for the head's prefetch
+        assert done_while_head_waits == []
+        assert finished[0] == "long"
+    else:  # the L1 hits behind it run at once and are done before the prefetch lands
+        assert done_while_head_waits == ["again0", "again1", "again2"]
+        assert finished == ["again0", "again1", "again2", "long"]
