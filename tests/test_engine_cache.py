@@ -88,6 +88,16 @@ def run_turns(
     return results
 
 
+def cached_pages(prev: Request, cur: list[int]) -> int:
+    """Pages of `cur` that `prev` left cached: full pages of the tokens whose KV it wrote
+    (prompt + output but the last token) that `cur` shares, within `cur`'s hittable pages."""
+    written = (prev.tokens + prev.output)[:-1]
+    common = 0
+    while common < min(len(written), len(cur)) and written[common] == cur[common]:
+        common += 1
+    return min(common // PAGE, (len(cur) - 1) // PAGE)
+
+
 def assert_same(a, b) -> None:  # noqa: ANN001
     for ra, rb in zip(a, b, strict=True):
         assert ra.output == rb.output
@@ -100,14 +110,18 @@ def test_turns_equal_across_tiers(model, tmp_path: Path) -> None:  # noqa: ANN00
     ref = run_turns(model, "none", tmp_path / "s0", prompts)
     l1 = run_turns(model, "l1", tmp_path / "s1", prompts)
     assert_same(ref, l1)
-    assert l1[-1].hits["L1"] > 0
+    hit = cached_pages(l1[-2], prompts[-1])
+    assert hit > 0 and l1[-1].hits == {"L1": hit, "L2": 0, "L3": 0}
     l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, demote=True)
     assert_same(ref, l2)
-    assert l2[-1].hits["L2"] > 0 and l2[-1].hits["L1"] == 0
+    assert l2[-1].hits == {"L1": 0, "L2": cached_pages(l2[-2], prompts[-1]), "L3": 0}
     run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts[:2])
     l3 = run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts)  # fresh engine, same store
     assert_same(ref, l3)
-    assert l3[1].hits["L3"] > 0
+    first = (len(prompts[0]) - 1) // PAGE  # turn 0's prompt pages, all stored by the first run
+    assert l3[0].hits == {"L1": 0, "L2": 0, "L3": first}
+    in_l1 = cached_pages(l3[0], prompts[1])  # what turn 0 left in this engine's L1
+    assert l3[1].hits == {"L1": in_l1, "L2": 0, "L3": (len(prompts[1]) - 1) // PAGE - in_l1}
 
 
 def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -> None:  # noqa: ANN001
@@ -150,7 +164,8 @@ def test_l3_hits_in_a_fresh_process(model, ckpt: Path, tmp_path: Path) -> None: 
     for r, (output, logits, _hits) in zip(ref, child, strict=True):
         assert output == r.output
         assert all(rel_err(a, b) <= 1e-4 for a, b in zip(logits, r.logits, strict=True))
-    assert child[0][2]["L3"] > 0  # the very first turn of the new process hits L3
+    # the very first turn of the new process hits L3: every prompt page but the last token's
+    assert child[0][2] == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
 
 
 def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa: ANN001
@@ -204,7 +219,7 @@ def test_redis_as_shared_l3_across_engines(model, tmp_path: Path) -> None:  # no
         run_turns(model, "l1_l2_l3", tmp_path, prompts, storage_url=server.url)
         second = run_turns(model, "l1_l2_l3", tmp_path, prompts, storage_url=server.url)
         assert_same(ref, second)
-        assert second[0].hits["L3"] > 0
+        assert second[0].hits == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
         server.kill()  # the storage is gone: misses, same tokens, no exception
         lenient = StorageConfig(require_reachable_at_start=False)
         third = run_turns(
