@@ -2,10 +2,11 @@
 
 - `ceiling`: an infinite-capacity page cache: a set of every page key seen so far.
 - `NaiveLRU`: a one-tier LRU over a flat dict of pages, written without the radix tree. It
-  reproduces the manager's observable rules, which a page-level LRU would not: eviction takes a
-  whole *run* of pages at once (the tree evicts whole nodes, leaf first, least recently used), and
-  runs are cut exactly where the tree splits its edges (at the end of a match and where an insert
-  diverges). Every scan is linear; it is meant for small traces.
+  reproduces the manager's observable rules, which a page-level LRU would not: the victim is the
+  least recently used leaf *run* of pages (a tree node), of which only the pages still needed go,
+  from its tail; runs are cut exactly where the tree splits its edges (at the end of a match and
+  where an insert diverges). Every scan is linear; it is meant for small traces.
+- `BlockLRU`: vLLM's block pool (free queue, tail-first release) for non-branching workloads.
 
 Both use the replay's hit rule: a request can hit only full pages inside its first
 input_length - 1 tokens (the last prompt token is always computed, to produce logits).
@@ -104,7 +105,9 @@ class NaiveLRU:
             if not leaves:
                 return
             victim = min(leaves, key=lambda r: (leaves[r], r))
-            for k in [k for k, p in self.pages.items() if p.run == victim]:
+            run = [k for k, p in self.pages.items() if p.run == victim]  # in chain order
+            short = n - (self.capacity - len(self.pages))
+            for k in run[-short:]:  # only the pages still needed, from the run's tail
                 del self.pages[k]
 
     def insert(self, keys: list[int], matched: int) -> bool:
@@ -139,3 +142,40 @@ def _runs_with_child(pages: dict[int, _Page]) -> set[int]:
             if parent_run != p.run:
                 out.add(parent_run)
     return out
+
+
+class BlockLRU:
+    """vLLM's prefix-cache block pool, written plainly: a request locks the cached blocks of
+    its prefix, takes new blocks from the head of a free queue (evicting the cached block there),
+    and when it finishes returns its blocks tail first to the end of the queue. So the least
+    recently finished request loses its last blocks first and keeps its prefix longest."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        self.free: dict[int, None] = {}  # cached, unused blocks by key; first = evicted first
+        self.blank = capacity  # blocks holding nothing
+
+    def serve(self, match_keys: list[int], insert_keys: list[int]) -> int:
+        """One request: hit blocks of `match_keys`, then cache `insert_keys`; returns the hits
+        (0 when its blocks do not fit, as the cache serves such a request uncached)."""
+        hit = 0
+        while hit < len(match_keys) and match_keys[hit] in self.free:
+            hit += 1
+        need = len(insert_keys) - hit
+        if need > self.blank + len(self.free) - hit:
+            return 0
+        held = insert_keys[:hit]
+        for k in held:
+            del self.free[k]
+        for k in insert_keys[hit:]:
+            self.free.pop(k, None)  # a later duplicate of a cached block replaces it
+            if self.blank:
+                self.blank -= 1
+            else:
+                del self.free[next(iter(self.free))]
+            held.append(k)
+        for k in reversed(held):
+            self.free[k] = None
+        return hit

@@ -27,7 +27,7 @@ from kvstrata.bench.simulate import Outcome
 from kvstrata.bench.synthetic import StorageLatency, SyntheticMover
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import Namespace
-from kvstrata.cache.lease import Lease
+from kvstrata.cache.lease import Lease, LeaseState
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import PageMover, TransferOp
 from kvstrata.configtools import doc
@@ -241,7 +241,9 @@ class Replayer:
                 )
             self._tick()
         waited = self.clock() - start
-        if lease.admit():
+        while not lease.admit() and lease.can_ever_fit and len(cache.queues):
+            self._tick()  # pages being demoted or copied free up once their copies land
+        if lease.state is LeaseState.ADMITTED:
             self.model.prefill(req, lease.hit_tokens, lease.page_table, lease.load)
             lease.commit(len(ins) * page)
         else:  # nothing else runs here, so waiting cannot free L1: serve it uncached

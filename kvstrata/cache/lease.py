@@ -149,6 +149,8 @@ class Lease:
         nothing it runs can free pages); the lease stays READY and keeps its lock.
         """
         assert self.state is LeaseState.READY, f"admit in state {self.state.value}"
+        if not self.can_ever_fit:
+            return False  # evicting for it would only flush the cache
         if self.cache is None:
             assert self.allocator is not None
             ids = self.allocator.alloc(self.pages_needed)
@@ -159,6 +161,13 @@ class Lease:
             return False
         self.state = LeaseState.ADMITTED
         return True
+
+    @property
+    def can_ever_fit(self) -> bool:
+        """The request needs no more device pages than the pool has at all."""
+        pool = self.cache.tiers.device if self.cache is not None else self.allocator
+        assert pool is not None
+        return self.pages_needed <= pool.capacity
 
     def _admit_cached(self) -> bool:
         cache, m = self.cache, self.match

@@ -71,11 +71,14 @@ class HiCache:
         """Longest cached prefix; backs up hot pages under write_through_selective."""
         m = self.tree.match(keys)
         if self.write.hit_threshold and self.tiers.host is not None:
+            # the host room a backup takes must not come from the path just matched
+            self.tree.lock(m.last_node)  # type: ignore[arg-type]
             node = m.device_node
             while node is not None and node is not self.tree.root:
                 if node.hits >= self.write.hit_threshold:
                     self._store(node)
                 node = node.parent
+            self.tree.unlock(m.last_node)  # type: ignore[arg-type]
         return m
 
     def lock(self, node: Node) -> None:

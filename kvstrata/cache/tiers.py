@@ -80,14 +80,24 @@ class Tiers:
         """Free at least n device pages (some only once their demotion copy lands)."""
         goal_free = self.device.num_free + n  # pages already being freed count toward it
         skipped: list[Node] = []
-        while self.device.num_free + self.freeing < goal_free:
+        while (need := goal_free - self.device.num_free - self.freeing) > 0:
             node = self.device_q.pop()
             if node is None:
                 break
-            if not self._evict_device_node(node):
+            if not self._evict_device_node(self._tail(node, need)):
                 skipped.append(node)
         for node in skipped:
             self.device_q.push(node)
+
+    def _tail(self, node: Node, need: int) -> Node:
+        """The last `need` pages of a leaf candidate as a node of their own (a split), so an
+        eviction takes only the pages it needs and the rest of the run stays cached. A node
+        with children (host-only pages below it) goes whole: they depend on its pages."""
+        if len(node) <= need or node.children:
+            return node
+        upper = self.tree.split(node, len(node) - need)
+        self.touched(upper)
+        return node
 
     def _evict_device_node(self, node: Node) -> bool:
         assert node.device is not None
@@ -140,10 +150,11 @@ class Tiers:
     def evict_host(self, n: int) -> None:
         assert self.host is not None
         goal_free = self.host.num_free + n
-        while self.host.num_free < goal_free:
+        while (need := goal_free - self.host.num_free) > 0:
             node = self.host_q.pop()
             if node is None:
                 break
+            node = self._tail(node, need)
             if node.device is not None:
                 self.host.free(node.host)  # type: ignore[arg-type]
                 self.counters.evictions["L2"] += len(node)
