@@ -13,6 +13,7 @@ import argparse
 import importlib
 import signal
 import sys
+import threading
 from types import FrameType
 
 COMMAND_MODULES: tuple[str, ...] = (
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     previous = signal.getsignal(signal.SIGTERM)
-    in_main = __import__("threading").current_thread() is __import__("threading").main_thread()
+    in_main = threading.current_thread() is threading.main_thread()
     if in_main:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:

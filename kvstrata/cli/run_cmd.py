@@ -29,7 +29,7 @@ from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.decision_log import DecisionLog
+from kvstrata.parallel.decision_log import DecisionLog, config_digest, new_run_id
 from kvstrata.parallel.group import RankFailure
 from kvstrata.parallel.tp import check_layout
 from kvstrata.storage.base import StorageConfig, open_storage
@@ -201,6 +201,14 @@ def _per_config_log(dist_cfg: DistConfig, tiers: str) -> DistConfig:
     return dataclasses.replace(dist_cfg, consensus_log=str(Path(dist_cfg.consensus_log) / tiers))
 
 
+def _single_rank_log(dist_cfg: DistConfig, cfgs: Any, tiers: str, run_id: str) -> Any:
+    """The decision log of a one-rank configuration (None without --consensus-log)."""
+    if not dist_cfg.consensus_log:
+        return None
+    fields = {**dataclasses.asdict(cfgs[0]), **dataclasses.asdict(cfgs[1]), "tiers": tiers}
+    return DecisionLog.from_config(dist_cfg, 0, run_id, config_digest(fields))
+
+
 # ---- the job --------------------------------------------------------------------------------------
 def _table(configs: dict[str, dict[str, Any]]) -> Table:
     table = Table(title="kvstrata run")
@@ -302,6 +310,7 @@ def _serve_all(
     """Every configuration over the same workload, on one rank or on tp x cp x pp ranks."""
     n_req = sum(len(s) for s in prompts)
     dist_all = config_from_args(DistConfig, args)
+    run_id = new_run_id()
     results: dict[str, tuple[list[TurnResult], dict[str, Any] | None]] = {}
     with _progress(console) as progress:
         for tiers in TIER_SETS:
@@ -311,7 +320,7 @@ def _serve_all(
                 res = run_config_ranks(tiers, cfgs, dist_cfg, prompts, max_new)
                 progress.advance(task, n_req)
             else:
-                log = DecisionLog.from_config(dist_cfg, 0) if dist_cfg.consensus_log else None
+                log = _single_rank_log(dist_cfg, cfgs, tiers, run_id)
                 advance = lambda t=task: progress.advance(t)  # noqa: E731
                 res = run_config(tiers, model, cfgs, prompts, max_new, advance, log)
             results[tiers] = res
@@ -326,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         served = _serve_all(args, console, model, prompts, cfgs, spec.max_new_tokens)
     except RankFailure as exc:  # a rank diverged (live check), raised, died or hung
+        for rank, trace in sorted(exc.traces.items()):  # a real error in a rank: its traceback
+            print(f"rank {rank} traceback:\n{trace}", file=sys.stderr)
         print(f"kvstrata run: ranks stopped: {exc}", file=sys.stderr)
         return 1
     reports = {tiers: config_report(res, counters) for tiers, (res, counters) in served.items()}

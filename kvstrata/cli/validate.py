@@ -99,7 +99,8 @@ def check_out_dir(path: Path | str, option: str) -> None:
 
 
 def check_out_file(path: Path | str | None, option: str) -> None:
-    """A file the command will write at the end: its directory must exist and be writable."""
+    """A file the command writes (at the end): its directory exists and is writable, or can be
+    created in an existing one (one level, like --out: never a chain of missing directories)."""
     if path is None:
         return
     p = Path(path)
@@ -107,7 +108,12 @@ def check_out_file(path: Path | str | None, option: str) -> None:
         raise InputError(f"{option} {p}: is a directory")
     parent = p.absolute().parent
     if not parent.is_dir():
-        raise InputError(f"{option} {p}: directory {parent} does not exist")
+        if parent.exists():
+            raise InputError(f"{option} {p}: {parent} is not a directory")
+        if not parent.parent.is_dir():
+            raise InputError(f"{option} {p}: directory {parent.parent} does not exist")
+        check_out_dir(parent, option)
+        return
     if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise InputError(f"{option} {p}: not writable")
 

@@ -43,7 +43,9 @@ class DistConfig:
     )
     consensus_log: str = doc("", "directory for per-rank decision logs rank-{r}.jsonl ('' = off)")
     consensus_check: str = doc(
-        "off", "off, or live: compare decision digests in the step collective"
+        "live",
+        "live: compare decision digests in the step collective (a diverged rank stops every "
+        "rank at the next step), or off",
     )
     inject_divergence: str = doc("", "testing: 'STEP:RANK' makes that rank skip one decision")
 

@@ -254,6 +254,8 @@ class FileStore:
             pass
         tmp = self._tmp_path(path)
         with self._lock:
+            if self._closed:  # close() ran meanwhile (a signal): start no new temp file
+                return "put_errors"
             self._open_tmps.add(tmp)
         try:
             try:
