@@ -205,14 +205,22 @@ class FileStore:
                 counts["corrupt"] += 1
                 return False, self._discard(path, fd)
             if self.config.touch_on_read:
-                now = time.time_ns()
-                os.utime(fd, ns=(now, now))
+                self._touch(fd)
             return True, 0
         except OSError:
             counts["read_errors"] += 1
             return False, 0
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _touch(fd: int) -> None:
+        """Refresh the LRU clock; a read-only store still serves its pages (no clock then)."""
+        now = time.time_ns()
+        try:
+            os.utime(fd, ns=(now, now))
+        except OSError:
+            pass
 
     def _discard(self, path: str, fd: int) -> int:
         """Remove a corrupt page file if `path` still names the inode read through `fd`."""
