@@ -189,3 +189,27 @@ def test_a_type_error_is_a_bug_with_a_traceback(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(bench_cmd, "run", broken)
     with pytest.raises(TypeError, match="a bug"):
         main(["bench", "--list"])
+
+
+def test_trace_ids_2_55_apart_do_not_alias(tmp_path: Path) -> None:
+    """The old mapping seeded a block by id * 512 mod 2^64: ids 2^55 apart got the same tokens
+    and a trace of distinct ids reported hits. Distinct ids must give exactly 0 hits."""
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {
+            "timestamp": i,
+            "input_length": 1024,
+            "output_length": 1,
+            "hash_ids": [i << 55, (i << 55) + 1],
+        }
+        for i in range(8)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "r.json"
+    assert main(["replay", str(path), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["hit_rate"] == 0.0
+    from kvstrata.workloads.trace import TokenMapper
+
+    m = TokenMapper()
+    for a, b in ((1, 1 + (1 << 55)), (5, 5 + (1 << 64)), (0, 1 << 70)):
+        assert (m.block_tokens(a) != m.block_tokens(b)).mean() > 0.99
