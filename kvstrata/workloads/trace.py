@@ -157,6 +157,8 @@ def read_mooncake(
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
     rows, errors = _read_rows(path, max_requests, max_input_tokens)
+    if len(errors) == 1 and on_error == "strict":
+        raise TraceError(f"{errors[0]} (use skip mode to drop it)")
     if errors and on_error == "strict":
         shown = "\n  ".join(errors[:20]) + (
             f"\n  ... {len(errors) - 20} more" if len(errors) > 20 else ""
