@@ -213,3 +213,20 @@ def test_trace_ids_2_55_apart_do_not_alias(tmp_path: Path) -> None:
     m = TokenMapper()
     for a, b in ((1, 1 + (1 << 55)), (5, 5 + (1 << 64)), (0, 1 << 70)):
         assert (m.block_tokens(a) != m.block_tokens(b)).mean() > 0.99
+
+
+def test_run_with_unreachable_redis_writes_nothing(
+    ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.redis_server import free_port
+
+    out = tmp_path / "out"
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    assert (
+        main(
+            ["run", "--quick", "--model", str(ckpt), "--out", str(out), *TINY, "--storage-url", url]
+        )
+        == 2
+    )
+    one_line_error(capsys, url)
+    assert not out.exists()

@@ -172,3 +172,27 @@ def test_full_store_counts_failures_and_leaves_no_temp(
             assert np.array_equal(out, kept[k])
     assert len(hits) == stored  # every stored page verifies, no partial page is visible
     s.check_integrity()
+
+
+def test_redis_down_warns_once_then_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    """A real redis-server killed under a store: the first failed write is one warning line,
+    later ones are counted (put_skipped)."""
+    from kvstrata.storage.base import open_storage
+    from tests.redis_server import RedisServer
+
+    fast = StorageConfig(socket_timeout_s=0.5, connect_timeout_s=0.2, reconnect_backoff_s=0.05)
+    server = RedisServer().start()
+    try:
+        store = open_storage(server.url, PAGE, fast)
+        data = pages(3)
+        assert store.put([1], data[:1]) == 1
+        server.kill()
+        assert store.put([2], data[1:2]) == 0
+        time.sleep(0.1)
+        assert store.put([3], data[2:]) == 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "warning: L3 write to redis://" in err[0], err
+        assert store.stats()["put_skipped"] == 2
+        store.close()
+    finally:
+        server.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 from pathlib import Path
 
 from rich.console import Console
@@ -124,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(ReplayConfig, args)
     check_replay(args, cfg)
     trace = load_trace(args, console)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"replay {len(trace)} requests", total=len(trace))
-        result = replay(trace, cfg, lambda n: bar.update(task, completed=n))
+    done = list(itertools.accumulate(r.input_length for r in trace))  # tokens after n requests
+    with Progress(console=console, transient=True) as bar:  # by tokens: long lines show as such
+        desc = f"replay {len(trace)} requests, {trace.prompt_tokens:,} tokens"
+        task = bar.add_task(desc, total=trace.prompt_tokens)
+        result = replay(trace, cfg, lambda n: bar.update(task, completed=done[n - 1] if n else 0))
     rep = result.report()
     rep["trace"] = trace.source
     rep["skipped_lines"] = len(trace.errors)

@@ -281,7 +281,8 @@ def _check_memory(model: DecoderLM, cache: CacheConfig, dist_cfg: DistConfig) ->
 def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, Prompts, Any]:
     """Check every input, load the model once, build the prompts; then create --out and the
     store (this is the first write)."""
-    engine_cfg, _, dist_cfg = _check_args(args)
+    engine_cfg, cache_cfg, dist_cfg = _check_args(args)
+    cache_url = cache_cfg.storage_url
     spec = _spec(args)
     model_path = resolve_model_path(engine_cfg)
     model = load_model(model_path, dtype=engine_cfg.dtype)  # ValueError: not a checkpoint
@@ -293,9 +294,12 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     validate.check_ranks(dist_cfg.world_size)
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
-    args.out.mkdir(exist_ok=True)
     page_nbytes = model.kv_shape(cfgs[1].page_size).page_nbytes
-    open_storage(cfgs[1].storage_url, page_nbytes, cfgs[2]).close()  # fails now, not mid-run
+    if cfgs[1].storage_url != cache_url:
+        args.out.mkdir(exist_ok=True)  # the default store lives under --out
+    # the store opens now (an unreachable redis fails here, before --out exists), not mid-run
+    open_storage(cfgs[1].storage_url, page_nbytes, cfgs[2]).close()
+    args.out.mkdir(exist_ok=True)
     return spec, model_path, model, prompts, cfgs
 
 
