@@ -309,6 +309,10 @@ def _failure(reports: dict[int, tuple[bool, Any]]) -> RankFailure | None:
             continue  # every rank raises the same divergence report: once is enough
         seen.add(rep.line)
         lines.append(f"rank {r} {'failed' if rep.kind != 'lost' else 'stopped'}: {rep.line}")
+    if all(v.kind == "lost" for v in failed.values()):
+        lines.insert(
+            0, "no rank failed by itself: every rank gave up waiting on a peer (ranks out of step)"
+        )
     traces = {r: v.trace for r, v in failed.items() if v.trace}
     return RankFailure("\n".join(lines), traces)
 
