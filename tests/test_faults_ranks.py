@@ -4,6 +4,7 @@ decision logs that are mixed, truncated or undecodable."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,6 +51,21 @@ def wait_for_pages(store: Path, proc: subprocess.Popen[str], timeout_s: float = 
         time.sleep(0.01)
 
 
+def read_until(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> tuple[str, float]:
+    """stderr up to the first line holding `needle`, and the monotonic time it came."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        if needle in line:
+            return "".join(lines), time.monotonic()
+    raise AssertionError(f"no {needle!r} on stderr: {''.join(lines)}")
+
+
 def group_alive(pgid: int) -> list[str]:
     out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
     return out.split()
@@ -92,17 +108,40 @@ def test_sigterm_of_a_two_rank_run_mid_backup(ckpt: Path, tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_a_killed_rank_is_named_within_the_timeout(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = start_run(ckpt, out, "--tp", "2", "--timeout-s", "10")
+    proc = start_run(ckpt, out, "--tp", "2", "--timeout-s", "10", "--sessions", "6")
     wait_for_pages(out / "store", proc)
     kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
     victim = int(kids.split()[-1])
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
-    _, err = proc.communicate(timeout=60)
-    assert time.monotonic() - t0 < 10 + 5
+    err, took = read_until(proc, "ranks stopped", 60)
+    assert took - t0 < 10, f"ranks stopped after {took - t0:.1f} s, --timeout-s 10"
+    err += proc.communicate(timeout=30)[1]
     assert proc.returncode == 1 and "Traceback" not in err, err
     assert "died (killed by SIGKILL)" in err
     assert len([ln for ln in err.splitlines() if "rank" in ln]) <= 2  # one line per rank
+    assert group_alive(proc.pid) == []
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_hung_within_the_timeout(ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = start_run(ckpt, out, "--tp", "2", "--timeout-s", "10", "--sessions", "6")
+    wait_for_pages(out / "store", proc)
+    kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+    victim = int(kids.split()[-1])
+    os.kill(victim, signal.SIGSTOP)  # alive but silent: a hung rank
+    t0 = time.monotonic()
+    try:
+        err, took = read_until(proc, "ranks stopped", 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)  # reaped already when the run did its job
+    # every rank is reaped before that line is printed; the interpreter's own exit comes after
+    assert took - t0 < 10, f"ranks stopped after {took - t0:.1f} s, --timeout-s 10"
+    err += proc.communicate(timeout=30)[1]
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert "(hung)" in err and "no answer" in err
     assert group_alive(proc.pid) == []
 
 

@@ -39,7 +39,9 @@ class DistConfig:
     master_addr: str = doc("127.0.0.1", "address of rank 0's rendezvous store")
     master_port: int = doc(0, "port of the rendezvous store; 0 picks a free one (local spawn)")
     timeout_s: float = doc(
-        60.0, "a collective that waits longer than this fails (dead or hung rank)"
+        60.0,
+        "a dead, hung or diverged rank stops every rank within this many seconds, naming it "
+        "(a collective gives up after 60% of it)",
     )
     consensus_log: str = doc("", "directory for per-rank decision logs rank-{r}.jsonl ('' = off)")
     consensus_check: str = doc(

@@ -96,6 +96,16 @@ class RankContext:
 
 
 _FAILURE_GRACE_S = 3.0
+COLLECTIVE_FRACTION = 0.6
+"""A collective gives up after 0.6 x timeout_s, so that with the parent's grace (at most
+0.1 x timeout_s) every rank is stopped and named within timeout_s of a rank dying or hanging."""
+
+
+def grace_s(timeout_s: float) -> float:
+    """How long the parent waits for the other ranks' reports once one rank has failed."""
+    return min(_FAILURE_GRACE_S, 0.1 * timeout_s)
+
+
 _HEARTBEAT: tuple[Any, int] | None = None  # (shared array of beat times, this rank) in a child
 
 
@@ -187,7 +197,7 @@ def _subgroup(layout: RankLayout, axis: str, rank: int) -> Any:
 def init_ranks(config: DistConfig, rank: int | None = None) -> RankContext:
     """Join the process group. rank=None reads torchrun's environment (env://) at call time."""
     backend = resolve_backend(config.backend)
-    timeout = timedelta(seconds=config.timeout_s)
+    timeout = timedelta(seconds=COLLECTIVE_FRACTION * config.timeout_s)
     world = config.world_size
     if rank is None:
         dist.init_process_group(backend, timeout=timeout)
@@ -260,7 +270,7 @@ def _exit_reason(code: int) -> str:
 
 
 def _collect(
-    procs: list[Any], q: Any, deadline: float, beats: Any, hang_s: float
+    procs: list[Any], q: Any, deadline: float, beats: Any, hang_s: float, grace: float
 ) -> dict[int, tuple[bool, Any]]:
     """Gather one report per rank. Once any rank has failed or exited without a report, the
     rest get a short grace (they may be stuck in a collective with it), then count as hung; a
@@ -271,14 +281,14 @@ def _collect(
             rank, ok, value = q.get(timeout=0.1)
             reports[rank] = (ok, value)
             if not ok:
-                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                deadline = min(deadline, time.monotonic() + grace)
             continue
         except queue_mod.Empty:
             pass
         now = time.monotonic()
         if any(r not in reports and p.exitcode is not None for r, p in enumerate(procs)):
             # A report may still be in the pipe just after an exit: the grace covers that.
-            deadline = min(deadline, now + _FAILURE_GRACE_S)
+            deadline = min(deadline, now + grace)
         silent = [r for r in range(len(procs)) if r not in reports and 0 < beats[r] < now - hang_s]
         if silent:
             deadline = min(deadline, now)
@@ -343,25 +353,32 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    hang_s = config.timeout_s + _FAILURE_GRACE_S
+    grace = grace_s(config.timeout_s)
+    hang_s = COLLECTIVE_FRACTION * config.timeout_s + grace  # its peers time out first
+    reports: dict[int, tuple[bool, Any]] = {}
     try:
-        reports = _collect(procs, q, time.monotonic() + timeout_s, beats, hang_s)
+        reports = _collect(procs, q, time.monotonic() + timeout_s, beats, hang_s, grace)
     except BaseException:  # Ctrl-C / SIGTERM in the parent: stop the ranks, then reap them
         for p in procs:
             if p.is_alive():
                 p.terminate()
         raise
     finally:
-        _reap(procs)
+        _reap(procs, patient=bool(reports) and all(ok for ok, _ in reports.values()))
     failure = _failure(reports)
     if failure is not None:
         raise failure
     return [reports[r][1] for r in range(config.world_size)]
 
 
-def _reap(procs: list[Any]) -> None:
-    """Join every rank; one still alive after a bounded wait is killed (never left behind)."""
-    end = time.monotonic() + 5.0
+def _reap(procs: list[Any], patient: bool) -> None:
+    """Join every rank; never leave one behind. After a failure the survivors are only stuck
+    waiting (or stopped): they are terminated at once and killed if still there after 0.5 s."""
+    if not patient:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    end = time.monotonic() + (5.0 if patient else 0.5)
     for p in procs:
         p.join(timeout=max(0.0, end - time.monotonic()))
         if p.is_alive():
