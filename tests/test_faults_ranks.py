@@ -146,7 +146,9 @@ def test_a_stopped_rank_is_named_hung_within_the_timeout(ckpt: Path, tmp_path: P
 
 
 @pytest.mark.slow
-def test_injected_divergence_stops_every_rank_by_default(ckpt: Path, tmp_path: Path) -> None:
+def test_injected_divergence_stops_every_rank_by_default(
+    ckpt: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """No --consensus-check option: the live digest is on by default (issue 12 item 3)."""
     logs = tmp_path / "logs"
     extra = ("--sessions", "1", "--turns", "2", "--tp", "2", "--inject-divergence", "5:1")
@@ -166,6 +168,9 @@ def test_injected_divergence_stops_every_rank_by_default(ckpt: Path, tmp_path: P
         ]
     )
     assert code == 1 and time.monotonic() - t0 < 60
+    err = capfd.readouterr().err  # the ranks' stderr too (file descriptor 2)
+    assert "Traceback" not in err, err
+    assert "ranks stopped: consensus diverged at step 5" in err and "rank 1 differs" in err
     headers = [
         json.loads((logs / "l1" / f"rank-{r}.jsonl").read_text().splitlines()[0]) for r in (0, 1)
     ]

@@ -243,6 +243,15 @@ def verify_same(name: str, fields: Mapping[str, Any], group: Any = None) -> None
                 )
 
 
+class RankStopped(KeyboardInterrupt):
+    """SIGTERM in a working rank: unwinds it like Ctrl-C (its finally blocks clean up)."""
+
+
+def _stop_rank(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise RankStopped()
+
+
 def _rank_main(
     rank: int, config: DistConfig, fn: Callable[..., Any], args: tuple, q: Any, beats: Any
 ) -> None:
@@ -250,6 +259,7 @@ def _rank_main(
     global _HEARTBEAT
     _HEARTBEAT = (beats, rank)
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, _stop_rank)  # while working: unwind, so no temp file is left
     try:
         ctx = init_ranks(config, rank)
         result = fn(ctx, *args)
@@ -257,6 +267,9 @@ def _rank_main(
     except BaseException as exc:  # report everything: the parent names the rank
         q.put((rank, False, describe_exception(exc, config.timeout_s)))
     finally:
+        # Reported: from here a terminate() from the parent just ends the process, quietly.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         teardown()
 
 
@@ -318,7 +331,10 @@ def _failure(reports: dict[int, tuple[bool, Any]]) -> RankFailure | None:
         if rep.kind == "report" and rep.line in seen:
             continue  # every rank raises the same divergence report: once is enough
         seen.add(rep.line)
-        lines.append(f"rank {r} {'failed' if rep.kind != 'lost' else 'stopped'}: {rep.line}")
+        if rep.kind == "report":  # the report names the ranks itself, the same on every rank
+            lines.append(rep.line)
+        else:
+            lines.append(f"rank {r} {'failed' if rep.kind != 'lost' else 'stopped'}: {rep.line}")
     if all(v.kind == "lost" for v in failed.values()):
         lines.insert(
             0, "no rank failed by itself: every rank gave up waiting on a peer (ranks out of step)"
