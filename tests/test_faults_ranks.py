@@ -17,6 +17,7 @@ import pytest
 
 from kvstrata.cli.main import main
 from kvstrata.parallel.decision_log import DecisionLog
+from kvstrata.parallel.group import RankContext
 from kvstrata.storage.file_store import FileStore
 from tests.tiny_models import make_llama
 
@@ -219,3 +220,24 @@ def test_undecodable_log_names_the_file(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["check-consensus", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rank-1.jsonl:8 is not UTF-8" in err
+
+
+def _raise_on_rank_1(ctx: RankContext) -> int:
+    if ctx.rank == 1:
+        raise ValueError("a bug in rank code")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 waits for rank 1, which is gone: it only loses its peer
+    return 0
+
+
+def test_a_rank_that_raises_keeps_its_traceback_others_one_line() -> None:
+    from kvstrata.parallel.config import DistConfig
+    from kvstrata.parallel.group import RankFailure, run_ranks
+
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_on_rank_1, DistConfig(tp=2, backend="gloo", timeout_s=10.0), timeout_s=60)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "rank 1 failed: ValueError: a bug in rank code", lines
+    assert len(lines) <= 2 and all(ln.startswith("rank 0 ") for ln in lines[1:]), lines
+    assert set(info.value.traces) == {1} and "Traceback" in info.value.traces[1]

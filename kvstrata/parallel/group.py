@@ -149,7 +149,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def describe_exception(exc: BaseException, timeout_s: float) -> RankReport:
-    """One line for what a rank hit; the traceback only for a real error."""
+    """One line for what a rank hit; the traceback only for a real error. timeout_s: how long a
+    collective waits (named in the message of a timed-out one)."""
     if getattr(exc, "is_report", False):
         return RankReport("report", str(exc))
     if isinstance(exc, KeyboardInterrupt):
@@ -159,6 +160,7 @@ def describe_exception(exc: BaseException, timeout_s: float) -> RankReport:
     if isinstance(exc, dist_error) or (
         isinstance(exc, RuntimeError) and any(h in line.lower() for h in _COMM_HINTS)
     ):
+        line = line.split(". ")[0]  # gloo appends a paragraph of hints
         if "timed out" in line.lower() or "timeout" in line.lower():
             return RankReport("lost", f"no answer from a peer within {timeout_s:g} s ({line})")
         return RankReport("lost", f"lost its peers ({line})")
@@ -265,7 +267,7 @@ def _rank_main(
         result = fn(ctx, *args)
         q.put((rank, True, result))
     except BaseException as exc:  # report everything: the parent names the rank
-        q.put((rank, False, describe_exception(exc, config.timeout_s)))
+        q.put((rank, False, describe_exception(exc, COLLECTIVE_FRACTION * config.timeout_s)))
     finally:
         # Reported: from here a terminate() from the parent just ends the process, quietly.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
