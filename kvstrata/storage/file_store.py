@@ -23,7 +23,6 @@ touched: its pid is alive (a reused pid only delays the removal until the age li
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import threading
@@ -45,7 +44,7 @@ from kvstrata.storage.base import (
     header_ok,
     page_view,
 )
-from kvstrata.storage.tmp_files import host_tag, orphan_tmp
+from kvstrata.storage.tmp_files import TempFiles
 
 PAGE_SUFFIX = ".kvp"
 TMP_SUFFIX = ".tmp"
@@ -117,15 +116,13 @@ class FileStore:
         self.root = _resolve_dir(url, self.config.create_dir)
         self.file_nbytes = HEADER_NBYTES + self.page_nbytes
         self._root_s = os.fspath(self.root)
-        self._tmp_seq = itertools.count()
         self._lock = threading.Lock()  # guards counters and the size estimate (threads only)
         self._cleanup_lock = threading.Lock()  # one clean-up at a time per process
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._bytes_estimate = 0
         self._next_rescan = 0.0
         self._closed = False
-        self._host = host_tag()
-        self._open_tmps: set[str] = set()  # temps this process is writing now (under _lock)
+        self._tmps = TempFiles(TMP_SUFFIX)
         self._warned = False
         if self.config.max_bytes:
             self._cleanup()
@@ -138,11 +135,6 @@ class FileStore:
             raise ValueError(f"page key must be a 128-bit non-negative int, got {key!r}")
         h = key_hex(key)
         return f"{self._root_s}/{h[:2]}/{h}{PAGE_SUFFIX}"
-
-    def _tmp_path(self, path: str) -> str:
-        d, name = os.path.split(path)
-        tid, seq = threading.get_ident(), next(self._tmp_seq)
-        return f"{d}/.{name}.{self._host}.{os.getpid()}.{tid}.{seq}{TMP_SUFFIX}"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -260,11 +252,9 @@ class FileStore:
                 return "put_existing"
         except OSError:
             pass
-        tmp = self._tmp_path(path)
-        with self._lock:
-            if self._closed:  # close() ran meanwhile (a signal): start no new temp file
-                return "put_errors"
-            self._open_tmps.add(tmp)
+        tmp = self._tmps.new(path)
+        if tmp is None:  # close() ran meanwhile (a signal): start no new temp file
+            return "put_errors"
         try:
             try:
                 fd = os.open(tmp, _WR, 0o644)
@@ -290,8 +280,7 @@ class FileStore:
             self._unlink_quiet(tmp)
             raise
         finally:
-            with self._lock:
-                self._open_tmps.discard(tmp)
+            self._tmps.done(tmp)
 
     def _warn_once(self, exc: OSError) -> None:
         """The first failed write of this store says why on stderr; later ones are counted."""
@@ -359,15 +348,9 @@ class FileStore:
                     continue  # removed meanwhile by another process
                 if e.name.endswith(PAGE_SUFFIX):
                     yield st.st_mtime_ns, st.st_size, e.path
-                elif is_tmp and self._orphan(e.path, e.name, st.st_mtime_ns, stale_before):
+                elif is_tmp and self._tmps.orphan(e.path, e.name, st.st_mtime_ns, stale_before):
                     if self._unlink_quiet(e.path) and not pages:
                         yield 0, 0, e.path
-
-    def _orphan(self, path: str, name: str, mtime_ns: int, stale_before: int) -> bool:
-        with self._lock:
-            if path in self._open_tmps:
-                return False  # being written by a thread of this process
-        return orphan_tmp(name, mtime_ns, self._host, stale_before)
 
     @staticmethod
     def _unlink_quiet(path: str) -> bool:
@@ -415,9 +398,7 @@ class FileStore:
         """Stop serving; remove any temp a writer of this process left open (a writer thread
         that still finishes finds its temp gone: its rename fails and counts as put_errors)."""
         self._closed = True
-        with self._lock:
-            left, self._open_tmps = list(self._open_tmps), set()
-        for tmp in left:
+        for tmp in self._tmps.close():
             self._unlink_quiet(tmp)
 
     def check_integrity(self) -> None:
