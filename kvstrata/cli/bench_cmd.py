@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstrata.bench.registry import load_benches
+from kvstrata.cli import validate
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,10 +38,12 @@ def run(args: argparse.Namespace) -> int:
     if args.list or not args.name:
         print("\n".join(benches.names()))
         return 0
+    validate.check_name(benches, args.name, "NAME")
+    validate.check_out_file(args.json, "--json")
     report = benches.create(args.name, args.quick)
     Console().print(_table(args.name, report))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.parent.mkdir(exist_ok=True)  # validated: its own parent exists
         args.json.write_text(json.dumps(report, indent=2))
         print(f"report: {args.json}")
     return 0

@@ -1,7 +1,8 @@
 """`kvstrata check-consensus DIR`: compare every rank's decision log; name the first divergence.
 
-Exit codes: 0 all ranks agree, 1 ranks diverged (first step, decision and ranks printed),
-2 the directory or a log is missing, empty or corrupt.
+Exit codes: 0 all ranks agree, 1 ranks diverged (first step, decision and ranks printed) or a
+rank's log ends early (rank stopped),
+2 the directory or a log is missing, empty, corrupt, or the logs come from different runs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvstrata.cli import validate
 from kvstrata.parallel.checker import LogError, check_logs
 
 
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    validate.check_out_file(args.json, "--json")
     try:
         result = check_logs(args.dir)
     except LogError as exc:
@@ -38,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
             "steps": result.n_steps,
             "step": div.step if div else None,
             "diverged_ranks": div.minority if div else [],
+            "stopped": {str(r): step for r, step in result.stopped.items()},
             "majority_ranks": div.majority if div else [],
             "decisions": {str(k): v for k, v in div.decisions.items()} if div else {},
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.parent.mkdir(exist_ok=True)  # validated: its own parent exists
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if result.ok else 1

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import itertools
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress
 
-from kvstrata.bench.replay import ReplayConfig, replay
+from kvstrata.bench.replay import MODEL_MODULES, REPLAY_MODELS, ReplayConfig, replay
 from kvstrata.bench.report import hit_rate_png, replay_table, write_json
 from kvstrata.cache.config import CacheConfig
-from kvstrata.configtools import add_config_args
+from kvstrata.cli import validate
+from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.workloads.generated import AgentConfig, MultiTurnConfig, coding_agent, multi_turn
-from kvstrata.workloads.trace import Trace, read_mooncake
+from kvstrata.workloads.trace import DEFAULT_MAX_INPUT_TOKENS, Trace, read_mooncake
 
 GENERATED = {"multi-turn": (MultiTurnConfig, multi_turn), "agent": (AgentConfig, coding_agent)}
 
@@ -33,6 +36,26 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-requests", type=int, default=None, help="replay only the first N requests"
     )
+    p.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=DEFAULT_MAX_INPUT_TOKENS,
+        help="refuse (or skip) trace lines claiming a longer prompt "
+        f"(default: {DEFAULT_MAX_INPUT_TOKENS:,})",
+    )
+
+
+def check_trace_args(args: argparse.Namespace) -> None:
+    """The trace options: a readable file or a known generator, sane limits."""
+    validate.check_min(args.max_requests, "--max-requests", 1)
+    validate.check_min(args.max_input_tokens, "--max-input-tokens", 1)
+    if args.trace.startswith("gen:"):
+        if args.trace[4:] not in GENERATED:
+            raise ValueError(
+                f"TRACE: unknown generator {args.trace[4:]!r}; known: {', '.join(GENERATED)}"
+            )
+    elif not Path(args.trace).is_file():
+        raise FileNotFoundError(f"TRACE: trace file not found: {args.trace}")
 
 
 def load_trace(args: argparse.Namespace, console: Console) -> Trace:
@@ -42,10 +65,15 @@ def load_trace(args: argparse.Namespace, console: Console) -> Trace:
             raise ValueError(f"unknown generator {name!r}; known: {', '.join(GENERATED)}")
         cfg_cls, gen = GENERATED[name]
         trace = gen(cfg_cls())
-        if args.max_requests:
+        if args.max_requests is not None:
             trace.requests = trace.requests[: args.max_requests]
         return trace
-    trace = read_mooncake(args.trace, on_error=args.on_error, max_requests=args.max_requests)
+    trace = read_mooncake(
+        args.trace,
+        on_error=args.on_error,
+        max_requests=args.max_requests,
+        max_input_tokens=args.max_input_tokens,
+    )
     for err in trace.errors[:20]:
         console.print(f"[yellow]skipped[/] {err}")
     if len(trace.errors) > 20:
@@ -65,15 +93,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvstrata.configtools import config_from_args
+def _engine_page_nbytes(cfg: ReplayConfig) -> int:
+    """KV bytes of one page of the engine model (float32), from its config.json alone."""
+    from kvstrata.engine.build import resolve_model_path
+    from kvstrata.engine.config import EngineConfig
+    from kvstrata.model.checkpoint import parse_spec, read_config
 
+    path = resolve_model_path(EngineConfig(model=cfg.model_path))
+    validate.check_checkpoint(path)
+    spec = parse_spec(read_config(path))
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * cfg.page_size * 4
+
+
+def check_replay(args: argparse.Namespace, cfg: ReplayConfig) -> None:
+    """Everything `replay` reads or writes, checked before the trace is read."""
+    check_trace_args(args)
+    for mod in MODEL_MODULES:
+        importlib.import_module(mod)
+    validate.check_name(REPLAY_MODELS, cfg.model, "--model")
+    c = cfg.cache
+    validate.check_policies(c.eviction, c.write_policy, c.prefetch_policy)
+    if c.storage_url:
+        validate.check_storage_url(c.storage_url, "--storage-url")
+    validate.check_out_file(args.json, "--json")
+    validate.check_out_file(args.png, "--png")
+    page = _engine_page_nbytes(cfg) if cfg.model == "engine" else cfg.page_nbytes
+    l1, l2 = c.device_pages, c.host_pages
+    what = f"{page:,} bytes per page "
+    validate.check_memory([("--device-pages", l1 * page), ("--host-pages", l2 * page)], what)
+
+
+def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     cfg = config_from_args(ReplayConfig, args, cache=config_from_args(CacheConfig, args))
+    check_replay(args, cfg)
     trace = load_trace(args, console)
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"replay {len(trace)} requests", total=len(trace))
-        result = replay(trace, cfg, lambda n: bar.update(task, completed=n))
+    done = list(itertools.accumulate(r.input_length for r in trace))  # tokens after n requests
+    with Progress(console=console, transient=True) as bar:  # by tokens: long lines show as such
+        desc = f"replay {len(trace)} requests, {trace.prompt_tokens:,} tokens"
+        task = bar.add_task(desc, total=trace.prompt_tokens)
+        result = replay(trace, cfg, lambda n: bar.update(task, completed=done[n - 1] if n else 0))
     rep = result.report()
     rep["trace"] = trace.source
     rep["skipped_lines"] = len(trace.errors)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from rich.table import Table
 
 from kvstrata.bench.run_report import TurnResult, config_report, outputs_identical, write_report
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cli import validate
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.engine.build import build_engine, resolve_model_path
 from kvstrata.engine.config import TIER_SETS, EngineConfig
@@ -29,10 +29,10 @@ from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.decision_log import DecisionLog
+from kvstrata.parallel.decision_log import DecisionLog, config_digest, new_run_id
 from kvstrata.parallel.group import RankFailure
 from kvstrata.parallel.tp import check_layout
-from kvstrata.storage.base import STORAGE_BACKENDS, StorageConfig, open_storage, url_scheme
+from kvstrata.storage.base import StorageConfig, open_storage
 from kvstrata.workloads.agent import (
     SessionTurns,
     WorkloadSpec,
@@ -64,13 +64,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # ---- validation (nothing is written before these pass) ------------------------------------------
-def check_storage_url(url: str) -> None:
-    """ValueError for a URL whose scheme no backend serves (known schemes listed)."""
-    for mod in ("kvstrata.storage.file_store", "kvstrata.storage.redis_store"):
-        importlib.import_module(mod)
-    STORAGE_BACKENDS.get(url_scheme(url))
-
-
 def _spec(args: argparse.Namespace) -> WorkloadSpec:
     base = QUICK if args.quick else FULL
     over = {"sessions": args.sessions, "turns": args.turns, "max_new_tokens": args.max_new_tokens}
@@ -209,6 +202,14 @@ def _per_config_log(dist_cfg: DistConfig, tiers: str) -> DistConfig:
     return dataclasses.replace(dist_cfg, consensus_log=str(Path(dist_cfg.consensus_log) / tiers))
 
 
+def _single_rank_log(dist_cfg: DistConfig, cfgs: Any, tiers: str, run_id: str) -> Any:
+    """The decision log of a one-rank configuration (None without --consensus-log)."""
+    if not dist_cfg.consensus_log:
+        return None
+    fields = {**dataclasses.asdict(cfgs[0]), **dataclasses.asdict(cfgs[1]), "tiers": tiers}
+    return DecisionLog.from_config(dist_cfg, 0, run_id, config_digest(fields))
+
+
 # ---- the job --------------------------------------------------------------------------------------
 def _table(configs: dict[str, dict[str, Any]]) -> Table:
     table = Table(title="kvstrata run")
@@ -240,29 +241,66 @@ def _progress(console: Console) -> Progress:
     )
 
 
+def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, DistConfig]:
+    """Every check that needs no model: names, ranges, ranks, paths, the checkpoint."""
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("--prompt is empty")
+    for opt in ("sessions", "turns", "max_new_tokens"):
+        validate.check_min(getattr(args, opt), "--" + opt.replace("_", "-"), 1)
+    validate.check_min(args.threads, "--threads", 0)
+    engine_cfg = config_from_args(EngineConfig, args)
+    cache_cfg = config_from_args(CacheConfig, args)
+    config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)  # bad values fail here
+    dist_cfg = config_from_args(DistConfig, args)
+    validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
+    validate.check_backend(dist_cfg.backend)
+    validate.check_out_dir(args.out, "--out")
+    if cache_cfg.storage_url:
+        create = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX).create_dir
+        validate.check_storage_url(cache_cfg.storage_url, "--storage-url", create)
+    validate.check_checkpoint(resolve_model_path(engine_cfg))
+    return engine_cfg, cache_cfg, dist_cfg
+
+
+def _check_memory(model: DecoderLM, cache: CacheConfig, dist_cfg: DistConfig) -> None:
+    """The pools of one configuration, and a model copy per rank, fit in memory now."""
+    limit = model.spec.max_position_embeddings
+    if cache.page_size > limit:
+        raise ValueError(f"--page-size {cache.page_size} exceeds the model's {limit} positions")
+    page = model.kv_shape(cache.page_size).page_nbytes
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    validate.check_memory(
+        [
+            ("--device-pages", cache.device_pages * page),
+            ("--host-pages", cache.host_pages * page),
+            ("--tp x --cp x --pp (model per rank)", weights * (dist_cfg.world_size - 1)),
+        ],
+        f"{page:,} bytes per page ",
+    )
+
+
 def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, Prompts, Any]:
     """Check every input, load the model once, build the prompts; then create --out and the
     store (this is the first write)."""
-    if args.prompt is not None and not args.prompt.strip():
-        raise ValueError("--prompt is empty")
+    engine_cfg, cache_cfg, dist_cfg = _check_args(args)
+    cache_url = cache_cfg.storage_url
     spec = _spec(args)
-    engine_cfg = config_from_args(EngineConfig, args)
-    config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)  # bad values fail here
-    url = config_from_args(CacheConfig, args).storage_url
-    if url:
-        check_storage_url(url)
     model_path = resolve_model_path(engine_cfg)
     model = load_model(model_path, dtype=engine_cfg.dtype)  # ValueError: not a checkpoint
     prompts = _prompts(args, spec, model_path, model)
     cfgs = _configs(args, prompts, spec)
+    _check_memory(model, cfgs[1], dist_cfg)
     _check_prompts(prompts, spec.max_new_tokens, model, cfgs[1])
-    dist_cfg = config_from_args(DistConfig, args)
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
+    validate.check_ranks(dist_cfg.world_size)
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
-    args.out.mkdir(parents=True, exist_ok=True)
     page_nbytes = model.kv_shape(cfgs[1].page_size).page_nbytes
-    open_storage(cfgs[1].storage_url, page_nbytes, cfgs[2]).close()  # fails now, not mid-run
+    if cfgs[1].storage_url != cache_url:
+        args.out.mkdir(exist_ok=True)  # the default store lives under --out
+    # the store opens now (an unreachable redis fails here, before --out exists), not mid-run
+    open_storage(cfgs[1].storage_url, page_nbytes, cfgs[2]).close()
+    args.out.mkdir(exist_ok=True)
     return spec, model_path, model, prompts, cfgs
 
 
@@ -277,6 +315,7 @@ def _serve_all(
     """Every configuration over the same workload, on one rank or on tp x cp x pp ranks."""
     n_req = sum(len(s) for s in prompts)
     dist_all = config_from_args(DistConfig, args)
+    run_id = new_run_id()
     results: dict[str, tuple[list[TurnResult], dict[str, Any] | None]] = {}
     with _progress(console) as progress:
         for tiers in TIER_SETS:
@@ -286,7 +325,7 @@ def _serve_all(
                 res = run_config_ranks(tiers, cfgs, dist_cfg, prompts, max_new)
                 progress.advance(task, n_req)
             else:
-                log = DecisionLog.from_config(dist_cfg, 0) if dist_cfg.consensus_log else None
+                log = _single_rank_log(dist_cfg, cfgs, tiers, run_id)
                 advance = lambda t=task: progress.advance(t)  # noqa: E731
                 res = run_config(tiers, model, cfgs, prompts, max_new, advance, log)
             results[tiers] = res
@@ -301,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         served = _serve_all(args, console, model, prompts, cfgs, spec.max_new_tokens)
     except RankFailure as exc:  # a rank diverged (live check), raised, died or hung
+        for rank, trace in sorted(exc.traces.items()):  # a real error in a rank: its traceback
+            print(f"rank {rank} traceback:\n{trace}", file=sys.stderr)
         print(f"kvstrata run: ranks stopped: {exc}", file=sys.stderr)
         return 1
     reports = {tiers: config_report(res, counters) for tiers, (res, counters) in served.items()}

@@ -14,7 +14,8 @@ from kvstrata.bench.replay import ReplayConfig
 from kvstrata.bench.report import ablation_table, decomposition_table, write_json
 from kvstrata.bench.whatif import CostModel, whatif, with_capacities
 from kvstrata.cache.config import CacheConfig
-from kvstrata.cli.replay_cmd import add_trace_args, load_trace
+from kvstrata.cli import validate
+from kvstrata.cli.replay_cmd import add_trace_args, check_trace_args, load_trace
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,8 +68,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_simulate(args: argparse.Namespace) -> None:
+    """Names, ranges and paths, before the trace is read."""
+    check_trace_args(args)
+    validate.check_name(PROFILES, args.hardware, "--hardware")
+    validate.check_name(MODELS, args.model, "--model")
+    validate.check_policies(args.eviction, args.write_policy, args.prefetch_policy)
+    for opt in ("tp", "cp", "pp", "page_size"):
+        validate.check_min(getattr(args, opt), "--" + opt.replace("_", "-"), 1)
+    for opt in ("l1_tokens", "l2_tokens"):
+        validate.check_min(getattr(args, opt), "--" + opt.replace("_", "-"), 0)
+    if not args.time_scale > 0:
+        raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
+    if args.l3 != "mem":
+        validate.check_storage_url(args.l3, "--l3")
+    validate.check_out_file(args.json, "--json")
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
+    check_simulate(args)
     hw, model = get_profile(args.hardware), get_model(args.model)
     main = Topology(args.tp, args.cp, args.pp, args.pd)
     cost = CostModel(

@@ -103,23 +103,47 @@ class RankLog:
 
     rank: int
     world_size: int | None
+    run: str = ""  # run id and configuration digest from the header ("" in older logs)
+    config: str = ""
     records: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     digests: dict[int, int] = field(default_factory=dict)
 
 
+def _read_lines(path: Path) -> list[str]:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise LogError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise LogError(f"{path}:{line} is not UTF-8 text (corrupt log)") from None
+
+
+def _header(path: Path, first: str) -> dict[str, Any]:
+    try:
+        header = json.loads(first)
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("header") != 1:
+        raise LogError(f"{path} has no header line")
+    return header
+
+
 def _parse_lines(path: Path, rank: int) -> RankLog:
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = _read_lines(path)
     if not lines:
         raise LogError(f"{path} is empty")
-    header = json.loads(lines[0])
-    if header.get("header") != 1:
-        raise LogError(f"{path} has no header line")
-    log = RankLog(rank, header.get("world_size"))
+    header = _header(path, lines[0])
+    log = RankLog(rank, header.get("world_size"), header.get("run", ""), header.get("config", ""))
     pending: list[dict[str, Any]] = []
     digest = 0
     for n, line in enumerate(lines[1:], start=2):
         try:
             obj = json.loads(line)
+            if not isinstance(obj, dict) or "s" not in obj or ("end" not in obj and "k" not in obj):
+                raise LogError(f"{path}:{n} is not a decision record (corrupt log)")
         except json.JSONDecodeError:
             if n == len(lines):
                 break  # a rank stopped mid-write: the unfinished step is ignored
@@ -152,6 +176,7 @@ def load_logs(directory: str | Path) -> dict[int, RankLog]:
         logs[rank] = _parse_lines(path, rank)
     if not logs:
         raise LogError(f"no rank logs (rank-*.jsonl) in {root}")
+    _same_run(root, logs)
     expected = {log.world_size for log in logs.values() if log.world_size}
     if expected and set(range(max(expected))) - set(logs):
         missing = sorted(set(range(max(expected))) - set(logs))
@@ -161,20 +186,50 @@ def load_logs(directory: str | Path) -> dict[int, RankLog]:
     return logs
 
 
+def _same_run(root: Path, logs: Mapping[int, RankLog]) -> None:
+    """Refuse logs of different runs (run id, configuration or world size in the headers)."""
+    idents = {r: (log.run, log.config, log.world_size) for r, log in logs.items()}
+    if len(set(idents.values())) <= 1:
+        return
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for rank, ident in sorted(idents.items()):
+        groups.setdefault(ident, []).append(rank)
+    parts = [
+        f"{_ranks(ranks)}: run {run or '?'} config {cfg or '?'} world size {ws}"
+        for (run, cfg, ws), ranks in groups.items()
+    ]
+    raise LogError(
+        f"the logs in {root} come from different runs, not compared ({'; '.join(parts)})"
+    )
+
+
 @dataclass(frozen=True)
 class CheckResult:
     n_ranks: int
     n_steps: int
     divergence: Divergence | None
+    stopped: dict[int, int] = field(default_factory=dict)  # rank -> last step its log holds
 
     @property
     def ok(self) -> bool:
-        return self.divergence is None
+        return self.divergence is None and not self.stopped
 
     def text(self) -> str:
+        if self.stopped:
+            lines = [
+                f"rank {r}'s log ends at step {s} (rank stopped?)" for r, s in self.stopped.items()
+            ]
+            lines.append(f"all {self.n_ranks} ranks agree up to there")
+            return "\n".join(lines)
         if self.divergence is None:
             return f"all {self.n_ranks} ranks agree over {self.n_steps} steps"
         return self.divergence.text()
+
+
+def _ended(logs: Mapping[int, RankLog], lacking: Sequence[int], step: int) -> dict[int, int]:
+    """The lacking ranks whose log simply ends before `step`: rank -> its last step (-1: none)."""
+    last = {r: max(logs[r].digests, default=-1) for r in lacking}
+    return last if all(s < step for s in last.values()) else {}
 
 
 def check_logs(directory: str | Path) -> CheckResult:
@@ -185,6 +240,9 @@ def check_logs(directory: str | Path) -> CheckResult:
         have = {r: log.digests[step] for r, log in logs.items() if step in log.digests}
         if len(have) < len(logs):
             lacking = sorted(set(logs) - set(have))
+            stopped = _ended(logs, lacking, step)
+            if stopped:
+                return CheckResult(len(logs), step, None, stopped)
             note = f"{_ranks(lacking)} logged no step {step} (log ended or step skipped)"
             present = {r: ("present" if r in have else "absent") for r in logs}
             majority, minority = split_majority(present)

@@ -39,11 +39,15 @@ class DistConfig:
     master_addr: str = doc("127.0.0.1", "address of rank 0's rendezvous store")
     master_port: int = doc(0, "port of the rendezvous store; 0 picks a free one (local spawn)")
     timeout_s: float = doc(
-        60.0, "a collective that waits longer than this fails (dead or hung rank)"
+        60.0,
+        "a dead, hung or diverged rank stops every rank within this many seconds, naming it "
+        "(a collective gives up after 60% of it)",
     )
     consensus_log: str = doc("", "directory for per-rank decision logs rank-{r}.jsonl ('' = off)")
     consensus_check: str = doc(
-        "off", "off, or live: compare decision digests in the step collective"
+        "live",
+        "live: compare decision digests in the step collective (a diverged rank stops every "
+        "rank at the next step), or off",
     )
     inject_divergence: str = doc("", "testing: 'STEP:RANK' makes that rank skip one decision")
 

@@ -7,7 +7,7 @@ that it and its negation fit an int64 (StepConsensus carries both in the step co
 Never Python's hash(): digests are equal across processes and runs.
 
 File format, DIR/rank-{r}.jsonl, one JSON object per line:
-  {"header": 1, "rank": r, "world_size": n, "version": 1}
+  {"header": 1, "rank": r, "world_size": n, "version": 1, "run": run id, "config": digest}
   {"s": step, "k": kind, "p": {payload}, "d": digest after this record}
   {"s": step, "end": digest at the end of the step, "n": records in the step}
 """
@@ -15,7 +15,8 @@ File format, DIR/rank-{r}.jsonl, one JSON object per line:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,6 +27,18 @@ from kvstrata.cache.keys import key_hex
 LOG_VERSION = 1
 MASK63 = (1 << 63) - 1
 _SCALARS = (int, str, bool, float, type(None))
+
+
+def new_run_id() -> str:
+    """A fresh id for one run (all its ranks log the same one; see group.init_ranks)."""
+    return uuid.uuid4().hex[:16]
+
+
+def config_digest(fields: Mapping[str, Any]) -> str:
+    """16 hex digits over a run's configuration (JSON, sorted keys): logs of runs with different
+    configurations must not be compared step by step."""
+    text = json.dumps(dict(fields), sort_keys=True, default=str, separators=(",", ":"))
+    return f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
 
 
 def log_path(directory: str | Path, rank: int) -> Path:
@@ -77,6 +90,8 @@ class DecisionLog:
         directory: str | Path | None = None,
         world_size: int | None = None,
         inject: tuple[int, int] | None = None,
+        run_id: str = "",
+        config: str = "",
     ) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
@@ -95,12 +110,15 @@ class DecisionLog:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("w", encoding="utf-8", buffering=1 << 16)
             header = {"header": 1, "rank": rank, "world_size": world_size, "version": LOG_VERSION}
+            header |= {"run": run_id, "config": config}
             self._file.write(json.dumps(header) + "\n")
 
     @classmethod
-    def from_config(cls, config: Any, rank: int) -> DecisionLog:
-        """From a DistConfig: its consensus_log directory and inject_divergence."""
-        return cls(rank, config.consensus_log or None, config.world_size, config.injection)
+    def from_config(cls, config: Any, rank: int, run_id: str = "", digest: str = "") -> DecisionLog:
+        """From a DistConfig: its consensus_log directory and inject_divergence; the run id and
+        configuration digest go into the header."""
+        dirname = config.consensus_log or None
+        return cls(rank, dirname, config.world_size, config.injection, run_id, digest)
 
     def begin_step(self, step: int) -> None:
         """Open `step` (optional when steps go 0, 1, 2, ...); steps only move forward."""

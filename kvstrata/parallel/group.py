@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue as queue_mod
+import signal
 import socket
 import time
 import traceback
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.decision_log import new_run_id
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class RankContext:
     tp_group: Any = None
     cp_group: Any = None
     pp_group: Any = None
+    run_id: str = ""  # rank 0's, agreed at init: every rank's decision log carries it
 
     @property
     def tp_rank(self) -> int:
@@ -93,11 +96,75 @@ class RankContext:
 
 
 _FAILURE_GRACE_S = 3.0
-_DIED = "died"
+COLLECTIVE_FRACTION = 0.6
+"""A collective gives up after 0.6 x timeout_s, so that with the parent's grace (at most
+0.1 x timeout_s) every rank is stopped and named within timeout_s of a rank dying or hanging."""
+
+
+def grace_s(timeout_s: float) -> float:
+    """How long the parent waits for the other ranks' reports once one rank has failed."""
+    return min(_FAILURE_GRACE_S, 0.1 * timeout_s)
+
+
+_HEARTBEAT: tuple[Any, int] | None = None  # (shared array of beat times, this rank) in a child
+
+
+def heartbeat() -> None:
+    """Called by a rank's loop once per step: the parent names a rank silent for longer than
+    timeout_s as hung (a rank blocked in a collective with it times out and reports first)."""
+    if _HEARTBEAT is not None:  # 0.0 until a rank's first beat: only beating ranks are watched
+        beats, rank = _HEARTBEAT
+        beats[rank] = time.monotonic()  # CLOCK_MONOTONIC is system-wide: comparable across ranks
 
 
 class RankFailure(RuntimeError):
-    """A spawned rank raised, died or hung; the message names the rank."""
+    """A spawned rank raised, died or hung; the message names the rank and why, one line per
+    failed rank. `traces` holds the tracebacks of ranks that raised a real error (a bug)."""
+
+    def __init__(self, message: str, traces: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.traces = traces or {}
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """Why one rank failed. kind: report (a divergence), raised (an error, traceback kept),
+    lost (its peers went away: a consequence, never the cause), died, hung."""
+
+    kind: str
+    line: str
+    trace: str = ""
+
+
+_BLAME_ORDER = ("died", "report", "raised", "hung", "lost")
+_COMM_HINTS = ("gloo", "connection closed", "connection reset", "timed out", "broken pipe")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    if line.startswith("[") and "] " in line:  # gloo's "[../third_party/gloo/...cc:534] msg"
+        line = line.split("] ", 1)[1]
+    return line
+
+
+def describe_exception(exc: BaseException, timeout_s: float) -> RankReport:
+    """One line for what a rank hit; the traceback only for a real error. timeout_s: how long a
+    collective waits (named in the message of a timed-out one)."""
+    if getattr(exc, "is_report", False):
+        return RankReport("report", str(exc))
+    if isinstance(exc, KeyboardInterrupt):
+        return RankReport("lost", "stopped by a signal")
+    dist_error = getattr(dist, "DistError", ())
+    line = _first_line(exc)
+    if isinstance(exc, dist_error) or (
+        isinstance(exc, RuntimeError) and any(h in line.lower() for h in _COMM_HINTS)
+    ):
+        line = line.split(". ")[0]  # gloo appends a paragraph of hints
+        if "timed out" in line.lower() or "timeout" in line.lower():
+            return RankReport("lost", f"no answer from a peer within {timeout_s:g} s ({line})")
+        return RankReport("lost", f"lost its peers ({line})")
+    return RankReport("raised", f"{type(exc).__name__}: {line}", traceback.format_exc())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -132,7 +199,7 @@ def _subgroup(layout: RankLayout, axis: str, rank: int) -> Any:
 def init_ranks(config: DistConfig, rank: int | None = None) -> RankContext:
     """Join the process group. rank=None reads torchrun's environment (env://) at call time."""
     backend = resolve_backend(config.backend)
-    timeout = timedelta(seconds=config.timeout_s)
+    timeout = timedelta(seconds=COLLECTIVE_FRACTION * config.timeout_s)
     world = config.world_size
     if rank is None:
         dist.init_process_group(backend, timeout=timeout)
@@ -153,6 +220,9 @@ def init_ranks(config: DistConfig, rank: int | None = None) -> RankContext:
     ctx.tp_group = _subgroup(layout, "tp", rank)
     ctx.cp_group = _subgroup(layout, "cp", rank)
     ctx.pp_group = _subgroup(layout, "pp", rank)
+    msg = [new_run_id() if rank == 0 else None]
+    dist.broadcast_object_list(msg, src=0)
+    ctx.run_id = msg[0]
     return ctx
 
 
@@ -175,55 +245,104 @@ def verify_same(name: str, fields: Mapping[str, Any], group: Any = None) -> None
                 )
 
 
-def _rank_main(rank: int, config: DistConfig, fn: Callable[..., Any], args: tuple, q: Any) -> None:
+class RankStopped(KeyboardInterrupt):
+    """SIGTERM in a working rank: unwinds it like Ctrl-C (its finally blocks clean up)."""
+
+
+def _stop_rank(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise RankStopped()
+
+
+def _rank_main(
+    rank: int, config: DistConfig, fn: Callable[..., Any], args: tuple, q: Any, beats: Any
+) -> None:
     """Body of one spawned rank: init, run fn(ctx, *args), report through the queue."""
+    global _HEARTBEAT
+    _HEARTBEAT = (beats, rank)
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, _stop_rank)  # while working: unwind, so no temp file is left
     try:
         ctx = init_ranks(config, rank)
         result = fn(ctx, *args)
         q.put((rank, True, result))
     except BaseException as exc:  # report everything: the parent names the rank
-        trace = "" if getattr(exc, "is_report", False) else f"\n{traceback.format_exc()}"
-        q.put((rank, False, f"{type(exc).__name__}: {exc}{trace}"))
+        q.put((rank, False, describe_exception(exc, COLLECTIVE_FRACTION * config.timeout_s)))
     finally:
+        # Reported: from here a terminate() from the parent just ends the process, quietly.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         teardown()
 
 
-def _collect(procs: list[Any], q: Any, deadline: float) -> dict[int, tuple[bool, Any]]:
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"died (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f"died (killed by signal {-code})"
+    return f"died (exit code {code}) without a result"
+
+
+def _collect(
+    procs: list[Any], q: Any, deadline: float, beats: Any, hang_s: float, grace: float
+) -> dict[int, tuple[bool, Any]]:
     """Gather one report per rank. Once any rank has failed or exited without a report, the
-    rest get a short grace (they may be stuck in a collective with it), then count as hung."""
+    rest get a short grace (they may be stuck in a collective with it), then count as hung; a
+    rank whose heartbeat is older than hang_s counts as hung too."""
     reports: dict[int, tuple[bool, Any]] = {}
     while len(reports) < len(procs):
         try:
             rank, ok, value = q.get(timeout=0.1)
             reports[rank] = (ok, value)
             if not ok:
-                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+                deadline = min(deadline, time.monotonic() + grace)
             continue
         except queue_mod.Empty:
             pass
         now = time.monotonic()
         if any(r not in reports and p.exitcode is not None for r, p in enumerate(procs)):
             # A report may still be in the pipe just after an exit: the grace covers that.
-            deadline = min(deadline, now + _FAILURE_GRACE_S)
-        if now > deadline:
+            deadline = min(deadline, now + grace)
+        silent = [r for r in range(len(procs)) if r not in reports and 0 < beats[r] < now - hang_s]
+        if silent:
+            deadline = min(deadline, now)
+        if now >= deadline:
             for rank, p in enumerate(procs):
                 if p.exitcode is not None:
-                    reason = f"{_DIED} (exit code {p.exitcode}) without a result"
+                    report = RankReport("died", _exit_reason(p.exitcode))
+                elif beats[rank]:
+                    quiet = now - beats[rank]
+                    report = RankReport("hung", f"no answer for {quiet:.0f} s (hung)")
                 else:
-                    reason = "did not finish before the timeout (hung?)"
-                reports.setdefault(rank, (False, reason))
+                    report = RankReport("hung", "did not finish before the timeout (hung)")
+                reports.setdefault(rank, (False, report))
     return reports
 
 
-def _first_failure(reports: dict[int, tuple[bool, Any]]) -> int | None:
-    """The rank to blame: one that died, else one that raised, else one that hung."""
-    failed = [r for r in sorted(reports) if not reports[r][0]]
+def _failure(reports: dict[int, tuple[bool, Any]]) -> RankFailure | None:
+    """The rank to blame first (died, then diverged or raised, then hung; ranks that only lost
+    their peers last), then one line per other failed rank."""
+    failed = {r: v for r, (ok, v) in sorted(reports.items()) if not ok}
     if not failed:
         return None
-    died = [r for r in failed if str(reports[r][1]).startswith(_DIED)]
-    raised = [r for r in failed if "(hung?)" not in str(reports[r][1])]
-    return (died or raised or failed)[0]
+    order = sorted(failed, key=lambda r: (_BLAME_ORDER.index(failed[r].kind), r))
+    lines, seen = [], set()
+    for r in order:
+        rep = failed[r]
+        if rep.kind == "report" and rep.line in seen:
+            continue  # every rank raises the same divergence report: once is enough
+        seen.add(rep.line)
+        if rep.kind == "report":  # the report names the ranks itself, the same on every rank
+            lines.append(rep.line)
+        else:
+            lines.append(f"rank {r} {'failed' if rep.kind != 'lost' else 'stopped'}: {rep.line}")
+    if all(v.kind == "lost" for v in failed.values()):
+        lines.insert(
+            0, "no rank failed by itself: every rank gave up waiting on a peer (ranks out of step)"
+        )
+    traces = {r: v.trace for r, v in failed.items() if v.trace}
+    return RankFailure("\n".join(lines), traces)
 
 
 def run_ranks(
@@ -245,22 +364,41 @@ def run_ranks(
         start_method = "spawn" if resolve_backend(config.backend) == "nccl" else "fork"
     mp = tmp.get_context(start_method)
     q = mp.Queue()
+    beats = mp.Array("d", config.world_size, lock=False)  # zeros: no beat yet
     procs = [
-        mp.Process(target=_rank_main, args=(r, config, fn, args, q))
+        mp.Process(target=_rank_main, args=(r, config, fn, args, q, beats))
         for r in range(config.world_size)
     ]
     for p in procs:
         p.start()
+    grace = grace_s(config.timeout_s)
+    hang_s = COLLECTIVE_FRACTION * config.timeout_s + grace  # its peers time out first
+    reports: dict[int, tuple[bool, Any]] = {}
     try:
-        reports = _collect(procs, q, time.monotonic() + timeout_s)
-    finally:
+        reports = _collect(procs, q, time.monotonic() + timeout_s, beats, hang_s, grace)
+    except BaseException:  # Ctrl-C / SIGTERM in the parent: stop the ranks, then reap them
         for p in procs:
-            p.join(timeout=5.0)
             if p.is_alive():
-                p.kill()
-                p.join()
-    first = _first_failure(reports)
-    if first is not None:
-        failed = [r for r in sorted(reports) if not reports[r][0]]
-        raise RankFailure(f"rank {first} failed: {reports[first][1]} (failed ranks: {failed})")
+                p.terminate()
+        raise
+    finally:
+        _reap(procs, patient=bool(reports) and all(ok for ok, _ in reports.values()))
+    failure = _failure(reports)
+    if failure is not None:
+        raise failure
     return [reports[r][1] for r in range(config.world_size)]
+
+
+def _reap(procs: list[Any], patient: bool) -> None:
+    """Join every rank; never leave one behind. After a failure the survivors are only stuck
+    waiting (or stopped): they are terminated at once and killed if still there after 0.5 s."""
+    if not patient:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    end = time.monotonic() + (5.0 if patient else 0.5)
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -12,12 +12,19 @@ locks:
 - the LRU clock is the file mtime, set explicitly (ns) on write and on read; the size cap is kept
   by a running estimate plus an occasional rescan, and the clean-up removes the oldest files.
 Concurrent clean-ups in several processes may remove a little more than needed: that is a miss.
+
+Temp files are named `.<page file>.<host tag>.<pid>.<thread>.<seq>.tmp`. A writer removes its temp
+on any failure (an exception or a signal unwinding it) and `close()` removes any still open; a
+killed writer's orphans are swept when a store opens and every `rescan_interval_s` of writing
+(whatever the size cap): a temp of this host is removed once its pid is dead, a temp of another
+host (whose pids we cannot see) once it is older than `stale_tmp_s`. A live writer's temp is never
+touched: its pid is alive (a reused pid only delays the removal until the age limit).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +44,7 @@ from kvstrata.storage.base import (
     header_ok,
     page_view,
 )
+from kvstrata.storage.tmp_files import TempFiles
 
 PAGE_SUFFIX = ".kvp"
 TMP_SUFFIX = ".tmp"
@@ -46,6 +54,7 @@ _WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _COUNTERS = (
     "puts", "put_existing", "put_errors", "gets", "get_hits", "get_misses", "corrupt",
     "read_errors", "exists_queries", "deleted", "evicted", "rescans", "bytes_written", "bytes_read",
+    "tmp_swept",
 )  # fmt: skip
 
 
@@ -58,6 +67,13 @@ def parse_file_url(url: str) -> Path:
 
 
 def _resolve_dir(url: str, create: bool) -> Path:
+    try:
+        return _make_dir(url, create)
+    except OSError as exc:
+        raise ValueError(f"storage url {url!r}: cannot create the directory: {exc}") from None
+
+
+def _make_dir(url: str, create: bool) -> Path:
     root = parse_file_url(url)
     if root.is_dir():
         return root
@@ -100,15 +116,18 @@ class FileStore:
         self.root = _resolve_dir(url, self.config.create_dir)
         self.file_nbytes = HEADER_NBYTES + self.page_nbytes
         self._root_s = os.fspath(self.root)
-        self._tmp_seq = itertools.count()
         self._lock = threading.Lock()  # guards counters and the size estimate (threads only)
         self._cleanup_lock = threading.Lock()  # one clean-up at a time per process
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._bytes_estimate = 0
         self._next_rescan = 0.0
         self._closed = False
+        self._tmps = TempFiles(TMP_SUFFIX)
+        self._warned = False
         if self.config.max_bytes:
             self._cleanup()
+        else:
+            self.sweep_tmp()
 
     # ---- paths -------------------------------------------------------------------------------
     def _path(self, key: int) -> str:
@@ -116,12 +135,6 @@ class FileStore:
             raise ValueError(f"page key must be a 128-bit non-negative int, got {key!r}")
         h = key_hex(key)
         return f"{self._root_s}/{h[:2]}/{h}{PAGE_SUFFIX}"
-
-    def _tmp_path(self, path: str) -> str:
-        d, name = os.path.split(path)
-        return (
-            f"{d}/.{name}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_seq)}{TMP_SUFFIX}"
-        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -184,14 +197,22 @@ class FileStore:
                 counts["corrupt"] += 1
                 return False, self._discard(path, fd)
             if self.config.touch_on_read:
-                now = time.time_ns()
-                os.utime(fd, ns=(now, now))
+                self._touch(fd)
             return True, 0
         except OSError:
             counts["read_errors"] += 1
             return False, 0
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _touch(fd: int) -> None:
+        """Refresh the LRU clock; a read-only store still serves its pages (no clock then)."""
+        now = time.time_ns()
+        try:
+            os.utime(fd, ns=(now, now))
+        except OSError:
+            pass
 
     def _discard(self, path: str, fd: int) -> int:
         """Remove a corrupt page file if `path` still names the inode read through `fd`."""
@@ -231,7 +252,9 @@ class FileStore:
                 return "put_existing"
         except OSError:
             pass
-        tmp = self._tmp_path(path)
+        tmp = self._tmps.new(path)
+        if tmp is None:  # close() ran meanwhile (a signal): start no new temp file
+            return "put_errors"
         try:
             try:
                 fd = os.open(tmp, _WR, 0o644)
@@ -249,12 +272,26 @@ class FileStore:
                 os.close(fd)
             os.replace(tmp, path)
             return "puts"
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        except OSError as exc:
+            self._unlink_quiet(tmp)
+            self._warn_once(exc)
             return "put_errors"
+        except BaseException:  # a signal unwinding the writer: leave no temp behind
+            self._unlink_quiet(tmp)
+            raise
+        finally:
+            self._tmps.done(tmp)
+
+    def _warn_once(self, exc: OSError) -> None:
+        """The first failed write of this store says why on stderr; later ones are counted."""
+        if self._warned:
+            return
+        self._warned = True
+        print(
+            f"kvstrata: warning: L3 write to {self._root_s} failed: {exc.strerror or exc} "
+            "(pages are not stored; further failures only counted in put_errors)",
+            file=sys.stderr,
+        )
 
     def delete(self, keys: Sequence[int]) -> int:
         self._check_open()
@@ -270,13 +307,28 @@ class FileStore:
 
     # ---- size cap ----------------------------------------------------------------------------
     def _maybe_cleanup(self) -> None:
-        if self.config.max_bytes and (
-            self._bytes_estimate > self.config.max_bytes or time.monotonic() >= self._next_rescan
-        ):
+        due = time.monotonic() >= self._next_rescan
+        if self.config.max_bytes and (self._bytes_estimate > self.config.max_bytes or due):
             self._cleanup()
+        elif due:
+            self.sweep_tmp()
 
-    def _scan(self) -> Iterator[tuple[int, int, str]]:
-        """(mtime_ns, size, path) of every page file; removes stale temp files on the way."""
+    def sweep_tmp(self) -> int:
+        """Remove the orphan temp files of dead writers; returns how many were removed."""
+        if not self._cleanup_lock.acquire(blocking=False):
+            return 0
+        try:
+            removed = sum(1 for _ in self._scan(pages=False))
+            with self._lock:
+                self._counts["tmp_swept"] += removed
+            self._next_rescan = time.monotonic() + self.config.rescan_interval_s
+            return removed
+        finally:
+            self._cleanup_lock.release()
+
+    def _scan(self, pages: bool = True) -> Iterator[tuple[int, int, str]]:
+        """(mtime_ns, size, path) of every page file (none if not `pages`); removes orphan temp
+        files on the way, yielding (0, 0, path) for each removed one when not `pages`."""
         stale_before = time.time_ns() - int(self.config.stale_tmp_s * 1e9)
         with os.scandir(self._root_s) as top:
             subdirs = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
@@ -287,14 +339,18 @@ class FileStore:
             except OSError:
                 continue
             for e in entries:
+                is_tmp = e.name.endswith(TMP_SUFFIX)
+                if not is_tmp and not pages:
+                    continue  # a temp sweep stats temp files only
                 try:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue  # removed meanwhile by another process
                 if e.name.endswith(PAGE_SUFFIX):
                     yield st.st_mtime_ns, st.st_size, e.path
-                elif e.name.endswith(TMP_SUFFIX) and st.st_mtime_ns < stale_before:
-                    self._unlink_quiet(e.path)
+                elif is_tmp and self._tmps.orphan(e.path, e.name, st.st_mtime_ns, stale_before):
+                    if self._unlink_quiet(e.path) and not pages:
+                        yield 0, 0, e.path
 
     @staticmethod
     def _unlink_quiet(path: str) -> bool:
@@ -339,7 +395,11 @@ class FileStore:
         return out
 
     def close(self) -> None:
+        """Stop serving; remove any temp a writer of this process left open (a writer thread
+        that still finishes finds its temp gone: its rename fails and counts as put_errors)."""
         self._closed = True
+        for tmp in self._tmps.close():
+            self._unlink_quiet(tmp)
 
     def check_integrity(self) -> None:
         """Counters are sane and every page file has the right name, place and size."""

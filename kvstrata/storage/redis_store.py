@@ -15,6 +15,7 @@ most. Size limits and LRU are the server's job (maxmemory + maxmemory-policy all
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -209,7 +210,22 @@ class RedisStore:
         self._count(
             puts=stored, put_skipped=len(names) - stored, bytes_written=stored * self.value_nbytes
         )
+        if stored < len(names):
+            self._warn_once(len(names) - stored)
         return stored
+
+    def _warn_once(self, skipped: int) -> None:
+        """The first failed write says so on stderr; later ones are only counted."""
+        if getattr(self, "_warned", False):
+            return
+        self._warned = True
+        with self._lock:
+            why = "server unreachable" if self._failed else "server refused (e.g. maxmemory)"
+        print(
+            f"kvstrata: warning: L3 write to {self.url} failed ({why}): {skipped} page(s) not "
+            "stored; further failures only counted in put_skipped",
+            file=sys.stderr,
+        )
 
     def _set_batch(
         self, keys: Sequence[int], names: list[bytes], views: list[np.ndarray]

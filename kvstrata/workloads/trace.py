@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from kvstrata.cache.keys import Namespace, page_keys
 
@@ -26,7 +27,11 @@ MOONCAKE_BLOCK = 512
 DEFAULT_VOCAB = 49152
 """SmolLM2's vocabulary size, so mapped prompts are valid input for the reference engine."""
 
+DEFAULT_MAX_INPUT_TOKENS = 1 << 22
+"""Longest prompt a trace line may claim by default (4M tokens; 1M-token prompts are real)."""
+
 _U64 = np.uint64
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,9 @@ class TraceError(ValueError):
     """A malformed trace; the message names the file and line numbers."""
 
 
-def _check_line(obj: object) -> tuple[float, int, int, tuple[int, ...]]:
+def _check_line(
+    obj: object, max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS
+) -> tuple[float, int, int, tuple[int, ...]]:
     """Validate one decoded line; raise ValueError saying what is wrong."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
@@ -93,6 +100,11 @@ def _check_line(obj: object) -> tuple[float, int, int, tuple[int, ...]]:
     for name, v, lo in (("input_length", n_in, 1), ("output_length", n_out, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    if n_in > max_input_tokens:
+        raise ValueError(
+            f"input_length {n_in:,} exceeds the limit of {max_input_tokens:,} tokens "
+            "(--max-input-tokens)"
+        )
     if not isinstance(ids, list) or not all(type(x) is int and x >= 0 for x in ids):
         raise ValueError("hash_ids must be a list of integers >= 0")
     want = -(-n_in // MOONCAKE_BLOCK)
@@ -106,7 +118,9 @@ def _check_line(obj: object) -> tuple[float, int, int, tuple[int, ...]]:
 Row = tuple[float, int, int, tuple[int, ...]]
 
 
-def _read_rows(path: Path, max_requests: int | None) -> tuple[list[Row], list[str]]:
+def _read_rows(
+    path: Path, max_requests: int | None, max_input_tokens: int
+) -> tuple[list[Row], list[str]]:
     """Valid rows and `file:line: reason` for every malformed line."""
     rows: list[Row] = []
     errors: list[str] = []
@@ -115,7 +129,7 @@ def _read_rows(path: Path, max_requests: int | None) -> tuple[list[Row], list[st
             if not line.strip():
                 continue
             try:
-                rows.append(_check_line(json.loads(line)))
+                rows.append(_check_line(json.loads(line), max_input_tokens))
             except ValueError as exc:  # json.JSONDecodeError is a ValueError
                 errors.append(f"{path}:{lineno}: {exc}")
             if max_requests is not None and len(rows) >= max_requests:
@@ -124,7 +138,10 @@ def _read_rows(path: Path, max_requests: int | None) -> tuple[list[Row], list[st
 
 
 def read_mooncake(
-    path: str | Path, on_error: str = "strict", max_requests: int | None = None
+    path: str | Path,
+    on_error: str = "strict",
+    max_requests: int | None = None,
+    max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
 ) -> Trace:
     """Read a Mooncake jsonl trace, sorted by timestamp (stable).
 
@@ -134,10 +151,14 @@ def read_mooncake(
     """
     if on_error not in ("strict", "skip"):
         raise ValueError(f"on_error must be 'strict' or 'skip', got {on_error!r}")
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
-    rows, errors = _read_rows(path, max_requests)
+    rows, errors = _read_rows(path, max_requests, max_input_tokens)
+    if len(errors) == 1 and on_error == "strict":
+        raise TraceError(f"{errors[0]} (use skip mode to drop it)")
     if errors and on_error == "strict":
         shown = "\n  ".join(errors[:20]) + (
             f"\n  ... {len(errors) - 20} more" if len(errors) > 20 else ""
@@ -199,11 +220,15 @@ class TokenMapper:
         self._offsets = np.arange(block, dtype=np.uint64)
 
     def block_tokens(self, hash_id: int) -> np.ndarray:
-        """[block] int32 token ids of one hash id."""
-        base = _U64((hash_id * self.block) & 0xFFFFFFFFFFFFFFFF) ^ _U64(
-            self.seed * 0x632BE59BD9B4E019 & 0xFFFFFFFFFFFFFFFF
-        )
-        mixed = _splitmix64(self._offsets + base)
+        """[block] int32 token ids of one hash id.
+
+        The stream of a hash id is seeded by xxh3-128 of the whole id (any size, as decimal
+        text): no arithmetic wrap-around, so ids 2^55 or 2^64 apart get unrelated blocks (the
+        old `id * block mod 2^64` aliased every pair of ids 2^55 apart)."""
+        digest = xxhash.xxh3_128_intdigest(str(hash_id).encode(), seed=self.seed & _MASK64)
+        lo, hi = _U64(digest & _MASK64), _U64(digest >> 64)
+        with np.errstate(over="ignore"):
+            mixed = _splitmix64(_splitmix64(self._offsets ^ lo) + hi)
         return (mixed % _U64(self.vocab_size)).astype(np.int32)
 
     def prompt_tokens(self, req: TraceRequest) -> np.ndarray:
