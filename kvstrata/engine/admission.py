@@ -7,6 +7,8 @@ the queue is admitted first; a request that does not fit waits, and so do those 
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.request import Request, State
@@ -37,6 +39,14 @@ class Admission:
             slots -= 1
         return admitted
 
+    def _ns(self, req: Request) -> Namespace:
+        """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""
+        if not req.cache_salt:
+            return self.ns
+        return dataclasses.replace(
+            self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{req.cache_salt}"
+        )
+
     # ---- L3 ------------------------------------------------------------------------------------
     def _prepare(self, req: Request, now_s: float, can_schedule: bool) -> bool:
         """Run the match / probe / prefetch steps; True once the request may be admitted."""
@@ -46,7 +56,7 @@ class Admission:
         if req.match is None:
             # the last prompt token is always computed, so its page is never a hit
             usable = (len(req.tokens) - 1) // self.page
-            req.keys = page_keys(req.tokens[: usable * self.page], self.ns, self.vocab_size)
+            req.keys = page_keys(req.tokens[: usable * self.page], self._ns(req), self.vocab_size)
             self._rematch(req)
             req.probe = cache.start_probe(req.keys[req.match.pages :])  # type: ignore[union-attr]
             req.state = State.PROBING if req.probe is not None else State.WAITING
@@ -136,6 +146,6 @@ class Admission:
         if len(keys) < n_pages:
             parent = keys[-1] if keys else None
             more = req.all_tokens[len(keys) * self.page : n_pages * self.page]
-            keys = keys + page_keys(more, self.ns, self.vocab_size, parent_key=parent)
+            keys = keys + page_keys(more, self._ns(req), self.vocab_size, parent_key=parent)
             req.keys = keys
         return keys

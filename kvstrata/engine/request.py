@@ -9,6 +9,7 @@ import torch
 
 from kvstrata.cache.ops import TransferOp
 from kvstrata.cache.radix import Match, Node
+from kvstrata.engine.sampling import Sampler
 
 
 class State(enum.Enum):
@@ -30,6 +31,8 @@ class Request:
     arrival_s: float = 0.0
     keep_logits: bool = False
     """Keep every produced logits row (tests compare them with recomputation)."""
+    sampler: Sampler | None = None  # None: greedy, ends only at max_new_tokens
+    cache_salt: str = ""  # mixed into the page keys: requests with other salts share no page
 
     # --- engine state -------------------------------------------------------------------------
     state: State = State.WAITING
@@ -47,6 +50,7 @@ class Request:
     l3_pages: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
+    finish_reason: str | None = None  # "length", "stop" (a stop token) or "abort"
 
     @property
     def all_tokens(self) -> list[int]:

@@ -1,0 +1,96 @@
+"""Start the server: load the model, build the engine on its thread, run uvicorn until SIGTERM.
+
+On SIGTERM (or SIGINT) uvicorn stops accepting connections and gives in-flight requests
+`stop_timeout_s` to finish; then the lifespan shutdown stops the engine loop, which aborts what
+is left, drains pending L3 backups and closes the store. Exit 0 when all of that finished.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.build import Built, build_engine
+from kvstrata.engine.config import EngineConfig
+from kvstrata.model.decoder import DecoderLM
+from kvstrata.serve.app import create_app
+from kvstrata.serve.codec import open_codec
+from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.loop import EngineLoop
+from kvstrata.serve.metrics import ServeMetrics
+from kvstrata.serve.protocol import Limits
+from kvstrata.serve.state import ServerState
+from kvstrata.storage.base import StorageConfig
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling /health that a stop signal arrived (503 from then on)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.kv_state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.kv_state.stopping = True
+        super().handle_exit(sig, frame)
+
+
+def make_state(
+    cfg: ServeConfig,
+    model: DecoderLM,
+    model_path: Path,
+    configs: tuple[EngineConfig, CacheConfig, StorageConfig],
+) -> ServerState:
+    engine_cfg, cache_cfg, storage_cfg = configs
+    name = cfg.served_model_name or model_path.name
+    metrics = ServeMetrics(name)
+    loop = EngineLoop(lambda: _build(loop, cfg, metrics, model, configs), cfg.max_pending)
+    limits = Limits(
+        model.vocab_size,
+        model.spec.max_position_embeddings,
+        cache_cfg.page_size,
+        cache_cfg.device_pages,
+    )
+    codec = open_codec(model_path, model.vocab_size)
+    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics)
+
+
+def _build(
+    loop: EngineLoop, cfg: ServeConfig, metrics: ServeMetrics, model: DecoderLM, configs: Any
+) -> Built:
+    """On the engine thread: pools, storage, cache; the observers that watch the loop."""
+    built = build_engine(*configs, model=model)
+    metrics.attach(built.engine)
+    loop.observers.append(metrics)
+    if cfg.kv_events_endpoint and built.engine.cache is not None:
+        from kvstrata.serve.events import KVEventPublisher
+
+        loop.observers.append(KVEventPublisher(cfg, configs[1].page_size))
+    return built
+
+
+def serve(state: ServerState) -> int:
+    cfg = state.cfg
+    state.loop.start()
+    config = uvicorn.Config(
+        create_app(state),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        timeout_graceful_shutdown=int(cfg.stop_timeout_s),
+        lifespan="on",
+    )
+    server = _Server(config, state)
+    print(f"kvstrata serve: {state.model_name} on http://{cfg.host}:{cfg.port}", flush=True)
+    server.run()
+    if state.loop.thread.is_alive():
+        print("kvstrata serve: the engine loop did not stop in time", file=sys.stderr)
+        return 1
+    if state.loop.failed:
+        return 1
+    return 0
