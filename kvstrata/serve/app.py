@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvstrata.cache.events import MEDIA, snapshot
 from kvstrata.serve.generate import Generation, complete, stream
 from kvstrata.serve.protocol import (
     ApiError,
@@ -26,6 +27,7 @@ from kvstrata.serve.protocol import (
 )
 from kvstrata.serve.state import ServerState
 
+MASK64 = (1 << 64) - 1  # block hashes: low 64 bits of a page key, as KV events send them
 CALL_TIMEOUT_S = 30.0  # a debug call waits at most this long for the engine thread
 
 
@@ -140,12 +142,26 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             fut = state.loop.call(_integrity)
             return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
 
+        @app.get("/debug/blocks")
+        async def blocks() -> dict[str, list[int]]:
+            """The cache's own per-medium block hashes (what KV events must add up to)."""
+            state.check_ready()
+            fut = state.loop.call(_blocks)
+            return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
+
 
 async def _generate(state: ServerState, body: CompletionRequest | ChatRequest) -> Any:
     gen = Generation(state, body)
     if body.stream:
         return StreamingResponse(stream(gen), media_type="text/event-stream")
     return await complete(gen)
+
+
+def _blocks(engine: Any) -> dict[str, list[int]]:
+    if engine.cache is None:
+        return {m: [] for m in MEDIA}
+    held = snapshot(engine.cache.tree)
+    return {m: sorted(k & MASK64 for k in keys) for m, keys in held.items()}
 
 
 def _integrity(engine: Any) -> dict[str, Any]:
@@ -160,4 +176,5 @@ def _integrity(engine: Any) -> dict[str, Any]:
         "device_capacity": engine.pool.allocator.capacity,
         "accounting": cache.accounting() if cache is not None else None,
         "owned": len(cache.owned) if cache is not None else None,
+        "pending_ops": len(cache.queues) if cache is not None else 0,
     }

@@ -25,6 +25,8 @@ from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 
 IDLE_WAIT_S = 0.05  # no work: sleep until woken, at most this long
+# With no request but cache ops pending (L1 -> L2 stores, L3 backups) the loop still steps, so
+# their results are applied (pages unpinned, events sent) without waiting for the next request.
 
 
 class QueueFull(Exception):
@@ -137,22 +139,24 @@ class EngineLoop:
     def _iterate(self) -> None:
         self._take_requests()
         self._commands()
-        if not self.engine.has_work():
+        cache = self.engine.cache
+        if not self.engine.has_work() and not (cache is not None and len(cache.queues)):
             self._wake.wait(IDLE_WAIT_S)
             self._wake.clear()
             return
+        step_start = time.monotonic()
         try:
             finished = self.engine.step()
         except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
             traceback.print_exc(file=sys.stderr)
             self._fail_all("internal error in an engine step")
             return
-        now = time.monotonic()
-        for req in self.engine.running:
+        for req in [*self.engine.running, *finished]:  # admitted in this step: queue time ends
             if req.rid not in self._admitted and req.rid in self._streams:
                 self._admitted.add(req.rid)
                 for obs in self.observers:
-                    obs.on_admitted(req, self._streams[req.rid], now)
+                    obs.on_admitted(req, self._streams[req.rid], step_start)
+        now = time.monotonic()
         for req in finished:
             self._finish(req, now)
         for obs in self.observers:

@@ -29,7 +29,11 @@ from kvstrata.storage.base import StorageConfig
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling /health that a stop signal arrived (503 from then on)."""
+    """uvicorn's server, telling /health that a stop signal arrived (503 from then on).
+
+    uvicorn re-raises a captured signal once it has shut down (so the process dies by it, exit
+    143); a graceful stop here is a normal exit, so the signal is not kept for re-raising.
+    """
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
@@ -38,6 +42,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.kv_state.stopping = True
         super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 def make_state(
