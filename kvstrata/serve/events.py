@@ -83,6 +83,9 @@ class KVEventPublisher(LoopObserver):
                 del self.tokens[key]
         self._serve_replay()
 
+    def on_idle(self) -> None:
+        self._serve_replay()
+
     def close(self) -> None:
         self.pub.close()
         if self.replay is not None:

@@ -60,6 +60,8 @@ class LoopObserver:
 
     def after_step(self, engine: Engine) -> None: ...
 
+    def on_idle(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -143,6 +145,8 @@ class EngineLoop:
         if not self.engine.has_work() and not (cache is not None and len(cache.queues)):
             self._wake.wait(IDLE_WAIT_S)
             self._wake.clear()
+            for obs in self.observers:
+                obs.on_idle()
             return
         step_start = time.monotonic()
         try:
