@@ -116,17 +116,17 @@ async def complete(gen: Generation) -> dict[str, Any]:
 async def stream(gen: Generation) -> AsyncIterator[str]:
     """SSE frames; a client that goes away cancels this generator, which aborts the request."""
     name = gen.state.model_name
+    first = True  # chat: the first chunk carries the role, sent with the first text
     try:
-        if gen.chat:
-            yield R.chunk(True, gen.rid, name, "", None, first=True)
         try:
             async for delta in gen.deltas():
-                yield R.chunk(gen.chat, gen.rid, name, delta, None)
+                yield R.chunk(gen.chat, gen.rid, name, delta, None, first=first)
+                first = False
         except ApiError as exc:
             yield R.sse(exc.body())
             yield R.DONE
             return
-        yield R.chunk(gen.chat, gen.rid, name, gen.text.flush(), gen.reason())
+        yield R.chunk(gen.chat, gen.rid, name, gen.text.flush(), gen.reason(), first=first)
         if gen.usage_wanted:
             yield R.usage_chunk(gen.chat, gen.rid, name, gen.usage())
         yield R.DONE
