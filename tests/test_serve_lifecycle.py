@@ -169,3 +169,32 @@ def replay(ctx: zmq.Context, port: int, start: int) -> list[tuple[int, bytes]]:
             out.append((int.from_bytes(seq, "big"), payload))
     finally:
         sock.close()
+
+
+def test_queue_full_is_503_then_recovers(ckpt: Path, tmp_path: Path) -> None:
+    args = ["--model", str(ckpt), *TINY_ENGINE, "--max-pending", "2", "--debug-endpoints"]
+    srv = Server(args, tmp_path / "q.log")
+    try:
+        url = f"{srv.url}/v1/completions"
+        body = {"prompt": prompt(0, 30), "max_tokens": 300, "temperature": 0}
+        codes: list[int] = []
+        errors: list[dict] = []
+
+        def one() -> None:
+            r = httpx.post(url, json=body, timeout=120)
+            codes.append(r.status_code)
+            if r.status_code != 200:
+                errors.append(r.json()["error"])
+
+        threads = [threading.Thread(target=one) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert set(codes) == {200, 503} and len(codes) == 12  # 2 in flight at most, rest refused
+        assert all(e["code"] == 503 and "busy" in e["message"] for e in errors)
+        assert srv.wait_idle()["ok"]
+        r = httpx.post(url, json={"prompt": [1, 2, 3], "max_tokens": 1}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    finally:
+        assert srv.terminate() == 0
