@@ -198,3 +198,28 @@ def test_queue_full_is_503_then_recovers(ckpt: Path, tmp_path: Path) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
     finally:
         assert srv.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--port", "70000"], "port must be in"),
+        (["--max-pending", "0"], "max_pending must be positive"),
+        (["--tiers", "l1_l2_l3"], "needs --storage-url"),
+        (["--storage-url", "ftp://x"], "ftp"),
+        (["--kv-events-replay-endpoint", "tcp://127.0.0.1:1"], "needs kv_events_endpoint"),
+    ],
+)
+def test_bad_serve_options_exit_2(args: list[str], words: str, capsys) -> None:  # noqa: ANN001
+    from kvstrata.cli.main import main
+
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_not_a_checkpoint_exits_2(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from kvstrata.cli.main import main
+
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "kvstrata serve: error:" in capsys.readouterr().err

@@ -77,11 +77,15 @@ def create_app(state: ServerState) -> FastAPI:
         err = ApiError(500, f"internal error: {type(exc).__name__}")
         return JSONResponse(err.body(), status_code=500)
 
-    _routes(app, state)
+    _info_routes(app, state)
+    _generate_routes(app, state)
+    _token_routes(app, state)
+    if state.cfg.debug_endpoints:
+        _debug_routes(app, state)
     return app
 
 
-def _routes(app: FastAPI, state: ServerState) -> None:
+def _info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         try:
@@ -106,6 +110,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _generate_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
         return await _generate(state, await parse(request, CompletionRequest))
@@ -114,6 +120,8 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     async def chat(request: Request) -> Any:
         return await _generate(state, await parse(request, ChatRequest))
 
+
+def _token_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await parse(request, TokenizeRequest)
@@ -134,20 +142,20 @@ def _routes(app: FastAPI, state: ServerState) -> None:
             check_tokens(body.tokens, state.limits, "tokens")
         return {"prompt": state.codec.decode(body.tokens)}
 
-    if state.cfg.debug_endpoints:
 
-        @app.get("/debug/integrity")
-        async def integrity() -> dict[str, Any]:
-            state.check_ready()
-            fut = state.loop.call(_integrity)
-            return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
+def _debug_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/debug/integrity")
+    async def integrity() -> dict[str, Any]:
+        state.check_ready()
+        fut = state.loop.call(_integrity)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
 
-        @app.get("/debug/blocks")
-        async def blocks() -> dict[str, list[int]]:
-            """The cache's own per-medium block hashes (what KV events must add up to)."""
-            state.check_ready()
-            fut = state.loop.call(_blocks)
-            return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
+    @app.get("/debug/blocks")
+    async def blocks() -> dict[str, list[int]]:
+        """The cache's own per-medium block hashes (what KV events must add up to)."""
+        state.check_ready()
+        fut = state.loop.call(_blocks)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
 
 
 async def _generate(state: ServerState, body: CompletionRequest | ChatRequest) -> Any:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstrata.cache.counters import CacheCounters
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.serve.loop import LoopObserver, Stream
@@ -113,9 +114,10 @@ class _EngineCollector(Collector):
         if host is not None:
             usage.add_metric([self.name, "host"], 1 - host.num_free / host.capacity)
         yield usage
-        if cache is None:
-            return
-        c = cache.counters
+        if cache is not None:
+            yield from self._counters(cache.counters)
+
+    def _counters(self, c: CacheCounters) -> Iterator[Metric]:
         moved = CounterMetricFamily(
             "kvstrata:kv_moved_bytes",
             "KV bytes copied between tiers",
