@@ -10,6 +10,8 @@ from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.engine.build import resolve_model_path
 from kvstrata.engine.config import EngineConfig
 from kvstrata.model.checkpoint import load_model
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.tp import check_layout
 from kvstrata.serve.config import ServeConfig
 from kvstrata.storage.base import StorageConfig
 
@@ -20,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p, EngineConfig)
     add_config_args(p, CacheConfig)
     add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
+    add_config_args(p, DistConfig)
     p.set_defaults(func=run)
 
 
@@ -42,4 +45,8 @@ def run(args: argparse.Namespace) -> int:
     cfgs = configs(args)
     path = resolve_model_path(cfgs[0])
     model = load_model(path, dtype=cfgs[0].dtype)  # ValueError: not a checkpoint
-    return serve(make_state(cfg, model, path, cfgs))
+    dist_cfg = config_from_args(DistConfig, args)
+    check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
+    if cfgs[1].device_pages % dist_cfg.cp:
+        raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
+    return serve(make_state(cfg, model, path, cfgs, dist_cfg))

@@ -7,6 +7,7 @@ is left, drains pending L3 backups and closes the store. Exit 0 when all of that
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from types import FrameType
@@ -18,12 +19,14 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import Built, build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.model.decoder import DecoderLM
+from kvstrata.parallel.config import DistConfig
 from kvstrata.serve.app import create_app
 from kvstrata.serve.codec import open_codec
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import EngineLoop
 from kvstrata.serve.metrics import ServeMetrics
 from kvstrata.serve.protocol import Limits
+from kvstrata.serve.ranks import RankedLoop
 from kvstrata.serve.state import ServerState
 from kvstrata.storage.base import StorageConfig
 
@@ -50,11 +53,21 @@ def make_state(
     model: DecoderLM,
     model_path: Path,
     configs: tuple[EngineConfig, CacheConfig, StorageConfig],
+    dist_cfg: DistConfig | None = None,
 ) -> ServerState:
+    """The server's state; the engine (one rank, or tp x cp x pp ranks) is built by loop.start()."""
     engine_cfg, cache_cfg, storage_cfg = configs
     name = cfg.served_model_name or model_path.name
     metrics = ServeMetrics(name)
-    loop = EngineLoop(lambda: _build(loop, cfg, metrics, model, configs), cfg.max_pending)
+    loop: EngineLoop | RankedLoop
+    if dist_cfg is not None and dist_cfg.world_size > 1:
+        if cfg.kv_events_endpoint:
+            raise ValueError("--kv-events-endpoint needs one rank (not with --tp/--cp/--pp yet)")
+        engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
+        loop = RankedLoop((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending)
+        loop.observers.append(metrics)  # latencies and hits; pool gauges live in the ranks
+    else:
+        loop = EngineLoop(lambda: _build(loop, cfg, metrics, model, configs), cfg.max_pending)
     limits = Limits(
         model.vocab_size,
         model.spec.max_position_embeddings,
@@ -66,7 +79,11 @@ def make_state(
 
 
 def _build(
-    loop: EngineLoop, cfg: ServeConfig, metrics: ServeMetrics, model: DecoderLM, configs: Any
+    loop: EngineLoop | RankedLoop,
+    cfg: ServeConfig,
+    metrics: ServeMetrics,
+    model: DecoderLM,
+    configs: Any,
 ) -> Built:
     """On the engine thread: pools, storage, cache; the observers that watch the loop."""
     built = build_engine(*configs, model=model)

@@ -10,12 +10,13 @@ from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import EngineLoop
 from kvstrata.serve.metrics import ServeMetrics
 from kvstrata.serve.protocol import ApiError, Limits
+from kvstrata.serve.ranks import RankedLoop
 
 
 @dataclass
 class ServerState:
     cfg: ServeConfig
-    loop: EngineLoop
+    loop: EngineLoop | RankedLoop
     model_name: str
     model_root: str
     codec: Codec
