@@ -3,6 +3,7 @@ hits of the single-rank server; streaming, a dropped stream and SIGTERM (exit 0)
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx2 as httpx
@@ -53,6 +54,14 @@ def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
         again = openai.OpenAI(base_url=f"{two.url}/v1", api_key="none", max_retries=0)
         r2 = again.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
         assert r2.choices[0].text == want[0][0]
+        time.sleep(1.0)  # rank 0 reports pools and agreement latencies every 0.5 s
+        metrics = httpx.get(f"{two.url}/metrics").text
+        count = [
+            x for x in metrics.splitlines() if x.startswith("kvstrata:step_consensus_seconds_count")
+        ]
+        assert count and float(count[0].rsplit(" ", 1)[1]) > 0
+        assert 'kvstrata:kv_cache_usage_perc{model_name="tiny",pool="device"}' in metrics
+        assert "kvstrata:kv_moved_bytes_total" in metrics
     finally:
         assert two.terminate(timeout_s=120) == 0, (tmp_path / "two.log").read_text()
     assert "Traceback" not in (tmp_path / "two.log").read_text()

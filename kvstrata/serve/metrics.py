@@ -7,7 +7,8 @@ plain integers only, so a scrape never walks the tree while the engine thread ch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +18,35 @@ from kvstrata.cache.counters import CacheCounters
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.serve.loop import LoopObserver, Stream
+
+
+@dataclass
+class PoolStats:
+    """Pool occupancy and the cache's counters: read live (one rank) or sent by rank 0."""
+
+    device_free: int
+    device_capacity: int
+    host_free: int | None = None
+    host_capacity: int | None = None
+    counters: CacheCounters | None = None
+    running: int = 0
+    waiting: int = 0
+
+
+def engine_stats(engine: Engine) -> PoolStats:
+    """Plain integers of a live engine (safe to read from another thread)."""
+    alloc, cache = engine.pool.allocator, engine.cache
+    host = cache.tiers.host if cache is not None else None
+    return PoolStats(
+        alloc.num_free,
+        alloc.capacity,
+        host.num_free if host is not None else None,
+        host.capacity if host is not None else None,
+        cache.counters if cache is not None else None,
+        len(engine.running),
+        len(engine.waiting),
+    )
+
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SOURCES = {"L1": "local_device_hit", "L2": "local_host_hit", "L3": "storage_hit"}
@@ -61,12 +91,19 @@ class ServeMetrics(LoopObserver):
         self.waiting = Gauge(
             "kvstrata:num_requests_waiting", "waiting for admission", lbl, registry=reg
         )
-        self.engine: Engine | None = None
+        self.consensus = Histogram(
+            "kvstrata:step_consensus_seconds",
+            "one step's cross-rank agreement on cache progress (several ranks)",
+            lbl,
+            registry=reg,
+            buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+        )
+        self.page = 1
 
-    def attach(self, engine: Engine) -> None:
-        """Once the engine is built: pool and cache numbers are read from it at scrape time."""
-        self.engine = engine
-        self.registry.register(_EngineCollector(engine, self.name))
+    def attach(self, source: Callable[[], PoolStats | None], page_size: int) -> None:
+        """Once the engine is up: pool and cache numbers come from `source` at scrape time."""
+        self.page = page_size
+        self.registry.register(_PoolCollector(source, self.name))
 
     # ---- LoopObserver ---------------------------------------------------------------------------
     def on_token(self, req: Request, stream: Stream, now_s: float) -> None:
@@ -78,8 +115,7 @@ class ServeMetrics(LoopObserver):
 
     def on_admitted(self, req: Request, stream: Stream, now_s: float) -> None:
         self.queue.labels(self.name).observe(now_s - stream.received_s)
-        page = self.engine.page if self.engine is not None else 1
-        cached = {t: n * page for t, n in req.hits.items()}
+        cached = {t: n * self.page for t, n in req.hits.items()}
         self.queries.labels(self.name).inc(len(req.tokens))
         self.hits.labels(self.name).inc(sum(cached.values()))
         for tier, source in SOURCES.items():
@@ -94,28 +130,35 @@ class ServeMetrics(LoopObserver):
         self.running.labels(self.name).set(len(engine.running))
         self.waiting.labels(self.name).set(len(engine.waiting))
 
+    def on_stats(self, stats: PoolStats, consensus_s: list[float]) -> None:
+        """Rank 0's periodic report (several ranks): gauges and agreement latencies."""
+        self.running.labels(self.name).set(stats.running)
+        self.waiting.labels(self.name).set(stats.waiting)
+        for x in consensus_s:
+            self.consensus.labels(self.name).observe(x)
 
-class _EngineCollector(Collector):
-    """Pool usage and the cache's monotone counters (plain ints: safe to read at any time)."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
-        self.engine, self.name = engine, model_name
+class _PoolCollector(Collector):
+    """Pool usage and the cache's monotone counters, from a PoolStats source."""
+
+    def __init__(self, source: Callable[[], PoolStats | None], model_name: str) -> None:
+        self.source, self.name = source, model_name
 
     def collect(self) -> Iterator[Metric]:
+        st = self.source()
+        if st is None:
+            return
         usage = GaugeMetricFamily(
             "kvstrata:kv_cache_usage_perc",
             "fraction of a pool's pages in use",
             labels=["model_name", "pool"],
         )
-        alloc = self.engine.pool.allocator
-        usage.add_metric([self.name, "device"], 1 - alloc.num_free / alloc.capacity)
-        cache = self.engine.cache
-        host = cache.tiers.host if cache is not None else None
-        if host is not None:
-            usage.add_metric([self.name, "host"], 1 - host.num_free / host.capacity)
+        usage.add_metric([self.name, "device"], 1 - st.device_free / st.device_capacity)
+        if st.host_free is not None and st.host_capacity:
+            usage.add_metric([self.name, "host"], 1 - st.host_free / st.host_capacity)
         yield usage
-        if cache is not None:
-            yield from self._counters(cache.counters)
+        if st.counters is not None:
+            yield from self._counters(st.counters)
 
     def _counters(self, c: CacheCounters) -> Iterator[Metric]:
         moved = CounterMetricFamily(

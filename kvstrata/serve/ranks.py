@@ -29,8 +29,10 @@ from kvstrata.engine.sampling import Sampler
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext
 from kvstrata.serve.loop import IDLE_WAIT_S, LoopObserver, QueueFull, Stream
+from kvstrata.serve.metrics import PoolStats, ServeMetrics, engine_stats
 from kvstrata.storage.base import StorageConfig
 
+STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies this often
 FOREVER_S = 10 * 365 * 86400.0  # run_ranks' bound on the whole run: a server runs until stopped
 
 
@@ -46,6 +48,18 @@ def _rank0_inputs(inbox: Any, idle: bool) -> tuple[list[Any], list[str], bool]:
     new = [x[1] for x in items if x[0] == "request"]
     aborts = [x[1] for x in items if x[0] == "abort"]
     return new, aborts, any(x[0] == "stop" for x in items)
+
+
+def _timed(agree: Callable[[list[int]], list[int]], into: list[float]) -> Any:
+    """The engine's agreement hook, timing each call (rank 0 reports the durations)."""
+
+    def timed(local: list[int]) -> list[int]:
+        t0 = time.perf_counter()
+        agreed = agree(local)
+        into.append(time.perf_counter() - t0)
+        return agreed
+
+    return timed
 
 
 def _submit(eng: Engine, spec: tuple, outbox: Any | None) -> None:
@@ -72,11 +86,14 @@ def serve_rank_loop(
     re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, RankOptions())
     eng, rank0 = re.engine, ctx.rank == 0
     out = outbox if rank0 else None
+    timings: list[float] = []
     if out is not None:
         eng.on_token = lambda req, tok: out.put(
             ("token", req.rid, tok, dict(req.hits) if len(req.output) == 1 else None)
         )
+        eng.agree = _timed(eng.agree, timings)
         out.put(("ready",))
+    last_stats = 0.0
     while True:
         msg: list[Any] = [[], [], 0.0, False, False]
         if rank0:
@@ -99,6 +116,10 @@ def serve_rank_loop(
             for req in eng.step():
                 if out is not None:
                     out.put(("done", req.rid, req.finish_reason, dict(req.hits)))
+        if out is not None and re.now - last_stats > STATS_EVERY_S:
+            last_stats = re.now
+            out.put(("stats", engine_stats(eng), list(timings)))
+            timings.clear()
     eng.check_integrity()
     re.close()  # drains pending cache ops (L3 backups), agreed
     eng.check_integrity()
@@ -121,6 +142,7 @@ class RankedLoop:
         self.configs, self.dist_cfg, self.max_pending = configs, dist_cfg, max_pending
         self.observers: list[LoopObserver] = []
         self.failed: str | None = None
+        self.stats: PoolStats | None = None  # rank 0's latest report
         self.ready = threading.Event()
         self._done = threading.Event()
         self._streams: dict[str, tuple[Request, Stream]] = {}
@@ -190,6 +212,12 @@ class RankedLoop:
     def _handle(self, msg: tuple) -> None:
         if msg[0] == "ready":
             self.ready.set()
+            return
+        if msg[0] == "stats":
+            self.stats = msg[1]
+            for obs in self.observers:
+                if isinstance(obs, ServeMetrics):
+                    obs.on_stats(msg[1], msg[2])
             return
         entry = self._streams.get(msg[1])
         if entry is None:

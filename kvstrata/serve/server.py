@@ -24,7 +24,7 @@ from kvstrata.serve.app import create_app
 from kvstrata.serve.codec import open_codec
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import EngineLoop
-from kvstrata.serve.metrics import ServeMetrics
+from kvstrata.serve.metrics import ServeMetrics, engine_stats
 from kvstrata.serve.protocol import Limits
 from kvstrata.serve.ranks import RankedLoop
 from kvstrata.serve.state import ServerState
@@ -65,7 +65,8 @@ def make_state(
             raise ValueError("--kv-events-endpoint needs one rank (not with --tp/--cp/--pp yet)")
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
         loop = RankedLoop((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending)
-        loop.observers.append(metrics)  # latencies and hits; pool gauges live in the ranks
+        loop.observers.append(metrics)
+        metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
     else:
         loop = EngineLoop(lambda: _build(loop, cfg, metrics, model, configs), cfg.max_pending)
     limits = Limits(
@@ -87,7 +88,7 @@ def _build(
 ) -> Built:
     """On the engine thread: pools, storage, cache; the observers that watch the loop."""
     built = build_engine(*configs, model=model)
-    metrics.attach(built.engine)
+    metrics.attach(lambda: engine_stats(built.engine), built.engine.page)
     loop.observers.append(metrics)
     if cfg.kv_events_endpoint and built.engine.cache is not None:
         from kvstrata.serve.events import KVEventPublisher
