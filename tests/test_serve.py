@@ -5,7 +5,9 @@ disconnects, 32 concurrent streams, metrics; every pool intact afterwards."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -252,3 +254,26 @@ def _samples(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+def _aborted(server: Server) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    key = 'kvstrata:request_success_total{finished_reason="abort",model_name="tiny"}'
+    return _samples(text).get(key, 0.0)
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_aborts(server: Server) -> None:
+    before = _aborted(server)
+    body = json.dumps({"prompt": prompt(7, 30), "max_tokens": 470, "temperature": 0}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head + body)
+        time.sleep(0.3)  # generating; then the client hangs up without reading
+    deadline = time.monotonic() + 30
+    while _aborted(server) == before:
+        assert time.monotonic() < deadline, "the dropped request was not aborted within 30 s"
+        time.sleep(0.05)
+    assert server.wait_idle()["ok"]

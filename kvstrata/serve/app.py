@@ -114,11 +114,11 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
 def _generate_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        return await _generate(state, await parse(request, CompletionRequest))
+        return await _generate(state, await parse(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Any:
-        return await _generate(state, await parse(request, ChatRequest))
+        return await _generate(state, await parse(request, ChatRequest), request)
 
 
 def _token_routes(app: FastAPI, state: ServerState) -> None:
@@ -158,11 +158,13 @@ def _debug_routes(app: FastAPI, state: ServerState) -> None:
         return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
 
 
-async def _generate(state: ServerState, body: CompletionRequest | ChatRequest) -> Any:
+async def _generate(
+    state: ServerState, body: CompletionRequest | ChatRequest, request: Request
+) -> Any:
     gen = Generation(state, body)
     if body.stream:
         return StreamingResponse(stream(gen), media_type="text/event-stream")
-    return await complete(gen)
+    return await complete(gen, request.is_disconnected)
 
 
 def _blocks(engine: Any) -> dict[str, list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from kvstrata.engine.request import Request
@@ -21,6 +21,8 @@ from kvstrata.serve.protocol import (
     single_prompt,
 )
 from kvstrata.serve.state import ServerState
+
+DISCONNECT_POLL_S = 0.25
 
 
 def prompt_tokens(state: ServerState, body: CompletionRequest | ChatRequest) -> list[int]:
@@ -103,11 +105,22 @@ class Generation:
         return R.finish_reason(self.req if self.req.finish_reason else None, self.text)
 
 
-async def complete(gen: Generation) -> dict[str, Any]:
+async def complete(gen: Generation, gone: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+    """The whole answer; a client that went away (checked every DISCONNECT_POLL_S) aborts it."""
+
+    async def collect() -> list[str]:
+        return [d async for d in gen.deltas()]
+
+    task = asyncio.ensure_future(collect())
     try:
-        parts = [d async for d in gen.deltas()]
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await gone():
+                task.cancel()
+                raise ApiError(499, "client disconnected")
+        parts = task.result()
     finally:
-        gen.abort()  # a cancelled handler frees the request's pages
+        gen.abort()  # a cancelled or failed handler frees the request's pages
     parts.append(gen.text.flush())
     name = gen.state.model_name
     return R.full_body(gen.chat, gen.rid, name, "".join(parts), gen.reason(), gen.usage())
