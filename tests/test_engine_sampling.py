@@ -125,3 +125,27 @@ def test_cache_salt_separates_tenants(model) -> None:  # noqa: ANN001
     assert not set(a1.keys) & set(b1.keys) and not set(a1.keys) & set(plain.keys)
     assert a1.output == b1.output == plain.output  # the salt changes keys, never tokens
     built.close()
+
+
+def test_abort_while_probing_or_prefetching_from_storage(model, tmp_path: Path) -> None:  # noqa: ANN001
+    url = f"file://{tmp_path / 'store'}"
+    cfg = CacheConfig(page_size=PAGE, device_pages=64, host_pages=64, storage_url=url)
+    ecfg = EngineConfig(tiers="l1_l2_l3", chunk_tokens=16, max_batch_tokens=64)
+    first = build_engine(ecfg, cfg, model=model)
+    first.engine.run([Request("fill", list(PROMPT), 2)])
+    first.close()  # every page backed up to the store
+    seen = set()
+    for steps in range(4):
+        built = build_engine(ecfg, cfg, model=model)
+        eng = built.engine
+        eng.submit(Request("r", list(PROMPT), 4))
+        for _ in range(steps):
+            eng.step()
+        seen.add(eng.waiting[0].state if eng.waiting else eng.running[0].state)
+        assert eng.abort("r") is not None
+        eng.check_integrity()
+        eng.drain()  # the probe / prefetch still lands in the cache, unowned by any request
+        eng.check_integrity()
+        assert eng.cache.accounting()["device"]["locked"] == 0 and not eng.cache.owned
+        built.close()
+    assert State.PROBING in seen or State.PREFETCHING in seen
