@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 
 import httpx2 as httpx
+import msgpack
 
 from kvstrata.serve.process import ServerProcess, free_port
 
 TINY_ENGINE = [
     "--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "256", "--threads", "1",
 ]  # fmt: skip
-__all__ = ["TINY_ENGINE", "Server", "free_port"]
+__all__ = ["TINY_ENGINE", "Server", "apply_events", "free_port"]
 
 
 class Server(ServerProcess):
@@ -32,3 +33,24 @@ class Server(ServerProcess):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not idle within {timeout_s} s: {rep}")
             time.sleep(0.05)
+
+
+def apply_events(batch: bytes, held: dict[str, set[int]], page: int = 8) -> None:
+    """Apply one KV event batch (vLLM wire format) to per-medium block sets, checking its shape."""
+    ts, events, dp_rank = msgpack.unpackb(batch)
+    assert isinstance(ts, float) and dp_rank == 0
+    for ev in events:
+        if ev[0] == "BlockStored":
+            _, hashes, parent, tokens, block_size, lora, medium = ev
+            assert block_size == page and lora is None
+            assert parent is None or isinstance(parent, int)
+            assert len(tokens) in (0, page * len(hashes))
+            held[medium].update(hashes)
+        elif ev[0] == "BlockRemoved":
+            _, hashes, medium = ev
+            assert set(hashes) <= held[medium]  # only what was stored is removed
+            held[medium].difference_update(hashes)
+        else:
+            assert ev == ["AllBlocksCleared"]
+            for s in held.values():
+                s.clear()

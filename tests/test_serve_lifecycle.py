@@ -14,7 +14,7 @@ import openai
 import pytest
 import zmq
 
-from tests.serve_helpers import TINY_ENGINE, Server, free_port
+from tests.serve_helpers import TINY_ENGINE, Server, apply_events, free_port
 from tests.tiny_models import make_llama
 
 PAGE = 8
@@ -87,26 +87,6 @@ def test_sigterm_under_load_exits_0_and_restart_hits_the_store(ckpt: Path, tmp_p
         assert again.terminate() == 0
 
 
-def apply(batch: bytes, held: dict[str, set[int]]) -> None:
-    ts, events, dp_rank = msgpack.unpackb(batch)
-    assert isinstance(ts, float) and dp_rank == 0
-    for ev in events:
-        if ev[0] == "BlockStored":
-            _, hashes, parent, tokens, block_size, lora, medium = ev
-            assert block_size == PAGE and lora is None
-            assert parent is None or isinstance(parent, int)
-            assert len(tokens) in (0, PAGE * len(hashes))
-            held[medium].update(hashes)
-        elif ev[0] == "BlockRemoved":
-            _, hashes, medium = ev
-            assert set(hashes) <= held[medium]  # only what was stored is removed
-            held[medium].difference_update(hashes)
-        else:
-            assert ev == ["AllBlocksCleared"]
-            for s in held.values():
-                s.clear()
-
-
 def test_kv_events_rebuild_the_cache(ckpt: Path, tmp_path: Path) -> None:
     pub, rep = free_port(), free_port()
     args = [
@@ -141,7 +121,7 @@ def test_kv_events_rebuild_the_cache(ckpt: Path, tmp_path: Path) -> None:
                 seqs.append(int.from_bytes(seq, "big"))
                 payloads.append(payload)
                 removed += sum(ev[0] == "BlockRemoved" for ev in msgpack.unpackb(payload)[1])
-                apply(payload, held)
+                apply_events(payload, held)
         assert held == own
         assert seqs == list(range(len(seqs)))  # gap-free from 0
         assert removed > 0  # L1 was too small: pages left the device and the events said so

@@ -4,13 +4,16 @@ hits of the single-rank server; streaming, a dropped stream and SIGTERM (exit 0)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import openai
 import pytest
+import zmq
 
-from tests.serve_helpers import TINY_ENGINE, Server
+from tests.serve_helpers import TINY_ENGINE, Server, apply_events, free_port
 from tests.tiny_models import make_llama
 
 PROMPTS = [[(11 * i + k) % 97 for i in range(33 + 8 * k)] for k in range(3)]
@@ -36,17 +39,43 @@ def served(srv: Server) -> list[tuple[str, int]]:
     return out
 
 
+def blocks_from_events(port: int, run: Callable[[], Any]) -> tuple[Any, dict[str, set[int]]]:
+    """Run `run()` while subscribed to the KV events; the per-medium sets the events add up to
+    once they have gone quiet (1.5 s without a batch, 30 s at most)."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    held: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "DISK": set()}
+    try:
+        time.sleep(1.0)  # the subscription reaches the publisher first
+        result = run()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sub.poll(1500):
+            apply_events(sub.recv_multipart()[2], held)
+    finally:
+        sub.close()
+        ctx.term()
+    return result, held
+
+
 @pytest.mark.slow
 def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
     args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64"]
-    one = Server(args, tmp_path / "one.log")
+    ports = free_port(), free_port()
+    one = Server(
+        [*args, "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}"], tmp_path / "one.log"
+    )
     try:
-        want = served(one)
+        want, blocks_one = blocks_from_events(ports[0], lambda: served(one))
     finally:
         assert one.terminate() == 0
-    two = Server([*args, "--tp", "2"], tmp_path / "two.log")
+    events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[1]}"]
+    two = Server([*args, "--tp", "2", *events], tmp_path / "two.log")
     try:
-        assert served(two) == want
+        got, blocks_two = blocks_from_events(ports[1], lambda: served(two))
+        assert got == want
+        assert blocks_two == blocks_one and blocks_one["GPU"] and blocks_one["CPU"]
         assert want[3][1] == 32  # the repeated prompt: its 4 full pages from L1, on both ranks
         body = {"prompt": PROMPTS[2], "max_tokens": 300, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=60) as r:

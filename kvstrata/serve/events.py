@@ -68,6 +68,10 @@ class KVEventPublisher(LoopObserver):
 
     # ---- LoopObserver ---------------------------------------------------------------------------
     def on_finished(self, req: Request, stream: Stream, now_s: float) -> None:
+        self.record(req)
+
+    def record(self, req: Request) -> None:
+        """A finished request's keys (its last pages were cached as it ended)."""
         self._record(req)
         self.recorded.pop(req.rid, None)
 

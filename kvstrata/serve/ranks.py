@@ -17,9 +17,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from kvstrata.serve.events import KVEventPublisher
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
@@ -28,6 +31,7 @@ from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import Sampler
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext
+from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import IDLE_WAIT_S, LoopObserver, QueueFull, Stream
 from kvstrata.serve.metrics import PoolStats, ServeMetrics, engine_stats
 from kvstrata.storage.base import StorageConfig
@@ -62,6 +66,13 @@ def _timed(agree: Callable[[list[int]], list[int]], into: list[float]) -> Any:
     return timed
 
 
+def _rank0_message(eng: Engine, inbox: Any) -> list[Any]:
+    """[new request specs, aborts, rank 0's clock, stop, whether every rank steps]."""
+    busy = eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
+    new, aborts, stop = _rank0_inputs(inbox, idle=not busy)
+    return [new, aborts, time.monotonic(), stop, busy or bool(new)]
+
+
 def _submit(eng: Engine, spec: tuple, outbox: Any | None) -> None:
     rid, tokens, max_new, params, salt = spec
     req = Request(rid, tokens, max_new, sampler=Sampler(params, rid), cache_salt=salt)
@@ -72,6 +83,15 @@ def _submit(eng: Engine, spec: tuple, outbox: Any | None) -> None:
             outbox.put(("error", rid, str(exc)))
 
 
+def _events(serve_cfg: ServeConfig | None, page_size: int, eng: Engine) -> KVEventPublisher | None:
+    """Rank 0's KV event stream (one per server: the tree is the same on every rank)."""
+    if serve_cfg is None or not serve_cfg.kv_events_endpoint or eng.cache is None:
+        return None
+    from kvstrata.serve.events import KVEventPublisher
+
+    return KVEventPublisher(serve_cfg, page_size)
+
+
 def serve_rank_loop(
     ctx: RankContext,
     engine_cfg: EngineConfig,
@@ -79,6 +99,7 @@ def serve_rank_loop(
     storage_cfg: StorageConfig | None,
     inbox: Any,
     outbox: Any,
+    serve_cfg: ServeConfig | None = None,
 ) -> dict[str, Any]:
     from kvstrata.parallel.ranks import RankEngine, RankOptions
 
@@ -86,6 +107,18 @@ def serve_rank_loop(
     re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, RankOptions())
     eng, rank0 = re.engine, ctx.rank == 0
     out = outbox if rank0 else None
+    events = _events(serve_cfg, cache_cfg.page_size, eng) if rank0 else None
+    try:
+        _serve_steps(re, inbox, out, events)
+    finally:
+        if events is not None:
+            events.close()
+    return {"rank": ctx.rank, "steps": eng.steps}
+
+
+def _serve_steps(re: Any, inbox: Any, out: Any | None, events: KVEventPublisher | None) -> None:
+    """Every rank: the same requests, aborts and steps, as rank 0 broadcasts them."""
+    eng, rank0 = re.engine, out is not None
     timings: list[float] = []
     if out is not None:
         eng.on_token = lambda req, tok: out.put(
@@ -95,11 +128,7 @@ def serve_rank_loop(
         out.put(("ready",))
     last_stats = 0.0
     while True:
-        msg: list[Any] = [[], [], 0.0, False, False]
-        if rank0:
-            busy = eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
-            new, aborts, stop = _rank0_inputs(inbox, idle=not busy)
-            msg = [new, aborts, time.monotonic(), stop, busy or bool(new)]
+        msg = _rank0_message(eng, inbox) if rank0 else [[], [], 0.0, False, False]
         dist.broadcast_object_list(msg, src=0)
         new, aborts, re.now, stop, step = msg
         if stop:
@@ -116,6 +145,12 @@ def serve_rank_loop(
             for req in eng.step():
                 if out is not None:
                     out.put(("done", req.rid, req.finish_reason, dict(req.hits)))
+                if events is not None:
+                    events.record(req)
+        if events is not None and (step or aborts):
+            events.after_step(eng)
+        elif events is not None:
+            events.on_idle()
         if out is not None and re.now - last_stats > STATS_EVERY_S:
             last_stats = re.now
             out.put(("stats", engine_stats(eng), list(timings)))
@@ -123,7 +158,8 @@ def serve_rank_loop(
     eng.check_integrity()
     re.close()  # drains pending cache ops (L3 backups), agreed
     eng.check_integrity()
-    return {"rank": ctx.rank, "steps": eng.steps}
+    if events is not None:
+        events.after_step(eng)  # the drained state (new L3 copies) is reported too
 
 
 class RankedLoop:
@@ -134,12 +170,14 @@ class RankedLoop:
         configs: tuple[EngineConfig, CacheConfig, StorageConfig],
         dist_cfg: DistConfig,
         max_pending: int,
+        serve_cfg: ServeConfig | None = None,
     ) -> None:
         import torch.multiprocessing as tmp
 
         mp = tmp.get_context("fork")
         self.inbox, self.outbox = mp.Queue(), mp.Queue()
         self.configs, self.dist_cfg, self.max_pending = configs, dist_cfg, max_pending
+        self.serve_cfg = serve_cfg
         self.observers: list[LoopObserver] = []
         self.failed: str | None = None
         self.stats: PoolStats | None = None  # rank 0's latest report
@@ -188,7 +226,7 @@ class RankedLoop:
     def _run(self) -> None:
         from kvstrata.parallel.group import run_ranks
 
-        args = (*self.configs[:2], self.configs[2], self.inbox, self.outbox)
+        args = (*self.configs, self.inbox, self.outbox, self.serve_cfg)
         try:
             run_ranks(
                 serve_rank_loop, self.dist_cfg, args=args, start_method="fork", timeout_s=FOREVER_S

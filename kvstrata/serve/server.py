@@ -61,10 +61,8 @@ def make_state(
     metrics = ServeMetrics(name)
     loop: EngineLoop | RankedLoop
     if dist_cfg is not None and dist_cfg.world_size > 1:
-        if cfg.kv_events_endpoint:
-            raise ValueError("--kv-events-endpoint needs one rank (not with --tp/--cp/--pp yet)")
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
-        loop = RankedLoop((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending)
+        loop = RankedLoop((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg)
         loop.observers.append(metrics)
         metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
     else:
