@@ -120,6 +120,8 @@ async def complete(gen: Generation, gone: Callable[[], Awaitable[bool]]) -> dict
                 raise ApiError(499, "client disconnected")
         parts = task.result()
     finally:
+        if not task.done():
+            task.cancel()  # the handler itself was cancelled (e.g. the server stops)
         gen.abort()  # a cancelled or failed handler frees the request's pages
     parts.append(gen.text.flush())
     name = gen.state.model_name
