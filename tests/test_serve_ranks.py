@@ -71,11 +71,14 @@ def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
     finally:
         assert one.terminate() == 0
     events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[1]}"]
-    two = Server([*args, "--tp", "2", *events], tmp_path / "two.log")
+    two = Server([*args, "--tp", "2", *events, "--debug-endpoints"], tmp_path / "two.log")
     try:
         got, blocks_two = blocks_from_events(ports[1], lambda: served(two))
         assert got == want
         assert blocks_two == blocks_one and blocks_one["GPU"] and blocks_one["CPU"]
+        two.wait_idle()
+        own = httpx.get(f"{two.url}/debug/blocks", timeout=30).json()  # checked on both ranks
+        assert {m: set(v) for m, v in own.items()} == blocks_two
         assert want[3][1] == 32  # the repeated prompt: its 4 full pages from L1, on both ranks
         body = {"prompt": PROMPTS[2], "max_tokens": 300, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=60) as r:
@@ -83,6 +86,7 @@ def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
         again = openai.OpenAI(base_url=f"{two.url}/v1", api_key="none", max_retries=0)
         r2 = again.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
         assert r2.choices[0].text == want[0][0]
+        assert two.wait_idle()["ok"]  # the dropped stream's pages are back, on every rank
         time.sleep(1.0)  # rank 0 reports pools and agreement latencies every 0.5 s
         metrics = httpx.get(f"{two.url}/metrics").text
         count = [

@@ -40,7 +40,7 @@ STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies th
 FOREVER_S = 10 * 365 * 86400.0  # run_ranks' bound on the whole run: a server runs until stopped
 
 
-def _rank0_inputs(inbox: Any, idle: bool) -> tuple[list[Any], list[str], bool]:
+def _rank0_inputs(inbox: Any, idle: bool) -> tuple[list[Any], list[str], bool, list[Any]]:
     """New requests, aborts and the stop flag waiting in rank 0's inbox (blocks briefly if idle)."""
     items: list[Any] = []
     try:
@@ -51,7 +51,8 @@ def _rank0_inputs(inbox: Any, idle: bool) -> tuple[list[Any], list[str], bool]:
         pass
     new = [x[1] for x in items if x[0] == "request"]
     aborts = [x[1] for x in items if x[0] == "abort"]
-    return new, aborts, any(x[0] == "stop" for x in items)
+    calls = [x[1:] for x in items if x[0] == "call"]
+    return new, aborts, any(x[0] == "stop" for x in items), calls
 
 
 def _timed(agree: Callable[[list[int]], list[int]], into: list[float]) -> Any:
@@ -67,10 +68,23 @@ def _timed(agree: Callable[[list[int]], list[int]], into: list[float]) -> Any:
 
 
 def _rank0_message(eng: Engine, inbox: Any) -> list[Any]:
-    """[new request specs, aborts, rank 0's clock, stop, whether every rank steps]."""
+    """[new request specs, aborts, rank 0's clock, stop, whether every rank steps, calls]."""
     busy = eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
-    new, aborts, stop = _rank0_inputs(inbox, idle=not busy)
-    return [new, aborts, time.monotonic(), stop, busy or bool(new)]
+    new, aborts, stop, calls = _rank0_inputs(inbox, idle=not busy)
+    return [new, aborts, time.monotonic(), stop, busy or bool(new), calls]
+
+
+def _run_calls(eng: Engine, calls: list[Any], out: Any | None) -> None:
+    """Every rank runs each call (fn(engine), between steps); rank 0 gathers and reports them."""
+    for call_id, fn in calls:
+        try:
+            mine: tuple[bool, Any] = (True, fn(eng))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, naming the rank
+            mine = (False, f"{type(exc).__name__}: {exc}")
+        gathered: list[Any] = [None] * dist.get_world_size() if out is not None else []
+        dist.gather_object(mine, gathered if out is not None else None, dst=0)
+        if out is not None:
+            out.put(("call", call_id, gathered))
 
 
 def _submit(eng: Engine, spec: tuple, outbox: Any | None) -> None:
@@ -128,9 +142,10 @@ def _serve_steps(re: Any, inbox: Any, out: Any | None, events: KVEventPublisher 
         out.put(("ready",))
     last_stats = 0.0
     while True:
-        msg = _rank0_message(eng, inbox) if rank0 else [[], [], 0.0, False, False]
+        msg = _rank0_message(eng, inbox) if rank0 else [[], [], 0.0, False, False, []]
         dist.broadcast_object_list(msg, src=0)
-        new, aborts, re.now, stop, step = msg
+        new, aborts, re.now, stop, step, calls = msg
+        _run_calls(eng, calls, out)
         if stop:
             aborts = [r.rid for r in [*eng.waiting, *eng.running]]
         for rid in aborts:
@@ -186,6 +201,8 @@ class RankedLoop:
         self._streams: dict[str, tuple[Request, Stream]] = {}
         self._lock = threading.Lock()
         self.pending = 0
+        self._calls = 0
+        self._futures: dict[int, concurrent.futures.Future[Any]] = {}
         self.thread = threading.Thread(target=self._run, name="kvstrata-ranks", daemon=True)
         self._dispatch = threading.Thread(
             target=self._dispatcher, name="kvstrata-dispatch", daemon=True
@@ -209,10 +226,14 @@ class RankedLoop:
         self.inbox.put(("abort", rid))
 
     def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
+        """Run fn(engine) on every rank between steps (fn: a module-level function); the
+        future gets rank 0's result, or an error naming the first rank whose call raised."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        fut.set_exception(
-            RuntimeError("not available with several ranks (engines in child processes)")
-        )
+        with self._lock:
+            self._calls += 1
+            call_id = self._calls
+            self._futures[call_id] = fut
+        self.inbox.put(("call", call_id, fn))
         return fut
 
     def stop(self, timeout_s: float) -> bool:
@@ -251,6 +272,9 @@ class RankedLoop:
         if msg[0] == "ready":
             self.ready.set()
             return
+        if msg[0] == "call":
+            self._called(msg[1], msg[2])
+            return
         if msg[0] == "stats":
             self.stats = msg[1]
             for obs in self.observers:
@@ -280,6 +304,17 @@ class RankedLoop:
         for obs in self.observers:
             obs.on_finished(req, stream, now)
         stream.push("done", req)
+
+    def _called(self, call_id: int, results: list[tuple[bool, Any]]) -> None:
+        with self._lock:
+            fut = self._futures.pop(call_id, None)
+        if fut is None:
+            return
+        failed = [(r, v) for r, (ok, v) in enumerate(results) if not ok]
+        if failed:
+            fut.set_exception(AssertionError(f"rank {failed[0][0]}: {failed[0][1]}"))
+        else:
+            fut.set_result(results[0][1])
 
     def _end(self, rid: str) -> None:
         with self._lock:
