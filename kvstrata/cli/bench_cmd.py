@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from rich.table import Table
 from kvstrata.bench.registry import load_benches
 from kvstrata.cli import validate
 
+BENCH_OPTIONS = ("url", "sessions", "concurrency", "model", "out")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark: prints a table, writes JSON")
@@ -20,6 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--quick", action="store_true", help="a smaller, faster version")
     p.add_argument("--list", action="store_true", help="list the benchmarks")
+    serve = p.add_argument_group("bench serve", "options of the serve benchmark only")
+    serve.add_argument("--url", default=None, help="drive this OpenAI-compatible server")
+    serve.add_argument("--sessions", type=int, default=None, help="agent sessions")
+    serve.add_argument("--concurrency", type=int, default=None, help="sessions at once")
+    serve.add_argument("--model", default=None, help="checkpoint our server loads")
+    serve.add_argument("--out", type=Path, default=None, help="directory of the plot and logs")
     p.set_defaults(func=run)
 
 
@@ -33,6 +42,19 @@ def _table(name: str, report: dict[str, Any]) -> Table:
     return table
 
 
+def _bench_options(fn: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The options given on the command line that this benchmark takes; others are an error."""
+    given = {k: getattr(args, k) for k in BENCH_OPTIONS if getattr(args, k) is not None}
+    takes = inspect.signature(fn).parameters
+    wrong = [k for k in given if k not in takes]
+    if wrong:
+        raise ValueError(f"--{wrong[0]} is not an option of bench {args.name}")
+    for k in ("sessions", "concurrency"):
+        if k in given and given[k] < 1:
+            raise ValueError(f"--{k} must be >= 1, got {given[k]}")
+    return given
+
+
 def run(args: argparse.Namespace) -> int:
     benches = load_benches()
     if args.list or not args.name:
@@ -40,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     validate.check_name(benches, args.name, "NAME")
     validate.check_out_file(args.json, "--json")
-    report = benches.create(args.name, args.quick)
+    report = benches.create(args.name, args.quick, **_bench_options(benches.get(args.name), args))
     Console().print(_table(args.name, report))
     if args.json:
         args.json.parent.mkdir(exist_ok=True)  # validated: its own parent exists

@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvstrata.cli.check_consensus_cmd",
     "kvstrata.cli.replay_cmd",
     "kvstrata.cli.simulate_cmd",
+    "kvstrata.cli.serve_cmd",
 )
 
 

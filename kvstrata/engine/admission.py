@@ -12,6 +12,8 @@ large request is not starved by small ones behind it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.cache.lease import Lease
 from kvstrata.cache.manager import HiCache
@@ -57,7 +59,7 @@ class Admission:
     def _open(self, req: Request) -> Lease:
         """The request's lease, keyed by the full pages of its prompt."""
         n_full = len(req.tokens) // self.page
-        keys = page_keys(req.tokens[: n_full * self.page], self.ns, self.vocab_size)
+        keys = page_keys(req.tokens[: n_full * self.page], self._ns(req), self.vocab_size)
         req.lease = Lease(
             self.cache,
             keys,
@@ -68,6 +70,14 @@ class Admission:
         )
         return req.lease
 
+    def _ns(self, req: Request) -> Namespace:
+        """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""
+        if not req.cache_salt:
+            return self.ns
+        return dataclasses.replace(
+            self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{req.cache_salt}"
+        )
+
     def cache_pages(self, req: Request, final: bool) -> None:
         """Share the request's full computed pages; at the end release everything it holds."""
         lease = req.lease
@@ -76,7 +86,7 @@ class Admission:
         if self.cache is not None and n_full > len(lease.keys):
             parent = lease.keys[-1] if lease.keys else None
             more = req.all_tokens[len(lease.keys) * self.page : n_full * self.page]
-            lease.extend_keys(page_keys(more, self.ns, self.vocab_size, parent_key=parent))
+            lease.extend_keys(page_keys(more, self._ns(req), self.vocab_size, parent_key=parent))
         lease.commit(req.computed)
         if final:
             lease.release()

@@ -70,6 +70,8 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.steps = 0
+        self.on_token: Callable[[Request, int], None] | None = None
+        """Called with each token as it is produced (the server streams from it)."""
 
     # ---- API ----------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -141,15 +143,21 @@ class Engine:
             time.sleep(0.0005)  # only waiting on copies or storage: don't spin hot
         return finished
 
-    def abort(self, rid: str) -> bool:
-        """Stop a waiting or running request now; its pages and locks go back at once."""
-        for queue in (self.waiting, self.running):
-            for req in queue:
-                if req.rid == rid:
-                    queue.remove(req)
-                    self.admission.abort(req)
-                    return True
-        return False
+    def abort(self, rid: str) -> Request | None:
+        """End a waiting or running request now, releasing its pages and locks at once (a
+        running one's computed full pages stay cached, like a finished request's); None when no
+        such request is in flight."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.admission.abort(req)
+                return _ended(req, "abort")
+        for req in self.running:
+            if req.rid == rid:
+                self.admission.cache_pages(req, final=True)
+                self.running.remove(req)
+                return _ended(req, "abort")
+        return None
 
     def drain(self) -> None:
         if self.cache is not None:
@@ -198,19 +206,22 @@ class Engine:
 
     def _emit(self, req: Request, row: torch.Tensor) -> bool:
         """Record one generated token; True when the request is complete."""
-        req.output.append(int(torch.argmax(row)))
+        tok = int(torch.argmax(row)) if req.sampler is None else req.sampler.sample(row)
+        req.output.append(tok)
         if req.keep_logits:
             req.logits.append(row.clone())
         if req.state is State.PREFILL:
             req.first_token_s = time.monotonic()
             req.state = State.DECODE
             self.admission.cache_pages(req, final=False)  # share the prompt with later requests
-        if len(req.output) < req.max_new_tokens:
+        if self.on_token is not None:
+            self.on_token(req, tok)
+        stop = req.sampler is not None and req.sampler.stops(tok)
+        if len(req.output) < req.max_new_tokens and not stop:
             return False
-        req.state = State.DONE
-        req.finish_s = time.monotonic()
         self.admission.cache_pages(req, final=True)
         self.running.remove(req)
+        _ended(req, "stop" if stop else "length")
         return True
 
     # ---- integrity ----------------------------------------------------------------------------
@@ -230,3 +241,10 @@ def _pending_load(req: Request) -> bool:
     """The request's L2 -> L1 copy has not been waited for yet."""
     lease = req.lease
     return lease is not None and lease.load is not None and lease.load.handle is not None
+
+
+def _ended(req: Request, reason: str) -> Request:
+    req.state = State.DONE
+    req.finish_s = time.monotonic()
+    req.finish_reason = reason
+    return req

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.cache.lease import Hits, Lease
+from kvstrata.engine.sampling import Sampler
 
 
 class State(enum.Enum):
@@ -27,6 +28,8 @@ class Request:
     arrival_s: float = 0.0
     keep_logits: bool = False
     """Keep every produced logits row (tests compare them with recomputation)."""
+    sampler: Sampler | None = None  # None: greedy, ends only at max_new_tokens
+    cache_salt: str = ""  # mixed into the page keys: requests with other salts share no page
 
     # --- engine state -------------------------------------------------------------------------
     state: State = State.WAITING
@@ -36,6 +39,10 @@ class Request:
     logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] per produced token
     first_token_s: float | None = None
     finish_s: float | None = None
+    finish_reason: str | None = None  # "length", "stop" (a stop token) or "abort"
+    reported_hits: dict[str, int] | None = None
+    """Hits as the rank that served it reported them (a copy of the request on another process,
+    e.g. the HTTP side of a multi-rank server, has no lease of its own)."""
 
     @property
     def all_tokens(self) -> list[int]:
@@ -49,8 +56,14 @@ class Request:
     @property
     def hits(self) -> dict[str, int]:
         """Prompt pages served by each tier: L1 (device), L2 (host), L3 (storage)."""
+        if self.reported_hits is not None:
+            return dict(self.reported_hits)
         h = self.lease.hits if self.lease is not None else Hits()
         return {"L1": h.device, "L2": h.host, "L3": h.storage}
+
+    @hits.setter
+    def hits(self, value: dict[str, int]) -> None:
+        self.reported_hits = dict(value)
 
     @property
     def ttft_s(self) -> float:

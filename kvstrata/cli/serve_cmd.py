@@ -1,0 +1,55 @@
+"""`kvstrata serve`: an OpenAI-compatible server (see kvstrata/serve/)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.cli import validate
+from kvstrata.cli.run_cmd import STORAGE_PREFIX
+from kvstrata.configtools import add_config_args, config_from_args
+from kvstrata.engine.build import resolve_model_path
+from kvstrata.engine.config import EngineConfig
+from kvstrata.model.checkpoint import load_model
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.tp import check_layout
+from kvstrata.serve.config import ServeConfig
+from kvstrata.storage.base import StorageConfig
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the cached engine")
+    add_config_args(p, ServeConfig)
+    add_config_args(p, EngineConfig)
+    add_config_args(p, CacheConfig)
+    add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
+    add_config_args(p, DistConfig)
+    p.set_defaults(func=run)
+
+
+def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, StorageConfig]:
+    """Engine, cache and storage configs; without --storage-url the default tiers are l1_l2."""
+    cache_cfg = config_from_args(CacheConfig, args)
+    over = {} if args.tiers is not None or cache_cfg.storage_url else {"tiers": "l1_l2"}
+    engine_cfg = config_from_args(EngineConfig, args, **over)
+    validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
+    if cache_cfg.storage_url:
+        validate.check_storage_url(cache_cfg.storage_url, "--storage-url")
+    if engine_cfg.tiers == "l1_l2_l3" and not cache_cfg.storage_url:
+        raise ValueError("--tiers l1_l2_l3 needs --storage-url")
+    return engine_cfg, cache_cfg, config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstrata.serve.server import make_state, serve  # fastapi/uvicorn only when serving
+
+    cfg = config_from_args(ServeConfig, args)
+    cfgs = configs(args)
+    path = resolve_model_path(cfgs[0])
+    validate.check_checkpoint(path)
+    model = load_model(path, dtype=cfgs[0].dtype)  # ValueError: not a checkpoint
+    dist_cfg = config_from_args(DistConfig, args)
+    check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
+    if cfgs[1].device_pages % dist_cfg.cp:
+        raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
+    return serve(make_state(cfg, model, path, cfgs, dist_cfg))

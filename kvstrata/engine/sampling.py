@@ -1,0 +1,62 @@
+"""Per-request sampling: greedy, or temperature / top-p from a generator seeded per request.
+
+Every rank holds the same logits row and a generator seeded from the same request seed, so every
+rank draws the same token without exchanging it. Greedy (temperature 0) is `argmax`, exactly what
+the engine did before sampling existed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import xxhash
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its next token, and which tokens end it."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None  # None: derived from the request id (still equal on every rank)
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class Sampler:
+    """One request's sampling state: its params and its own torch.Generator."""
+
+    def __init__(self, params: SamplingParams, rid: str) -> None:
+        self.params = params
+        seed = params.seed
+        if seed is None:  # never Python's hash(): equal across processes
+            seed = xxhash.xxh3_64_intdigest(rid.encode())
+        self.generator = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+
+    def sample(self, row: torch.Tensor) -> int:
+        """The next token from one logits row [vocab]."""
+        p = self.params
+        if p.temperature == 0:
+            return int(torch.argmax(row))
+        probs = torch.softmax(row.float() / p.temperature, dim=-1)  # [vocab]
+        if p.top_p < 1:
+            probs = _top_p(probs, p.top_p)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def stops(self, token: int) -> bool:
+        return token in self.params.stop_token_ids
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (the first always)."""
+    sorted_p, order = torch.sort(probs, descending=True)  # [vocab] each
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
+    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
+    kept = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return kept / kept.sum()

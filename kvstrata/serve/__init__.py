@@ -1,0 +1,1 @@
+"""`kvstrata serve`: an OpenAI-compatible HTTP server over the cached engine."""

@@ -1,0 +1,190 @@
+"""The FastAPI app: OpenAI routes, health, metrics, tokenize, and vLLM-shaped errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import traceback
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from kvstrata.cache.events import MEDIA, snapshot
+from kvstrata.serve.generate import Generation, complete, stream
+from kvstrata.serve.protocol import (
+    ApiError,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    check_tokens,
+)
+from kvstrata.serve.state import ServerState
+
+MASK64 = (1 << 64) - 1  # block hashes: low 64 bits of a page key, as KV events send them
+CALL_TIMEOUT_S = 30.0  # a debug call waits at most this long for the engine thread
+
+
+class TokenizeRequest(BaseModel):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[int]
+
+
+async def parse(request: Request, model: type[BaseModel]) -> Any:
+    """The JSON body as `model`, or a 400 naming the bad field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the JSON body must be an object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or None
+        raise ApiError(400, f"{field}: {err['msg']}", field) from None
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.aloop = asyncio.get_running_loop()
+        yield
+        state.stopping = True
+        await asyncio.to_thread(state.loop.stop, state.cfg.stop_timeout_s + 60.0)
+
+    app = FastAPI(title="kvstrata", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        traceback.print_exc(file=sys.stderr)  # the operator sees it; the client gets one line
+        err = ApiError(500, f"internal error: {type(exc).__name__}")
+        return JSONResponse(err.body(), status_code=500)
+
+    _info_routes(app, state)
+    _generate_routes(app, state)
+    _token_routes(app, state)
+    if state.cfg.debug_endpoints:
+        _debug_routes(app, state)
+    return app
+
+
+def _info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            state.check_ready()
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "kvstrata",
+            "root": state.model_root,
+            "max_model_len": state.limits.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _generate_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Any:
+        return await _generate(state, await parse(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Any:
+        return await _generate(state, await parse(request, ChatRequest), request)
+
+
+def _token_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await parse(request, TokenizeRequest)
+        if body.messages is not None:
+            toks = state.codec.encode_chat(
+                [{"role": m.role, "content": m.text()} for m in body.messages]
+            )
+        elif body.prompt is not None:
+            toks = state.codec.encode(body.prompt)
+        else:
+            raise ApiError(400, "give prompt or messages", "prompt")
+        return {"tokens": toks, "count": len(toks), "max_model_len": state.limits.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await parse(request, DetokenizeRequest)
+        if body.tokens:
+            check_tokens(body.tokens, state.limits, "tokens")
+        return {"prompt": state.codec.decode(body.tokens)}
+
+
+def _debug_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/debug/integrity")
+    async def integrity() -> dict[str, Any]:
+        state.check_ready()
+        fut = state.loop.call(_integrity)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
+
+    @app.get("/debug/blocks")
+    async def blocks() -> dict[str, list[int]]:
+        """The cache's own per-medium block hashes (what KV events must add up to)."""
+        state.check_ready()
+        fut = state.loop.call(_blocks)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
+
+
+async def _generate(
+    state: ServerState, body: CompletionRequest | ChatRequest, request: Request
+) -> Any:
+    gen = Generation(state, body)
+    if body.stream:
+        return StreamingResponse(stream(gen), media_type="text/event-stream")
+    return await complete(gen, request.is_disconnected)
+
+
+def _blocks(engine: Any) -> dict[str, list[int]]:
+    if engine.cache is None:
+        return {m: [] for m in MEDIA}
+    held = snapshot(engine.cache.tree)
+    return {m: sorted(k & MASK64 for k in keys) for m, keys in held.items()}
+
+
+def _integrity(engine: Any) -> dict[str, Any]:
+    """Runs on the engine thread: the pools' and tree's invariants, and their accounting."""
+    engine.check_integrity()
+    cache = engine.cache
+    return {
+        "ok": True,
+        "running": len(engine.running),
+        "waiting": len(engine.waiting),
+        "device_free": engine.pool.allocator.num_free,
+        "device_capacity": engine.pool.allocator.capacity,
+        "accounting": cache.accounting() if cache is not None else None,
+        "owned": len(cache.owned) if cache is not None else None,
+        "pending_ops": len(cache.queues) if cache is not None else 0,
+    }

@@ -1,0 +1,38 @@
+"""Configuration of the HTTP server (the engine, cache and storage keep their own configs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.configtools import doc
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """HTTP server: address, model name, queue bound, timeouts, KV events."""
+
+    host: str = doc("127.0.0.1", "address to listen on")
+    port: int = doc(8000, "TCP port to listen on (0 picks a free one, printed at start)")
+    served_model_name: str = doc("", "model name clients send; empty = the checkpoint dir name")
+    max_pending: int = doc(256, "requests accepted and not finished at most; beyond: 503")
+    default_max_tokens: int = doc(256, "max_tokens when a chat request sets none (capped)")
+    request_timeout_s: float = doc(600.0, "longest a request may wait for its next token")
+    stop_timeout_s: float = doc(10.0, "on SIGTERM: how long in-flight requests may finish")
+    kv_events_endpoint: str = doc("", "ZMQ PUB endpoint for KV cache events, e.g. tcp://*:5557")
+    kv_events_replay_endpoint: str = doc("", "ZMQ ROUTER endpoint that replays events from a seq")
+    kv_events_topic: str = doc("", "topic frame of every KV event message")
+    kv_events_buffer: int = doc(10000, "event batches kept for replay")
+    debug_endpoints: bool = doc(False, "expose GET /debug/integrity (tests, operators)")
+    log_level: str = doc("warning", "uvicorn log level")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        for name in ("max_pending", "default_max_tokens", "kv_events_buffer"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("request_timeout_s", "stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")

@@ -1,0 +1,137 @@
+"""KV cache events for routers, in vLLM's wire format over ZMQ.
+
+PUB socket, one multipart message per event batch: (topic, sequence number as 8 bytes big-endian,
+msgpack payload). The payload is vLLM's `EventBatch` as a msgpack array
+`[ts, [event, ...], data_parallel_rank]`; each event is a tagged array whose first item names its
+type, fields in vLLM's order:
+  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+  ["BlockRemoved", block_hashes, medium]
+  ["AllBlocksCleared"]
+Block hashes are the low 64 bits of our 128-bit page keys (msgpack integers are 64-bit).
+A ROUTER socket (optional) answers a request [start_seq (8 bytes)] with every buffered batch from
+that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty).
+
+Runs on the engine thread (LoopObserver): the sockets are used by that thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.request import Request
+from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.loop import LoopObserver, Stream
+
+MASK64 = (1 << 64) - 1
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def block_hash(key: int) -> int:
+    return key & MASK64
+
+
+def encode_change(change: BlockChange, tokens: list[int], page_size: int) -> list[Any]:
+    hashes = [block_hash(k) for k in change.keys]
+    if not change.stored:
+        return ["BlockRemoved", hashes, change.medium]
+    parent = None if change.parent is None else block_hash(change.parent)
+    return ["BlockStored", hashes, parent, tokens, page_size, None, change.medium]
+
+
+class KVEventPublisher(LoopObserver):
+    """Publishes the tree's per-medium changes after every step."""
+
+    def __init__(self, cfg: ServeConfig, page_size: int) -> None:
+        self.page = page_size
+        self.topic = cfg.kv_events_topic.encode()
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 1000)  # at close: at most 1 s to flush queued batches
+        self.pub.bind(cfg.kv_events_endpoint)
+        self.replay: zmq.Socket | None = None
+        if cfg.kv_events_replay_endpoint:
+            self.replay = self.ctx.socket(zmq.ROUTER)
+            self.replay.setsockopt(zmq.LINGER, 0)
+            self.replay.bind(cfg.kv_events_replay_endpoint)
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.kv_events_buffer)
+        self.seq = 0
+        self.tracker = BlockTracker()
+        self.tokens: dict[int, list[int]] = {}  # page key -> its tokens (for BlockStored)
+        self.recorded: dict[str, int] = {}  # rid -> how many of its keys are in self.tokens
+
+    # ---- LoopObserver ---------------------------------------------------------------------------
+    def on_finished(self, req: Request, stream: Stream, now_s: float) -> None:
+        self.record(req)
+
+    def record(self, req: Request) -> None:
+        """A finished request's keys (its last pages were cached as it ended)."""
+        self._record(req)
+        self.recorded.pop(req.rid, None)
+
+    def after_step(self, engine: Engine) -> None:
+        for req in [*engine.waiting, *engine.running]:
+            self._record(req)
+        assert engine.cache is not None
+        changes = self.tracker.diff(engine.cache.tree)
+        if changes:
+            self._publish([self._encode(c) for c in changes])
+            held = set().union(*self.tracker.held.values())
+            for key in [k for k in self.tokens if k not in held]:
+                del self.tokens[key]
+        self._serve_replay()
+
+    def on_idle(self) -> None:
+        self._serve_replay()
+
+    def close(self) -> None:
+        self.pub.close()
+        if self.replay is not None:
+            self.replay.close()
+        self.ctx.term()
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _record(self, req: Request) -> None:
+        done = self.recorded.get(req.rid, 0)
+        keys = req.lease.keys if req.lease is not None else []
+        if len(keys) <= done:
+            return
+        toks = req.all_tokens
+        for i in range(done, len(keys)):
+            self.tokens.setdefault(keys[i], toks[i * self.page : (i + 1) * self.page])
+        self.recorded[req.rid] = len(keys)
+
+    def _encode(self, change: BlockChange) -> list[Any]:
+        toks = [t for k in change.keys for t in self.tokens.get(k, [])] if change.stored else []
+        return encode_change(change, toks, self.page)
+
+    def _publish(self, events: list[list[Any]]) -> None:
+        payload = msgpack.packb([time.time(), events, 0])
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        try:
+            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+        except zmq.Again:  # a slow subscriber: it can replay from the buffer
+            pass
+
+    def _serve_replay(self) -> None:
+        sock = self.replay
+        while sock is not None and sock.poll(0):
+            frames = sock.recv_multipart()
+            if len(frames) < 2:
+                continue
+            client, start = frames[0], int.from_bytes(frames[-1], "big")
+            for seq, payload in self.buffer:
+                if seq >= start:
+                    sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            sock.send_multipart((client, b"", END_SEQ, b""))
+
+
+__all__ = ["MEDIA", "KVEventPublisher", "block_hash", "encode_change"]

@@ -1,0 +1,149 @@
+"""One completion or chat request through the engine loop: whole or as an SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from kvstrata.engine.request import Request
+from kvstrata.engine.sampling import Sampler
+from kvstrata.serve import responses as R
+from kvstrata.serve.loop import QueueFull, Stream
+from kvstrata.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Prepared,
+    prepare,
+    single_prompt,
+)
+from kvstrata.serve.state import ServerState
+
+DISCONNECT_POLL_S = 0.25
+
+
+def prompt_tokens(state: ServerState, body: CompletionRequest | ChatRequest) -> list[int]:
+    if isinstance(body, ChatRequest):
+        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return state.codec.encode_chat(msgs)
+    prompt = single_prompt(body)
+    return state.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def prepared(state: ServerState, body: CompletionRequest | ChatRequest) -> Prepared:
+    tokens = prompt_tokens(state, body)
+    if isinstance(body, ChatRequest):
+        max_new = body.max_completion_tokens or body.max_tokens
+        if max_new is None:
+            room = state.limits.max_model_len - len(tokens)
+            max_new = max(1, min(state.cfg.default_max_tokens, room))
+    else:
+        max_new = body.max_tokens if body.max_tokens is not None else 16
+    return prepare(body, tokens, max_new, state.limits, state.codec.eos_token_ids)
+
+
+class Generation:
+    """A submitted request and the text it has produced so far."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest | ChatRequest) -> None:
+        state.check_ready()
+        state.check_model(body.model)
+        prep = prepared(state, body)
+        self.state, self.chat = state, isinstance(body, ChatRequest)
+        self.rid = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.req = Request(
+            self.rid,
+            prep.tokens,
+            prep.max_new,
+            sampler=Sampler(prep.sampling, self.rid),
+            cache_salt=prep.cache_salt,
+        )
+        self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)
+        assert state.aloop is not None
+        self.stream = Stream(state.aloop, time.monotonic())
+        self.usage_wanted = bool(body.stream_options and body.stream_options.include_usage)
+        try:
+            state.loop.submit(self.req, self.stream)
+        except QueueFull as exc:
+            raise ApiError(503, f"server is busy: {exc}") from None
+        self.ended = False
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """New text per token until the request ends (or a stop string shows up)."""
+        timeout = self.state.cfg.request_timeout_s
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(self.stream.queue.get(), timeout)
+            except TimeoutError:
+                self.abort()
+                raise ApiError(503, f"no token within request_timeout_s={timeout}") from None
+            if kind == "error":
+                self.ended = True
+                raise ApiError(500, f"request failed: {value}")
+            if kind == "done":
+                self.ended = True
+                return
+            delta = self.text.add(value)
+            if delta:
+                yield delta
+            if self.text.stopped:
+                self.abort()
+                return
+
+    def abort(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.state.loop.abort(self.rid)
+
+    def usage(self) -> dict[str, Any]:
+        return R.usage(self.req, self.state.limits.page_size, self.text.n_tokens)
+
+    def reason(self) -> str:
+        return R.finish_reason(self.req if self.req.finish_reason else None, self.text)
+
+
+async def complete(gen: Generation, gone: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+    """The whole answer; a client that went away (checked every DISCONNECT_POLL_S) aborts it."""
+
+    async def collect() -> list[str]:
+        return [d async for d in gen.deltas()]
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await gone():
+                task.cancel()
+                raise ApiError(499, "client disconnected")
+        parts = task.result()
+    finally:
+        if not task.done():
+            task.cancel()  # the handler itself was cancelled (e.g. the server stops)
+        gen.abort()  # a cancelled or failed handler frees the request's pages
+    parts.append(gen.text.flush())
+    name = gen.state.model_name
+    return R.full_body(gen.chat, gen.rid, name, "".join(parts), gen.reason(), gen.usage())
+
+
+async def stream(gen: Generation) -> AsyncIterator[str]:
+    """SSE frames; a client that goes away cancels this generator, which aborts the request."""
+    name = gen.state.model_name
+    first = True  # chat: the first chunk carries the role, sent with the first text
+    try:
+        try:
+            async for delta in gen.deltas():
+                yield R.chunk(gen.chat, gen.rid, name, delta, None, first=first)
+                first = False
+        except ApiError as exc:
+            yield R.sse(exc.body())
+            yield R.DONE
+            return
+        yield R.chunk(gen.chat, gen.rid, name, gen.text.flush(), gen.reason(), first=first)
+        if gen.usage_wanted:
+            yield R.usage_chunk(gen.chat, gen.rid, name, gen.usage())
+        yield R.DONE
+    finally:
+        gen.abort()

@@ -1,0 +1,190 @@
+"""Prometheus metrics of the server, vLLM-style names under `kvstrata:`, label `model_name`.
+
+Latencies and per-request token sources are recorded on the engine thread as they happen
+(prometheus_client is thread-safe); cache counters and pool usage are read at scrape time, from
+plain integers only, so a scrape never walks the tree while the engine thread changes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstrata.cache.counters import CacheCounters
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.request import Request
+from kvstrata.serve.loop import LoopObserver, Stream
+
+
+@dataclass
+class PoolStats:
+    """Pool occupancy and the cache's counters: read live (one rank) or sent by rank 0."""
+
+    device_free: int
+    device_capacity: int
+    host_free: int | None = None
+    host_capacity: int | None = None
+    counters: CacheCounters | None = None
+    running: int = 0
+    waiting: int = 0
+
+
+def engine_stats(engine: Engine) -> PoolStats:
+    """Plain integers of a live engine (safe to read from another thread)."""
+    alloc, cache = engine.pool.allocator, engine.cache
+    host = cache.tiers.host if cache is not None else None
+    return PoolStats(
+        alloc.num_free,
+        alloc.capacity,
+        host.num_free if host is not None else None,
+        host.capacity if host is not None else None,
+        cache.counters if cache is not None else None,
+        len(engine.running),
+        len(engine.waiting),
+    )
+
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+SOURCES = {"L1": "local_device_hit", "L2": "local_host_hit", "L3": "storage_hit"}
+
+
+class ServeMetrics(LoopObserver):
+    """Observer of the engine loop that feeds one CollectorRegistry."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.name = model_name
+        lbl, reg = ["model_name"], self.registry
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"kvstrata:{name}", doc, lbl, registry=reg, buckets=LATENCY_BUCKETS)
+
+        self.ttft = hist("time_to_first_token_seconds", "HTTP arrival to first token")
+        self.itl = hist("inter_token_latency_seconds", "time between two tokens of a request")
+        self.e2e = hist("e2e_request_latency_seconds", "HTTP arrival to the last token")
+        self.queue = hist("request_queue_time_seconds", "HTTP arrival to admission (pages given)")
+        self.queries = Counter(
+            "kvstrata:prefix_cache_queries", "prompt tokens looked up", lbl, registry=reg
+        )
+        self.hits = Counter(
+            "kvstrata:prefix_cache_hits", "prompt tokens found in any tier", lbl, registry=reg
+        )
+        self.by_source = Counter(
+            "kvstrata:prompt_tokens_by_source",
+            "prompt tokens by where their KV came from",
+            [*lbl, "source"],
+            registry=reg,
+        )
+        self.generated = Counter(
+            "kvstrata:generation_tokens", "tokens generated", lbl, registry=reg
+        )
+        self.finished = Counter(
+            "kvstrata:request_success", "finished requests", [*lbl, "finished_reason"], registry=reg
+        )
+        self.running = Gauge(
+            "kvstrata:num_requests_running", "decoding or prefilling", lbl, registry=reg
+        )
+        self.waiting = Gauge(
+            "kvstrata:num_requests_waiting", "waiting for admission", lbl, registry=reg
+        )
+        self.consensus = Histogram(
+            "kvstrata:step_consensus_seconds",
+            "one step's cross-rank agreement on cache progress (several ranks)",
+            lbl,
+            registry=reg,
+            buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+        )
+        self.page = 1
+
+    def attach(self, source: Callable[[], PoolStats | None], page_size: int) -> None:
+        """Once the engine is up: pool and cache numbers come from `source` at scrape time."""
+        self.page = page_size
+        self.registry.register(_PoolCollector(source, self.name))
+
+    # ---- LoopObserver ---------------------------------------------------------------------------
+    def on_token(self, req: Request, stream: Stream, now_s: float) -> None:
+        if stream.last_token_s is None:
+            self.ttft.labels(self.name).observe(now_s - stream.received_s)
+        else:
+            self.itl.labels(self.name).observe(now_s - stream.last_token_s)
+        self.generated.labels(self.name).inc()
+
+    def on_admitted(self, req: Request, stream: Stream, now_s: float) -> None:
+        self.queue.labels(self.name).observe(now_s - stream.received_s)
+        cached = {t: n * self.page for t, n in req.hits.items()}
+        self.queries.labels(self.name).inc(len(req.tokens))
+        self.hits.labels(self.name).inc(sum(cached.values()))
+        for tier, source in SOURCES.items():
+            self.by_source.labels(self.name, source).inc(cached[tier])
+        self.by_source.labels(self.name, "computed").inc(len(req.tokens) - sum(cached.values()))
+
+    def on_finished(self, req: Request, stream: Stream, now_s: float) -> None:
+        self.e2e.labels(self.name).observe(now_s - stream.received_s)
+        self.finished.labels(self.name, req.finish_reason or "abort").inc()
+
+    def after_step(self, engine: Engine) -> None:
+        self.running.labels(self.name).set(len(engine.running))
+        self.waiting.labels(self.name).set(len(engine.waiting))
+
+    def on_stats(self, stats: PoolStats, consensus_s: list[float]) -> None:
+        """Rank 0's periodic report (several ranks): gauges and agreement latencies."""
+        self.running.labels(self.name).set(stats.running)
+        self.waiting.labels(self.name).set(stats.waiting)
+        for x in consensus_s:
+            self.consensus.labels(self.name).observe(x)
+
+
+class _PoolCollector(Collector):
+    """Pool usage and the cache's monotone counters, from a PoolStats source."""
+
+    def __init__(self, source: Callable[[], PoolStats | None], model_name: str) -> None:
+        self.source, self.name = source, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.source()
+        if st is None:
+            return
+        usage = GaugeMetricFamily(
+            "kvstrata:kv_cache_usage_perc",
+            "fraction of a pool's pages in use",
+            labels=["model_name", "pool"],
+        )
+        usage.add_metric([self.name, "device"], 1 - st.device_free / st.device_capacity)
+        if st.host_free is not None and st.host_capacity:
+            usage.add_metric([self.name, "host"], 1 - st.host_free / st.host_capacity)
+        yield usage
+        if st.counters is not None:
+            yield from self._counters(st.counters)
+
+    def _counters(self, c: CacheCounters) -> Iterator[Metric]:
+        moved = CounterMetricFamily(
+            "kvstrata:kv_moved_bytes",
+            "KV bytes copied between tiers",
+            labels=["model_name", "direction"],
+        )
+        errors = CounterMetricFamily(
+            "kvstrata:kv_transfer_failed_pages",
+            "pages a copy or storage op failed to move (storage errors included)",
+            labels=["model_name", "direction"],
+        )
+        for direction, nbytes in c.bytes_moved.items():
+            moved.add_metric([self.name, direction], nbytes)
+            errors.add_metric([self.name, direction], c.failed_pages[direction])
+        yield moved
+        yield errors
+        prefetch = CounterMetricFamily(
+            "kvstrata:prefetch", "L3 prefetch outcomes", labels=["model_name", "outcome"]
+        )
+        for outcome, n in c.prefetch.items():
+            prefetch.add_metric([self.name, outcome], n)
+        yield prefetch
+        evicted = CounterMetricFamily(
+            "kvstrata:evicted_pages", "pages evicted from a tier", labels=["model_name", "tier"]
+        )
+        for tier, n in c.evictions.items():
+            evicted.add_metric([self.name, tier], n)
+        yield evicted

@@ -1,0 +1,67 @@
+"""`kvstrata serve` as a child process on 127.0.0.1 (benchmarks and tests start it this way)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`kvstrata serve ARGS` on a free port; returns once /health answers 200."""
+
+    def __init__(self, args: list[str], log: Path, start_timeout_s: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--port", str(self.port)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.out = log.open("w")
+        self.proc = subprocess.Popen(
+            [*cmd, *args], cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT
+        )
+        self._wait_healthy(start_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not healthy within {timeout_s} s: {self.log.read_text()}")
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then the exit code (TimeoutError when it does not stop in time)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"server did not exit within {timeout_s} s of SIGTERM") from None
+        finally:
+            self.out.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.out.close()

@@ -1,0 +1,329 @@
+"""Serving on tp x cp x pp local ranks: rank 0 takes the requests, every rank runs the same steps.
+
+The HTTP process is no rank: it spawns the ranks (kvstrata.parallel.group.run_ranks, fork) from a
+thread and talks to rank 0 through two multiprocessing queues. Each step rank 0 drains its inbox
+(new requests, aborts, stop) and broadcasts that with its clock and whether to step, so every
+rank submits, aborts and steps identically; samplers are rebuilt on each rank from the request's
+SamplingParams and seed, so every rank draws the same token. Rank 0 sends tokens and endings back;
+a dispatcher thread in the HTTP process hands them to the requests' streams.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from kvstrata.serve.events import KVEventPublisher
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.request import Request
+from kvstrata.engine.sampling import Sampler
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.group import RankContext
+from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.loop import IDLE_WAIT_S, LoopObserver, QueueFull, Stream
+from kvstrata.serve.metrics import PoolStats, ServeMetrics, engine_stats
+from kvstrata.storage.base import StorageConfig
+
+STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies this often
+FOREVER_S = 10 * 365 * 86400.0  # run_ranks' bound on the whole run: a server runs until stopped
+
+
+def _rank0_inputs(inbox: Any, idle: bool) -> tuple[list[Any], list[str], bool, list[Any]]:
+    """New requests, aborts and the stop flag waiting in rank 0's inbox (blocks briefly if idle)."""
+    items: list[Any] = []
+    try:
+        items.append(inbox.get(timeout=IDLE_WAIT_S) if idle else inbox.get_nowait())
+        while True:
+            items.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    new = [x[1] for x in items if x[0] == "request"]
+    aborts = [x[1] for x in items if x[0] == "abort"]
+    calls = [x[1:] for x in items if x[0] == "call"]
+    return new, aborts, any(x[0] == "stop" for x in items), calls
+
+
+def _timed(agree: Callable[[list[int]], list[int]], into: list[float]) -> Any:
+    """The engine's agreement hook, timing each call (rank 0 reports the durations)."""
+
+    def timed(local: list[int]) -> list[int]:
+        t0 = time.perf_counter()
+        agreed = agree(local)
+        into.append(time.perf_counter() - t0)
+        return agreed
+
+    return timed
+
+
+def _rank0_message(eng: Engine, inbox: Any) -> list[Any]:
+    """[new request specs, aborts, rank 0's clock, stop, whether every rank steps, calls]."""
+    busy = eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
+    new, aborts, stop, calls = _rank0_inputs(inbox, idle=not busy)
+    return [new, aborts, time.monotonic(), stop, busy or bool(new), calls]
+
+
+def _run_calls(eng: Engine, calls: list[Any], out: Any | None) -> None:
+    """Every rank runs each call (fn(engine), between steps); rank 0 gathers and reports them."""
+    for call_id, fn in calls:
+        try:
+            mine: tuple[bool, Any] = (True, fn(eng))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, naming the rank
+            mine = (False, f"{type(exc).__name__}: {exc}")
+        gathered: list[Any] = [None] * dist.get_world_size() if out is not None else []
+        dist.gather_object(mine, gathered if out is not None else None, dst=0)
+        if out is not None:
+            out.put(("call", call_id, gathered))
+
+
+def _submit(eng: Engine, spec: tuple, outbox: Any | None) -> None:
+    rid, tokens, max_new, params, salt = spec
+    req = Request(rid, tokens, max_new, sampler=Sampler(params, rid), cache_salt=salt)
+    try:
+        eng.submit(req)  # the same inputs on every rank: the same outcome
+    except (ValueError, TypeError) as exc:
+        if outbox is not None:
+            outbox.put(("error", rid, str(exc)))
+
+
+def _events(serve_cfg: ServeConfig | None, page_size: int, eng: Engine) -> KVEventPublisher | None:
+    """Rank 0's KV event stream (one per server: the tree is the same on every rank)."""
+    if serve_cfg is None or not serve_cfg.kv_events_endpoint or eng.cache is None:
+        return None
+    from kvstrata.serve.events import KVEventPublisher
+
+    return KVEventPublisher(serve_cfg, page_size)
+
+
+def serve_rank_loop(
+    ctx: RankContext,
+    engine_cfg: EngineConfig,
+    cache_cfg: CacheConfig,
+    storage_cfg: StorageConfig | None,
+    inbox: Any,
+    outbox: Any,
+    serve_cfg: ServeConfig | None = None,
+) -> dict[str, Any]:
+    from kvstrata.parallel.ranks import RankEngine, RankOptions
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when ranks stop
+    re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, RankOptions())
+    eng, rank0 = re.engine, ctx.rank == 0
+    out = outbox if rank0 else None
+    events = _events(serve_cfg, cache_cfg.page_size, eng) if rank0 else None
+    try:
+        _serve_steps(re, inbox, out, events)
+    finally:
+        if events is not None:
+            events.close()
+    return {"rank": ctx.rank, "steps": eng.steps}
+
+
+def _serve_steps(re: Any, inbox: Any, out: Any | None, events: KVEventPublisher | None) -> None:
+    """Every rank: the same requests, aborts and steps, as rank 0 broadcasts them."""
+    eng, rank0 = re.engine, out is not None
+    timings: list[float] = []
+    if out is not None:
+        eng.on_token = lambda req, tok: out.put(
+            ("token", req.rid, tok, dict(req.hits) if len(req.output) == 1 else None)
+        )
+        eng.agree = _timed(eng.agree, timings)
+        out.put(("ready",))
+    last_stats = 0.0
+    while True:
+        msg = _rank0_message(eng, inbox) if rank0 else [[], [], 0.0, False, False, []]
+        dist.broadcast_object_list(msg, src=0)
+        new, aborts, re.now, stop, step, calls = msg
+        _run_calls(eng, calls, out)
+        if stop:
+            aborts = [r.rid for r in [*eng.waiting, *eng.running]]
+        for rid in aborts:
+            req = eng.abort(rid)
+            if out is not None and req is not None:
+                out.put(("done", rid, "abort", dict(req.hits)))
+        if stop:
+            break
+        for spec in new:
+            _submit(eng, spec, out)
+        if step:
+            for req in eng.step():
+                if out is not None:
+                    out.put(("done", req.rid, req.finish_reason, dict(req.hits)))
+                if events is not None:
+                    events.record(req)
+        if events is not None and (step or aborts):
+            events.after_step(eng)
+        elif events is not None:
+            events.on_idle()
+        if out is not None and re.now - last_stats > STATS_EVERY_S:
+            last_stats = re.now
+            out.put(("stats", engine_stats(eng), list(timings)))
+            timings.clear()
+    eng.check_integrity()
+    re.close()  # drains pending cache ops (L3 backups), agreed
+    eng.check_integrity()
+    if events is not None:
+        events.after_step(eng)  # the drained state (new L3 copies) is reported too
+
+
+class RankedLoop:
+    """The EngineLoop interface over ranks in child processes (see the module docstring)."""
+
+    def __init__(
+        self,
+        configs: tuple[EngineConfig, CacheConfig, StorageConfig],
+        dist_cfg: DistConfig,
+        max_pending: int,
+        serve_cfg: ServeConfig | None = None,
+    ) -> None:
+        import torch.multiprocessing as tmp
+
+        mp = tmp.get_context("fork")
+        self.inbox, self.outbox = mp.Queue(), mp.Queue()
+        self.configs, self.dist_cfg, self.max_pending = configs, dist_cfg, max_pending
+        self.serve_cfg = serve_cfg
+        self.observers: list[LoopObserver] = []
+        self.failed: str | None = None
+        self.stats: PoolStats | None = None  # rank 0's latest report
+        self.ready = threading.Event()
+        self._done = threading.Event()
+        self._streams: dict[str, tuple[Request, Stream]] = {}
+        self._lock = threading.Lock()
+        self.pending = 0
+        self._calls = 0
+        self._futures: dict[int, concurrent.futures.Future[Any]] = {}
+        self.thread = threading.Thread(target=self._run, name="kvstrata-ranks", daemon=True)
+        self._dispatch = threading.Thread(
+            target=self._dispatcher, name="kvstrata-dispatch", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+        self._dispatch.start()
+
+    def submit(self, req: Request, stream: Stream) -> None:
+        with self._lock:
+            if self.pending >= self.max_pending:
+                raise QueueFull(f"{self.pending} requests in flight (max_pending)")
+            self.pending += 1
+            self._streams[req.rid] = (req, stream)
+        assert req.sampler is not None
+        spec = (req.rid, req.tokens, req.max_new_tokens, req.sampler.params, req.cache_salt)
+        self.inbox.put(("request", spec))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
+        """Run fn(engine) on every rank between steps (fn: a module-level function); the
+        future gets rank 0's result, or an error naming the first rank whose call raised."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._calls += 1
+            call_id = self._calls
+            self._futures[call_id] = fut
+        self.inbox.put(("call", call_id, fn))
+        return fut
+
+    def stop(self, timeout_s: float) -> bool:
+        self.inbox.put(("stop",))
+        self.thread.join(timeout_s)
+        self._done.set()
+        self._dispatch.join(5.0)
+        return not self.thread.is_alive()
+
+    # ---- threads of the HTTP process -------------------------------------------------------------
+    def _run(self) -> None:
+        from kvstrata.parallel.group import run_ranks
+
+        args = (*self.configs, self.inbox, self.outbox, self.serve_cfg)
+        try:
+            run_ranks(
+                serve_rank_loop, self.dist_cfg, args=args, start_method="fork", timeout_s=FOREVER_S
+            )
+        except Exception as exc:  # noqa: BLE001 - reported by /health and on stderr
+            self.failed = f"{type(exc).__name__}: {exc}"
+            print(f"kvstrata serve: ranks stopped: {self.failed}", file=sys.stderr)
+        finally:
+            self.ready.set()
+            if self.failed:
+                self._fail_all(f"the ranks stopped: {self.failed}")
+
+    def _dispatcher(self) -> None:
+        while not self._done.is_set():
+            try:
+                msg = self.outbox.get(timeout=IDLE_WAIT_S)
+            except queue.Empty:
+                continue
+            self._handle(msg)
+
+    def _handle(self, msg: tuple) -> None:
+        if msg[0] == "ready":
+            self.ready.set()
+            return
+        if msg[0] == "call":
+            self._called(msg[1], msg[2])
+            return
+        if msg[0] == "stats":
+            self.stats = msg[1]
+            for obs in self.observers:
+                if isinstance(obs, ServeMetrics):
+                    obs.on_stats(msg[1], msg[2])
+            return
+        entry = self._streams.get(msg[1])
+        if entry is None:
+            return
+        req, stream = entry
+        now = time.monotonic()
+        if msg[0] == "token":
+            if msg[3] is not None:  # the first token: its hits, and (approximately) admission
+                req.hits = msg[3]
+                for obs in self.observers:
+                    obs.on_admitted(req, stream, now)
+            for obs in self.observers:
+                obs.on_token(req, stream, now)
+            stream.last_token_s = now
+            stream.push("token", msg[2])
+            return
+        self._end(msg[1])
+        if msg[0] == "error":
+            stream.push("error", msg[2])
+            return
+        req.finish_reason, req.hits = msg[2], msg[3]
+        for obs in self.observers:
+            obs.on_finished(req, stream, now)
+        stream.push("done", req)
+
+    def _called(self, call_id: int, results: list[tuple[bool, Any]]) -> None:
+        with self._lock:
+            fut = self._futures.pop(call_id, None)
+        if fut is None:
+            return
+        failed = [(r, v) for r, (ok, v) in enumerate(results) if not ok]
+        if failed:
+            fut.set_exception(AssertionError(f"rank {failed[0][0]}: {failed[0][1]}"))
+        else:
+            fut.set_result(results[0][1])
+
+    def _end(self, rid: str) -> None:
+        with self._lock:
+            if self._streams.pop(rid, None) is not None:
+                self.pending -= 1
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._streams):
+            entry = self._streams.get(rid)
+            self._end(rid)
+            if entry is not None:
+                entry[1].push("error", message)

@@ -1,0 +1,117 @@
+"""Start the server: load the model, build the engine on its thread, run uvicorn until SIGTERM.
+
+On SIGTERM (or SIGINT) uvicorn stops accepting connections and gives in-flight requests
+`stop_timeout_s` to finish; then the lifespan shutdown stops the engine loop, which aborts what
+is left, drains pending L3 backups and closes the store. Exit 0 when all of that finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.build import Built, build_engine
+from kvstrata.engine.config import EngineConfig
+from kvstrata.model.decoder import DecoderLM
+from kvstrata.parallel.config import DistConfig
+from kvstrata.serve.app import create_app
+from kvstrata.serve.codec import open_codec
+from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.loop import EngineLoop
+from kvstrata.serve.metrics import ServeMetrics, engine_stats
+from kvstrata.serve.protocol import Limits
+from kvstrata.serve.ranks import RankedLoop
+from kvstrata.serve.state import ServerState
+from kvstrata.storage.base import StorageConfig
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling /health that a stop signal arrived (503 from then on).
+
+    uvicorn re-raises a captured signal once it has shut down (so the process dies by it, exit
+    143); a graceful stop here is a normal exit, so the signal is not kept for re-raising.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.kv_state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.kv_state.stopping = True
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def make_state(
+    cfg: ServeConfig,
+    model: DecoderLM,
+    model_path: Path,
+    configs: tuple[EngineConfig, CacheConfig, StorageConfig],
+    dist_cfg: DistConfig | None = None,
+) -> ServerState:
+    """The server's state; the engine (one rank, or tp x cp x pp ranks) is built by loop.start()."""
+    engine_cfg, cache_cfg, storage_cfg = configs
+    name = cfg.served_model_name or model_path.name
+    metrics = ServeMetrics(name)
+    loop: EngineLoop | RankedLoop
+    if dist_cfg is not None and dist_cfg.world_size > 1:
+        engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
+        loop = RankedLoop((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg)
+        loop.observers.append(metrics)
+        metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
+    else:
+        loop = EngineLoop(lambda: _build(loop, cfg, metrics, model, configs), cfg.max_pending)
+    limits = Limits(
+        model.vocab_size,
+        model.spec.max_position_embeddings,
+        cache_cfg.page_size,
+        cache_cfg.device_pages,
+    )
+    codec = open_codec(model_path, model.vocab_size)
+    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics)
+
+
+def _build(
+    loop: EngineLoop | RankedLoop,
+    cfg: ServeConfig,
+    metrics: ServeMetrics,
+    model: DecoderLM,
+    configs: Any,
+) -> Built:
+    """On the engine thread: pools, storage, cache; the observers that watch the loop."""
+    built = build_engine(*configs, model=model)
+    metrics.attach(lambda: engine_stats(built.engine), built.engine.page)
+    loop.observers.append(metrics)
+    if cfg.kv_events_endpoint and built.engine.cache is not None:
+        from kvstrata.serve.events import KVEventPublisher
+
+        loop.observers.append(KVEventPublisher(cfg, configs[1].page_size))
+    return built
+
+
+def serve(state: ServerState) -> int:
+    cfg = state.cfg
+    state.loop.start()
+    config = uvicorn.Config(
+        create_app(state),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        timeout_graceful_shutdown=int(cfg.stop_timeout_s),
+        lifespan="on",
+    )
+    server = _Server(config, state)
+    print(f"kvstrata serve: {state.model_name} on http://{cfg.host}:{cfg.port}", flush=True)
+    server.run()
+    if state.loop.thread.is_alive():
+        print("kvstrata serve: the engine loop did not stop in time", file=sys.stderr)
+        return 1
+    if state.loop.failed:
+        return 1
+    return 0

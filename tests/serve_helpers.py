@@ -1,0 +1,56 @@
+"""A real `kvstrata serve` subprocess for the server tests, with its debug integrity report."""
+
+from __future__ import annotations
+
+import time
+
+import httpx2 as httpx
+import msgpack
+
+from kvstrata.serve.process import ServerProcess, free_port
+
+TINY_ENGINE = [
+    "--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "256", "--threads", "1",
+]  # fmt: skip
+__all__ = ["TINY_ENGINE", "Server", "apply_events", "free_port"]
+
+
+class Server(ServerProcess):
+    """The server process plus /debug/integrity (start it with --debug-endpoints)."""
+
+    def integrity(self) -> dict:
+        r = httpx.get(f"{self.url}/debug/integrity", timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait_idle(self, timeout_s: float = 30.0) -> dict:
+        """Integrity report once no request runs or waits and no cache op is pending."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rep = self.integrity()
+            if rep["running"] == rep["waiting"] == rep["pending_ops"] == 0 and not rep["owned"]:
+                return rep
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not idle within {timeout_s} s: {rep}")
+            time.sleep(0.05)
+
+
+def apply_events(batch: bytes, held: dict[str, set[int]], page: int = 8) -> None:
+    """Apply one KV event batch (vLLM wire format) to per-medium block sets, checking its shape."""
+    ts, events, dp_rank = msgpack.unpackb(batch)
+    assert isinstance(ts, float) and dp_rank == 0
+    for ev in events:
+        if ev[0] == "BlockStored":
+            _, hashes, parent, tokens, block_size, lora, medium = ev
+            assert block_size == page and lora is None
+            assert parent is None or isinstance(parent, int)
+            assert len(tokens) in (0, page * len(hashes))
+            held[medium].update(hashes)
+        elif ev[0] == "BlockRemoved":
+            _, hashes, medium = ev
+            assert set(hashes) <= held[medium]  # only what was stored is removed
+            held[medium].difference_update(hashes)
+        else:
+            assert ev == ["AllBlocksCleared"]
+            for s in held.values():
+                s.clear()

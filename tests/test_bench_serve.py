@@ -1,0 +1,91 @@
+"""`kvstrata bench serve` against a real server: cache on vs off report, PNG, errors counted;
+and the SmolLM2 server once (real tokenizer, chat template, EOS, exact cached tokens)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvstrata.cli.main import main
+from tests.serve_helpers import Server
+from tests.tiny_models import make_llama
+
+KEYS = ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "hit_rate", "errors")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
+        tmp_path_factory.mktemp("llama") / "tiny", seed=5, max_position_embeddings=4096
+    )
+
+
+def check_report(path: Path) -> dict:
+    rep = json.loads(path.read_text())
+    for mode in ("cache_on", "cache_off"):
+        assert all(k in rep[mode] for k in KEYS), rep[mode]
+        assert rep[mode]["errors"] == 0 and rep[mode]["requests"] == 6
+        assert rep[mode]["output_tokens_per_s"] > 0
+    assert rep["cache_on"]["hit_rate"] > 0.3  # turns repeat their whole history
+    assert rep["cache_off"]["hit_rate"] == 0
+    assert Path(rep["plot"]).stat().st_size > 0
+    return rep
+
+
+def test_bench_serve_drives_a_url(ckpt: Path, tmp_path: Path) -> None:
+    srv = Server(["--model", str(ckpt), "--page-size", "16", "--threads", "1"], tmp_path / "s.log")
+    try:
+        args = ["bench", "serve", "--quick", "--url", srv.url, "--out", str(tmp_path)]
+        assert main([*args, "--json", str(tmp_path / "r.json")]) == 0
+        rep = check_report(tmp_path / "r.json")
+        assert rep["url"] == srv.url  # cache off here: a fresh cache_salt per request
+    finally:
+        assert srv.terminate() == 0
+
+
+def test_bench_options_belong_to_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "radix", "--quick", "--url", "http://x"]) == 2
+    assert "--url is not an option of bench radix" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_serve_starts_our_server_twice(ckpt: Path, tmp_path: Path) -> None:
+    args = ["bench", "serve", "--quick", "--model", str(ckpt), "--out", str(tmp_path)]
+    assert main([*args, "--json", str(tmp_path / "r.json")]) == 0
+    rep = check_report(tmp_path / "r.json")
+    over = rep["l1_hit_overhead"]
+    assert over["prompt_tokens"] > 64 and over["http_ttft_s"] > 0 and over["engine_ttft_s"] > 0
+
+
+@pytest.mark.slow
+def test_smollm2_chat(tmp_path: Path) -> None:
+    srv = Server(["--threads", "2", "--debug-endpoints"], tmp_path / "smol.log")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        system = "You are a helpful assistant. " * 20  # a shared prefix of two full pages
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]
+        a = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=msgs, max_tokens=24, temperature=0
+        )
+        assert a.choices[0].message.content.strip()
+        assert a.choices[0].finish_reason in ("stop", "length")
+        if a.choices[0].finish_reason == "stop":  # EOS ended it early
+            assert a.usage.completion_tokens < 24
+        assert a.usage.prompt_tokens_details.cached_tokens == 0
+        b = client.chat.completions.create(
+            model=a.model, messages=msgs, max_tokens=24, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in b if c.choices) == (
+            a.choices[0].message.content
+        )
+        c = client.chat.completions.create(
+            model=a.model, messages=msgs, max_tokens=1, temperature=0
+        )
+        full_pages = (c.usage.prompt_tokens - 1) // 64
+        assert c.usage.prompt_tokens_details.cached_tokens == 64 * full_pages > 0
+        assert srv.wait_idle()["ok"]
+    finally:
+        assert srv.terminate() == 0

@@ -1,0 +1,100 @@
+"""`kvstrata serve --tp 2`: two real gloo ranks behind one HTTP server give the tokens and cache
+hits of the single-rank server; streaming, a dropped stream and SIGTERM (exit 0) work there too."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+import zmq
+
+from tests.serve_helpers import TINY_ENGINE, Server, apply_events, free_port
+from tests.tiny_models import make_llama
+
+PROMPTS = [[(11 * i + k) % 97 for i in range(33 + 8 * k)] for k in range(3)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
+        tmp_path_factory.mktemp("llama") / "tiny", seed=6, max_position_embeddings=512
+    )
+
+
+def served(srv: Server) -> list[tuple[str, int]]:
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+    out = []
+    for p in [*PROMPTS, PROMPTS[0]]:
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0)
+        out.append((r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens))
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=6, temperature=0, stream=True
+    )
+    out.append(("".join(c.choices[0].text for c in stream), -1))
+    return out
+
+
+def blocks_from_events(port: int, run: Callable[[], Any]) -> tuple[Any, dict[str, set[int]]]:
+    """Run `run()` while subscribed to the KV events; the per-medium sets the events add up to
+    once they have gone quiet (1.5 s without a batch, 30 s at most)."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    held: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "DISK": set()}
+    try:
+        time.sleep(1.0)  # the subscription reaches the publisher first
+        result = run()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and sub.poll(1500):
+            apply_events(sub.recv_multipart()[2], held)
+    finally:
+        sub.close()
+        ctx.term()
+    return result, held
+
+
+@pytest.mark.slow
+def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
+    args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64"]
+    ports = free_port(), free_port()
+    one = Server(
+        [*args, "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}"], tmp_path / "one.log"
+    )
+    try:
+        want, blocks_one = blocks_from_events(ports[0], lambda: served(one))
+    finally:
+        assert one.terminate() == 0
+    events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[1]}"]
+    two = Server([*args, "--tp", "2", *events, "--debug-endpoints"], tmp_path / "two.log")
+    try:
+        got, blocks_two = blocks_from_events(ports[1], lambda: served(two))
+        assert got == want
+        assert blocks_two == blocks_one and blocks_one["GPU"] and blocks_one["CPU"]
+        two.wait_idle()
+        own = httpx.get(f"{two.url}/debug/blocks", timeout=30).json()  # checked on both ranks
+        assert {m: set(v) for m, v in own.items()} == blocks_two
+        assert want[3][1] == 32  # the repeated prompt: its 4 full pages from L1, on both ranks
+        body = {"prompt": PROMPTS[2], "max_tokens": 300, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())  # then the client goes away: every rank aborts it
+        again = openai.OpenAI(base_url=f"{two.url}/v1", api_key="none", max_retries=0)
+        r2 = again.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+        assert r2.choices[0].text == want[0][0]
+        assert two.wait_idle()["ok"]  # the dropped stream's pages are back, on every rank
+        time.sleep(1.0)  # rank 0 reports pools and agreement latencies every 0.5 s
+        metrics = httpx.get(f"{two.url}/metrics").text
+        count = [
+            x for x in metrics.splitlines() if x.startswith("kvstrata:step_consensus_seconds_count")
+        ]
+        assert count and float(count[0].rsplit(" ", 1)[1]) > 0
+        assert 'kvstrata:kv_cache_usage_perc{model_name="tiny",pool="device"}' in metrics
+        assert "kvstrata:kv_moved_bytes_total" in metrics
+    finally:
+        assert two.terminate(timeout_s=120) == 0, (tmp_path / "two.log").read_text()
+    assert "Traceback" not in (tmp_path / "two.log").read_text()
