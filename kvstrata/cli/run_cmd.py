@@ -25,7 +25,6 @@ from kvstrata.cli import validate
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.engine.build import build_engine, resolve_model_path
 from kvstrata.engine.config import TIER_SETS, EngineConfig
-from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
@@ -40,6 +39,7 @@ from kvstrata.workloads.agent import (
     session_of,
     turn_of,
 )
+from kvstrata.workloads.feed import drive
 
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=4)
 FULL = WorkloadSpec(sessions=2, turns=4, first_lines=100, tool_lines=30, max_new_tokens=8)
@@ -147,11 +147,7 @@ def run_config(
     workload = SessionTurns(prompts, max_new)
     results: list[TurnResult] = []
     try:
-        finished: list[Request] = []
-        while (new := workload.poll(finished)) is not None:
-            for req in new:
-                eng.submit(req)
-            finished = eng.step()
+        for finished in drive(eng, workload):
             for req in finished:
                 results.append(
                     TurnResult.of(session_of(req.rid), turn_of(req.rid), req, cache_cfg.page_size)

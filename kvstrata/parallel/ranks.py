@@ -49,7 +49,7 @@ from kvstrata.parallel.parts import DistMover, PagePart, PartStorage
 from kvstrata.parallel.pp import PipelineStage, stage_bounds
 from kvstrata.parallel.tp import head_range, shard_tp
 from kvstrata.storage.base import StorageConfig, open_storage
-from kvstrata.workloads.feed import StaticWorkload, Workload
+from kvstrata.workloads.feed import StaticWorkload, Workload, drive
 
 
 @dataclass(frozen=True)
@@ -263,6 +263,22 @@ def _result(re: RankEngine, done: list[Request]) -> dict[str, Any]:
     }
 
 
+class AgreedFeed:
+    """Rank 0's workload, broadcast each step with rank 0's clock: every rank gets the same new
+    requests at the same agreed time (the clock prefetch budgets read)."""
+
+    def __init__(self, workload: Workload, rank: int, engine: RankEngine) -> None:
+        self.workload, self.rank, self.engine = workload, rank, engine
+
+    def poll(self, finished: list[Request]) -> list[Request] | None:
+        msg: list[Any] = [None, 0.0]
+        if self.rank == 0:
+            msg = [self.workload.poll(finished), time.monotonic()]
+        dist.broadcast_object_list(msg, src=0)
+        self.engine.now = msg[1]
+        return msg[0]
+
+
 def rank_loop(
     ctx: RankContext,
     engine_cfg: EngineConfig,
@@ -276,23 +292,14 @@ def rank_loop(
     re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, options)
     eng = re.engine
     done: list[Request] = []
-    just: list[Request] = []
+
+    def before_step() -> None:
+        heartbeat()
+        if options.demote_when_idle and not eng.has_work():
+            re.demote_all()
+
     try:
-        while True:
-            heartbeat()
-            msg: list[Any] = [None, 0.0, False]
-            if ctx.rank == 0:
-                new = workload.poll(just)
-                msg = [new or [], time.monotonic(), new is None and not eng.has_work()]
-            dist.broadcast_object_list(msg, src=0)
-            new, re.now, stop = msg
-            if stop:
-                break
-            if options.demote_when_idle and not eng.has_work():
-                re.demote_all()
-            for req in new:
-                eng.submit(req)
-            just = eng.step()
+        for just in drive(eng, AgreedFeed(workload, ctx.rank, re), before_step):
             done += just
             if options.tree_digests:
                 eng.check_integrity()

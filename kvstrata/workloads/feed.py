@@ -1,14 +1,17 @@
 """Feeds of engine requests: what a driving loop asks for new work after each step.
 
 A `Workload` is polled with the requests that just finished and answers with new ones (None once
-it is exhausted). `kvstrata run`, the rank loop and the server's tests drive the engine through it.
+it is exhausted). `drive` is the one loop that feeds an engine from a workload: `kvstrata run`
+uses it on one rank, the rank loop on many (with rank 0's workload broadcast to every rank).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 
 
@@ -16,6 +19,24 @@ class Workload(Protocol):
     """Feeds requests at rank 0: new requests after the ones that just finished; None = done."""
 
     def poll(self, finished: list[Request]) -> list[Request] | None: ...
+
+
+def drive(
+    engine: Engine, workload: Workload, before_step: Callable[[], None] | None = None
+) -> Iterator[list[Request]]:
+    """Poll, submit, step until the workload is exhausted and the engine idle; yields the
+    requests each step finished (the next poll sees them)."""
+    finished: list[Request] = []
+    while True:
+        new = workload.poll(finished)
+        if new is None and not engine.has_work():
+            return
+        if before_step is not None:
+            before_step()
+        for req in new or []:
+            engine.submit(req)
+        finished = engine.step()
+        yield finished
 
 
 @dataclass
