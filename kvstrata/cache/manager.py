@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from kvstrata.cache import integrity
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, OpQueues, PageMover, TransferOp
@@ -287,49 +288,11 @@ class HiCache:
     # ---- integrity ----------------------------------------------------------------------------
     def accounting(self) -> dict[str, dict[str, int]]:
         """free + cached + locked + in flight = capacity, per pool."""
-        dev = {
-            "free": self.tiers.device.num_free,
-            "cached": 0,
-            "locked": len(self.owned),
-            "in_flight": 0,
-        }
-        host = {
-            "free": self.tiers.host.num_free if self.tiers.host else 0,
-            "cached": 0,
-            "locked": 0,
-            "in_flight": len(self.queues.inflight_ids(STORE, "dst"))
-            + len(self.queues.inflight_ids(PREFETCH, "dst")),
-        }
-        loading = set(self.queues.inflight_ids(LOAD, "dst"))
-        for node in self.tree.nodes():
-            busy = "locked" if not node.evictable else "cached"
-            if node.device is not None:
-                moving = sum(1 for d in node.device if d in loading)
-                dev["in_flight"] += moving
-                dev[busy] += len(node) - moving
-            if node.host is not None:
-                host[busy] += len(node)
-        return {"device": dev, "host": host}
+        return integrity.accounting(self)
 
     def check_integrity(self) -> None:
         """Tree invariants, and every page id accounted for exactly once in each pool."""
-        self.tree.check_integrity()
-        used_dev = [d for n in self.tree.nodes() if n.device is not None for d in n.device]
-        used_dev += list(self.owned)
-        _check_pool("device", used_dev, self.tiers.device)
-        if self.tiers.host is not None:
-            used_host = [h for n in self.tree.nodes() if n.host is not None for h in n.host]
-            used_host += self.queues.inflight_ids(STORE, "dst") + self.queues.inflight_ids(
-                PREFETCH, "dst"
-            )
-            _check_pool("host", used_host, self.tiers.host)
-        for pool, parts in self.accounting().items():
-            cap = (
-                self.tiers.device.capacity
-                if pool == "device"
-                else (self.tiers.host.capacity if self.tiers.host else 0)
-            )
-            assert sum(parts.values()) == cap, f"{pool}: {parts} does not add up to {cap}"
+        integrity.check(self)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -353,14 +316,3 @@ def _covering(op: TransferOp) -> list[Node]:
         node = node.parent
     assert pages == op.pages, "op pages do not align with node edges"
     return nodes[::-1]
-
-
-def _check_pool(name: str, used: list[int], alloc: Allocator) -> None:
-    assert len(used) == len(set(used)), f"{name}: a page id is used twice"
-    assert all(0 <= i < alloc.capacity for i in used), f"{name}: page id out of range"
-    assert len(used) + alloc.num_free == alloc.capacity, (
-        f"{name}: {len(used)} used + {alloc.num_free} free != {alloc.capacity}"
-    )
-    check = getattr(alloc, "check_integrity", None)
-    if check is not None:
-        check()
