@@ -55,6 +55,7 @@ class RankOptions:
     demote_when_idle: bool = doc(False, "testing: push every cached page L1 -> L2 between turns")
     tree_digests: bool = doc(False, "digest the radix tree every step (returned and logged)")
     cp_scratch_bytes: int = doc(0, "cp: most bytes both gather buffer pairs may take; 0 = any")
+    report_host_pages: bool = doc(False, "testing: report each owned cached L2 page's bytes")
     crash_rank: int = doc(-1, "testing: this global rank dies mid-backup (see crash_after_units)")
     crash_after_units: int = doc(0, "testing: crash_rank exits after writing this many L3 units")
 
@@ -122,6 +123,7 @@ class RankEngine:
             check.pop(local_only)
         verify_same("config", {**check, "fingerprint": full.fingerprint})
         rp = model_part(ctx, full, cache_cfg.page_size)
+        self.part = rp.part
         shape = rp.part.shape
         cp = ctx.config.cp
         self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
@@ -271,12 +273,21 @@ def _host_report(re: RankEngine) -> dict[str, Any]:
     pool = re.mover.host
     ids = [h for n in re.cache.tree.nodes() if n.host is not None for h in n.host]
     out: dict[str, Any] = {"mover": re.mover.stats(), "cached_host_pages": len(ids)}
+    out["part"] = (re.part.layers, re.part.heads)
     if re.mover.units is not None:
         out["storage"] = re.mover.units.stats()
     if pool is not None:
         out["owned_host_pages"] = sum(1 for h in ids if pool.owns(h))
         out["host_slots"] = pool.capacity_local
         out["host_bytes"] = pool.data.numel() * pool.data.element_size()
+        if re.options.report_host_pages:
+            pairs = [
+                (k, h)
+                for n in re.cache.tree.nodes()
+                if n.host
+                for k, h in zip(n.keys, n.host, strict=True)
+            ]
+            out["host_pages"] = {k: pool.page_bytes(h).copy() for k, h in pairs if pool.owns(h)}
     return out
 
 
