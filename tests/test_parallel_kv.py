@@ -240,3 +240,19 @@ def test_rank_killed_mid_backup_leaves_no_visible_partial_page(
     left.close()
     assert lead > 0 and again["c0t2"].hits["L3"] == lead <= len(visible)
     assert_logits({"c0t2": [x.numpy() for x in again["c0t2"].logits]}, {"c0t2": recompute["c0t2"]})
+
+
+@pytest.mark.slow
+def test_bench_parallel_quick_reports_the_goal_keys() -> None:
+    """The benchmark's exact quantities (bytes, not timings): half the host bytes per rank at
+    cp=2, every backup byte written once and by its own rank, none foreign to rank 0."""
+    from kvstrata.bench.parallel import SHAPE, bench_parallel
+
+    rep = bench_parallel(True)
+    assert rep["host_bytes_per_rank_ratio_cp2"] == 0.5
+    assert rep["rank0_foreign_backup_bytes"] == 0
+    half = rep["backup_pages"] * SHAPE.page_nbytes // 2
+    assert rep["backup_bytes_per_rank_tp2"] == rep["backup_bytes_per_rank_cp2"] == [half, half]
+    for key in ("digest_overhead", "backup_gbps_tp1", "backup_gbps_tp2"):
+        assert isinstance(rep[key], float)
+    assert [o["tokens"] for o in rep["cache_overhead"]] == [8192, 32768]
