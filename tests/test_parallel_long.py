@@ -83,10 +83,6 @@ def test_32k_prompt_cp2_l2_hit_then_cp1_l3_hit(tmp_path: Path) -> None:
     for r in res:
         assert r["hits"]["r1"]["L2"] == full  # every page of the prompt back from L2
         assert abs(2 * r["owned_host_pages"] - r["cached_host_pages"]) <= 2  # 1/cp each
-            r["cached_host_pages"],
-            r["cached_host_pages"] + 1,
-            r["cached_host_pages"] - 1,
-        )
         for a, b in zip(r["logits"]["r1"], ref.logits, strict=True):
             assert rel_err(torch.from_numpy(a), b) <= 1e-4
     again = _serve(ckpt, "l1_l2_l3", url, [reqs()[1]])["r1"]
