@@ -108,16 +108,15 @@ class HiCache:
         n = m.host_pages
         if n == 0:
             return TransferOp(LOAD, [], [], agreed=0)  # nothing to move: already done
-        ids = self.tiers.alloc_device(n)
+        src = [h for node in m.host_nodes for h in node.host]  # type: ignore[union-attr]
+        ids = self.tiers.alloc_device(n, like=src)  # same owner as the host copy (cp)
         if ids is None:
             return None
-        src: list[int] = []
         at = 0
         for node in m.host_nodes:
             assert node.host is not None and node.device is None
             node.pins += 1  # the copy writes these device pages until it is applied
             node.device = ids[at : at + len(node)]
-            src.extend(node.host)
             at += len(node)
             self.tiers.touched(node)
         op = TransferOp(LOAD, src, ids, node=m.last_node)
@@ -218,7 +217,7 @@ class HiCache:
         """Start the L1 -> L2 copy of a node without one (no-op when busy or no room)."""
         if node.host is not None or node.pins or node.device is None:
             return
-        host_ids = self.tiers.alloc_host(len(node))
+        host_ids = self.tiers.alloc_host(len(node), like=node.device)  # same owner (cp)
         if host_ids is None:
             return
         node.pins += 1

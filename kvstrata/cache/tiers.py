@@ -23,6 +23,10 @@ class Allocator(Protocol):
 
     def alloc(self, n: int) -> list[int] | None: ...
 
+    def alloc_owners(self, owners: list[int]) -> list[int] | None: ...
+
+    def num_free_in(self, shard: int) -> int: ...
+
     def free(self, ids: list[int]) -> None: ...
 
 
@@ -35,7 +39,12 @@ def _host_candidate(node: Node) -> bool:
 
 
 class Tiers:
-    """Device and host residency with leaf-first eviction under one priority."""
+    """Device and host residency with leaf-first eviction under one priority.
+
+    Sharded allocators (context parallel, n_shards > 1: owner = id % n_shards) must have the
+    same n_shards in both tiers: a page's L2 id gets the owner of its L1 id and back (`like=`),
+    so its bytes stay on one rank; pages coming from L3 take any owner.
+    """
 
     def __init__(
         self,
@@ -48,6 +57,11 @@ class Tiers:
         demote: Callable[[Node, list[int]], None],
     ) -> None:
         self.tree, self.device, self.host = tree, device, host
+        self.shards = getattr(device, "n_shards", 1)
+        if host is not None and getattr(host, "n_shards", 1) != self.shards:
+            raise ValueError(
+                f"host allocator has {getattr(host, 'n_shards', 1)} shards, device {self.shards}"
+            )
         self.write, self.counters = write, counters
         self.demote = demote  # submits the L1 -> L2 copy of a node being evicted
         self.device_q = TierQueue(_device_candidate, priority)
@@ -65,10 +79,15 @@ class Tiers:
             self.host_q.push(node)
 
     # ---- L1 -----------------------------------------------------------------------------------
-    def alloc_device(self, n: int) -> list[int] | None:
-        """n device pages, evicting cached pages if needed; None if they cannot be had now."""
+    def alloc_device(self, n: int, like: list[int] | None = None) -> list[int] | None:
+        """n device pages, evicting cached pages if needed; None if they cannot be had now.
+
+        like: ids (host ids) whose owners the new ids must have, position by position."""
         if n == 0:
             return []
+        if like is not None and self.shards > 1:
+            assert len(like) == n
+            return self._alloc_like(self.device, like, self.evict_device)
         if self.device.num_free < n:
             self.evict_device(n - self.device.num_free)
         if self.device.num_free + self.freeing < n:
@@ -105,7 +124,7 @@ class Tiers:
             self.drop_device(node)
             return True
         if self.write.on_evict and self.host is not None:
-            host_ids = self.alloc_host(len(node))
+            host_ids = self.alloc_host(len(node), like=node.device)
             if host_ids is not None:
                 node.pins += 1  # until the copy lands; then the device copy goes
                 self.freeing += len(node)
@@ -137,9 +156,13 @@ class Tiers:
         return True
 
     # ---- L2 -----------------------------------------------------------------------------------
-    def alloc_host(self, n: int) -> list[int] | None:
+    def alloc_host(self, n: int, like: list[int] | None = None) -> list[int] | None:
+        """n host pages (like: device ids whose owners they must have), evicting if needed."""
         if self.host is None:
             return None
+        if like is not None and self.shards > 1:
+            assert len(like) == n
+            return self._alloc_like(self.host, like, self.evict_host)
         if self.host.num_free < n:
             self.evict_host(n - self.host.num_free)
         if self.host.num_free < n:
@@ -171,6 +194,26 @@ class Tiers:
         parent = node.parent
         self.tree.remove_leaf(node)
         self.touched(parent)  # type: ignore[arg-type]
+
+    def _alloc_like(
+        self, alloc: Allocator, like: list[int], evict: Callable[[int], None]
+    ) -> list[int] | None:
+        """Ids with the owners of `like`: evict (any shard, by priority) until each owner has
+        room, at most one extra pass after a full requeue. Same calls on every rank."""
+        owners = [i % self.shards for i in like]
+        need = [owners.count(s) for s in range(self.shards)]
+
+        def short() -> int:
+            return sum(max(0, n - alloc.num_free_in(s)) for s, n in enumerate(need))
+
+        for attempt in range(2):
+            if attempt:
+                self.requeue_all()
+            prev = -1
+            while (gap := short()) and gap != prev:  # stop once a pass frees nothing useful
+                prev = gap
+                evict(gap)
+        return alloc.alloc_owners(owners)
 
     def requeue_all(self) -> None:
         """Push every node again: O(nodes), only when the lazy queues ran dry."""

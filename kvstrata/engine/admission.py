@@ -7,7 +7,8 @@ No head-of-line blocking: the first `lookahead` waiting requests advance their l
 L3 probe, prefetch) at once; a request still waiting on storage is passed over, and the ready
 ones behind it are admitted in arrival order while slots and pages last. Among ready requests
 admission stays first come first served: a ready request that does not fit stops the scan, so a
-large request is not starved by small ones behind it.
+large request is not starved by small ones behind it, and the leases behind it let go of their
+locks so they cannot keep it out for ever.
 """
 
 from __future__ import annotations
@@ -44,17 +45,31 @@ class Admission:
     def advance(self, waiting: list[Request], now_s: float, slots: int) -> list[Request]:
         """Admit up to `slots` ready requests that fit, in arrival order (see module doc)."""
         admitted: list[Request] = []
-        for req in waiting[: self.lookahead]:
+        window = waiting[: self.lookahead]
+        for i, req in enumerate(window):
             lease = req.lease if req.lease is not None else self._open(req)
             if not lease.advance(now_s, can_schedule=slots > 0):
                 continue  # waiting on L3: the ready requests behind it go first
-            if slots <= 0 or not lease.admit():
+            if slots <= 0:
+                break
+            if not lease.admit():
+                self._step_back(window[i + 1 :])
                 break
             req.computed = lease.hit_tokens
             req.state = State.PREFILL
             admitted.append(req)
             slots -= 1
         return admitted
+
+    def _step_back(self, behind: list[Request]) -> None:
+        """The first ready request does not fit: the leases behind it give back their locks
+        (and stop their prefetches), so the pages they pinned can make room for it. They match
+        again from scratch at a later step; without this, waiting leases that lock each other's
+        room would wait for ever."""
+        for req in behind:
+            if req.lease is not None:
+                req.lease.release()
+                req.lease = None
 
     def _open(self, req: Request) -> Lease:
         """The request's lease, keyed by the full pages of its prompt."""

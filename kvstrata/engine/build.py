@@ -18,7 +18,8 @@ from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import TensorMover
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
-from kvstrata.storage.base import StorageConfig, open_storage
+from kvstrata.parallel.units import PagePart, open_unit_storage
+from kvstrata.storage.base import StorageConfig
 
 
 @dataclass
@@ -84,9 +85,9 @@ def build_engine(
     host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
     storage = None
     if cache_cfg.storage_url:
-        storage = open_storage(
-            cache_cfg.storage_url, shape.page_nbytes, storage_cfg or StorageConfig()
-        )
+        # the topology-free unit layout that every parallel layout reads and writes too
+        part = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
+        storage = open_unit_storage(cache_cfg.storage_url, part, storage_cfg or StorageConfig())
     mover = TensorMover(pool, host, storage)
     cache = HiCache(
         cache_cfg,

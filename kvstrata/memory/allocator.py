@@ -72,6 +72,24 @@ class PageAllocator:
         self._num_free -= n
         return out
 
+    def alloc_owners(self, owners: list[int]) -> list[int] | None:
+        """One id per entry, owned by that shard (owner = id % n_shards), in order; None (and
+        no change) if some shard has too few free. Used to give a page the same owner in L1 and
+        L2 under context parallel, so its bytes never leave the owner rank."""
+        need = [0] * self.n_shards
+        for s in owners:
+            if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.n_shards:
+                raise ValueError(f"alloc_owners: owner must be in [0, {self.n_shards}), got {s!r}")
+            need[s] += 1
+        if any(n > len(q) for n, q in zip(need, self._free, strict=True)):
+            return None
+        k = self.n_shards
+        out = [self._free[s].popleft() * k + s for s in owners]
+        for i in out:
+            self._is_free[i] = 0
+        self._num_free -= len(out)
+        return out
+
     def free(self, ids: Iterable[int]) -> None:
         """Return ids to their shard's free list. All or nothing: bad input changes nothing."""
         ids = list(ids)

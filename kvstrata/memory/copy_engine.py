@@ -96,9 +96,9 @@ class _CpuCopier:
 
     def __init__(self, dev: DevicePool, host: HostPool, threads: int) -> None:
         lb = dev.shape.layer_page_numel * dev.shape.itemsize  # bytes of one page's K in one layer
-        # [layers, 2, capacity_local, lb] and [capacity, layers, 2, lb]: views, no copies
+        # [layers, 2, capacity_local, lb] and [host capacity_local, layers, 2, lb]: views, no copies
         self.dev = dev.data.view(torch.uint8).numpy().reshape(dev.shape.num_layers, 2, -1, lb)
-        self.host = host.data.view(torch.uint8).numpy().reshape(host.capacity, -1, 2, lb)
+        self.host = host.data.view(torch.uint8).numpy().reshape(host.capacity_local, -1, 2, lb)
         self.threads = threads
         # the engine's worker copies one part itself: threads - 1 helpers
         self.pool = ThreadPoolExecutor(threads - 1, "kvstrata-copy") if threads > 1 else None
@@ -238,14 +238,18 @@ class CopyEngine:
 
     def load(self, host_ids: IdsLike, device_ids: IdsLike) -> TransferHandle:
         """L2 -> L1: host page host_ids[i] goes to (logical) device page device_ids[i]."""
-        src = as_id_array(host_ids, "host_ids", self.host_pool.capacity)
+        src = self.host_pool.local_slots_np(
+            as_id_array(host_ids, "host_ids", self.host_pool.capacity)
+        )
         dst = self._device_slots(device_ids)
         return self._submit("load", src, dst, "device_ids")
 
     def store(self, device_ids: IdsLike, host_ids: IdsLike) -> TransferHandle:
         """L1 -> L2: (logical) device page device_ids[i] goes to host page host_ids[i]."""
         src = self._device_slots(device_ids)
-        dst = as_id_array(host_ids, "host_ids", self.host_pool.capacity)
+        dst = self.host_pool.local_slots_np(
+            as_id_array(host_ids, "host_ids", self.host_pool.capacity)
+        )
         return self._submit("store", src, dst, "host_ids")
 
     def _device_slots(self, device_ids: IdsLike) -> np.ndarray:

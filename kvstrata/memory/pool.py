@@ -1,11 +1,12 @@
 """L1 device pool (layer-first) and L2 host pool (page-first) of KV pages.
 
 DevicePool.data  # [num_layers, 2, capacity_local, page_size, kv_heads, head_dim]
-HostPool.data    # [capacity, num_layers, 2, page_size, kv_heads, head_dim]
+HostPool.data    # [capacity_local, num_layers, 2, page_size, kv_heads, head_dim]
 
-With n_shards > 1 (context parallel) the device pool of rank r holds only the pages it owns
+With n_shards > 1 (context parallel) each pool of rank r holds only the pages it owns
 (id % n_shards == r) at local slot id // n_shards; its allocator still hands out global logical
-ids, identically on every rank.
+ids, identically on every rank. The cache gives a page the same owner in both pools, so L1 <-> L2
+copies stay on the owner rank.
 """
 
 from __future__ import annotations
@@ -43,6 +44,23 @@ def as_id_array(ids: IdsLike, name: str, limit: int) -> np.ndarray:
     return arr
 
 
+def _check_shards(n_shards: int, rank: int) -> None:
+    _positive_int("n_shards", n_shards)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n_shards:
+        raise ValueError(f"rank must be an int in [0, n_shards={n_shards}), got {rank!r}")
+
+
+def owned_slots(ids: np.ndarray, capacity: int, n_shards: int, rank: int) -> np.ndarray:
+    """int64 local slots (id // n_shards) of ids in [0, capacity) owned by `rank`; ValueError else."""
+    ids = as_id_array(ids, "ids", capacity)
+    if n_shards == 1:
+        return ids
+    if ids.size and np.any(ids % n_shards != rank):
+        bad = int(ids[ids % n_shards != rank][0])
+        raise ValueError(f"page id {bad} is owned by rank {bad % n_shards}, not {rank}")
+    return ids // n_shards
+
+
 class DevicePool:
     """L1: this rank's KV pages, layer-first so one layer's K (or V) is one tensor."""
 
@@ -50,9 +68,7 @@ class DevicePool:
         self, shape: KVShape, capacity: int, device: str = "cpu", n_shards: int = 1, rank: int = 0
     ) -> None:
         _positive_int("capacity", capacity)
-        _positive_int("n_shards", n_shards)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n_shards:
-            raise ValueError(f"rank must be an int in [0, n_shards={n_shards}), got {rank!r}")
+        _check_shards(n_shards, rank)
         self.shape = shape
         self.capacity = capacity
         self.n_shards = n_shards
@@ -100,15 +116,7 @@ class DevicePool:
 
     def local_slots_np(self, ids: np.ndarray) -> np.ndarray:
         """int64 numpy local slots of `ids` (validated: in range and owned by this rank)."""
-        ids = as_id_array(ids, "ids", self.capacity)
-        if self.n_shards == 1:
-            return ids
-        if ids.size and np.any(ids % self.n_shards != self.rank):
-            bad = int(ids[ids % self.n_shards != self.rank][0])
-            raise ValueError(
-                f"page id {bad} is owned by rank {bad % self.n_shards}, not {self.rank}"
-            )
-        return ids // self.n_shards
+        return owned_slots(ids, self.capacity, self.n_shards, self.rank)
 
     def check_integrity(self) -> None:
         s = self.shape
@@ -120,34 +128,56 @@ class DevicePool:
 
 
 class HostPool:
-    """L2: pages in host memory, page-first so one page is one contiguous block of bytes."""
+    """L2: pages in host memory, page-first so one page is one contiguous block of bytes.
 
-    def __init__(self, shape: KVShape, capacity: int, pin_memory: bool | None = None) -> None:
+    capacity counts logical ids over all shards; this rank stores capacity_local of them."""
+
+    def __init__(
+        self,
+        shape: KVShape,
+        capacity: int,
+        pin_memory: bool | None = None,
+        n_shards: int = 1,
+        rank: int = 0,
+    ) -> None:
         _positive_int("capacity", capacity)
+        _check_shards(n_shards, rank)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.shape = shape
         self.capacity = capacity
+        self.n_shards, self.rank = n_shards, rank
         self.pinned = bool(pin_memory)
-        self.allocator = PageAllocator(capacity)
-        # [capacity, num_layers, 2, page_size, kv_heads, head_dim]
+        self.allocator = PageAllocator(capacity, n_shards)  # raises unless capacity % n_shards == 0
+        self.capacity_local = capacity // n_shards
+        # [capacity_local, num_layers, 2, page_size, kv_heads, head_dim]
         self.data = torch.zeros(
-            shape.host_shape(capacity), dtype=shape.torch_dtype, pin_memory=self.pinned
+            shape.host_shape(self.capacity_local), dtype=shape.torch_dtype, pin_memory=self.pinned
         )
-        # [capacity, page_nbytes] uint8 view sharing memory with data (works for bfloat16 too)
-        self._bytes: np.ndarray = self.data.view(capacity, -1).view(torch.uint8).numpy()
+        # [capacity_local, page_nbytes] uint8 view sharing memory with data (works for bfloat16)
+        self._bytes: np.ndarray = self.data.view(self.capacity_local, -1).view(torch.uint8).numpy()
+
+    def owns(self, page_id: int) -> bool:
+        return page_id % self.n_shards == self.rank
+
+    def local_slots_np(self, ids: np.ndarray) -> np.ndarray:
+        """int64 local slots of logical host ids owned by this rank (ValueError otherwise)."""
+        return owned_slots(ids, self.capacity, self.n_shards, self.rank)
 
     def page_bytes(self, i: int) -> np.ndarray:
-        """uint8 [page_nbytes] view of host page i (writes go into the pool)."""
+        """uint8 [page_nbytes] view of (logical, owned) host page i (writes go into the pool)."""
         if isinstance(i, bool) or not isinstance(i, int | np.integer) or not 0 <= i < self.capacity:
             raise ValueError(f"host page id must be an int in [0, {self.capacity}), got {i!r}")
-        return self._bytes[i]
+        if i % self.n_shards != self.rank:
+            raise ValueError(f"host page {i} is owned by rank {i % self.n_shards}, not {self.rank}")
+        return self._bytes[i // self.n_shards]
 
     def check_integrity(self) -> None:
         s = self.shape
-        assert tuple(self.data.shape) == s.host_shape(self.capacity), self.data.shape
+        assert tuple(self.data.shape) == s.host_shape(self.capacity_local), self.data.shape
         assert self.data.dtype == s.torch_dtype and self.data.is_contiguous()
         assert self.data.is_pinned() == self.pinned
-        assert self._bytes.shape == (self.capacity, s.page_nbytes)
+        assert self._bytes.shape == (self.capacity_local, s.page_nbytes)
+        assert self.capacity_local * self.n_shards == self.capacity
         assert self._bytes.ctypes.data == self.data.data_ptr(), "byte view no longer shares memory"
         self.allocator.check_integrity()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
 from kvstrata.memory.copy_engine import CopyEngine
@@ -30,7 +31,8 @@ class TensorMover:
         self.copies = CopyEngine(device, host) if host is not None else None
         self._results: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._jobs: queue.Queue[TransferOp | None] = queue.Queue()
+        # ops, or plain jobs (callables) that run in order with them and report nothing
+        self._jobs: queue.Queue[TransferOp | Callable[[], None] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
         if storage is not None:
             self._worker = threading.Thread(
@@ -77,6 +79,12 @@ class TensorMover:
     # ---- storage worker -----------------------------------------------------------------------
     def _storage_loop(self) -> None:
         while (op := self._jobs.get()) is not None:
+            if callable(op):
+                try:
+                    op()
+                except Exception:  # noqa: BLE001 - storage trouble never crashes the worker
+                    pass
+                continue
             try:
                 res = self._run_storage(op)
             except Exception:  # noqa: BLE001 - storage trouble is a miss, never a crash

@@ -45,10 +45,11 @@ from kvstrata.parallel.group import (
     teardown,
     verify_same,
 )
-from kvstrata.parallel.parts import DistMover, PagePart, PartStorage
+from kvstrata.parallel.parts import DistMover, PagePart
 from kvstrata.parallel.pp import PipelineStage, stage_bounds
 from kvstrata.parallel.tp import head_range, shard_tp
-from kvstrata.storage.base import StorageConfig, open_storage
+from kvstrata.parallel.units import open_unit_storage
+from kvstrata.storage.base import StorageConfig
 from kvstrata.workloads.feed import StaticWorkload, Workload, drive
 
 
@@ -61,9 +62,12 @@ class RankOptions:
     demote_when_idle: bool = doc(False, "testing: push every cached page L1 -> L2 between turns")
     tree_digests: bool = doc(False, "digest the radix tree every step (returned and logged)")
     cp_scratch_bytes: int = doc(0, "cp: most bytes both gather buffer pairs may take; 0 = any")
+    report_host_pages: bool = doc(False, "testing: report each owned cached L2 page's bytes")
+    crash_rank: int = doc(-1, "testing: this global rank dies mid-backup (see crash_after_units)")
+    crash_after_units: int = doc(0, "testing: crash_rank exits after writing this many L3 units")
 
     def __post_init__(self) -> None:
-        for name in ("delay", "cp_scratch_bytes"):
+        for name in ("delay", "cp_scratch_bytes", "crash_after_units"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -126,6 +130,7 @@ class RankEngine:
             check.pop(local_only)
         verify_same("config", {**check, "fingerprint": full.fingerprint})
         rp = model_part(ctx, full, cache_cfg.page_size)
+        self.part = rp.part
         shape = rp.part.shape
         cp = ctx.config.cp
         self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
@@ -159,14 +164,22 @@ class RankEngine:
     ) -> tuple[HiCache | None, DistMover | None]:
         if ecfg.tiers == "none":
             return None, None
-        host = HostPool(part.shape, ccfg.host_pages) if ccfg.host_pages else None
+        cp, ctx, o = self.ctx.config.cp, self.ctx, self.options
+        # L2 sharded like L1: this rank stores only the host ids it owns (id % cp == cp_rank)
+        host = (
+            HostPool(part.shape, ccfg.host_pages, n_shards=cp, rank=ctx.cp_rank)
+            if ccfg.host_pages
+            else None
+        )
         storage = None
         if ccfg.storage_url:
-            inner = open_storage(ccfg.storage_url, part.full.page_nbytes, scfg or StorageConfig())
-            storage = PartStorage(inner, part, writer=self.ctx.rank == 0)
-        o = self.options
-        delay = (o.delay, o.seed * 1000 + self.ctx.rank) if o.delay else None
-        mover = DistMover(self.pool, host, storage, self.ctx.cp_group, delay)
+            crash = o.crash_after_units if ctx.rank == o.crash_rank else 0
+            storage = open_unit_storage(
+                ccfg.storage_url, part, scfg, commit_on_put=False, crash_after_units=crash
+            )
+        delay = (o.delay, o.seed * 1000 + ctx.rank) if o.delay else None
+        writer = ctx.tp_rank == 0 and ctx.pp_rank == 0  # commits its cp rank's pages
+        mover = DistMover(self.pool, host, storage, writer, delay)
         cache = HiCache(
             ccfg,
             self.pool.allocator,
@@ -241,9 +254,11 @@ def _result(re: RankEngine, done: list[Request]) -> dict[str, Any]:
     """What a rank reports back: outputs, logits, hits, digests, its share of the cached pages."""
     cache, ctx = re.cache, re.ctx
     owned = total = 0
+    host: dict[str, Any] = {}
     if cache is not None:
         ids = [d for n in cache.tree.nodes() if n.device is not None for d in n.device]
         total, owned = len(ids), sum(1 for d in ids if re.pool.owns(d))
+        host = _host_report(re)
     return {
         "rank": ctx.rank,
         "outputs": {r.rid: list(r.output) for r in done},
@@ -260,6 +275,7 @@ def _result(re: RankEngine, done: list[Request]) -> dict[str, Any]:
         "tokens_computed": getattr(re.engine.model, "tokens_computed", None),
         "peak_scratch": getattr(re.engine, "peak_scratch", None),
         "collectives_per_step": re.consensus.collectives_per_step if re.consensus else 0.0,
+        **host,
     }
 
 
@@ -277,6 +293,30 @@ class AgreedFeed:
         dist.broadcast_object_list(msg, src=0)
         self.engine.now = msg[1]
         return msg[0]
+
+
+def _host_report(re: RankEngine) -> dict[str, Any]:
+    """This rank's L2: cached host pages it owns (by id), its slots and bytes; mover counts."""
+    assert re.cache is not None and re.mover is not None
+    pool = re.mover.host
+    ids = [h for n in re.cache.tree.nodes() if n.host is not None for h in n.host]
+    out: dict[str, Any] = {"mover": re.mover.stats(), "cached_host_pages": len(ids)}
+    out["part"] = (re.part.layers, re.part.heads)
+    if re.mover.units is not None:
+        out["storage"] = re.mover.units.stats()
+    if pool is not None:
+        out["owned_host_pages"] = sum(1 for h in ids if pool.owns(h))
+        out["host_slots"] = pool.capacity_local
+        out["host_bytes"] = pool.data.numel() * pool.data.element_size()
+        if re.options.report_host_pages:
+            pairs = [
+                (k, h)
+                for n in re.cache.tree.nodes()
+                if n.host
+                for k, h in zip(n.keys, n.host, strict=True)
+            ]
+            out["host_pages"] = {k: pool.page_bytes(h).copy() for k, h in pairs if pool.owns(h)}
+    return out
 
 
 def rank_loop(

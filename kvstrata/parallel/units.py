@@ -1,0 +1,270 @@
+"""Topology-free L3 layout: a page is stored as units of (layer block x K/V-head block).
+
+Canonical page  # [num_layers, 2, page_size, kv_heads, head_dim]
+A rank of a tp x pp layout holds one *part* of it, layers [l0, l1) and heads [h0, h1)
+    part page  # [l1-l0, 2, page_size, h1-h0, head_dim]
+Storage never sees the part: it holds *units*, one per (layer block, head block) of fixed sizes
+from the model (UnitLayout; default 1 layer x 1 head, so every tp dividing the heads and every pp
+split is aligned), each under a key derived from the page key and the unit's ranges:
+    unit key   = xxh3_128("kvstrata-unit-v1" | page key | l0 l1 h0 h1)
+    commit key = xxh3_128("kvstrata-commit-v1" | page key | num_layers kv_heads blocks)
+No rank number, world size or tp/pp/cp degree enters a key, so a page written under tp=2 x pp=2
+is read unit by unit under tp=1 (or any aligned layout), each rank reading only its units.
+
+Visibility: a page is visible (exists_prefix) only once its *commit marker* is stored, in a
+separate small-value store next to the units (file: DIR/commits, redis: prefix + "commit:").
+The marker is written after every unit of the page is in: at once by a single rank
+(commit_on_put), or under several ranks by one rank once the step consensus agreed that every
+rank wrote its units (DistMover.release). A rank killed mid-write leaves units without a marker:
+never visible, overwritten by the next write of the same page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstrata.memory.layout import KVShape
+from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage, url_scheme
+from kvstrata.storage.file_store import parse_file_url
+
+UNIT_TAG = b"kvstrata-unit-v1"
+COMMIT_TAG = b"kvstrata-commit-v1"
+MARKER_NBYTES = 16
+CRASH_EXIT_CODE = 86  # testing: exit code of a rank killed mid-backup (crash_after_units)
+
+
+@dataclass(frozen=True)
+class PagePart:
+    """Which layers and K/V heads of the canonical page one rank holds."""
+
+    full: KVShape
+    layers: tuple[int, int]
+    heads: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        (l0, l1), (h0, h1) = self.layers, self.heads
+        if not 0 <= l0 < l1 <= self.full.num_layers:
+            raise ValueError(f"layers {self.layers} outside [0, {self.full.num_layers}]")
+        if not 0 <= h0 < h1 <= self.full.num_kv_heads:
+            raise ValueError(f"heads {self.heads} outside [0, {self.full.num_kv_heads}]")
+
+    @property
+    def shape(self) -> KVShape:
+        """The rank-local page shape (what its pools hold)."""
+        f, (l0, l1), (h0, h1) = self.full, self.layers, self.heads
+        return KVShape(l1 - l0, h1 - h0, f.head_dim, f.page_size, f.dtype)
+
+    @property
+    def is_full(self) -> bool:
+        return self.shape == self.full
+
+    def view(self, page: np.ndarray | torch.Tensor, full: bool) -> torch.Tensor:
+        """A uint8 buffer as a [layers, 2, page, heads, dim] tensor (shares memory)."""
+        s = self.full if full else self.shape
+        t = torch.from_numpy(page) if isinstance(page, np.ndarray) else page
+        shape = (s.num_layers, 2, s.page_size, s.num_kv_heads, s.head_dim)
+        return t.view(torch.uint8).view(s.torch_dtype).view(shape)
+
+
+Block = tuple[tuple[int, int], tuple[int, int]]  # ((l0, l1), (h0, h1)) of one unit
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """The fixed storage granularity of one model's pages (never the parallel layout's)."""
+
+    full: KVShape
+    layer_block: int = 1
+    head_block: int = 1
+
+    def __post_init__(self) -> None:
+        for name, total in (
+            ("layer_block", self.full.num_layers),
+            ("head_block", self.full.num_kv_heads),
+        ):
+            b = getattr(self, name)
+            if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or total % b:
+                raise ValueError(f"{name} must be a positive divisor of {total}, got {b!r}")
+
+    @property
+    def unit_nbytes(self) -> int:
+        f = self.full
+        return self.layer_block * 2 * f.page_size * self.head_block * f.head_dim * f.itemsize
+
+    def blocks(self, part: PagePart) -> list[Block]:
+        """The units that make up `part`, layer-major; ValueError if it cuts a unit."""
+        (l0, l1), (h0, h1) = part.layers, part.heads
+        lb, hb = self.layer_block, self.head_block
+        if l0 % lb or l1 % lb or h0 % hb or h1 % hb:
+            raise ValueError(
+                f"part layers {part.layers} heads {part.heads} is not aligned to the storage "
+                f"units of {lb} layer(s) x {hb} head(s)"
+            )
+        return [((a, a + lb), (h, h + hb)) for a in range(l0, l1, lb) for h in range(h0, h1, hb)]
+
+    def unit_key(self, key: int, block: Block) -> int:
+        (l0, l1), (h0, h1) = block
+        raw = UNIT_TAG + key.to_bytes(16, "little") + struct.pack("<4I", l0, l1, h0, h1)
+        return xxhash.xxh3_128_intdigest(raw)
+
+    def commit_key(self, key: int) -> int:
+        f = self.full
+        dims = struct.pack("<4I", f.num_layers, f.num_kv_heads, self.layer_block, self.head_block)
+        return xxhash.xxh3_128_intdigest(COMMIT_TAG + key.to_bytes(16, "little") + dims)
+
+    def marker(self) -> np.ndarray:
+        f = self.full
+        dims = (f.num_layers, f.num_kv_heads, self.layer_block, self.head_block)
+        return np.frombuffer(struct.pack("<4I", *dims), np.uint8).copy()
+
+
+def commit_store_url(url: str, config: StorageConfig) -> tuple[str, StorageConfig]:
+    """Where the commit markers of the unit store at `url` live (a sibling namespace)."""
+    if url_scheme(url) == "file":
+        return str(parse_file_url(url) / "commits"), config
+    return url, dataclasses.replace(config, redis_key_prefix=config.redis_key_prefix + "commit:")
+
+
+class UnitStorage:
+    """A StorageBackend over one rank's part of every page, stored as layout-free units."""
+
+    def __init__(
+        self,
+        units: StorageBackend,
+        commits: StorageBackend,
+        layout: UnitLayout,
+        part: PagePart,
+        commit_on_put: bool,
+        crash_after_units: int = 0,
+    ) -> None:
+        if units.page_nbytes != layout.unit_nbytes or commits.page_nbytes != MARKER_NBYTES:
+            raise ValueError("unit / commit stores were opened with the wrong value sizes")
+        if layout.full != part.full:
+            raise ValueError(f"layout is for {layout.full}, part for {part.full}")
+        self.units, self.commits, self.layout, self.part = units, commits, layout, part
+        self.commit_on_put = commit_on_put
+        self.crash_after_units = crash_after_units
+        self.blocks = layout.blocks(part)
+        self.page_nbytes = part.shape.page_nbytes
+        self._marker = layout.marker()
+        self._lock = threading.Lock()
+        self.counts = dict.fromkeys(
+            ("units_written", "unit_bytes_written", "units_read", "unit_bytes_read", "commits"), 0
+        )
+
+    # ---- cutting a part page into units and back ------------------------------------------
+    def _grid(self, page: np.ndarray) -> np.ndarray:
+        """uint8 page bytes as [layers, 2, page_size, heads, dim * itemsize] (a view)."""
+        s = self.part.shape
+        return page.reshape(s.num_layers, 2, s.page_size, s.num_kv_heads, -1)
+
+    def _cut(self, page: np.ndarray) -> list[np.ndarray]:
+        g, (l0, _), (h0, _) = self._grid(page), self.part.layers, self.part.heads
+        return [
+            np.ascontiguousarray(g[a - l0 : b - l0, :, :, c - h0 : d - h0]).reshape(-1)
+            for (a, b), (c, d) in self.blocks
+        ]
+
+    def _paste(self, units: Sequence[np.ndarray], page: np.ndarray) -> None:
+        g, (l0, _), (h0, _) = self._grid(page), self.part.layers, self.part.heads
+        for ((a, b), (c, d)), u in zip(self.blocks, units, strict=True):
+            dst = g[a - l0 : b - l0, :, :, c - h0 : d - h0]
+            dst[...] = u.reshape(dst.shape)
+
+    def _unit_keys(self, key: int) -> list[int]:
+        return [self.layout.unit_key(key, b) for b in self.blocks]
+
+    # ---- StorageBackend ---------------------------------------------------------------------
+    def exists_prefix(self, keys: Sequence[int]) -> int:
+        """Leading pages whose commit marker is in (all their units were written)."""
+        return self.commits.exists_prefix([self.layout.commit_key(k) for k in keys])
+
+    def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
+        """Read this rank's units of `keys` into out[i] (part pages); leading pages read OK."""
+        per = len(self.blocks)
+        ukeys = [u for k in keys for u in self._unit_keys(k)]
+        bufs = [np.empty(self.layout.unit_nbytes, np.uint8) for _ in ukeys]
+        n = self.units.get(ukeys, bufs) // per
+        for i in range(n):
+            self._paste(bufs[i * per : (i + 1) * per], out[i])
+        self._count(units_read=n * per, unit_bytes_read=n * per * self.layout.unit_nbytes)
+        return n
+
+    def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
+        """Write this rank's units of each page; count of pages whose units are all in."""
+        stored: list[int] = []
+        for key, page in zip(keys, pages, strict=True):
+            ukeys, ubufs = self._unit_keys(key), self._cut(page)
+            self._maybe_crash(ukeys, ubufs)
+            if self.units.put(ukeys, ubufs) == len(ukeys):
+                stored.append(key)
+                self._count(
+                    units_written=len(ukeys), unit_bytes_written=sum(u.nbytes for u in ubufs)
+                )
+        if self.commit_on_put and stored:
+            self.commit(stored)
+        return len(stored)
+
+    def commit(self, keys: Sequence[int]) -> int:
+        """Make pages visible: every rank's units of them are in (the caller knows)."""
+        n = self.commits.put([self.layout.commit_key(k) for k in keys], [self._marker] * len(keys))
+        self._count(commits=n)
+        return n
+
+    def delete(self, keys: Sequence[int]) -> int:
+        """Hide pages (drop their markers) and drop this rank's units of them."""
+        n = self.commits.delete([self.layout.commit_key(k) for k in keys])
+        self.units.delete([u for k in keys for u in self._unit_keys(k)])
+        return n
+
+    def _maybe_crash(self, ukeys: list[int], ubufs: list[np.ndarray]) -> None:
+        """Testing: die like a killed rank after `crash_after_units` units, mid-page."""
+        left = self.crash_after_units - self.counts["units_written"]
+        if self.crash_after_units and left <= len(ukeys):
+            self.units.put(ukeys[:left], ubufs[:left])
+            os._exit(CRASH_EXIT_CODE)
+
+    def _count(self, **delta: int) -> None:
+        with self._lock:
+            for k, v in delta.items():
+                self.counts[k] += v
+
+    def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            own = dict(self.counts)
+        return {**self.units.stats(), **own}
+
+    def check_integrity(self) -> None:
+        assert all(v >= 0 for v in self.counts.values()), self.counts
+        self.units.check_integrity()
+        self.commits.check_integrity()
+
+    def close(self) -> None:
+        self.units.close()
+        self.commits.close()
+
+
+def open_unit_storage(
+    url: str,
+    part: PagePart,
+    config: StorageConfig | None = None,
+    commit_on_put: bool = True,
+    layout: UnitLayout | None = None,
+    crash_after_units: int = 0,
+) -> UnitStorage:
+    """The unit store at `url` (file or redis) seen through `part` of every page."""
+    config = config or StorageConfig()
+    layout = layout or UnitLayout(part.full)
+    units = open_storage(url, layout.unit_nbytes, config)
+    curl, ccfg = commit_store_url(url, config)
+    commits = open_storage(curl, MARKER_NBYTES, ccfg)
+    return UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units)

@@ -1,0 +1,91 @@
+"""Seed-scale prompt on the parallel engine: a 32k-token prompt under cp=2 (L2 hit of the next
+turn) and cp=1 (L3 hit, pages written by the cp=2 ranks); logits equal recomputation."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.build import build_engine
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.request import Request
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.ranks import RankOptions, run_distributed
+from tests.tiny_models import make_llama, rel_err
+
+torch.set_num_threads(1)
+N, PAGE = 32768, 64
+
+
+class _Turns:
+    """r0 (the long prompt) first; r1 (prompt + suffix) once r0 finished."""
+
+    def __init__(self, reqs: list[Request]) -> None:
+        self.reqs, self.sent = reqs, 0
+
+    def poll(self, finished: list[Request]) -> list[Request] | None:
+        if self.sent == 0 or (finished and self.sent < len(self.reqs)):
+            self.sent += 1  # the first request, or the next one after the previous finished
+            return [self.reqs[self.sent - 1]]
+        if finished:  # the last one finished
+            return None
+        return []
+
+
+def _serve(ckpt: Path, tiers: str, url: str, reqs: list[Request]) -> dict[str, Request]:
+    ecfg = EngineConfig(model=str(ckpt), tiers=tiers, max_batch_tokens=8192, chunk_tokens=8192)
+    built = build_engine(ecfg, _cfg(url))
+    eng, done = built.engine, {}
+    for r in reqs:
+        eng.submit(r)
+    while eng.has_work():
+        done.update((r.rid, r) for r in eng.step())
+    built.close()
+    return done
+
+
+def _cfg(url: str) -> CacheConfig:
+    pages = N // PAGE + 64
+    return CacheConfig(
+        page_size=PAGE,
+        device_pages=pages,
+        host_pages=pages,
+        storage_url=url,
+        prefetch_policy="wait_complete",
+    )
+
+
+@pytest.mark.slow
+def test_32k_prompt_cp2_l2_hit_then_cp1_l3_hit(tmp_path: Path) -> None:
+    ckpt = make_llama(
+        tmp_path / "ckpt", seed=5, hidden_size=32, intermediate_size=32,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=N + 256,
+    )  # fmt: skip
+    rng = random.Random(0)
+    prompt = [rng.randrange(5, 97) for _ in range(N)]
+    follow = prompt + [rng.randrange(5, 97) for _ in range(40)]
+
+    def reqs() -> list[Request]:
+        return [Request("r0", prompt, 1), Request("r1", follow, 2, keep_logits=True)]
+
+    ref = _serve(ckpt, "none", "", [reqs()[1]])["r1"]
+    url = str(tmp_path / "l3")
+    ecfg = EngineConfig(model=str(ckpt), tiers="l1_l2_l3", max_batch_tokens=8192, chunk_tokens=8192)
+    res = run_distributed(
+        ecfg, _cfg(url), DistConfig(cp=2), _Turns(reqs()),
+        options=RankOptions(demote_when_idle=True), timeout_s=900,
+    )  # fmt: skip
+    full = N // PAGE
+    for r in res:
+        assert r["hits"]["r1"]["L2"] == full  # every page of the prompt back from L2
+        assert abs(2 * r["owned_host_pages"] - r["cached_host_pages"]) <= 2  # 1/cp each
+        for a, b in zip(r["logits"]["r1"], ref.logits, strict=True):
+            assert rel_err(torch.from_numpy(a), b) <= 1e-4
+    again = _serve(ckpt, "l1_l2_l3", url, [reqs()[1]])["r1"]
+    assert again.hits["L3"] == full
+    for a, b in zip(again.logits, ref.logits, strict=True):
+        assert rel_err(a, b) <= 1e-4
