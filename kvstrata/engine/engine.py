@@ -156,6 +156,10 @@ class Engine:
                     return True
         return False
 
+    def spec_stats(self) -> dict[str, float] | None:
+        """Speculative decoding figures over every request so far (None when it is off)."""
+        return self.spec.stats.as_dict() if self.spec is not None else None
+
     def drain(self) -> None:
         if self.cache is not None:
             self.cache.drain()
@@ -235,10 +239,9 @@ class Engine:
         assert self.spec is not None and req.draft_computed is not None
         a, emit = accept(drafted, rows)
         c = req.computed
-        req.spec_proposed += len(drafted)
-        req.spec_accepts.append(a)
+        self.spec.record(req, len(drafted), a)
         req.draft_computed = c + min(len(drafted), a + 1)  # draft KV valid up to c + a
-        for j, _tok in enumerate(emit):
+        for j in range(len(emit)):
             req.computed = c + j + 1  # KV of the token before emit[j] is final
             if self._emit(req, rows[j]):
                 return True

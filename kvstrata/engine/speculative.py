@@ -20,6 +20,7 @@ same positions), so a cached page always carries both parts.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,11 +32,40 @@ Work = list[tuple[Request, list[int]]]
 Proposals = dict[str, list[int]]  # rid -> drafted tokens d_1 .. d_n
 
 
+@dataclass
+class SpecStats:
+    """Verify steps, drafted and accepted tokens, summed over every request of an engine."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        """acceptance_rate = accepted / proposed; accept_length = tokens emitted per verify step
+        (accepted drafts + the target's own token), as SGLang reports its accept length."""
+        return {
+            "verify_steps": self.steps,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "accept_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
+        }
+
+
 class Speculator:
     """The draft model, its place in the pool (tail layers) and N."""
 
     def __init__(self, draft: DecoderLM, layer_offset: int, spec_tokens: int) -> None:
         self.draft, self.offset, self.n = draft, layer_offset, spec_tokens
+        self.stats = SpecStats()
+
+    def record(self, req: Request, proposed: int, accepted: int) -> None:
+        """One verify step of `req`: on the request and in the engine-wide stats."""
+        req.spec_proposed += proposed
+        req.spec_accepts.append(accepted)
+        self.stats.steps += 1
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
 
     def budget(self, req: Request) -> int:
         """Drafts to propose for `req` this step (0 for its last token)."""
