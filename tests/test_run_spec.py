@@ -51,9 +51,10 @@ def test_run_with_self_draft(ckpt: Path, tmp_path: Path, capsys) -> None:  # noq
 
 def test_spec_draft_refused_with_ranks(ckpt: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     args = ["run", "--quick", "--model", str(ckpt), "--out", str(tmp_path / "o"), *TINY]
+    args += ["--model-cache-dir", str(tmp_path)]
     assert main([*args, "--spec-draft", "self:1", "--tp", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--spec-draft" in err and len(err.splitlines()) == 1
     assert main([*args, "--spec-draft", "self:9"]) == 2
     assert "self:K" in capsys.readouterr().err
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists() and not (tmp_path / "drafts").exists()

@@ -299,13 +299,13 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     prompts = _prompts(args, spec, model_path, model)
     cfgs = _configs(args, prompts, spec)
     shape = model.kv_shape(cfgs[1].page_size)
+    if engine_cfg.spec_draft and dist_cfg.world_size > 1:
+        raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
     if engine_cfg.spec_draft:  # a bad draft fails here, before --out; pages carry its layers
         shape = build_speculator(engine_cfg, model, shape)[1]
     _check_memory(model, cfgs[1], dist_cfg, shape.page_nbytes)
     _check_prompts(prompts, spec.max_new_tokens, model, cfgs[1])
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
-    if engine_cfg.spec_draft and dist_cfg.world_size > 1:
-        raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
     validate.check_ranks(dist_cfg.world_size)
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
