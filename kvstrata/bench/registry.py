@@ -23,6 +23,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.consensus",
     "kvstrata.bench.ttft",
     "kvstrata.bench.admission",
+    "kvstrata.bench.spec",
 )
 
 
