@@ -25,6 +25,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.admission",
     "kvstrata.bench.serve_bench",
     "kvstrata.bench.parallel",
+    "kvstrata.bench.spec",
 )
 
 

@@ -2,7 +2,9 @@
 
 JSON shape (docs/CONTRACTS.md, issue 3):
     {"configs": {name: {"hit_rate", "hit_rate_by_tier": {"L1","L2","L3"}, "ttft_p50_s",
-                        "ttft_p90_s", "bytes_moved": {direction: bytes}, "requests": [...]}},
+                        "ttft_p90_s", "bytes_moved": {direction: bytes},
+                        "spec": None | {"acceptance_rate", "accept_length", ...},
+                        "requests": [{..., "spec": None | {..., "accepts": [...]}}]}},
      "outputs_identical": bool, ...}
 """
 
@@ -32,6 +34,8 @@ class TurnResult:
     hits: dict[str, int]  # prompt pages by tier: L1, L2, L3
     ttft_s: float
     page_size: int
+    spec_accepts: tuple[int, ...] = ()  # accepted drafts per verify step (speculation only)
+    spec_proposed: int = 0
 
     @classmethod
     def of(cls, session: int, turn: int, req: Request, page_size: int) -> TurnResult:
@@ -44,6 +48,8 @@ class TurnResult:
             req.hits,
             req.ttft_s,
             page_size,
+            tuple(req.spec_accepts),
+            req.spec_proposed,
         )
 
     @property
@@ -60,7 +66,25 @@ class TurnResult:
             "hits": dict(self.hits),
             "ttft_s": self.ttft_s,
             "output": list(self.output),
+            "spec": spec_figures([self]),
         }
+
+
+def spec_figures(results: list[TurnResult]) -> dict[str, Any] | None:
+    """Acceptance rate and mean accepted length (tokens per verify step) of `results`;
+    None when none of them ran speculative decoding."""
+    steps = [a for t in results for a in t.spec_accepts]
+    proposed = sum(t.spec_proposed for t in results)
+    if not steps:
+        return None
+    return {
+        "verify_steps": len(steps),
+        "proposed": proposed,
+        "accepted": sum(steps),
+        "acceptance_rate": sum(steps) / proposed if proposed else 0.0,
+        "accept_length": (sum(steps) + len(steps)) / len(steps),
+        "accepts": steps,
+    }
 
 
 def config_report(results: list[TurnResult], counters: dict[str, Any] | None) -> dict[str, Any]:
@@ -81,8 +105,14 @@ def config_report(results: list[TurnResult], counters: dict[str, Any] | None) ->
         "bytes_moved": bytes_moved,
         "prompt_pages": pages,
         "cache_counters": counters,
+        "spec": _overall(spec_figures(results)),
         "requests": [t.as_dict() for t in ordered],
     }
+
+
+def _overall(figures: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A configuration's spec figures without the per-step list (each request keeps its own)."""
+    return None if figures is None else {k: v for k, v in figures.items() if k != "accepts"}
 
 
 def outputs_identical(configs: dict[str, list[TurnResult]]) -> bool:

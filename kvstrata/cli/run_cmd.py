@@ -23,7 +23,7 @@ from kvstrata.bench.run_report import TurnResult, config_report, outputs_identic
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
 from kvstrata.configtools import add_config_args, config_from_args
-from kvstrata.engine.build import build_engine, resolve_model_path
+from kvstrata.engine.build import build_engine, build_speculator, resolve_model_path
 from kvstrata.engine.config import TIER_SETS, EngineConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
@@ -44,6 +44,9 @@ from kvstrata.workloads.feed import drive
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=4)
 FULL = WorkloadSpec(sessions=2, turns=4, first_lines=100, tool_lines=30, max_new_tokens=8)
 STORAGE_PREFIX = "storage-"
+PLAIN = "plain"
+"""With --spec-draft: one more configuration, no cache and no speculation, whose tokens the
+speculative configurations must equal."""
 Prompts = list[list[list[int]]]  # [session][turn] -> token ids
 
 
@@ -214,8 +217,14 @@ def _table(configs: dict[str, dict[str, Any]]) -> Table:
     directions = list(next(iter(configs.values()))["bytes_moved"])
     for d in directions:
         table.add_column(f"{d} MB", justify="right")
+    spec = any(rep.get("spec") for rep in configs.values())
+    if spec:
+        table.add_column("accept", justify="right")
+        table.add_column("acc len", justify="right")
     for name, rep in configs.items():
         by = rep["hit_rate_by_tier"]
+        fig = rep.get("spec")
+        extra = [f"{fig['acceptance_rate']:.1%}", f"{fig['accept_length']:.2f}"] if fig else []
         table.add_row(
             name,
             f"{rep['hit_rate']:.1%}",
@@ -223,6 +232,7 @@ def _table(configs: dict[str, dict[str, Any]]) -> Table:
             f"{rep['ttft_p50_s']:.3f}s",
             f"{rep['ttft_p90_s']:.3f}s",
             *(f"{rep['bytes_moved'][d] / 1e6:.1f}" for d in directions),
+            *(extra or (["-", "-"] if spec else [])),
         )
     return table
 
@@ -258,12 +268,11 @@ def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Di
     return engine_cfg, cache_cfg, dist_cfg
 
 
-def _check_memory(model: DecoderLM, cache: CacheConfig, dist_cfg: DistConfig) -> None:
-    """The pools of one configuration, and a model copy per rank, fit in memory now."""
+def _check_memory(model: DecoderLM, cache: CacheConfig, dist_cfg: DistConfig, page: int) -> None:
+    """The pools of one configuration (`page` bytes a page), and a model copy per rank, fit."""
     limit = model.spec.max_position_embeddings
     if cache.page_size > limit:
         raise ValueError(f"--page-size {cache.page_size} exceeds the model's {limit} positions")
-    page = model.kv_shape(cache.page_size).page_nbytes
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     validate.check_memory(
         [
@@ -285,13 +294,18 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     model = load_model(model_path, dtype=engine_cfg.dtype)  # ValueError: not a checkpoint
     prompts = _prompts(args, spec, model_path, model)
     cfgs = _configs(args, prompts, spec)
-    _check_memory(model, cfgs[1], dist_cfg)
+    shape = model.kv_shape(cfgs[1].page_size)
+    if engine_cfg.spec_draft and dist_cfg.world_size > 1:
+        raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
+    if engine_cfg.spec_draft:  # a bad draft fails here, before --out; pages carry its layers
+        shape = build_speculator(engine_cfg, model, shape)[1]
+    _check_memory(model, cfgs[1], dist_cfg, shape.page_nbytes)
     _check_prompts(prompts, spec.max_new_tokens, model, cfgs[1])
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     validate.check_ranks(dist_cfg.world_size)
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
-    page_nbytes = model.kv_shape(cfgs[1].page_size).page_nbytes
+    page_nbytes = shape.page_nbytes
     if cfgs[1].storage_url != cache_url:
         args.out.mkdir(exist_ok=True)  # the default store lives under --out
     # the store opens now (an unreachable redis fails here, before --out exists), not mid-run
@@ -325,6 +339,11 @@ def _serve_all(
                 advance = lambda t=task: progress.advance(t)  # noqa: E731
                 res = run_config(tiers, model, cfgs, prompts, max_new, advance, log)
             results[tiers] = res
+        if cfgs[0].spec_draft:  # the reference for the identical-outputs check: no speculation
+            task = progress.add_task(f"{PLAIN:>9}", total=n_req)
+            plain = (dataclasses.replace(cfgs[0], spec_draft=""), *cfgs[1:])
+            advance = lambda t=task: progress.advance(t)  # noqa: E731
+            results[PLAIN] = run_config("none", model, plain, prompts, max_new, advance)
     return results
 
 
@@ -352,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     json_path, png_path = write_report(report, args.out)
     console.print(_table(reports))
     if same:
-        console.print(f"outputs identical across {', '.join(TIER_SETS)}: yes")
+        console.print(f"outputs identical across {', '.join(served)}: yes")
     else:
         console.print("[red]outputs DIFFER between configurations[/red]")
     console.print(f"report: {json_path}\nplot:   {png_path}")

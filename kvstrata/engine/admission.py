@@ -97,12 +97,13 @@ class Admission:
         """Share the request's full computed pages; at the end release everything it holds."""
         lease = req.lease
         assert lease is not None, f"request {req.rid} was never admitted"
-        n_full = req.computed // self.page
+        ready = req.final_kv_tokens  # under speculation: target and draft KV both final
+        n_full = ready // self.page
         if self.cache is not None and n_full > len(lease.keys):
             parent = lease.keys[-1] if lease.keys else None
             more = req.all_tokens[len(lease.keys) * self.page : n_full * self.page]
             lease.extend_keys(page_keys(more, self._ns(req), self.vocab_size, parent_key=parent))
-        lease.commit(req.computed)
+        lease.commit(ready)
         if final:
             lease.release()
 

@@ -14,10 +14,13 @@ from kvstrata.cache.manager import HiCache
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Agree, DecisionSink, Engine
+from kvstrata.engine.speculative import Speculator
+from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import TensorMover
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
+from kvstrata.model.draft import load_draft
 from kvstrata.parallel.units import PagePart, open_unit_storage
 from kvstrata.storage.base import StorageConfig
 
@@ -73,15 +76,19 @@ def build_engine(
         model = load_model(resolve_model_path(config), dtype=config.dtype)
     cache_cfg = tiers_of(cache_cfg, config.tiers)
     shape = model.kv_shape(cache_cfg.page_size)
+    spec, fingerprint = None, model.fingerprint
+    if config.spec_draft:
+        spec, shape, fingerprint = build_speculator(config, model, shape)
     pool = DevicePool(shape, cache_cfg.device_pages)
-    ns = Namespace(
-        model.fingerprint, shape.dtype, tenant_salt=tenant, page_size=cache_cfg.page_size
-    )
+    ns = Namespace(fingerprint, shape.dtype, tenant_salt=tenant, page_size=cache_cfg.page_size)
     if config.tiers == "none":
         admission = Admission(
             None, pool.allocator, ns, model.vocab_size, config.admission_lookahead
         )
-        return Built(Engine(model, pool, None, admission, config, agree, decisions=decisions), None)
+        engine = Engine(
+            model, pool, None, admission, config, agree, decisions=decisions, speculator=spec
+        )
+        return Built(engine, None)
     host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
     storage = None
     if cache_cfg.storage_url:
@@ -98,5 +105,22 @@ def build_engine(
         page_nbytes=shape.page_nbytes,
     )
     admission = Admission(cache, pool.allocator, ns, model.vocab_size, config.admission_lookahead)
-    engine = Engine(model, pool, cache, admission, config, agree, decisions=decisions)
+    engine = Engine(
+        model, pool, cache, admission, config, agree, decisions=decisions, speculator=spec
+    )
     return Built(engine, mover)
+
+
+def build_speculator(
+    config: EngineConfig, model: DecoderLM, shape: KVShape
+) -> tuple[Speculator, KVShape, str]:
+    """The draft, the page shape with its layers packed after the target's, and the namespace
+    fingerprint naming both models (KV made with one draft is never served to another)."""
+    from kvstrata.model.smollm2 import default_cache_dir
+
+    cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else default_cache_dir()
+    draft = load_draft(config.spec_draft, model, cache_dir)
+    target_layers = shape.num_layers
+    shape = dataclasses.replace(shape, num_layers=target_layers + draft.spec.num_layers)
+    spec = Speculator(draft, target_layers, config.spec_tokens)
+    return spec, shape, f"{model.fingerprint}+draft:{draft.fingerprint}"

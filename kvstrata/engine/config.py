@@ -29,11 +29,18 @@ class EngineConfig:
         4, "waiting requests whose leases match, probe and prefetch at once (no head-of-line wait)"
     )
     threads: int = doc(0, "torch CPU threads; 0 = torch's default")
+    spec_draft: str = doc(
+        "",
+        "speculative decoding draft: empty = off, self:K = the target's first K layers + its "
+        "norm and head (built once under the model cache dir), or a Llama/Qwen2 checkpoint dir",
+    )
+    spec_tokens: int = doc(4, "speculative decoding: tokens the draft proposes per step")
 
     def __post_init__(self) -> None:
         if self.tiers not in TIER_SETS:
             raise ValueError(f"tiers must be one of {', '.join(TIER_SETS)}, got {self.tiers!r}")
-        for name in ("chunk_tokens", "max_batch_tokens", "max_running", "admission_lookahead"):
+        names = ("chunk_tokens", "max_batch_tokens", "max_running", "admission_lookahead")
+        for name in (*names, "spec_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.chunk_tokens > self.max_batch_tokens:

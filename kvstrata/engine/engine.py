@@ -17,6 +17,7 @@ from kvstrata.cache.manager import HiCache
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
+from kvstrata.engine.speculative import Speculator, accept
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 
@@ -58,8 +59,10 @@ class Engine:
         agree: Agree | None = None,
         clock: Callable[[], float] = time.monotonic,
         decisions: DecisionSink | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.model, self.pool, self.cache, self.config = model, pool, cache, config
+        self.spec = speculator  # None: plain decoding
         self.admission = admission
         self.agree = agree or (lambda v: v)
         # decisions (prefetch budgets) read `clock`: under several ranks an agreed clock (rank 0's
@@ -126,6 +129,8 @@ class Engine:
         for req in admitted:
             self.waiting.remove(req)
             self.running.append(req)
+            if self.spec is not None:
+                req.draft_computed = req.computed  # hit pages bring their draft part along
             if log is not None:
                 log.record(
                     "admit",
@@ -159,6 +164,10 @@ class Engine:
                 return _ended(req, "abort")
         return None
 
+    def spec_stats(self) -> dict[str, float] | None:
+        """Speculative decoding figures over every request so far (None when it is off)."""
+        return self.spec.stats.as_dict() if self.spec is not None else None
+
     def drain(self) -> None:
         if self.cache is not None:
             self.cache.drain()
@@ -180,29 +189,71 @@ class Engine:
         return work
 
     def _forward(self, work: list[tuple[Request, list[int]]]) -> list[Request]:
-        batch = SeqBatch.build(
-            [t for _, t in work], [r.computed for r, _ in work], [r.page_table for r, _ in work]
-        )
         loads = [r.lease.load.handle for r, _ in work if _pending_load(r)]
 
         def wait_layer(layer: int) -> None:
             for handle in loads:  # layer l's pages arrived from L2 before layer l reads them
                 handle.wait_layer(layer)
 
-        logits = self.model(
-            batch, self.pool, before_layer=wait_layer if loads else None, last_only=True
-        )
+        wait = wait_layer if loads else None
+        drafts = self.spec.propose(work, self.pool, wait) if self.spec is not None else {}
+        rows = self._logits(work, drafts, wait)
         finished = []
-        for (req, toks), row in zip(work, logits, strict=True):
+        for (req, toks), row in zip(work, rows, strict=True):
             assert req.lease is not None
             req.lease.load = None  # waited for, layer by layer, in this forward
+            if req.state is State.DECODE and drafts.get(req.rid):
+                if self._verify(req, drafts[req.rid], row):
+                    finished.append(req)
+                continue
             req.computed += len(toks)
             if req.state is State.PREFILL and req.computed < len(req.tokens):
                 self.admission.cache_pages(req, final=False)  # finished pages: shared at once
                 continue  # more prompt chunks to go
-            if self._emit(req, row):
+            if self._emit(req, row[-1]):
                 finished.append(req)
         return finished
+
+    def _logits(
+        self,
+        work: list[tuple[Request, list[int]]],
+        drafts: dict[str, list[int]],
+        wait: Callable[[int], None] | None,
+    ) -> list[torch.Tensor]:
+        """Target logits per work item: [1, vocab] (its last token), or [n+1, vocab] for a
+        decode verifying n drafts. Verifies run in a forward of their own (all rows kept)."""
+        plain = [i for i, (r, _) in enumerate(work) if not drafts.get(r.rid)]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(work)
+        for idx, last_only in (
+            (plain, True),
+            ([i for i in range(len(work)) if i not in plain], False),
+        ):
+            if not idx:
+                continue
+            items = [work[i] for i in idx]
+            toks = [t + drafts.get(r.rid, []) for r, t in items]
+            batch = SeqBatch.build(
+                toks, [r.computed for r, _ in items], [r.page_table for r, _ in items]
+            )
+            logits = self.model(batch, self.pool, before_layer=wait, last_only=last_only)
+            parts = logits.split(1) if last_only else logits.split(batch.seq_lens)
+            for i, part in zip(idx, parts, strict=True):
+                out[i] = part
+            wait = None  # every pending load was waited for, layer by layer
+        return out
+
+    def _verify(self, req: Request, drafted: list[int], rows: torch.Tensor) -> bool:
+        """Accept the longest agreeing prefix of `drafted` (rows: [n+1, vocab]); True if done."""
+        assert self.spec is not None and req.draft_computed is not None
+        a, emit = accept(drafted, rows)
+        c = req.computed
+        self.spec.record(req, len(drafted), a)
+        req.draft_computed = c + min(len(drafted), a + 1)  # draft KV valid up to c + a
+        for j in range(len(emit)):
+            req.computed = c + j + 1  # KV of the token before emit[j] is final
+            if self._emit(req, rows[j]):
+                return True
+        return False
 
     def _emit(self, req: Request, row: torch.Tensor) -> bool:
         """Record one generated token; True when the request is complete."""

@@ -43,6 +43,28 @@ class Request:
     reported_hits: dict[str, int] | None = None
     """Hits as the rank that served it reported them (a copy of the request on another process,
     e.g. the HTTP side of a multi-rank server, has no lease of its own)."""
+    # --- speculative decoding (kvstrata.engine.speculative); None/empty when off ---------------
+    draft_computed: int | None = None  # tokens whose draft KV (the pages' tail layers) is final
+    spec_proposed: int = 0  # drafted tokens the target verified
+    spec_accepts: list[int] = field(default_factory=list)  # accepted drafts per verify step
+
+    @property
+    def final_kv_tokens(self) -> int:
+        """Leading tokens whose KV, target's and draft's, is final (pages up to here may be cached)."""
+        if self.draft_computed is None:
+            return self.computed
+        return min(self.computed, self.draft_computed)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts (0.0 before any verify step)."""
+        return sum(self.spec_accepts) / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Mean tokens emitted per verify step: accepted drafts + the target's own token."""
+        steps = self.spec_accepts
+        return (sum(steps) + len(steps)) / len(steps) if steps else 0.0
 
     @property
     def all_tokens(self) -> list[int]:

@@ -1,0 +1,154 @@
+"""`kvstrata bench spec`: speculative decoding with SmolLM2 `self:K` on the agent workload, in
+one run: output tokens/s with and without speculation, and acceptance on a cold cache and after
+restores from L1, L2 (forced demotion after every round) and L3 (a fresh engine every round).
+
+The sessions' turn k run together as round k; turn k's prompt extends turn k-1's, so from round 1
+on each prompt's prefix is a hit from the tier under test. Goal: acceptance after every restore
+equals cold to the last digit (each request's acceptance sequence too), outputs equal plain
+greedy decoding.
+
+K = 26 of SmolLM2's 30 layers, N = 2: an early exit of SmolLM2 (no trained draft head) predicts
+the target's next token rarely below ~20 layers (measured on this workload: acceptance ~0.01 at
+K = 4..8, ~0.05 at K = 12..20, ~0.25 at K = 26), so K = 26 is the cheapest draft whose
+acceptance is meaningful; N = 2 because more drafts at that acceptance are mostly rejected.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstrata.bench.registry import BENCHES
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.build import build_engine, resolve_model_path
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.request import Request
+from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import DecoderLM
+from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.workloads.agent import WorkloadSpec, build_workload
+
+DRAFT, SPEC_TOKENS, PAGE = "self:26", 2, 64
+QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=16)
+FULL = WorkloadSpec(sessions=2, turns=4, first_lines=30, tool_lines=12, max_new_tokens=32)
+Rounds = list[list[list[int]]]  # [turn][session] -> prompt
+
+
+def _demote(eng: Engine) -> None:
+    """Push every cached page out of L1 (to L2): fill the free pages, evict, give them back."""
+    cache = eng.cache
+    assert cache is not None
+    ids = cache.alloc_device(cache.tiers.device.num_free)
+    cache.tiers.evict_device(cache.tiers.device.capacity)
+    cache.drain()
+    cache.free_device(ids or [])
+
+
+class _Runner:
+    """Builds engines over one model, cache dir and store; serves rounds; keeps wall time."""
+
+    def __init__(
+        self, model: DecoderLM, rounds: Rounds, max_new: int, tmp: Path, cache_dir: str
+    ) -> None:
+        self.model, self.rounds, self.max_new, self.cache_dir = model, rounds, max_new, cache_dir
+        longest = max(len(p) for r in rounds for p in r) + max_new
+        pages = len(rounds[0]) * (-(-longest // PAGE)) + 8
+        self.cache = CacheConfig(
+            page_size=PAGE,
+            device_pages=pages,
+            host_pages=2 * pages,
+            storage_url=f"file://{tmp / 'store'}",
+            prefetch_policy="wait_complete",
+        )
+
+    def engine(self, tiers: str, draft: str) -> Any:
+        cfg = EngineConfig(
+            tiers=tiers, spec_draft=draft, spec_tokens=SPEC_TOKENS, model_cache_dir=self.cache_dir
+        )
+        return build_engine(cfg, self.cache, model=self.model)
+
+    def serve(self, tiers: str, draft: str, demote: bool = False, fresh: bool = False) -> dict:
+        """Every round on one engine (or a fresh one per round): requests and timing."""
+        built = None if fresh else self.engine(tiers, draft)
+        reqs: list[Request] = []
+        busy = 0.0
+        for k, prompts in enumerate(self.rounds):
+            cur = built or self.engine(tiers, draft)
+            batch = [Request(f"s{s}t{k}", p, self.max_new) for s, p in enumerate(prompts)]
+            start = time.perf_counter()
+            cur.engine.run(batch)
+            busy += time.perf_counter() - start
+            cur.engine.drain()
+            cur.engine.check_integrity()
+            if demote:
+                _demote(cur.engine)
+            if fresh:
+                cur.close()
+            reqs += batch
+        if built is not None:
+            built.close()
+        return _summary(reqs, busy)
+
+
+def _summary(reqs: list[Request], busy: float) -> dict[str, Any]:
+    proposed = sum(r.spec_proposed for r in reqs)
+    accepted = sum(sum(r.spec_accepts) for r in reqs)
+    later = [r for r in reqs if not r.rid.endswith("t0")]  # rounds whose prefix is a hit
+    return {
+        "acceptance": accepted / proposed if proposed else 0.0,
+        "accept_length": sum(r.accept_length for r in reqs) / len(reqs),
+        "tokens_per_s": sum(len(r.output) for r in reqs) / busy,
+        "hits": {t: sum(r.hits[t] for r in later) for t in ("L1", "L2", "L3")},
+        "outputs": {r.rid: r.output for r in reqs},
+        "accepts": {r.rid: r.spec_accepts for r in reqs},
+    }
+
+
+def measure(
+    model: DecoderLM,
+    rounds: Rounds,
+    max_new: int,
+    tmp: Path,
+    draft: str = DRAFT,
+    cache_dir: str = "",
+) -> dict[str, Any]:
+    """The report; `cache_dir` holds the self:K checkpoint (empty: the model cache dir)."""
+    run = _Runner(model, rounds, max_new, tmp, cache_dir)
+    plain = run.serve("none", "")
+    cold = run.serve("none", draft)
+    cases = {
+        "l1": run.serve("l1_l2_l3", draft),  # also fills L3 for the fresh engines below
+        "l2": run.serve("l1_l2", draft, demote=True),
+        "l3": run.serve("l1_l2_l3", draft, fresh=True),
+    }
+    report: dict[str, Any] = {"draft": draft, "spec_tokens": SPEC_TOKENS, "page_size": PAGE}
+    report["acceptance_cold"] = cold["acceptance"]
+    for name, case in cases.items():
+        report[f"acceptance_{name}"] = case["acceptance"]
+        report[f"{name}_hit_pages"] = case["hits"][name.upper()]
+    report["accept_length_cold"] = cold["accept_length"]
+    report["tokens_per_s_spec"] = cold["tokens_per_s"]
+    report["tokens_per_s_plain"] = plain["tokens_per_s"]
+    report["spec_over_plain"] = cold["tokens_per_s"] / plain["tokens_per_s"]
+    runs = [cold, *cases.values()]
+    report["outputs_identical"] = all(r["outputs"] == plain["outputs"] for r in runs)
+    report["acceptance_sequences_identical"] = all(r["accepts"] == cold["accepts"] for r in runs)
+    report["acceptance_equal_after_restores"] = all(
+        report[f"acceptance_{n}"] == report["acceptance_cold"] for n in cases
+    )
+    return report
+
+
+@BENCHES.register("spec")
+def bench_spec(quick: bool) -> dict[str, Any]:
+    """SmolLM2-135M-Instruct, self:26 drafts 2 tokens; the agent workload (quick: smaller)."""
+    path = resolve_model_path(EngineConfig())
+    model = load_model(path)
+    spec = QUICK if quick else FULL
+    sessions = build_workload(spec, model.vocab_size, Tokenizer(path).encode_chat)
+    rounds = [[s[k] for s in sessions] for k in range(spec.turns)]
+    with tempfile.TemporaryDirectory(prefix="kvstrata-spec-") as tmp:
+        return measure(model, rounds, spec.max_new_tokens, Path(tmp))

@@ -1,0 +1,134 @@
+"""Speculative decoding, greedy: a draft proposes N tokens, the target verifies them in one forward.
+
+Per decoding request with `computed = c` (KV final for positions < c) and last token t_c:
+- draft: catch up on the tokens it has no KV for, all_tokens[draft_computed : c + 1] (one token,
+  or two after a step that accepted every draft), then feed its own proposals d_1 .. d_{n-1}
+  one at a time; its KV goes to the draft's tail layers of the request's own pages;
+- target: one forward over [t_c, d_1 .. d_n] at positions c .. c+n gives greedy choices
+  g_0 .. g_n; a = the longest prefix with d_j == g_{j-1}; the request emits g_0 .. g_a.
+
+Afterwards `computed = c + a + 1` (only accepted tokens count) and `draft_computed = c +
+min(n, a + 1)`. KV written at rejected positions sits in the request's own, never committed,
+pages: a page joins the tree only once it holds `min(computed, draft_computed)` final tokens
+(Request.final_kv_tokens), and rejected positions are simply written over later.
+
+n = min(spec_tokens, tokens still to produce - 1), so every position written lies inside the
+pages the request was admitted with. Prefill chunks run through the draft too (same tokens,
+same positions), so a cached page always carries both parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.engine.request import Request, State
+from kvstrata.model.decoder import DecoderLM, SeqBatch
+from kvstrata.model.draft import DraftKV
+
+Work = list[tuple[Request, list[int]]]
+Proposals = dict[str, list[int]]  # rid -> drafted tokens d_1 .. d_n
+
+
+@dataclass
+class SpecStats:
+    """Verify steps, drafted and accepted tokens, summed over every request of an engine."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        """acceptance_rate = accepted / proposed; accept_length = tokens emitted per verify step
+        (accepted drafts + the target's own token), as SGLang reports its accept length."""
+        return {
+            "verify_steps": self.steps,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "accept_length": (self.accepted + self.steps) / self.steps if self.steps else 0.0,
+        }
+
+
+class Speculator:
+    """The draft model, its place in the pool (tail layers) and N."""
+
+    def __init__(self, draft: DecoderLM, layer_offset: int, spec_tokens: int) -> None:
+        self.draft, self.offset, self.n = draft, layer_offset, spec_tokens
+        self.stats = SpecStats()
+
+    def record(self, req: Request, proposed: int, accepted: int) -> None:
+        """One verify step of `req`: on the request and in the engine-wide stats."""
+        req.spec_proposed += proposed
+        req.spec_accepts.append(accepted)
+        self.stats.steps += 1
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+
+    def budget(self, req: Request) -> int:
+        """Drafts to propose for `req` this step (0 for its last token)."""
+        return max(0, min(self.n, req.max_new_tokens - len(req.output) - 1))
+
+    def propose(self, work: Work, pool: object, wait: Callable[[int], None] | None) -> Proposals:
+        """Run the draft over this step's prefill chunks and decodes; the decodes' proposals.
+
+        `wait(layer)` blocks until pool layer `layer` of pending L2 -> L1 loads has arrived.
+        """
+        seqs: list[tuple[Request, list[int], int]] = []
+        for req, toks in work:
+            if req.state is State.PREFILL:
+                assert req.draft_computed == req.computed, "draft out of step in prefill"
+                seqs.append((req, toks, req.computed))
+            elif self.budget(req):
+                start = req.draft_computed
+                assert start is not None and start <= req.computed
+                seqs.append((req, req.all_tokens[start : req.computed + 1], start))
+        if not seqs:
+            return {}
+        kv = DraftKV(pool, self.offset)
+        before = None if wait is None else (lambda i: wait(self.offset + i))
+        reqs = [r for r, _, _ in seqs]
+        logits = self._run([t for _, t, _ in seqs], [s for _, _, s in seqs], reqs, kv, before)
+        out: Proposals = {}
+        for (req, toks, _), row in zip(seqs, logits, strict=True):
+            if req.state is State.PREFILL:
+                req.draft_computed += len(toks)
+            else:
+                out[req.rid] = [int(torch.argmax(row))]
+        self._extend(out, [r for r in reqs if r.rid in out], kv)
+        return out
+
+    def _extend(self, out: Proposals, reqs: list[Request], kv: DraftKV) -> None:
+        """Feed each request's latest proposal until it has its budget of drafts."""
+        step = 1
+        while True:
+            active = [r for r in reqs if len(out[r.rid]) < self.budget(r)]
+            if not active:
+                return
+            toks = [[out[r.rid][-1]] for r in active]
+            starts = [r.computed + step for r in active]  # d_step sits at position c + step
+            for r, row in zip(active, self._run(toks, starts, active, kv, None), strict=True):
+                out[r.rid].append(int(torch.argmax(row)))
+            step += 1
+
+    def _run(
+        self,
+        toks: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        reqs: Sequence[Request],
+        kv: DraftKV,
+        before: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        batch = SeqBatch.build(toks, starts, [r.page_table for r in reqs])
+        return self.draft(batch, kv, before_layer=before, last_only=True)  # [seqs, vocab]
+
+
+def accept(drafted: list[int], rows: torch.Tensor) -> tuple[int, list[int]]:
+    """(a, g_0 .. g_a): accepted drafts and the tokens to emit, from the target's rows [n+1, V]."""
+    greedy = [int(t) for t in torch.argmax(rows, dim=-1)]
+    a = 0
+    while a < len(drafted) and drafted[a] == greedy[a]:
+        a += 1
+    return a, greedy[: a + 1]

@@ -1,0 +1,44 @@
+"""`kvstrata bench spec`'s measurement on a tiny model: every key, the restores really hit their
+tier, and acceptance after each restore equals cold exactly."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from kvstrata.bench import spec as bench_spec
+from kvstrata.bench.registry import load_benches
+from kvstrata.model.checkpoint import load_model
+from tests.tiny_models import make_llama
+
+torch.set_num_threads(1)
+
+
+def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    assert "spec" in load_benches().names()
+    monkeypatch.setattr(bench_spec, "PAGE", 8)  # tiny prompts: several pages each
+    model = load_model(make_llama(tmp_path / "m", seed=2, num_hidden_layers=3))
+    rng = random.Random(0)
+    rounds, hist = [], [[], []]
+    for _ in range(3):
+        hist = [h + [rng.randrange(5, 97) for _ in range(20)] for h in hist]
+        rounds.append([list(h) for h in hist])
+    rep = bench_spec.measure(model, rounds, 10, tmp_path, draft="self:1", cache_dir=str(tmp_path))
+    for key in (
+        "acceptance_cold",
+        "acceptance_l1",
+        "acceptance_l2",
+        "acceptance_l3",
+        "tokens_per_s_spec",
+        "tokens_per_s_plain",
+        "outputs_identical",
+    ):
+        assert key in rep
+    assert rep["outputs_identical"] and rep["acceptance_sequences_identical"]
+    assert rep["acceptance_equal_after_restores"] and 0 < rep["acceptance_cold"] < 1
+    # rounds 1 and 2, 2 sessions: the previous round's prompt pages (20 // 8, 40 // 8) from L1
+    # or L2; from L3 (stored by the L1 run, which ran every round) all but the last token's page
+    assert rep["l1_hit_pages"] == rep["l2_hit_pages"] == 2 * (2 + 5)
+    assert rep["l3_hit_pages"] == 2 * ((40 - 1) // 8 + (60 - 1) // 8)

@@ -1,0 +1,176 @@
+"""The draft's KV is restored with the target's: after a hit from L1, L2 (forced demotion) or L3
+(a fresh process on the same store), every restored page's bytes, draft tail layers included,
+equal those the cold run cached, and each request's acceptance sequence equals a cold run's."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.build import build_engine
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.request import Request, State
+from kvstrata.model.checkpoint import load_model
+from tests.tiny_models import make_llama
+
+torch.set_num_threads(1)
+PAGE = 8
+TARGET_LAYERS = 4
+DRAFT = "self:2"
+
+Pages = dict[int, torch.Tensor]  # page key -> [layers, 2, page, kv_heads, head_dim]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
+        tmp_path_factory.mktemp("spec") / "ckpt",
+        seed=5,
+        num_hidden_layers=TARGET_LAYERS,
+        max_position_embeddings=1024,
+    )
+
+
+def conversation(turns: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    hist: list[int] = []
+    out = []
+    for _ in range(turns):
+        hist = hist + [rng.randrange(5, 97) for _ in range(rng.randrange(20, 40))]
+        out.append(list(hist))
+    return out
+
+
+def _pages(eng, keys: list[int], ids: list[int]) -> Pages:  # noqa: ANN001
+    return {k: eng.pool.data[:, :, p].clone() for k, p in zip(keys, ids, strict=True)}
+
+
+def _demote(eng, device_pages: int) -> None:  # noqa: ANN001
+    """Push every cached page out of L1 (as tests/test_engine_cache.py does)."""
+    ids = eng.cache.alloc_device(eng.cache.tiers.device.num_free)
+    eng.cache.tiers.evict_device(device_pages)
+    eng.cache.drain()
+    eng.cache.free_device(ids)
+
+
+def run_turns(
+    model,
+    tiers: str,
+    store: Path,
+    prompts,
+    cache_dir: Path,
+    demote: bool = False,
+    draft: str = DRAFT,
+):  # noqa: ANN001, ANN201
+    """Turn by turn; per turn (output, acceptances, hits, restored pages, cached pages)."""
+    cfg = CacheConfig(
+        page_size=PAGE,
+        device_pages=64,
+        host_pages=64,
+        storage_url=f"file://{store}",
+        prefetch_policy="wait_complete",
+    )
+    econf = EngineConfig(
+        tiers=tiers, spec_draft=draft, spec_tokens=3, model_cache_dir=str(cache_dir)
+    )
+    built = build_engine(econf, cfg, model=model)
+    eng = built.engine
+    results = []
+    for i, prompt in enumerate(prompts):
+        req = Request(f"t{i}", prompt, max_new_tokens=12)
+        eng.submit(req)
+        restored: Pages = {}
+        while eng.has_work():
+            eng.step()
+            eng.check_integrity()
+            if req.state is not State.WAITING and not restored and req.lease is not None:
+                n = sum(req.hits.values())  # hit pages are final: read them once admitted
+                restored = _pages(eng, req.lease.keys[:n], req.page_table[:n]) if n else {0: None}
+        lease = req.lease
+        cached = _pages(eng, lease.keys[: lease.inserted], lease.page_table[: lease.inserted])
+        restored.pop(0, None)
+        results.append((req.output, req.spec_accepts, req.hits, restored, cached))
+        eng.drain()
+        if demote and eng.cache is not None:
+            _demote(eng, 64)
+        eng.check_integrity()
+    built.close()
+    return results
+
+
+def assert_restored(results, cold_cached: Pages, tier: str) -> int:  # noqa: ANN001
+    """Every restored page equals the cold run's bytes; the draft part is real KV."""
+    n = 0
+    for _out, _acc, hits, restored, _cached in results:
+        assert len(restored) == sum(hits.values())
+        for key, data in restored.items():
+            ref = cold_cached[key]
+            assert torch.equal(data[TARGET_LAYERS:], ref[TARGET_LAYERS:]), f"{tier}: draft part"
+            assert torch.equal(data[:TARGET_LAYERS], ref[:TARGET_LAYERS]), f"{tier}: target part"
+            assert bool(ref[TARGET_LAYERS:].abs().sum() > 0)  # the draft layers were written
+            n += 1
+    return n
+
+
+def assert_same_acceptance(a, b) -> None:  # noqa: ANN001
+    for (out_a, acc_a, *_), (out_b, acc_b, *_) in zip(a, b, strict=True):
+        assert out_a == out_b
+        assert acc_a == acc_b
+
+
+def test_restore_from_l1_and_l2_keeps_draft_kv_and_acceptance(ckpt: Path, tmp_path: Path) -> None:
+    model = load_model(ckpt)
+    prompts = conversation(4)
+    cold = run_turns(model, "none", tmp_path / "s0", prompts, tmp_path)
+    l1 = run_turns(model, "l1", tmp_path / "s1", prompts, tmp_path)
+    assert_same_acceptance(cold, l1)
+    cached = {k: v for r in l1 for k, v in r[4].items()}
+    assert all(r[2]["L1"] == len(r[3]) for r in l1) and assert_restored(l1, cached, "L1") > 6
+    l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, tmp_path, demote=True)
+    assert_same_acceptance(cold, l2)
+    cached = {k: v for r in l2 for k, v in r[4].items()}
+    assert [r[2]["L1"] for r in l2] == [0] * 4
+    assert assert_restored(l2, cached, "L2") > 6 and all(r[2]["L2"] for r in l2[1:])
+
+
+def _child(ckpt: str, store: str, cache_dir: str, prompts, out: str) -> None:  # noqa: ANN001
+    torch.set_num_threads(1)
+    res = run_turns(load_model(ckpt), "l1_l2_l3", Path(store), prompts, Path(cache_dir))
+    torch.save(res, out)
+
+
+def test_restore_from_l3_in_a_fresh_process(ckpt: Path, tmp_path: Path) -> None:
+    model = load_model(ckpt)
+    prompts = conversation(3, seed=4)
+    cold = run_turns(model, "none", tmp_path / "unused", prompts, tmp_path)
+    first = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path)
+    cached = {k: v for r in first for k, v in r[4].items()}
+    out = tmp_path / "child.pt"
+    args = (str(ckpt), str(tmp_path / "store"), str(tmp_path), prompts, str(out))
+    proc = mp.get_context("spawn").Process(target=_child, args=args)
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0
+    child = torch.load(out)
+    assert child[0][2] == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
+    assert assert_restored(child[:1], cached, "L3") == (len(prompts[0]) - 1) // PAGE
+    assert_restored(child, cached, "L3")
+    assert_same_acceptance(cold, child)
+
+
+def test_namespace_names_the_draft(ckpt: Path, tmp_path: Path) -> None:
+    """KV made with one draft is never served to another: a draft of the same shape (2 layers)
+    but other weights gets no L3 hit from pages stored with self:2."""
+    model = load_model(ckpt)
+    prompts = conversation(2, seed=6)
+    run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path)
+    again = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path)
+    assert again[0][2]["L3"] == (len(prompts[0]) - 1) // PAGE  # same draft: served
+    other = str(make_llama(tmp_path / "other", seed=9, num_hidden_layers=2))
+    stranger = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=other)
+    assert stranger[0][2]["L3"] == 0
