@@ -22,6 +22,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.storage",
     "kvstrata.bench.consensus",
     "kvstrata.bench.ttft",
+    "kvstrata.bench.prefill",
 )
 
 
