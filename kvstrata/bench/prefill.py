@@ -101,13 +101,12 @@ class HF:
 
 
 def _interleaved(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Seconds each fn reports over `rounds` (after one warm-up), alternating in each round."""
+    """Seconds each fn reports over `rounds`, alternating in each round (who goes first too)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(rounds + 1):
-        for name, fn in fns.items():
-            seconds = fn()
-            if r:
-                times[name].append(seconds)
+    items = list(fns.items())
+    for r in range(rounds):
+        for name, fn in items if r % 2 == 0 else items[::-1]:
+            times[name].append(fn())
     return times
 
 
@@ -156,6 +155,9 @@ def hit_ttft(model: DecoderLM, n: int) -> float:
 def measure(sizes: tuple[int, ...], hit_n: int, rounds: int, new: int) -> dict[str, Any]:
     path = resolve_model_path(EngineConfig())
     model, hf = load_model(path), HF(path)
+    warm = prompt(256, model.vocab_size, seed=0)  # one warm-up of both sides (kernels, caches)
+    serve(engine_for(model, 256), warm, 2)
+    hf.prefill(warm)
     report: dict[str, Any] = {"threads": torch.get_num_threads(), "page_size": PAGE}
     same = True
     for n in sizes:
