@@ -102,8 +102,10 @@ def merge_by_lse(
 
     o* [1, heads, n, dim], lse* [1, heads, n]: weight of part 1 = e^lse1 / (e^lse1 + e^lse2).
     """
-    w1 = torch.sigmoid(lse1 - lse2)[..., None].to(o1.dtype)  # [1, heads, n, 1]
-    return o2 + (o1 - o2) * w1
+    w1 = torch.sigmoid(lse1 - lse2)[..., None]  # [1, heads, n, 1] fp32
+    if o1.dtype == torch.float32:
+        return o2 + (o1 - o2) * w1
+    return (o2.float() + (o1.float() - o2.float()) * w1).to(o1.dtype)  # merged in fp32
 
 
 def route(meta: AttnMeta, s: int, split_prefix: bool) -> str:
