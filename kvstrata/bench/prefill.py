@@ -130,16 +130,27 @@ def prefill_case(model: DecoderLM, hf: HF, n: int, rounds: int) -> dict[str, Any
     return {"ours_s": ours_s, "hf_s": hf_s, "same_token": firsts["ours"] == firsts["hf"]}
 
 
-def decode_case(model: DecoderLM, hf: HF, n: int, new: int) -> dict[str, Any]:
+def decode_case(model: DecoderLM, hf: HF, n: int, new: int, rounds: int) -> dict[str, Any]:
+    """Median tokens/s of each side over `rounds` alternating runs (after the shared warm-up)."""
     tokens = prompt(n, model.vocab_size, seed=1)
-    ours, theirs = [], []
-    for _ in range(2):  # the first pair warms both up; the second is measured
+    out: dict[str, Any] = {}
+
+    def ours() -> float:
         req = serve(engine_for(model, n + new), tokens, new)
         assert req.first_token_s is not None and req.finish_s is not None
-        ours.append((new - 1) / (req.finish_s - req.first_token_s))
-        rate, ids = hf.decode_rate(tokens, new)
-        theirs.append(rate)
-    return {"ours_tps": ours[-1], "hf_tps": theirs[-1], "same_tokens": req.output == ids}
+        out["ours_tokens"] = req.output
+        return (new - 1) / (req.finish_s - req.first_token_s)
+
+    def theirs() -> float:
+        rate, out["hf_tokens"] = hf.decode_rate(tokens, new)
+        return rate
+
+    t = _interleaved({"ours": ours, "hf": theirs}, rounds)
+    return {
+        "ours_tps": statistics.median(t["ours"]),
+        "hf_tps": statistics.median(t["hf"]),
+        "same_tokens": out["ours_tokens"] == out["hf_tokens"],
+    }
 
 
 def hit_ttft(model: DecoderLM, n: int) -> float:
@@ -166,7 +177,7 @@ def measure(sizes: tuple[int, ...], hit_n: int, rounds: int, new: int) -> dict[s
         report[f"prefill_hf_s_{label(n)}"] = c["hf_s"]
         report[f"prefill_ratio_vs_hf_{label(n)}"] = c["ours_s"] / c["hf_s"]
         same = same and c["same_token"]
-    d = decode_case(model, hf, 256, new)
+    d = decode_case(model, hf, 256, new, rounds)
     report.update(decode_ours_tps=d["ours_tps"], decode_hf_tps=d["hf_tps"])
     report["decode_ratio_vs_hf"] = d["ours_tps"] / d["hf_tps"]
     report[f"hit_ttft_{label(hit_n)}_s"] = hit_ttft(model, hit_n)
