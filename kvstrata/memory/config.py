@@ -43,6 +43,6 @@ class MemoryConfig:
 
         Measured on 2 shared cores (SmolLM2, L2 hit of a 2k prompt, alternating): TTFT 0.90 s
         with 1 copy thread, 0.88 s with 2; a lone 256 MiB copy is ~1.6x faster with 2. So the
-        copies keep torch's thread count; they run between layers, not beside a busy forward.
+        copies keep torch's thread count: giving the forward a core back did not pay here.
         """
         return self.copy_threads or max(1, torch.get_num_threads())
