@@ -207,6 +207,22 @@ def test_bad_requests_are_refused(model, tmp_path: Path) -> None:  # noqa: ANN00
     built.close()
 
 
+def test_a_prompt_may_fill_every_position(model) -> None:  # noqa: ANN001
+    """The last generated token is never fed back, so prompt + new - 1 positions are used."""
+    limit = model.spec.max_position_embeddings  # 1024
+    built = build_engine(
+        EngineConfig(tiers="l1"),
+        CacheConfig(page_size=PAGE, device_pages=limit // PAGE + 1, host_pages=0),
+        model=model,
+    )
+    with pytest.raises(ValueError, match="exceed"):
+        built.engine.submit(Request("over", [1] * limit, max_new_tokens=2))
+    req = Request("full", [1] * (limit - 1), max_new_tokens=2)
+    assert built.engine.run([req]) == [req] and len(req.output) == 2
+    built.engine.check_integrity()
+    built.close()
+
+
 def test_redis_as_shared_l3_across_engines(model, tmp_path: Path) -> None:  # noqa: ANN001
     """Two engines (as two workers would) share a real redis-server as L3: the second one's
     first turn comes from L3 and equals recomputation; a dead server only costs hits."""

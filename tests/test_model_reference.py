@@ -158,18 +158,41 @@ def test_before_layer_runs_before_the_layer_touches_the_pool(
     pool.check_integrity()
 
 
-def test_long_prefill_takes_the_expanded_kv_path_and_matches_hf(tmp_path: Path) -> None:
-    """>= EXPAND_KV_FROM query tokens repeat the K/V heads; fewer use enable_gqa: both = HF."""
-    from kvstrata.model.attention import EXPAND_KV_FROM
+def test_every_attention_route_matches_hf(tmp_path: Path) -> None:
+    """Long first chunk (causal), a continuing chunk split by log-sum-exp and its masked
+    variant, decode, and positions that are not the last tokens (general mask): all = HF."""
+    from kvstrata.model.attention import build_meta, route
 
     path = make_llama(tmp_path / "long", seed=7, max_position_embeddings=1024)
     ours, hf = load_model(path), load_hf(path)
-    assert ours.spec.num_kv_heads < ours.spec.num_heads
-    n = EXPAND_KV_FROM + 88
+    assert ours.spec.num_kv_heads < ours.spec.num_heads  # grouped K/V heads, never repeated
+    n = 600
     toks = tokens(n, seed=8)
     ref = hf_logits(hf, toks)
-    one_shot = run_chunks(ours, new_pool(ours, capacity=n // PAGE + 1), toks, [n])  # expanded
-    half = n // 2  # both chunks below the threshold: the enable_gqa path
-    chunked = run_chunks(ours, new_pool(ours, capacity=n // PAGE + 1), toks, [half, n - half])
-    assert rel_err(one_shot, ref) <= TOL and rel_err(chunked, ref) <= TOL
-    assert torch.equal(one_shot.argmax(-1), ref.argmax(-1))
+    cap = n // PAGE + 1
+    one_shot = run_chunks(ours, new_pool(ours, capacity=cap), toks, [n])
+    chunked = run_chunks(ours, new_pool(ours, capacity=cap), toks, [250, 349, 1])
+    for layer in ours.model.layers:
+        layer.self_attn.split_prefix = False
+    masked = run_chunks(ours, new_pool(ours, capacity=cap), toks, [250, 350])
+    for out in (one_shot, chunked, masked):
+        assert rel_err(out, ref) <= TOL
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    # which route each of those forwards took
+    pos = lambda a, b: torch.arange(a, b)  # noqa: E731
+    tables = [torch.arange(cap)]
+    ways = [
+        route(build_meta(pos(a, b), [b - a], [b], tables, PAGE), 0, split)
+        for a, b, split in ((0, n, True), (250, 599, True), (599, 600, True), (250, 600, False))
+    ]
+    assert ways == ["first_chunk", "split_prefix", "decode", "masked_prefix"]
+    # the general route: positions 3, 70, 599 recomputed over a context already in the pool
+    pool = new_pool(ours, capacity=cap)
+    table = pages(pool, n)
+    ours(SeqBatch.build([toks], [0], [table]), pool)
+    picks = [3, 70, 599]
+    batch = SeqBatch.build([[toks[p] for p in picks]], [0], [table])
+    batch.positions, batch.ctx_lens = torch.tensor(picks), [n]
+    meta = build_meta(batch.positions, batch.seq_lens, batch.ctx_lens, [table], PAGE)
+    assert route(meta, 0, True) == "general"
+    assert rel_err(ours(batch, pool), ref[picks]) <= TOL

@@ -26,6 +26,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.serve_bench",
     "kvstrata.bench.parallel",
     "kvstrata.bench.spec",
+    "kvstrata.bench.prefill",
 )
 
 

@@ -22,6 +22,8 @@ class EngineConfig:
     )
     dtype: str = doc("float32", "model and KV dtype")
     tiers: str = doc("l1_l2_l3", "cache tiers: none, l1, l1_l2, l1_l2_l3")
+    # 1024: attention over a 4k prompt cost the same in chunks of 1024, 2048 or one shot (prefix
+    # + chunk merged by log-sum-exp); the smaller chunk stalls running decodes least.
     chunk_tokens: int = doc(1024, "prefill chunk: new tokens per sequence per forward")
     max_batch_tokens: int = doc(2048, "new tokens per forward across the batch")
     max_running: int = doc(8, "requests decoding at once")

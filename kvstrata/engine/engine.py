@@ -82,7 +82,8 @@ class Engine:
             raise ValueError(f"request {req.rid}: empty prompt")
         as_token_array(req.tokens, self.model.vocab_size)  # ids in range, integers
         limit = self.model.spec.max_position_embeddings
-        if len(req.tokens) + req.max_new_tokens > limit:
+        # the last generated token is never fed back: it needs no position of its own
+        if len(req.tokens) + req.max_new_tokens - 1 > limit:
             raise ValueError(
                 f"request {req.rid}: {len(req.tokens)} prompt + {req.max_new_tokens} new "
                 f"tokens exceed the model's {limit} positions"

@@ -39,5 +39,10 @@ class MemoryConfig:
             )
 
     def resolved_copy_threads(self) -> int:
-        """copy_threads, with 0 meaning as many as torch uses for its own copies."""
+        """copy_threads, with 0 meaning as many as torch uses for its own copies.
+
+        Measured on 2 shared cores (SmolLM2, L2 hit of a 2k prompt, alternating): TTFT 0.90 s
+        with 1 copy thread, 0.88 s with 2; a lone 256 MiB copy is ~1.6x faster with 2. So the
+        copies keep torch's thread count: giving the forward a core back did not pay here.
+        """
         return self.copy_threads or max(1, torch.get_num_threads())

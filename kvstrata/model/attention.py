@@ -3,16 +3,31 @@
 The pool stores K and V per layer as [capacity, page_size, kv_heads, head_dim]; a sequence's
 logical page i lives in device page page_tables[s][i], token at absolute position p sits in
 slot p % page_size of logical page p // page_size.
+
+Each sequence takes the cheapest exact route (all are the same softmax, fp32 equal to float
+tolerance; see `PagedAttention._attend`):
+- first chunk (nothing cached before it): a causal kernel over the chunk's own K/V; the pool is
+  only written, never read back;
+- one new token (decode): its pages gathered whole (one index_select of page blocks, not one
+  index per token), every key visible, so no mask;
+- a chunk continuing a cached prefix: attention over the prefix's pages (no mask) and a causal
+  kernel over the chunk's own K/V, merged by their log-sum-exps (CPU); elsewhere one kernel with
+  a lower-right causal mask;
+- positions that are not the sequence's last tokens (hand-built batches): the general masked
+  path over the whole context.
+K/V heads are never repeated: the kernels take grouped heads (GQA) as they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kvstrata.model.layers import apply_rotary
+
+sdpa = nn.functional.scaled_dot_product_attention
 
 
 @dataclass
@@ -22,8 +37,36 @@ class AttnMeta:
     slots: torch.Tensor  # [T] flat slot page_id * page_size + offset of each new token
     seq_lens: list[int]  # new tokens per sequence
     ctx_lens: list[int]  # context length of each sequence after this forward
-    ctx_slots: list[torch.Tensor]  # per sequence [ctx] flat slots of its whole context, in order
-    masks: list[torch.Tensor]  # per sequence [new, ctx] bool (True = may attend)
+    page_tables: list[torch.Tensor]  # per sequence [>= ceil(ctx / page)] long device page ids
+    page_size: int
+    tail: list[bool]  # per sequence: its new tokens sit at positions ctx-n .. ctx-1, in order
+    positions: torch.Tensor  # [T] absolute positions
+    _slots: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def ctx_slots(self) -> list[torch.Tensor]:
+        """Per sequence [ctx] flat slots of its whole context, in order (built on first use)."""
+        if not self._slots:
+            for ctx, table in zip(self.ctx_lens, self.page_tables, strict=True):
+                every = torch.arange(ctx, device=table.device)  # [ctx]
+                page = table[every // self.page_size]
+                self._slots.append(page * self.page_size + every % self.page_size)
+        return self._slots
+
+    @property
+    def masks(self) -> list[torch.Tensor]:
+        """Per sequence [new, ctx] bool, True = may attend (built on first use)."""
+        if not self._masks:
+            start = 0
+            for n, ctx in zip(self.seq_lens, self.ctx_lens, strict=True):
+                pos = self.positions[start : start + n]  # [n]
+                start += n
+                every = torch.arange(ctx, device=pos.device)  # [ctx]
+                # Query at absolute position p sees keys 0..p (positions need not be the last n:
+                # context-parallel ranks compute the tokens of the pages they own).
+                self._masks.append(every[None, :] <= pos[:, None])
+        return self._masks
 
 
 def build_meta(
@@ -35,26 +78,46 @@ def build_meta(
 ) -> AttnMeta:
     """Index tensors for one forward; `positions` [T] are absolute token positions."""
     device = positions.device
-    slots, ctx_slots, masks = [], [], []
-    start = 0
-    for n, ctx, table in zip(seq_lens, ctx_lens, page_tables, strict=True):
-        table = table.to(device=device, dtype=torch.long)
-        pos = positions[start : start + n]  # [n]
-        start += n
-        slots.append(table[pos // page_size] * page_size + pos % page_size)
-        every = torch.arange(ctx, device=device)  # [ctx]
-        ctx_slots.append(table[every // page_size] * page_size + every % page_size)
-        # Query at absolute position p sees keys 0..p (positions need not be the last n:
-        # context-parallel ranks compute the tokens of the pages they own).
-        masks.append(every[None, :] <= pos[:, None])  # [n, ctx]
-    flat = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long, device=device)
-    return AttnMeta(flat, list(seq_lens), list(ctx_lens), ctx_slots, masks)
+    tables = [t.to(device=device, dtype=torch.long) for t in page_tables]
+    lens = torch.tensor(seq_lens, device=device)
+    seq_of = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)  # [T]
+    table_of = torch.cat(tables)  # flat page tables; offset of each sequence's table below
+    first = torch.tensor([0, *[t.numel() for t in tables[:-1]]], device=device).cumsum(0)
+    page = table_of[first[seq_of] + positions // page_size]  # [T] device page of each token
+    slots = page * page_size + positions % page_size
+    # tail: positions == ctx - n + arange(n) for every token of the sequence (one host sync)
+    ends = torch.tensor(ctx_lens, device=device)[seq_of]  # [T]
+    rank = torch.arange(positions.numel(), device=device) - (lens.cumsum(0) - lens)[seq_of]
+    expected = ends - lens[seq_of] + rank
+    wrong = torch.zeros(len(seq_lens), dtype=torch.long, device=device)
+    wrong.index_add_(0, seq_of, (positions != expected).long())
+    tail = (wrong == 0).tolist()
+    return AttnMeta(slots, list(seq_lens), list(ctx_lens), tables, page_size, tail, positions)
 
 
-EXPAND_KV_FROM = 512
-"""Query tokens from which K/V heads are repeated explicitly: CPU SDPA then takes its fused
-kernel (2x faster at 1024 queries), while enable_gqa's math path wins for decode and short
-chunks (4x at one query), where repeating the heads costs more than it saves."""
+def merge_by_lse(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention over two disjoint key sets from each part's output and log-sum-exp.
+
+    o* [1, heads, n, dim], lse* [1, heads, n]: weight of part 1 = e^lse1 / (e^lse1 + e^lse2).
+    """
+    w1 = torch.sigmoid(lse1 - lse2)[..., None]  # [1, heads, n, 1] fp32
+    if o1.dtype == torch.float32:
+        return o2 + (o1 - o2) * w1
+    return (o2.float() + (o1.float() - o2.float()) * w1).to(o1.dtype)  # merged in fp32
+
+
+def route(meta: AttnMeta, s: int, split_prefix: bool) -> str:
+    """Which exact kernel sequence s of this forward takes (see the module docstring)."""
+    n, ctx = meta.seq_lens[s], meta.ctx_lens[s]
+    if not meta.tail[s]:
+        return "general"
+    if n == ctx:
+        return "first_chunk"
+    if n == 1:
+        return "decode"
+    return "split_prefix" if split_prefix else "masked_prefix"
 
 
 class PagedAttention(nn.Module):
@@ -72,6 +135,8 @@ class PagedAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.gqa = heads != kv_heads
+        self.split_prefix = True  # CPU: see route(); False forces the masked prefix kernel
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
@@ -95,23 +160,74 @@ class PagedAttention(nn.Module):
         v_flat = v_pool.view(-1, self.kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, meta.slots, v.to(v_flat.dtype))
+        if k_flat.dtype != q.dtype:  # attend to the K/V as stored, as a cached read would
+            k, v = k.to(k_flat.dtype).to(q.dtype), v.to(v_flat.dtype).to(q.dtype)
+        if len(meta.seq_lens) == 1:  # one sequence: no per-sequence slicing or copy back
+            out = self._attend(q, k, v, k_pool, v_pool, meta, 0)  # [1, heads, T, dim]
+            out = out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim)
+            return self.o_proj(out)
         out = torch.empty_like(q)  # [T, heads, head_dim]
         start = 0
-        for n, slots, mask in zip(meta.seq_lens, meta.ctx_slots, meta.masks, strict=True):
-            qs = q[start : start + n].transpose(0, 1)[None]  # [1, heads, n, dim]
-            expand = n >= EXPAND_KV_FROM and self.heads != self.kv_heads
-            ks = self._heads(k_flat[slots].to(q.dtype), expand)  # [1, heads or kv_heads, ctx, dim]
-            vs = self._heads(v_flat[slots].to(q.dtype), expand)
-            o = nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, enable_gqa=self.heads != self.kv_heads and not expand
-            )
-            out[start : start + n] = o[0].transpose(0, 1)
+        for s, n in enumerate(meta.seq_lens):
+            rows = slice(start, start + n)
+            o = self._attend(q[rows], k[rows], v[rows], k_pool, v_pool, meta, s)
+            out[rows] = o[0].transpose(0, 1)
             start += n
         return self.o_proj(out.view(t, self.heads * self.head_dim))
 
-    def _heads(self, kv: torch.Tensor, expand: bool) -> torch.Tensor:
-        """[ctx, kv_heads, dim] -> [1, kv_heads or heads, ctx, dim] (K/V heads repeated)."""
-        kv = kv.transpose(0, 1)
-        if expand:
-            kv = kv.repeat_interleave(self.heads // self.kv_heads, dim=0)
-        return kv[None]
+    def _attend(
+        self,
+        q: torch.Tensor,  # [n, heads, dim] this sequence's new queries
+        k: torch.Tensor,  # [n, kv_heads, dim] their keys (already written to the pool)
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        meta: AttnMeta,
+        s: int,
+    ) -> torch.Tensor:
+        """Attention output of sequence s  # [1, heads, n, dim]"""
+        n, ctx = meta.seq_lens[s], meta.ctx_lens[s]
+        qs = q.transpose(0, 1)[None]  # [1, heads, n, dim]
+        way = route(meta, s, self.split_prefix and q.device.type == "cpu")
+        if way == "first_chunk":  # nothing cached before: causal over the chunk, no pool reads
+            return sdpa(qs, _bhsd(k), _bhsd(v), is_causal=True, enable_gqa=self.gqa)
+        if way == "split_prefix":
+            # prefix (no mask) and the chunk's own K/V (causal), merged by log-sum-exp
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            kp, vp = self._gather(k_pool, v_pool, meta, s, ctx - n, q.dtype)
+            o1, lse1 = flash(qs, kp, vp)
+            o2, lse2 = flash(qs, _bhsd(k), _bhsd(v), is_causal=True)
+            return merge_by_lse(o1, lse1, o2, lse2)
+        ks, vs = self._gather(k_pool, v_pool, meta, s, ctx, q.dtype)
+        if way == "decode":  # one new token: every key is visible
+            return sdpa(qs, ks, vs, enable_gqa=self.gqa)
+        if way == "masked_prefix":  # lower-right causal mask over prefix + chunk
+            mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+        else:
+            mask = meta.masks[s]
+        return sdpa(qs, ks, vs, attn_mask=mask, enable_gqa=self.gqa)
+
+    def _gather(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        meta: AttnMeta,
+        s: int,
+        length: int,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..length-1 of sequence s  # 2 x [1, kv_heads, len, dim]
+
+        Whole pages are gathered (one index_select of [page, kv_heads, dim] blocks), then cut.
+        """
+        pages = meta.page_tables[s][: -(-length // meta.page_size)]
+        out = []
+        for pool in (k_pool, v_pool):
+            kv = pool.index_select(0, pages).view(-1, self.kv_heads, self.head_dim)[:length]
+            out.append(_bhsd(kv.to(dtype)))
+        return out[0], out[1]
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """[len, heads, dim] -> [1, heads, len, dim] (a view)."""
+    return x.transpose(0, 1)[None]

@@ -67,14 +67,14 @@ class SeqBatch:
         device: str | torch.device = "cpu",
     ) -> SeqBatch:
         """Batch that appends `new_tokens[s]` after `cached_lens[s]` cached tokens of sequence s."""
-        ids = [int(t) for toks in new_tokens for t in toks]
-        pos = [
-            c + i for toks, c in zip(new_tokens, cached_lens, strict=True) for i in range(len(toks))
-        ]
+        lens = [len(t) for t in new_tokens]
+        # whole sequences at a time (no per-token Python): ids flattened, positions c .. c+n-1
+        ids = [torch.as_tensor(toks, dtype=torch.long) for toks in new_tokens]
+        pos = [torch.arange(c, c + n) for c, n in zip(cached_lens, lens, strict=True)]
         return cls(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(pos, dtype=torch.long, device=device),
-            seq_lens=[len(t) for t in new_tokens],
+            input_ids=torch.cat(ids).to(device) if ids else torch.empty(0, dtype=torch.long),
+            positions=torch.cat(pos).to(device) if pos else torch.empty(0, dtype=torch.long),
+            seq_lens=lens,
             ctx_lens=[c + len(t) for t, c in zip(new_tokens, cached_lens, strict=True)],
             page_tables=[torch.as_tensor(p, dtype=torch.long, device=device) for p in page_tables],
         )
