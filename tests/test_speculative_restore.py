@@ -159,7 +159,11 @@ def test_restore_from_l3_in_a_fresh_process(ckpt: Path, tmp_path: Path) -> None:
     child = torch.load(out)
     assert child[0][2] == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
     assert assert_restored(child[:1], cached, "L3") == (len(prompts[0]) - 1) // PAGE
-    assert_restored(child, cached, "L3")
+    # later turns also hit pages the child computed itself (a first turn's last page, through
+    # another attention route than the cold run's: equal within float tolerance, not in bits);
+    # every page restored from a tier equals the bytes of the run that computed it
+    own = {k: v for r in child[:-1] for k, v in r[4].items()}
+    assert_restored(child, {**cached, **own}, "L3")
     assert_same_acceptance(cold, child)
 
 
