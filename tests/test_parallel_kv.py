@@ -19,8 +19,8 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankFailure
 from kvstrata.parallel.ranks import RankOptions, run_distributed
-from kvstrata.parallel.units import CRASH_EXIT_CODE, PagePart, UnitLayout, open_unit_storage
 from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.units import CRASH_EXIT_CODE, PagePart, UnitLayout, open_unit_storage
 from kvstrata.workloads.feed import MultiTurn
 from tests.test_dist_engine import CONV, PAGE, _Once, assert_logits, serve_one_rank
 from tests.tiny_models import make_llama

@@ -37,7 +37,7 @@ from kvstrata.parallel.decision_log import DecisionLog
 from kvstrata.parallel.group import RankContext, run_ranks
 from kvstrata.parallel.parts import DistMover
 from kvstrata.parallel.tp import head_range
-from kvstrata.parallel.units import PagePart, open_unit_storage
+from kvstrata.storage.units import PagePart, open_unit_storage
 
 # A small model-shaped page: 4 layers, 4 K/V heads, head_dim 64, 16 tokens, fp32 = 128 KiB.
 SHAPE = KVShape(4, 4, 64, 16)

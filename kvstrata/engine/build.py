@@ -21,8 +21,8 @@ from kvstrata.memory.transfer import TensorMover
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.draft import load_draft
-from kvstrata.parallel.units import PagePart, open_unit_storage
 from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.units import PagePart, open_unit_storage
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The PageMover of one rank of a tp x cp x pp layout: every byte it moves is its own.
 
 A rank's pools hold one *part* of every page (its pipeline stage's layers, its tensor-parallel
-heads: kvstrata.parallel.units.PagePart). Under context parallel a page lives on one owner
+heads: kvstrata.storage.units.PagePart). Under context parallel a page lives on one owner
 rank, owner = logical id % cp, in L1 *and* L2: the cache gives a page's host id the owner of its
 device id and back (Tiers `like=`), each rank's host pool stores only its 1/cp of the host ids.
 So, with no collective at all:
@@ -24,7 +24,7 @@ from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, STORE, TransferOp
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import PREFETCH_CHUNK, TensorMover
 from kvstrata.parallel.cp_gather import CPOwnership
-from kvstrata.parallel.units import PagePart, UnitStorage
+from kvstrata.storage.units import PagePart, UnitStorage
 
 __all__ = ["DistMover", "PagePart"]
 

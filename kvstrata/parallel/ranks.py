@@ -48,8 +48,8 @@ from kvstrata.parallel.group import (
 from kvstrata.parallel.parts import DistMover, PagePart
 from kvstrata.parallel.pp import PipelineStage, stage_bounds
 from kvstrata.parallel.tp import head_range, shard_tp
-from kvstrata.parallel.units import open_unit_storage
 from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.units import open_unit_storage
 from kvstrata.workloads.feed import StaticWorkload, Workload, drive
 
 
