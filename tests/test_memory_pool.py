@@ -38,10 +38,6 @@ def test_kvshape_rejects_unknown_dtype() -> None:
 
 def test_memory_config_validates() -> None:
     assert MemoryConfig().resolved_copy_threads() >= 1
-    with pytest.raises(ValueError, match="device"):
-        MemoryConfig(device="tpu")
-    with pytest.raises(ValueError, match="host_pages"):
-        MemoryConfig(host_pages=0)
     with pytest.raises(ValueError, match="copy_threads"):
         MemoryConfig(copy_threads=-1)
 

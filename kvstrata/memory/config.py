@@ -11,24 +11,14 @@ from kvstrata.configtools import doc
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """Device (L1) and host (L2) KV pools and the copy engine between them."""
+    """The copy engine between the L1 and L2 pools (pool sizes are the cache's: CacheConfig)."""
 
-    device: str = doc("cpu", "device of the L1 pool: cpu, cuda or cuda:N")
-    device_pages: int = doc(1024, "pages in the L1 device pool (all shards together)")
-    host_pages: int = doc(4096, "pages in the L2 host pool")
-    pin_host_memory: bool | None = doc(None, "pin the host pool (default: when CUDA is available)")
     copy_threads: int = doc(
         0,
         "CPU copy path: threads copying one layer's pages in parallel (0: torch.get_num_threads())",
     )
 
     def __post_init__(self) -> None:
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"MemoryConfig.device must be cpu or cuda[:N], got {self.device!r}")
-        for name in ("device_pages", "host_pages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"MemoryConfig.{name} must be a positive int, got {value!r}")
         if (
             isinstance(self.copy_threads, bool)
             or not isinstance(self.copy_threads, int)
