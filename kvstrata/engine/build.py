@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import Namespace
 from kvstrata.cache.manager import HiCache
+from kvstrata.cache.ops import PageMover
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Agree, DecisionSink, Engine
@@ -81,34 +83,60 @@ def build_engine(
         spec, shape, fingerprint = build_speculator(config, model, shape)
     pool = DevicePool(shape, cache_cfg.device_pages)
     ns = Namespace(fingerprint, shape.dtype, tenant_salt=tenant, page_size=cache_cfg.page_size)
-    if config.tiers == "none":
-        admission = Admission(
-            None, pool.allocator, ns, model.vocab_size, config.admission_lookahead
-        )
-        engine = Engine(
-            model, pool, None, admission, config, agree, decisions=decisions, speculator=spec
-        )
-        return Built(engine, None)
-    host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
-    storage = None
-    if cache_cfg.storage_url:
-        # the topology-free unit layout that every parallel layout reads and writes too
-        part = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
-        storage = open_unit_storage(cache_cfg.storage_url, part, storage_cfg or StorageConfig())
-    mover = TensorMover(pool, host, storage)
-    cache = HiCache(
+    parts = CacheParts(pool)
+    if config.tiers != "none":
+        host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
+        storage = None
+        if cache_cfg.storage_url:
+            # the topology-free unit layout that every parallel layout reads and writes too
+            part = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
+            storage = open_unit_storage(cache_cfg.storage_url, part, storage_cfg or StorageConfig())
+        parts = CacheParts(pool, host, TensorMover(pool, host, storage), storage is not None)
+    engine = assemble(
+        config,
         cache_cfg,
-        pool.allocator,
-        host.allocator if host else None,
-        mover,
-        has_storage=storage is not None,
-        page_nbytes=shape.page_nbytes,
+        parts,
+        ns,
+        model.vocab_size,
+        lambda cache, admission: Engine(
+            model, pool, cache, admission, config, agree, decisions=decisions, speculator=spec
+        ),
     )
-    admission = Admission(cache, pool.allocator, ns, model.vocab_size, config.admission_lookahead)
-    engine = Engine(
-        model, pool, cache, admission, config, agree, decisions=decisions, speculator=spec
-    )
-    return Built(engine, mover)
+    return Built(engine, parts.mover)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class CacheParts:
+    """What one rank's cache is made of: its L1 pool, optional L2 pool, and the mover over them
+    (None: no cache). A single rank and a parallel rank differ only in how these are made."""
+
+    pool: DevicePool
+    host: HostPool | None = None
+    mover: PageMover | None = None
+    has_storage: bool = False
+
+
+def assemble(
+    config: EngineConfig,
+    cache_cfg: CacheConfig,
+    parts: CacheParts,
+    ns: Namespace,
+    vocab_size: int,
+    make_engine: Callable[[HiCache | None, Admission], Engine],
+) -> Engine:
+    """The one place an engine is put together: cache over the parts, admission, engine."""
+    cache = None
+    if parts.mover is not None:
+        cache = HiCache(
+            cache_cfg,
+            parts.pool.allocator,
+            parts.host.allocator if parts.host else None,
+            parts.mover,
+            has_storage=parts.has_storage,
+            page_nbytes=parts.pool.shape.page_nbytes,
+        )
+    admission = Admission(cache, parts.pool.allocator, ns, vocab_size, config.admission_lookahead)
+    return make_engine(cache, admission)
 
 
 def build_speculator(

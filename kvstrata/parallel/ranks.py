@@ -27,7 +27,7 @@ from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Node
 from kvstrata.configtools import doc
 from kvstrata.engine.admission import Admission
-from kvstrata.engine.build import resolve_model_path, tiers_of
+from kvstrata.engine.build import CacheParts, assemble, resolve_model_path, tiers_of
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
@@ -135,35 +135,38 @@ class RankEngine:
         cp = ctx.config.cp
         self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
         ns = Namespace(full.fingerprint, shape.dtype, page_size=cache_cfg.page_size)
-        self.cache, self.mover = self._cache(engine_cfg, cache_cfg, storage_cfg, rp.part)
-        admission = Admission(
-            self.cache, self.pool.allocator, ns, full.vocab_size, engine_cfg.admission_lookahead
-        )
+        parts = self._parts(engine_cfg, cache_cfg, storage_cfg, rp.part)
+        self.mover: DistMover | None = parts.mover  # type: ignore[assignment]
         self.log = DecisionLog.from_config(ctx.config, ctx.rank, ctx.run_id, config_digest(check))
+        self.calls = 0
+        self.digests: list[int] = []
+
+        def make_engine(cache: HiCache | None, admission: Admission) -> Engine:
+            args = (rp.model, self.pool, cache, admission, engine_cfg, self.agree)
+            if cp > 1:
+                return CPEngine(
+                    *args, self.clock, decisions=self, scratch_bytes=options.cp_scratch_bytes
+                )
+            return Engine(*args, self.clock, decisions=self)
+
+        # the rank engine adds only the step agreement and the decision log to what build makes
+        self.engine = assemble(engine_cfg, cache_cfg, parts, ns, full.vocab_size, make_engine)
+        self.cache = self.engine.cache
         self.consensus: StepConsensus | None = None
         if self.cache is not None:
             n = len(self.cache.local_progress())
             self.fields = [f"p{i}" for i in range(n)]
             self.consensus = StepConsensus(self.fields, live_check=ctx.config.live_check)
-        self.calls = 0
-        self.digests: list[int] = []
-        args = (rp.model, self.pool, self.cache, admission, engine_cfg, self.agree)
-        if cp > 1:
-            self.engine: Engine = CPEngine(
-                *args, self.clock, decisions=self, scratch_bytes=options.cp_scratch_bytes
-            )
-        else:
-            self.engine = Engine(*args, self.clock, decisions=self)
 
     def clock(self) -> float:
         """The agreed clock: rank 0's time, broadcast with each step's inputs."""
         return self.now
 
-    def _cache(
+    def _parts(
         self, ecfg: EngineConfig, ccfg: CacheConfig, scfg: StorageConfig | None, part: PagePart
-    ) -> tuple[HiCache | None, DistMover | None]:
+    ) -> CacheParts:
         if ecfg.tiers == "none":
-            return None, None
+            return CacheParts(self.pool)
         cp, ctx, o = self.ctx.config.cp, self.ctx, self.options
         # L2 sharded like L1: this rank stores only the host ids it owns (id % cp == cp_rank)
         host = (
@@ -180,15 +183,7 @@ class RankEngine:
         delay = (o.delay, o.seed * 1000 + ctx.rank) if o.delay else None
         writer = ctx.tp_rank == 0 and ctx.pp_rank == 0  # commits its cp rank's pages
         mover = DistMover(self.pool, host, storage, writer, delay)
-        cache = HiCache(
-            ccfg,
-            self.pool.allocator,
-            host.allocator if host else None,
-            mover,
-            has_storage=storage is not None,
-            page_nbytes=part.shape.page_nbytes,
-        )
-        return cache, mover
+        return CacheParts(self.pool, host, mover, storage is not None)
 
     # ---- the step agreement --------------------------------------------------------------------
     def agree(self, local: list[int]) -> list[int]:
