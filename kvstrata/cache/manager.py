@@ -1,13 +1,9 @@
 """The hierarchical cache manager: tree + tiers + policies + counted asynchronous moves.
 
-Tensor-free. The engine drives one request as:
-    m = cache.match(keys); cache.lock(m.last_node)
-    op = cache.start_prefetch(keys[m.pages:], m.last_node)      # optional, L3 -> L2
-    ... steps until cache.prefetch_done(op) ... then match again
-    load = cache.load_host(m)                                   # L2 -> L1, wait per layer on load.handle
-    ids = cache.alloc_device(n)                                 # pages for the new tokens
-    node = cache.insert(keys, m.device_ids + loaded + ids[:full]); cache.lock(node); cache.unlock(...)
-and calls `step()` (or `local_progress()` -> agree -> `apply()` under several ranks) once per step.
+Tensor-free. Its request-path calls (match, lock, start_probe, start_prefetch, load_host,
+alloc_device, insert, ...) are the building blocks of `kvstrata.cache.lease.Lease`, the one
+object that strings them together for a request; nothing else should. The driver calls `step()`
+(or `local_progress()` -> agree -> `apply()` under several ranks) once per scheduler step.
 """
 
 from __future__ import annotations
