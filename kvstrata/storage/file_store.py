@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +43,7 @@ from kvstrata.storage.base import (
     header_ok,
     page_view,
 )
+from kvstrata.storage.file_dirs import resolve_dir
 from kvstrata.storage.tmp_files import TempFiles
 
 PAGE_SUFFIX = ".kvp"
@@ -56,39 +56,6 @@ _COUNTERS = (
     "read_errors", "exists_queries", "deleted", "evicted", "rescans", "bytes_written", "bytes_read",
     "tmp_swept",
 )  # fmt: skip
-
-
-def parse_file_url(url: str) -> Path:
-    """`file:///abs/dir`, `file://rel/dir` or a plain path -> Path."""
-    path = url[len("file://") :] if url.lower().startswith("file://") else url
-    if not path:
-        raise ValueError(f"storage url {url!r} names no directory")
-    return Path(path)
-
-
-def _resolve_dir(url: str, create: bool) -> Path:
-    try:
-        return _make_dir(url, create)
-    except OSError as exc:
-        raise ValueError(f"storage url {url!r}: cannot create the directory: {exc}") from None
-
-
-def _make_dir(url: str, create: bool) -> Path:
-    root = parse_file_url(url)
-    if root.is_dir():
-        return root
-    if root.exists():
-        raise ValueError(f"storage url {url!r}: {root} exists and is not a directory")
-    if not create:
-        raise ValueError(
-            f"storage url {url!r}: directory {root} does not exist (create_dir is off)"
-        )
-    if not root.parent.is_dir():
-        raise ValueError(
-            f"storage url {url!r}: parent directory {root.parent} of {root} does not exist"
-        )
-    root.mkdir(exist_ok=True)
-    return root
 
 
 def _transfer_all(op: object, fd: int, bufs: list[memoryview]) -> int:
@@ -113,7 +80,7 @@ class FileStore:
     def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
         self.config = config or StorageConfig()
-        self.root = _resolve_dir(url, self.config.create_dir)
+        self.root = resolve_dir(url, self.config.create_dir)
         self.file_nbytes = HEADER_NBYTES + self.page_nbytes
         self._root_s = os.fspath(self.root)
         self._lock = threading.Lock()  # guards counters and the size estimate (threads only)

@@ -34,7 +34,7 @@ import xxhash
 
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage, url_scheme
-from kvstrata.storage.file_store import parse_file_url
+from kvstrata.storage.file_dirs import parse_file_url
 
 UNIT_TAG = b"kvstrata-unit-v1"
 COMMIT_TAG = b"kvstrata-commit-v1"

@@ -1,0 +1,39 @@
+"""Where a file store lives: its URL parsed to a directory, checked and created if allowed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def parse_file_url(url: str) -> Path:
+    """`file:///abs/dir`, `file://rel/dir` or a plain path -> Path."""
+    path = url[len("file://") :] if url.lower().startswith("file://") else url
+    if not path:
+        raise ValueError(f"storage url {url!r} names no directory")
+    return Path(path)
+
+
+def resolve_dir(url: str, create: bool) -> Path:
+    """The store directory of `url`, created if allowed; one-line ValueError otherwise."""
+    try:
+        return _make_dir(url, create)
+    except OSError as exc:
+        raise ValueError(f"storage url {url!r}: cannot create the directory: {exc}") from None
+
+
+def _make_dir(url: str, create: bool) -> Path:
+    root = parse_file_url(url)
+    if root.is_dir():
+        return root
+    if root.exists():
+        raise ValueError(f"storage url {url!r}: {root} exists and is not a directory")
+    if not create:
+        raise ValueError(
+            f"storage url {url!r}: directory {root} does not exist (create_dir is off)"
+        )
+    if not root.parent.is_dir():
+        raise ValueError(
+            f"storage url {url!r}: parent directory {root.parent} of {root} does not exist"
+        )
+    root.mkdir(exist_ok=True)
+    return root
