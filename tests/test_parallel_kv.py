@@ -177,6 +177,26 @@ def test_unit_layout_keys_and_alignment() -> None:
         UnitLayout(FULL, head_block=3)
 
 
+def test_whole_page_store_of_the_older_layout_is_refused(tmp_path: Path) -> None:
+    """A directory of whole-page files (the layout before units) is refused by name, never
+    silently missed; the same directory once it holds units opens again."""
+    from kvstrata.storage.file_store import FileStore
+
+    old = FileStore(str(tmp_path / "old"), FULL.page_nbytes)
+    assert old.put([5], [np.ones(FULL.page_nbytes, np.uint8)]) == 1
+    old.close()
+    whole = PagePart(FULL, (0, 2), (0, 2))
+    with pytest.raises(ValueError, match=r"old.*whole-page files .*kvstrata-unit-v1"):
+        open_unit_storage(str(tmp_path / "old"), whole)
+    assert not (tmp_path / "old" / "commits").exists()  # refused before creating anything
+    fresh = open_unit_storage(str(tmp_path / "new"), whole)
+    assert fresh.put([5], [np.ones(FULL.page_nbytes, np.uint8)]) == 1
+    fresh.close()
+    again = open_unit_storage(str(tmp_path / "new"), whole)  # units + commits/: accepted
+    assert again.exists_prefix([5]) == 1
+    again.close()
+
+
 def test_redis_units_round_trip_across_parts(tmp_path: Path) -> None:
     """The same unit layout over a real redis-server: two half-head writers, one full reader;
     nothing is visible before the commit."""

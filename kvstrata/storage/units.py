@@ -35,7 +35,7 @@ import xxhash
 
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage, url_scheme
-from kvstrata.storage.file_dirs import parse_file_url
+from kvstrata.storage.file_dirs import parse_file_url, refuse_whole_page_dir
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.redis_store import RedisStore
 from kvstrata.storage.unit_sweep import FilePending, RedisExpiry
@@ -297,6 +297,8 @@ def open_unit_storage(
     config = config or StorageConfig()
     layout = layout or UnitLayout(part.full)
     redis_units = url_scheme(url) != "file"
+    if not redis_units:
+        refuse_whole_page_dir(url)  # before the commits store opens (it creates commits/)
     ucfg = dataclasses.replace(config, redis_ttl_s=config.stale_unit_s) if redis_units else config
     units = open_storage(url, layout.unit_nbytes, ucfg)
     curl, ccfg = commit_store_url(url, config)
