@@ -11,9 +11,10 @@ on write). Per layer l:
   new      # [cp, 2, m, kv_heads, head_dim]: every rank's new-token K/V of layer l, one
              synchronous all_gather (m = most new tokens any rank computes; padded)
 The new K/V overlay the scratch (whatever the early gather packed for those slots is stale),
-each rank attends for its own tokens over the whole context, and the owner keeps its new K/V in
-its pool. The logits of a token are computed by its owner only; one all_reduce(SUM) of
-[rows, vocab] with zeros elsewhere gives every rank the same bits (x + 0 == x).
+each rank attends for its own tokens over the whole context (kvstrata.parallel.cp_attn: prefix
+unmasked + chunk under a [t, n] bias), and the owner keeps its new K/V in its pool. The logits
+of a token are computed by its owner only; one all_reduce(SUM) of [rows, vocab] with zeros
+elsewhere gives every rank the same bits (x + 0 == x).
 """
 
 from __future__ import annotations

@@ -62,11 +62,13 @@ class FilePending:
     def sweep(self, is_committed: Callable[[int], bool], drop: Callable[[list[int]], int]) -> int:
         """Remove the units of every stale uncommitted page; returns how many units went."""
         self._next = time.monotonic() + self.interval_s
-        removed = 0
-        for pkey in self._stale():
+        removed, before = 0, self._before()
+        for pkey in self._stale(before):
             buf = np.empty(16, np.uint8)
             if self.store.get([pkey], [buf]) != 1:
                 continue  # removed meanwhile (a commit, or another sweeper)
+            if not self._still_stale(pkey, before):
+                continue  # a writer refreshed it since the scan: its backup is live again
             key = int.from_bytes(buf.tobytes(), "little")
             if not is_committed(key):
                 removed += drop([key])
@@ -75,9 +77,17 @@ class FilePending:
         self.counts["units_swept"] += removed
         return removed
 
-    def _stale(self) -> list[int]:
-        """Keys of pending records whose file is older than the bound."""
-        before = time.time_ns() - int(self.stale_s * 1e9)
+    def _before(self) -> int:
+        return time.time_ns() - int(self.stale_s * 1e9)
+
+    def _still_stale(self, pkey: int, before: int) -> bool:
+        try:  # the store's own path of the record (get() above read it there)
+            return os.stat(self.store._path(pkey)).st_mtime_ns < before
+        except OSError:
+            return False
+
+    def _stale(self, before: int) -> list[int]:
+        """Keys of pending records whose file is older than `before` (ns since the epoch)."""
         root, out = os.fspath(self.store.root), []
         with os.scandir(root) as top:
             subs = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]

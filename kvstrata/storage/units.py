@@ -305,7 +305,8 @@ def open_unit_storage(
     commits = open_storage(curl, MARKER_NBYTES, ccfg)
     pending: FilePending | RedisExpiry | None = None
     if isinstance(units, FileStore):
-        store = FileStore(str(parse_file_url(url) / "pending"), 16, config)
+        pcfg = dataclasses.replace(config, touch_on_read=False, max_bytes=0)  # mtime = age
+        store = FileStore(str(parse_file_url(url) / "pending"), 16, pcfg)
         pending = FilePending(store, config.stale_unit_s, config.rescan_interval_s)
     elif isinstance(units, RedisStore):
         pending = RedisExpiry(units, config.redis_ttl_s)
