@@ -196,3 +196,17 @@ def test_every_attention_route_matches_hf(tmp_path: Path) -> None:
     meta = build_meta(batch.positions, batch.seq_lens, batch.ctx_lens, [table], PAGE)
     assert route(meta, 0, True) == "general"
     assert rel_err(ours(batch, pool), ref[picks]) <= TOL
+
+
+def test_prefix_gathered_in_blocks_matches_hf(
+    models: tuple[DecoderLM, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A continuing chunk whose prefix spans several gather blocks (10 tokens: 2 pages of 4,
+    one partial block at the end) merges every block by log-sum-exp: = HF."""
+    import kvstrata.model.attention as attention
+
+    monkeypatch.setattr(attention, "PREFIX_BLOCK_TOKENS", 10)
+    ours, hf = models
+    toks = tokens(41, seed=9)
+    chunked = run_chunks(ours, new_pool(ours), toks, [7, 22, 12])  # prefixes 7 and 29
+    assert rel_err(chunked, hf_logits(hf, toks)) <= TOL

@@ -5,7 +5,9 @@ and a rank killed mid-backup leaves no visible partial page."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.keys import key_hex
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
@@ -20,6 +23,7 @@ from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankFailure
 from kvstrata.parallel.ranks import RankOptions, run_distributed
 from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.unit_sweep import pending_key
 from kvstrata.storage.units import CRASH_EXIT_CODE, PagePart, UnitLayout, open_unit_storage
 from kvstrata.workloads.feed import MultiTurn
 from tests.test_dist_engine import CONV, PAGE, _Once, assert_logits, serve_one_rank
@@ -173,14 +177,36 @@ def test_unit_layout_keys_and_alignment() -> None:
         UnitLayout(FULL, head_block=3)
 
 
+def test_whole_page_store_of_the_older_layout_is_refused(tmp_path: Path) -> None:
+    """A directory of whole-page files (the layout before units) is refused by name, never
+    silently missed; the same directory once it holds units opens again."""
+    from kvstrata.storage.file_store import FileStore
+
+    old = FileStore(str(tmp_path / "old"), FULL.page_nbytes)
+    assert old.put([5], [np.ones(FULL.page_nbytes, np.uint8)]) == 1
+    old.close()
+    whole = PagePart(FULL, (0, 2), (0, 2))
+    with pytest.raises(ValueError, match=r"old.*whole-page files .*kvstrata-unit-v1"):
+        open_unit_storage(str(tmp_path / "old"), whole)
+    assert not (tmp_path / "old" / "commits").exists()  # refused before creating anything
+    fresh = open_unit_storage(str(tmp_path / "new"), whole)
+    assert fresh.put([5], [np.ones(FULL.page_nbytes, np.uint8)]) == 1
+    fresh.close()
+    again = open_unit_storage(str(tmp_path / "new"), whole)  # units + commits/: accepted
+    assert again.exists_prefix([5]) == 1
+    again.close()
+
+
 def test_redis_units_round_trip_across_parts(tmp_path: Path) -> None:
     """The same unit layout over a real redis-server: two half-head writers, one full reader;
     nothing is visible before the commit."""
+    import redis
+
     from tests.redis_server import RedisServer
 
     server = RedisServer().start()
     try:
-        cfg = StorageConfig(redis_key_prefix="units:")
+        cfg = StorageConfig(redis_key_prefix="units:", stale_unit_s=900)
         halves = [PagePart(FULL, (0, 2), (h, h + 1)) for h in (0, 1)]
         rng = np.random.default_rng(0)
         full = [rng.integers(0, 255, FULL.page_nbytes, dtype=np.uint8) for _ in range(3)]
@@ -198,6 +224,12 @@ def test_redis_units_round_trip_across_parts(tmp_path: Path) -> None:
             w.close()
         r = open_unit_storage(server.url, PagePart(FULL, (0, 2), (0, 2)), cfg)
         assert r.exists_prefix(keys) == 2
+        # a committed page's units keep no expiry; the uncommitted one's expire (killed backup)
+        client = redis.Redis.from_url(server.url)
+        ttl = [[client.ttl(f"units:{key_hex(u)}") for u in r.all_unit_keys(k)] for k in keys]
+        client.close()
+        assert ttl[0] == ttl[1] == [-1] * 4
+        assert all(0 < t <= cfg.stale_unit_s for t in ttl[2]), ttl[2]
         out = [np.zeros(FULL.page_nbytes, np.uint8) for _ in keys]
         assert r.get(keys, out) == 3  # the units are there; visibility is the probe's answer
         assert all(np.array_equal(a, b) for a, b in zip(out, full, strict=True))
@@ -234,6 +266,7 @@ def test_rank_killed_mid_backup_leaves_no_visible_partial_page(
     visible = [k for k in keys if k in committed]
     whole.close()
     shutil.copytree(url, tmp_path / "after-kill")  # as the kill left it (the run below writes)
+    _sweep_removes_exactly_the_uncommitted(tmp_path / "after-kill", tmp_path / "swept", visible)
     again = serve_one_rank(ckpt, "l1_l2_l3", Path(url), _Once(last))
     left = open_unit_storage(str(tmp_path / "after-kill"), PagePart(FULL, (0, 2), (0, 2)))
     lease = again["c0t2"].lease
@@ -241,6 +274,41 @@ def test_rank_killed_mid_backup_leaves_no_visible_partial_page(
     left.close()
     assert lead > 0 and again["c0t2"].hits["L3"] == lead <= len(visible)
     assert_logits({"c0t2": [x.numpy() for x in again["c0t2"].logits]}, {"c0t2": recompute["c0t2"]})
+
+
+def _unit_files(root: Path) -> int:
+    return sum(1 for d in root.iterdir() if len(d.name) == 2 for _ in d.glob("*.kvp"))
+
+
+def _sweep_removes_exactly_the_uncommitted(src: Path, root: Path, committed: list[int]) -> None:
+    """Once the killed backup's pending records are older than stale_unit_s, opening the store
+    removes every unit of an uncommitted page and nothing else; a fresh uncommitted page (a
+    backup that may still be in progress) stays."""
+    shutil.copytree(src, root)
+    before = _unit_files(root)
+    assert before > 4 * len(committed)  # the kill left uncommitted units
+    cfg = StorageConfig(stale_tmp_s=1.0, stale_unit_s=60)
+    whole = PagePart(FULL, (0, 2), (0, 2))
+    live = open_unit_storage(str(root), whole, cfg, commit_on_put=False)  # nothing stale yet
+    assert live.stats()["units_swept"] == 0 and _unit_files(root) == before
+    fresh = np.zeros(FULL.page_nbytes, np.uint8)
+    assert live.put([7], [fresh]) == 1  # in progress: written now, not committed
+    live.close()
+    old, live_record = time.time() - 120, f"{key_hex(pending_key(7))}.kvp"
+    for f in (root / "pending").rglob("*.kvp"):
+        if f.name != live_record:  # the killed run's records: two minutes old
+            os.utime(f, (old, old))
+    swept = open_unit_storage(str(root), whole, cfg, commit_on_put=False)
+    assert swept.stats()["units_swept"] == before - 4 * len(committed)
+    assert _unit_files(root) == 4 * len(committed) + 4  # committed pages + the fresh one
+    out = [np.empty(FULL.page_nbytes, np.uint8) for _ in committed]
+    assert swept.get(committed, out) == len(committed)
+    assert swept.exists_prefix(committed) == len(committed)
+    assert swept.units.exists_prefix(swept.all_unit_keys(7)) == 4  # the live backup's units
+    assert swept.exists_prefix([7]) == 0
+    assert [f.name for f in (root / "pending").rglob("*.kvp")] == [live_record]
+    swept.check_integrity()
+    swept.close()
 
 
 @pytest.mark.slow

@@ -68,7 +68,8 @@ def test_every_config_field_is_documented() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("max_bytes", -1), ("evict_to_fraction", 0.0), ("evict_to_fraction", 1.5), ("redis_batch_pages", 0),
-     ("socket_timeout_s", 0.0), ("reconnect_backoff_max_s", 0.01), ("redis_ttl_s", -1)],
+     ("socket_timeout_s", 0.0), ("reconnect_backoff_max_s", 0.01), ("redis_ttl_s", -1),
+     ("stale_unit_s", 0), ("stale_unit_s", 599)],
 )  # fmt: skip
 def test_bad_config_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):

@@ -10,9 +10,9 @@ tolerance; see `PagedAttention._attend`):
   only written, never read back;
 - one new token (decode): its pages gathered whole (one index_select of page blocks, not one
   index per token), every key visible, so no mask;
-- a chunk continuing a cached prefix: attention over the prefix's pages (no mask) and a causal
-  kernel over the chunk's own K/V, merged by their log-sum-exps (CPU); elsewhere one kernel with
-  a lower-right causal mask;
+- a chunk continuing a cached prefix: attention over the prefix's pages (no mask, gathered in
+  blocks of PREFIX_BLOCK_TOKENS) and a causal kernel over the chunk's own K/V, merged by their
+  log-sum-exps (CPU); elsewhere one kernel with a lower-right causal mask;
 - positions that are not the sequence's last tokens (hand-built batches): the general masked
   path over the whole context.
 K/V heads are never repeated: the kernels take grouped heads (GQA) as they are.
@@ -28,6 +28,7 @@ from torch import nn
 from kvstrata.model.layers import apply_rotary
 
 sdpa = nn.functional.scaled_dot_product_attention
+PREFIX_BLOCK_TOKENS = 65536  # most prefix tokens one split-prefix gather copies at a time
 
 
 @dataclass
@@ -192,12 +193,7 @@ class PagedAttention(nn.Module):
         if way == "first_chunk":  # nothing cached before: causal over the chunk, no pool reads
             return sdpa(qs, _bhsd(k), _bhsd(v), is_causal=True, enable_gqa=self.gqa)
         if way == "split_prefix":
-            # prefix (no mask) and the chunk's own K/V (causal), merged by log-sum-exp
-            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-            kp, vp = self._gather(k_pool, v_pool, meta, s, ctx - n, q.dtype)
-            o1, lse1 = flash(qs, kp, vp)
-            o2, lse2 = flash(qs, _bhsd(k), _bhsd(v), is_causal=True)
-            return merge_by_lse(o1, lse1, o2, lse2)
+            return self._split_prefix(qs, k, v, k_pool, v_pool, meta, s)
         ks, vs = self._gather(k_pool, v_pool, meta, s, ctx, q.dtype)
         if way == "decode":  # one new token: every key is visible
             return sdpa(qs, ks, vs, enable_gqa=self.gqa)
@@ -207,6 +203,33 @@ class PagedAttention(nn.Module):
             mask = meta.masks[s]
         return sdpa(qs, ks, vs, attn_mask=mask, enable_gqa=self.gqa)
 
+    def _split_prefix(
+        self,
+        qs: torch.Tensor,  # [1, heads, n, dim]
+        k: torch.Tensor,  # [n, kv_heads, dim] the chunk's own keys
+        v: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        meta: AttnMeta,
+        s: int,
+    ) -> torch.Tensor:
+        """The chunk's own K/V (causal) and the cached prefix (no mask), merged by log-sum-exp.
+
+        The prefix is gathered PREFIX_BLOCK_TOKENS at a time, each block merged into the running
+        output, so one forward's transient K/V copy stays a block, not the whole prefix (at 1M
+        tokens a layer's prefix K/V is GBs). A prefix within one block merges exactly as before.
+        """
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o, lse = flash(qs, _bhsd(k), _bhsd(v), is_causal=True)
+        prefix = meta.ctx_lens[s] - meta.seq_lens[s]
+        step = max(1, PREFIX_BLOCK_TOKENS // meta.page_size) * meta.page_size
+        for a in range(0, prefix, step):
+            b = min(a + step, prefix)
+            kp, vp = self._gather(k_pool, v_pool, meta, s, b, qs.dtype, first=a)
+            o1, lse1 = flash(qs, kp, vp)
+            o, lse = merge_by_lse(o1, lse1, o, lse), torch.logaddexp(lse1, lse)
+        return o
+
     def _gather(
         self,
         k_pool: torch.Tensor,
@@ -215,15 +238,18 @@ class PagedAttention(nn.Module):
         s: int,
         length: int,
         dtype: torch.dtype,
+        first: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions 0..length-1 of sequence s  # 2 x [1, kv_heads, len, dim]
+        """Keys and values of positions first..length-1 of sequence s (`first` a page start)
+        # 2 x [1, kv_heads, length - first, dim]
 
         Whole pages are gathered (one index_select of [page, kv_heads, dim] blocks), then cut.
         """
-        pages = meta.page_tables[s][: -(-length // meta.page_size)]
+        pages = meta.page_tables[s][first // meta.page_size : -(-length // meta.page_size)]
         out = []
         for pool in (k_pool, v_pool):
-            kv = pool.index_select(0, pages).view(-1, self.kv_heads, self.head_dim)[:length]
+            kv = pool.index_select(0, pages).view(-1, self.kv_heads, self.head_dim)
+            kv = kv[: length - first]
             out.append(_bhsd(kv.to(dtype)))
         return out[0], out[1]
 

@@ -11,15 +11,16 @@ on write). Per layer l:
   new      # [cp, 2, m, kv_heads, head_dim]: every rank's new-token K/V of layer l, one
              synchronous all_gather (m = most new tokens any rank computes; padded)
 The new K/V overlay the scratch (whatever the early gather packed for those slots is stale),
-each rank attends for its own tokens over the whole context, and the owner keeps its new K/V in
-its pool. The logits of a token are computed by its owner only; one all_reduce(SUM) of
-[rows, vocab] with zeros elsewhere gives every rank the same bits (x + 0 == x).
+each rank attends for its own tokens over the whole context (kvstrata.parallel.cp_attn: prefix
+unmasked + chunk under a [t, n] bias), and the owner keeps its new K/V in its pool. The logits
+of a token are computed by its owner only; one all_reduce(SUM) of [rows, vocab] with zeros
+elsewhere gives every rank the same bits (x + 0 == x).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from kvstrata.memory.pool import DevicePool
 from kvstrata.model.attention import AttnMeta, build_meta
 from kvstrata.model.decoder import DecoderLayer, DecoderLM, SeqBatch
 from kvstrata.model.layers import apply_rotary
+from kvstrata.parallel.cp_attn import attend_owned
 from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
 from kvstrata.parallel.pp import PipelineStage
 
@@ -59,6 +61,7 @@ class CPPlan:
     seq_rows: list[tuple[torch.Tensor, torch.Tensor]]  # per seq: (rows of x, rows of its mask)
     keep_src: torch.Tensor  # scratch slots of this rank's new tokens
     keep_dst: torch.Tensor  # their local pool slots
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk masks, shared by layers
 
 
 def plan_tokens(
@@ -160,16 +163,11 @@ class CPModel:
         flat = scratch.view(2, -1, attn.kv_heads, attn.head_dim)  # [2, n_pages * page, ...]
         flat.index_copy_(1, meta.slots, new.to(flat.dtype))
         out = torch.empty_like(q)  # [t, heads, dim]
-        for (xr, mr), slots, mask in zip(p.seq_rows, meta.ctx_slots, meta.masks, strict=True):
+        gqa = attn.heads != attn.kv_heads
+        for s, ((xr, mr), slots) in enumerate(zip(p.seq_rows, meta.ctx_slots, strict=True)):
             if xr.numel():
-                o = nn.functional.scaled_dot_product_attention(
-                    q[xr].transpose(0, 1),  # [heads, n, dim]
-                    flat[0, slots].to(q.dtype).transpose(0, 1),  # [kv_heads, ctx, dim]
-                    flat[1, slots].to(q.dtype).transpose(0, 1),
-                    attn_mask=mask[mr],
-                    enable_gqa=attn.heads != attn.kv_heads,
-                )
-                out[xr] = o.transpose(0, 1)
+                keys, values = flat[0, slots].to(q.dtype), flat[1, slots].to(q.dtype)
+                out[xr] = attend_owned(q[xr], keys, values, meta, s, mr, gqa, p.bias)
         x = x + attn.o_proj(out.view(t, attn.heads * attn.head_dim))
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

@@ -57,6 +57,11 @@ class StorageConfig:
     stale_tmp_s: float = doc(
         600.0, "file backend: temp files older than this are removed at rescan (crashed writers)"
     )
+    stale_unit_s: int = doc(
+        3600,
+        "unit stores: units of a page still uncommitted this long after their last write are "
+        "removed (a killed backup); must exceed the longest backup (>= stale_tmp_s)",
+    )
     redis_key_prefix: str = doc(
         "kvstrata:", "redis backend: prefix of every key (32 hex digits follow)"
     )
@@ -97,6 +102,11 @@ class StorageConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.stale_unit_s < max(1.0, self.stale_tmp_s):
+            raise ValueError(
+                f"stale_unit_s must be >= stale_tmp_s ({self.stale_tmp_s}) and >= 1, "
+                f"got {self.stale_unit_s}"
+            )
         if self.reconnect_backoff_max_s < self.reconnect_backoff_s:
             raise ValueError("reconnect_backoff_max_s must be >= reconnect_backoff_s")
         if self.emulate_read_s_per_page < 0:

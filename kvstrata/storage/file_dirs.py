@@ -37,3 +37,22 @@ def _make_dir(url: str, create: bool) -> Path:
         )
     root.mkdir(exist_ok=True)
     return root
+
+
+def refuse_whole_page_dir(url: str, commits: str = "commits", suffix: str = ".kvp") -> None:
+    """ValueError if `url` is a store of whole pages written before the unit layout.
+
+    Every unit store creates its commits directory when it opens, before any unit is written,
+    so page files with no commits directory beside them can only be whole pages of the older
+    layout (one file per page key): a unit store would silently miss every one of them.
+    """
+    root = parse_file_url(url)
+    if not root.is_dir() or (root / commits).is_dir():
+        return
+    for sub in root.iterdir():
+        if len(sub.name) == 2 and sub.is_dir() and next(sub.glob(f"*{suffix}"), None):
+            raise ValueError(
+                f"storage url {url!r}: {root} holds whole-page files of the layout before "
+                "kvstrata-unit-v1 (no commits/ directory); they are not read: use a new "
+                "directory or delete this one"
+            )

@@ -236,6 +236,22 @@ class RedisStore:
             pipe.set(name, b"".join((encode_header(key, view), view)), ex=ttl)
         return pipe.execute(raise_on_error=False)
 
+    def set_expiry(self, keys: Sequence[int], ttl_s: int) -> int:
+        """Give stored `keys` an expiry of ttl_s seconds (0 = none); how many changed."""
+        names = [self._name(k) for k in keys]
+        done = 0
+        for lo in self._chunks(len(names)):
+            part = names[lo : lo + self.config.redis_batch_pages]
+
+            def batch(part: list[bytes] = part) -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                for name in part:
+                    pipe.expire(name, ttl_s) if ttl_s else pipe.persist(name)
+                return pipe.execute(raise_on_error=False)
+
+            done += sum(1 for r in self._guarded(batch) or () if r is True)
+        return done
+
     def delete(self, keys: Sequence[int]) -> int:
         names = [self._name(k) for k in keys]
         removed = self._guarded(lambda: self._client.delete(*names)) if names else 0

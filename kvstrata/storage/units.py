@@ -16,7 +16,8 @@ separate small-value store next to the units (file: DIR/commits, redis: prefix +
 The marker is written after every unit of the page is in: at once by a single rank
 (commit_on_put), or under several ranks by one rank once the step consensus agreed that every
 rank wrote its units (DistMover.release). A rank killed mid-write leaves units without a marker:
-never visible, overwritten by the next write of the same page.
+never visible, overwritten by the next write of the same page, and removed once stale
+(kvstrata.storage.unit_sweep: a pending record per page on file, an expiry on redis).
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ import xxhash
 
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage, url_scheme
-from kvstrata.storage.file_dirs import parse_file_url
+from kvstrata.storage.file_dirs import parse_file_url, refuse_whole_page_dir
+from kvstrata.storage.file_store import FileStore
+from kvstrata.storage.redis_store import RedisStore
+from kvstrata.storage.unit_sweep import FilePending, RedisExpiry
 
 UNIT_TAG = b"kvstrata-unit-v1"
 COMMIT_TAG = b"kvstrata-commit-v1"
@@ -145,6 +149,7 @@ class UnitStorage:
         part: PagePart,
         commit_on_put: bool,
         crash_after_units: int = 0,
+        pending: FilePending | RedisExpiry | None = None,
     ) -> None:
         if units.page_nbytes != layout.unit_nbytes or commits.page_nbytes != MARKER_NBYTES:
             raise ValueError("unit / commit stores were opened with the wrong value sizes")
@@ -154,6 +159,9 @@ class UnitStorage:
         self.commit_on_put = commit_on_put
         self.crash_after_units = crash_after_units
         self.blocks = layout.blocks(part)
+        whole = PagePart(part.full, (0, part.full.num_layers), (0, part.full.num_kv_heads))
+        self.all_blocks = layout.blocks(whole)  # every rank's units of a page
+        self.pending = pending
         self.page_nbytes = part.shape.page_nbytes
         self._marker = layout.marker()
         self._lock = threading.Lock()
@@ -183,6 +191,10 @@ class UnitStorage:
     def _unit_keys(self, key: int) -> list[int]:
         return [self.layout.unit_key(key, b) for b in self.blocks]
 
+    def all_unit_keys(self, key: int) -> list[int]:
+        """The keys of every unit of page `key` (all ranks' blocks)."""
+        return [self.layout.unit_key(key, b) for b in self.all_blocks]
+
     # ---- StorageBackend ---------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[int]) -> int:
         """Leading pages whose commit marker is in (all their units were written)."""
@@ -202,6 +214,9 @@ class UnitStorage:
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
         """Write this rank's units of each page; count of pages whose units are all in."""
         stored: list[int] = []
+        if self.pending is not None:
+            self.pending.maybe_sweep(self._is_committed, self._drop_units)
+            self.pending.wrote(keys)  # before any unit: a kill leaves a record to sweep
         for key, page in zip(keys, pages, strict=True):
             ukeys, ubufs = self._unit_keys(key), self._cut(page)
             self._maybe_crash(ukeys, ubufs)
@@ -218,7 +233,21 @@ class UnitStorage:
         """Make pages visible: every rank's units of them are in (the caller knows)."""
         n = self.commits.put([self.layout.commit_key(k) for k in keys], [self._marker] * len(keys))
         self._count(commits=n)
+        if self.pending is not None and n == len(keys):
+            self.pending.committed(keys, self.all_unit_keys)
         return n
+
+    def sweep(self) -> int:
+        """Remove the units of stale uncommitted pages now (see unit_sweep); units removed."""
+        if self.pending is None:
+            return 0
+        return self.pending.sweep(self._is_committed, self._drop_units)
+
+    def _is_committed(self, key: int) -> bool:
+        return self.commits.exists_prefix([self.layout.commit_key(key)]) == 1
+
+    def _drop_units(self, keys: list[int]) -> int:
+        return self.units.delete([u for k in keys for u in self.all_unit_keys(k)])
 
     def delete(self, keys: Sequence[int]) -> int:
         """Hide pages (drop their markers) and drop this rank's units of them."""
@@ -241,7 +270,8 @@ class UnitStorage:
     def stats(self) -> dict[str, int | float]:
         with self._lock:
             own = dict(self.counts)
-        return {**self.units.stats(), **own}
+        swept = self.pending.counts if self.pending is not None else {}
+        return {**self.units.stats(), **own, **swept}
 
     def check_integrity(self) -> None:
         assert all(v >= 0 for v in self.counts.values()), self.counts
@@ -251,6 +281,8 @@ class UnitStorage:
     def close(self) -> None:
         self.units.close()
         self.commits.close()
+        if isinstance(self.pending, FilePending):
+            self.pending.store.close()
 
 
 def open_unit_storage(
@@ -264,7 +296,20 @@ def open_unit_storage(
     """The unit store at `url` (file or redis) seen through `part` of every page."""
     config = config or StorageConfig()
     layout = layout or UnitLayout(part.full)
-    units = open_storage(url, layout.unit_nbytes, config)
+    redis_units = url_scheme(url) != "file"
+    if not redis_units:
+        refuse_whole_page_dir(url)  # before the commits store opens (it creates commits/)
+    ucfg = dataclasses.replace(config, redis_ttl_s=config.stale_unit_s) if redis_units else config
+    units = open_storage(url, layout.unit_nbytes, ucfg)
     curl, ccfg = commit_store_url(url, config)
     commits = open_storage(curl, MARKER_NBYTES, ccfg)
-    return UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units)
+    pending: FilePending | RedisExpiry | None = None
+    if isinstance(units, FileStore):
+        pcfg = dataclasses.replace(config, touch_on_read=False, max_bytes=0)  # mtime = age
+        store = FileStore(str(parse_file_url(url) / "pending"), 16, pcfg)
+        pending = FilePending(store, config.stale_unit_s, config.rescan_interval_s)
+    elif isinstance(units, RedisStore):
+        pending = RedisExpiry(units, config.redis_ttl_s)
+    out = UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units, pending)
+    out.sweep()  # at open: what killed backups left
+    return out
