@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kvstrata.configtools import doc
 
+ROLES = ("single", "prefill", "decode", "router")
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -24,6 +26,10 @@ class ServeConfig:
     kv_events_buffer: int = doc(10000, "event batches kept for replay")
     debug_endpoints: bool = doc(False, "expose GET /debug/integrity (tests, operators)")
     log_level: str = doc("warning", "uvicorn log level")
+    role: str = doc(
+        "single",
+        "single (one server does it all) | prefill | decode (P/D workers) | router (front of P/D)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -34,5 +40,7 @@ class ServeConfig:
         for name in ("request_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
