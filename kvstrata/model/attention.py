@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kvstrata.model.layers import apply_rotary
+from kvstrata.model.layers import Fused, apply_rotary
 
 sdpa = nn.functional.scaled_dot_product_attention
 PREFIX_BLOCK_TOKENS = 65536  # most prefix tokens one split-prefix gather copies at a time
@@ -42,6 +42,9 @@ class AttnMeta:
     page_size: int
     tail: list[bool]  # per sequence: its new tokens sit at positions ctx-n .. ctx-1, in order
     positions: torch.Tensor  # [T] absolute positions
+    # per sequence: its first ceil(ctx / page) pages are device pages r, r+1, ...: r, else None
+    # (then its context is one slice of the pool, read in place instead of gathered)
+    run_start: list[int | None] = field(default_factory=list)
     _slots: list[torch.Tensor] = field(default_factory=list, repr=False)
     _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
 
@@ -93,7 +96,33 @@ def build_meta(
     wrong = torch.zeros(len(seq_lens), dtype=torch.long, device=device)
     wrong.index_add_(0, seq_of, (positions != expected).long())
     tail = (wrong == 0).tolist()
-    return AttnMeta(slots, list(seq_lens), list(ctx_lens), tables, page_size, tail, positions)
+    runs = run_starts(page_tables, ctx_lens, page_size)
+    return AttnMeta(slots, list(seq_lens), list(ctx_lens), tables, page_size, tail, positions, runs)
+
+
+def run_starts(
+    page_tables: list[torch.Tensor], ctx_lens: list[int], page_size: int
+) -> list[int | None]:
+    """Per sequence: first page id if its context's pages are consecutive ids, else None.
+
+    One vectorised check over all sequences (one host read), on the tables as given (the
+    engine's are host tensors, so no device sync).
+    """
+    used = [
+        t[: -(-c // page_size)].to(torch.long) for t, c in zip(page_tables, ctx_lens, strict=True)
+    ]
+    if not used or any(u.numel() == 0 for u in used):
+        return [None] * len(used)
+    device = used[0].device
+    flat = torch.cat([u.to(device) for u in used])  # [sum pages]
+    counts = torch.tensor([u.numel() for u in used], device=device)
+    seq_of = torch.repeat_interleave(torch.arange(len(used), device=device), counts)
+    begin = counts.cumsum(0) - counts  # offset of each sequence's first page in flat
+    rank = torch.arange(flat.numel(), device=device) - begin[seq_of]
+    off = torch.zeros(len(used), dtype=torch.long, device=device)
+    off.index_add_(0, seq_of, (flat != flat[begin][seq_of] + rank).long())
+    firsts, bad = flat[begin].tolist(), off.tolist()
+    return [f if b == 0 else None for f, b in zip(firsts, bad, strict=True)]
 
 
 def merge_by_lse(
@@ -142,6 +171,25 @@ class PagedAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, dtype=dtype)
+        self.fused: Fused | None = None  # q, k, v in one matmul, once fuse() ran
+
+    def fuse(self) -> None:
+        """q_proj, k_proj and v_proj as one matmul (see Fused)."""
+        self.fused = Fused.build([self.q_proj, self.k_proj, self.v_proj])
+
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [T, heads, dim], rotated keys and values [T, kv_heads, dim] of x."""
+        t, h, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if self.fused is not None and self.fused.holds(parts):
+            y = self.fused(x).view(t, h + 2 * kv, d)  # heads: q ... | k ... | v ...
+            qk = apply_rotary(y[:, : h + kv], cos, sin)  # one rotation for q and k together
+            return qk[:, :h], qk[:, h:], y[:, h + kv :]
+        q = apply_rotary(self.q_proj(x).view(t, h, d), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(t, kv, d), cos, sin)
+        return q, k, self.v_proj(x).view(t, kv, d)
 
     def forward(
         self,
@@ -153,9 +201,7 @@ class PagedAttention(nn.Module):
         meta: AttnMeta,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv(x, cos, sin)  # [T, heads | kv_heads, dim] (views, not contiguous)
         # .view (not reshape) so a non-contiguous pool fails loudly instead of writing a copy.
         k_flat = k_pool.view(-1, self.kv_heads, self.head_dim)  # [capacity * page, kv_heads, dim]
         v_flat = v_pool.view(-1, self.kv_heads, self.head_dim)
@@ -243,12 +289,16 @@ class PagedAttention(nn.Module):
         """Keys and values of positions first..length-1 of sequence s (`first` a page start)
         # 2 x [1, kv_heads, length - first, dim]
 
-        Whole pages are gathered (one index_select of [page, kv_heads, dim] blocks), then cut.
+        Pages at consecutive ids are one slice of the pool, read in place (a view, no copy);
+        others are gathered whole (one index_select of [page, kv_heads, dim] blocks), then cut.
         """
-        pages = meta.page_tables[s][first // meta.page_size : -(-length // meta.page_size)]
+        a, b = first // meta.page_size, -(-length // meta.page_size)
+        run = meta.run_start[s] if meta.run_start else None
+        pages = meta.page_tables[s][a:b]
         out = []
         for pool in (k_pool, v_pool):
-            kv = pool.index_select(0, pages).view(-1, self.kv_heads, self.head_dim)
+            kv = pool[run + a : run + b] if run is not None else pool.index_select(0, pages)
+            kv = kv.view(-1, self.kv_heads, self.head_dim)
             kv = kv[: length - first]
             out.append(_bhsd(kv.to(dtype)))
         return out[0], out[1]

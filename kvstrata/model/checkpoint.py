@@ -169,4 +169,4 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
         )
     model.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)  # was on meta
     model.fingerprint = fingerprint(root)
-    return model.to(device).eval()
+    return model.to(device).eval().fuse()  # fused on the device: views of the moved weights

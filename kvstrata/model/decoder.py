@@ -166,6 +166,14 @@ class DecoderLM(nn.Module):
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
+    def fuse(self) -> DecoderLM:
+        """q/k/v and gate/up of every layer as one matmul each (call after the weights are
+        loaded; the state dict keeps its Hugging Face names). Returns self."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
     def kv_shape(self, page_size: int, dtype: str | None = None) -> KVShape:
         """Shape of this model's paged KV cache (K/V dtype defaults to the model dtype)."""
         s = self.spec
@@ -173,7 +181,7 @@ class DecoderLM(nn.Module):
             s.num_layers, s.num_kv_heads, s.head_dim, page_size, dtype or self.dtype_name
         )
 
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper than no_grad per op; outputs are read, never updated
     def forward(
         self,
         batch: SeqBatch,

@@ -7,7 +7,7 @@ rotary tables) so logits match transformers' own forward to float tolerance.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,57 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(in_dtype)
 
 
+class Fused:
+    """Linears that read the same input, as one matmul: their weights are rows of one tensor.
+
+    Building it makes each part's weight (and bias) a view into the fused tensor, so the parts
+    keep their Hugging Face names in the state dict, an in-place load (`copy_`) updates both,
+    and no weight is held twice. Not a module: the fused tensor is no extra state-dict entry.
+    Invariant checked by `holds()` before every use: each part still holds exactly its view. A
+    part whose weight was replaced afterwards (load_state_dict(assign=True), a new Parameter,
+    a move to another device) makes the caller fall back to the separate parts, never to stale
+    weights.
+    """
+
+    @classmethod
+    def build(cls, parts: Sequence[nn.Linear]) -> Fused | None:
+        """The parts fused; None (use them as they are) if only some have a bias."""
+        with_bias = {p.bias is not None for p in parts}
+        return cls(parts) if len(with_bias) == 1 else None
+
+    def __init__(self, parts: Sequence[nn.Linear]) -> None:
+        self.weight = torch.cat([p.weight.detach() for p in parts])  # [sum(out), in]
+        biases = [p.bias for p in parts]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            raise ValueError("Fused: all parts need a bias, or none")
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        start = 0
+        for p in parts:
+            rows = slice(start, start + p.out_features)
+            p.weight = nn.Parameter(self.weight[rows], requires_grad=False)
+            if self.bias is not None:
+                p.bias = nn.Parameter(self.bias[rows], requires_grad=False)
+            start = rows.stop
+        self._views = [(p.weight, p.weight.data_ptr(), p.bias, _address(p.bias)) for p in parts]
+
+    def holds(self, parts: Sequence[nn.Module]) -> bool:
+        """True if `parts` are still the fused linears, each holding its view (a few us)."""
+        if len(parts) != len(self._views):
+            return False
+        for part, (weight, w_at, bias, b_at) in zip(parts, self._views, strict=True):
+            w, b = getattr(part, "weight", None), getattr(part, "bias", 0)
+            if w is not weight or b is not bias or w.data_ptr() != w_at or _address(b) != b_at:
+                return False
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(out)]
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return -1 if t is None else t.data_ptr()
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), the Llama/Qwen2 MLP."""
 
@@ -37,8 +88,17 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
+        self.fused: Fused | None = None  # gate and up in one matmul, once fuse() ran
+
+    def fuse(self) -> None:
+        """gate_proj and up_proj as one matmul (see Fused)."""
+        self.fused = Fused.build([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        f = self.fused
+        if f is not None and f.holds([self.gate_proj, self.up_proj]):
+            gate, up = f(x).chunk(2, dim=-1)  # [T, inter] each (views)
+            return self.down_proj(nn.functional.silu(gate) * up)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

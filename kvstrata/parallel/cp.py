@@ -33,7 +33,6 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.attention import AttnMeta, build_meta
 from kvstrata.model.decoder import DecoderLayer, DecoderLM, SeqBatch
-from kvstrata.model.layers import apply_rotary
 from kvstrata.parallel.cp_attn import attend_owned
 from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
 from kvstrata.parallel.pp import PipelineStage
@@ -156,9 +155,7 @@ class CPModel:
     ) -> torch.Tensor:
         attn, t = layer.self_attn, x.shape[0]
         h = layer.input_layernorm(x)
-        q = apply_rotary(attn.q_proj(h).view(t, attn.heads, attn.head_dim), *rope)
-        k = apply_rotary(attn.k_proj(h).view(t, attn.kv_heads, attn.head_dim), *rope)
-        v = attn.v_proj(h).view(t, attn.kv_heads, attn.head_dim)
+        q, k, v = attn.qkv(h, *rope)
         new = self._exchange(k, v, p)  # [2, T, kv_heads, dim]
         flat = scratch.view(2, -1, attn.kv_heads, attn.head_dim)  # [2, n_pages * page, ...]
         flat.index_copy_(1, meta.slots, new.to(flat.dtype))

@@ -105,4 +105,4 @@ def shard_tp(model: DecoderLM, tp: int, tp_rank: int, group: Any = None) -> Deco
         layer.self_attn.o_proj = AllReduceOut(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = AllReduceOut(layer.mlp.down_proj, group)
     local.fingerprint = model.fingerprint  # same weights, same page keys as the full model
-    return local
+    return local.fuse()  # the local slices: q/k/v and gate/up of this rank in one matmul each

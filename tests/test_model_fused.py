@@ -1,0 +1,163 @@
+"""Fused projections (q/k/v and gate/up as one matmul each) and in-place page reads.
+
+Every variant is checked against transformers' own forward at 1e-4 and against the unfused
+model; matmul and gather counts are exact, so a fast path that silently stopped running fails.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvstrata.memory.pool import DevicePool
+from kvstrata.model.attention import run_starts
+from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import DecoderLM, SeqBatch
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.group import RankContext, run_ranks
+from kvstrata.parallel.tp import shard_tp
+from tests.tiny_models import hf_logits, load_hf, make_llama, make_qwen2, rel_err
+
+torch.set_num_threads(1)
+PAGE, TOL, LAYERS = 4, 1e-4, 2
+FUSED_MM = 4 * LAYERS + 1  # per forward: qkv, o, gate_up, down per layer; the LM head
+UNFUSED_MM = 7 * LAYERS + 1  # q, k, v, o, gate, up, down per layer; the LM head
+
+
+class Ops(TorchDispatchMode):
+    """Counts the aten ops a forward runs; every matmul (linear, mm, addmm) as "mm"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        self.n["mm" if name in ("linear", "mm", "addmm") else name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def ckpts(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two checkpoints of one architecture with different weights (seed 1 and 2)."""
+    make = make_qwen2 if request.param == "qwen2" else make_llama
+    kw = {} if request.param == "qwen2" else {"attention_bias": True, "mlp_bias": True}
+    return tuple(  # type: ignore[return-value]
+        make(tmp_path_factory.mktemp(f"{request.param}{s}"), seed=s, **kw) for s in (1, 2)
+    )
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill_then_decode(
+    model: Any, toks: list[int], table: list[int], split: int = 9
+) -> tuple[torch.Tensor, Counter[str]]:
+    """Logits of toks[:split] (first chunk), the rest as a continued chunk, then one decode
+    step; and the ops of the decode step. Returns [len(toks) + 1, vocab]."""
+    pool = DevicePool(model.kv_shape(PAGE), 16)
+    n = len(toks)
+    a = model(SeqBatch.build([toks[:split]], [0], [table]), pool)
+    b = model(SeqBatch.build([toks[split:]], [split], [table]), pool)
+    nxt = int(b[-1].argmax())
+    with Ops() as ops:
+        c = model(SeqBatch.build([[nxt]], [n], [table]), pool)
+    return torch.cat([a, b, c]), ops.n
+
+
+def unfused_copy(model: DecoderLM) -> DecoderLM:
+    plain = DecoderLM(model.spec, model.dtype_name)
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
+
+
+def test_fused_equals_unfused_and_hf(ckpts: tuple[Path, Path]) -> None:
+    fused, hf = load_model(ckpts[0]), load_hf(ckpts[0])
+    plain = unfused_copy(fused)
+    assert sorted(fused.state_dict()) == sorted(plain.state_dict())  # HF names, nothing extra
+    toks, table = tokens(15, seed=3), [2, 3, 4, 5, 6]
+    got, ops = prefill_then_decode(fused, toks, table)
+    want, plain_ops = prefill_then_decode(plain, toks, table)
+    assert (ops["mm"], plain_ops["mm"]) == (FUSED_MM, UNFUSED_MM)
+    ref = hf_logits(hf, [*toks, int(got[len(toks) - 1].argmax())])
+    assert rel_err(got, ref) <= TOL and rel_err(want, ref) <= TOL
+    assert rel_err(got, want) <= TOL
+
+
+def test_weights_replaced_after_fuse_are_used(ckpts: tuple[Path, Path]) -> None:
+    """Assigned weights (new tensors) fall back to the parts; copied-in weights stay fused."""
+    other, hf = load_model(ckpts[1]), load_hf(ckpts[1])
+    toks, table = tokens(15, seed=4), [7, 8, 9, 10, 11]
+    ref = hf_logits(hf, toks)
+    for assign, mm in ((True, UNFUSED_MM), (False, FUSED_MM)):
+        model = load_model(ckpts[0])
+        state = {k: v.clone() for k, v in other.state_dict().items()}
+        model.load_state_dict(state, assign=assign)
+        got, ops = prefill_then_decode(model, toks, table)
+        assert ops["mm"] == mm
+        assert rel_err(got[: len(toks)], ref) <= TOL
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj = torch.nn.Linear(64, 112, bias=mlp.gate_proj.bias is not None)
+    _, ops = prefill_then_decode(model, toks, table)
+    assert ops["mm"] == FUSED_MM + 1  # layer 1's MLP back on its parts: a new module
+    mlp.up_proj = torch.nn.Linear(64, 112, bias=mlp.gate_proj.bias is None)
+    model.fuse()  # only some of gate/up with a bias: that MLP stays on its parts
+    _, ops = prefill_then_decode(model, toks, table)
+    assert ops["mm"] == FUSED_MM + 1
+    mlp.up_proj = torch.nn.Linear(64, 112, bias=mlp.gate_proj.bias is not None)
+    model.fuse()
+    _, ops = prefill_then_decode(model, toks, table)
+    assert ops["mm"] == FUSED_MM
+
+
+def _tp_logits(ctx: RankContext, path: Path, toks: list[int]) -> tuple[list, int, bool]:
+    full = load_model(path)
+    local = shard_tp(full, ctx.config.tp, ctx.tp_rank, ctx.tp_group)
+    s, r = full.spec, ctx.tp_rank
+    attn, full_attn = local.model.layers[0].self_attn, full.model.layers[0].self_attn
+    q, kv = s.num_heads // 2 * s.head_dim, s.num_kv_heads // 2 * s.head_dim
+    parts = [
+        full_attn.q_proj.weight[r * q : (r + 1) * q],
+        full_attn.k_proj.weight[r * kv : (r + 1) * kv],
+        full_attn.v_proj.weight[r * kv : (r + 1) * kv],
+    ]
+    assert attn.fused is not None
+    same = torch.equal(attn.fused.weight, torch.cat(parts))  # this rank's slices, fused
+    logits, ops = prefill_then_decode(local, toks, [0, 1, 2, 3, 4])
+    return logits.tolist(), ops["mm"], same
+
+
+def test_tp_shards_run_fused(ckpts: tuple[Path, Path]) -> None:
+    """tp=2 on 2 real gloo ranks: each rank's slices fused, logits equal HF's."""
+    toks = tokens(15, seed=5)
+    cfg = DistConfig(tp=2, backend="gloo")
+    results = run_ranks(_tp_logits, cfg, (ckpts[0], toks), timeout_s=120)
+    ref = hf_logits(load_hf(ckpts[0]), toks)
+    for logits, mm, same in results:
+        assert same and mm == FUSED_MM
+        assert rel_err(torch.tensor(logits)[: len(toks)], ref) <= TOL
+
+
+def test_run_starts_exact() -> None:
+    t = torch.tensor
+    tables = [t([3, 4, 5]), t([7, 2]), t([9]), t([5, 6, 1]), t([11, 0])]
+    ctx = [12, 5, 1, 8, 5]  # the 4th uses 2 of its 3 pages: [5, 6] is a run
+    assert run_starts(tables, ctx, 4) == [3, None, 9, 5, None]
+
+
+@pytest.mark.parametrize("table,gathers", [([4, 5, 6, 7, 8], 0), ([8, 7, 6, 5, 4], 2 * LAYERS)])
+def test_consecutive_pages_are_read_in_place(
+    ckpts: tuple[Path, Path], table: list[int], gathers: int
+) -> None:
+    """Consecutive pages: decode and continued chunks read the pool in place, no gather."""
+    model, hf = load_model(ckpts[0]), load_hf(ckpts[0])
+    toks = tokens(15, seed=6)
+    got, ops = prefill_then_decode(model, toks, table)
+    assert ops["index_select"] == gathers  # K and V of each layer for the decode step
+    assert rel_err(got[: len(toks)], hf_logits(hf, toks)) <= TOL
