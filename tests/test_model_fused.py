@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvstrata.memory.pool import DevicePool
-from kvstrata.model.attention import run_starts
+from kvstrata.model.attention import MAX_RUNS, page_runs
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.parallel.config import DistConfig
@@ -144,20 +144,35 @@ def test_tp_shards_run_fused(ckpts: tuple[Path, Path]) -> None:
         assert rel_err(torch.tensor(logits)[: len(toks)], ref) <= TOL
 
 
-def test_run_starts_exact() -> None:
+def test_page_runs_exact() -> None:
     t = torch.tensor
-    tables = [t([3, 4, 5]), t([7, 2]), t([9]), t([5, 6, 1]), t([11, 0])]
-    ctx = [12, 5, 1, 8, 5]  # the 4th uses 2 of its 3 pages: [5, 6] is a run
-    assert run_starts(tables, ctx, 4) == [3, None, 9, 5, None]
+    tables = [t([3, 4, 5]), t([7, 2]), t([9]), t([5, 6, 1]), t([11, 0, 1, 2])]
+    ctx = [12, 5, 1, 8, 13]  # the 4th uses 2 of its 3 pages
+    assert page_runs(tables, ctx, 4) == [
+        [(3, 3)],
+        [(7, 1), (2, 1)],
+        [(9, 1)],
+        [(5, 2)],
+        [(11, 1), (0, 3)],
+    ]
+    scattered = t(list(range(0, 2 * (MAX_RUNS + 1), 2)))  # MAX_RUNS + 1 runs of one page
+    assert page_runs([scattered, t([4, 5])], [4 * (MAX_RUNS + 1), 8], 4) == [None, [(4, 2)]]
 
 
-@pytest.mark.parametrize("table,gathers", [([4, 5, 6, 7, 8], 0), ([8, 7, 6, 5, 4], 2 * LAYERS)])
-def test_consecutive_pages_are_read_in_place(
+# (table, index_selects in the decode step): one run; two runs (merged, in place); too many
+# runs (K and V gathered in each layer)
+CASES = [([4, 5, 6, 7, 8], 0), ([10, 11, 0, 1, 2], 0), ([8, 6, 4, 2, 0], 2 * LAYERS)]
+
+
+@pytest.mark.parametrize("table,gathers", CASES)
+def test_page_runs_are_read_in_place(
     ckpts: tuple[Path, Path], table: list[int], gathers: int
 ) -> None:
-    """Consecutive pages: decode and continued chunks read the pool in place, no gather."""
+    """Decode and continued chunks read runs of consecutive pages in place, no gather."""
     model, hf = load_model(ckpts[0]), load_hf(ckpts[0])
-    toks = tokens(15, seed=6)
+    toks = tokens(19, seed=6)  # + 1 decoded: 20 tokens, 5 pages
+    assert MAX_RUNS < 5
     got, ops = prefill_then_decode(model, toks, table)
-    assert ops["index_select"] == gathers  # K and V of each layer for the decode step
-    assert rel_err(got[: len(toks)], hf_logits(hf, toks)) <= TOL
+    assert ops["index_select"] == gathers
+    ref = hf_logits(hf, [*toks, int(got[len(toks) - 1].argmax())])
+    assert rel_err(got, ref) <= TOL

@@ -8,11 +8,14 @@ Each sequence takes the cheapest exact route (all are the same softmax, fp32 equ
 tolerance; see `PagedAttention._attend`):
 - first chunk (nothing cached before it): a causal kernel over the chunk's own K/V; the pool is
   only written, never read back;
-- one new token (decode): its pages gathered whole (one index_select of page blocks, not one
-  index per token), every key visible, so no mask;
-- a chunk continuing a cached prefix: attention over the prefix's pages (no mask, gathered in
-  blocks of PREFIX_BLOCK_TOKENS) and a causal kernel over the chunk's own K/V, merged by their
-  log-sum-exps (CPU); elsewhere one kernel with a lower-right causal mask;
+- one new token (decode): every key visible, so no mask; pages at consecutive ids are read in
+  place, one slice of the pool per run of them (up to MAX_RUNS runs, one kernel each, merged
+  by log-sum-exp on CPU); more fragmented contexts are gathered whole (one index_select of
+  page blocks, not one index per token);
+- a chunk continuing a cached prefix: attention over the prefix's pages (no mask; runs read in
+  place as above, else gathered in blocks of PREFIX_BLOCK_TOKENS) and a causal kernel over the
+  chunk's own K/V, merged by their log-sum-exps (CPU); elsewhere one kernel with a lower-right
+  causal mask;
 - positions that are not the sequence's last tokens (hand-built batches): the general masked
   path over the whole context.
 K/V heads are never repeated: the kernels take grouped heads (GQA) as they are.
@@ -20,6 +23,7 @@ K/V heads are never repeated: the kernels take grouped heads (GQA) as they are.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +32,9 @@ from torch import nn
 from kvstrata.model.layers import Fused, apply_rotary
 
 sdpa = nn.functional.scaled_dot_product_attention
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, lse); CPU
 PREFIX_BLOCK_TOKENS = 65536  # most prefix tokens one split-prefix gather copies at a time
+MAX_RUNS = 4  # most runs of consecutive pages read in place, one kernel each, merged by LSE
 
 
 @dataclass
@@ -42,9 +48,9 @@ class AttnMeta:
     page_size: int
     tail: list[bool]  # per sequence: its new tokens sit at positions ctx-n .. ctx-1, in order
     positions: torch.Tensor  # [T] absolute positions
-    # per sequence: its first ceil(ctx / page) pages are device pages r, r+1, ...: r, else None
-    # (then its context is one slice of the pool, read in place instead of gathered)
-    run_start: list[int | None] = field(default_factory=list)
+    # per sequence: its context's pages as runs [(first page id, pages)] of consecutive ids,
+    # each read in place as one slice of the pool; None = too fragmented, gathered (page_runs)
+    runs: list[list[tuple[int, int]] | None] = field(default_factory=list)
     _slots: list[torch.Tensor] = field(default_factory=list, repr=False)
     _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
 
@@ -96,33 +102,46 @@ def build_meta(
     wrong = torch.zeros(len(seq_lens), dtype=torch.long, device=device)
     wrong.index_add_(0, seq_of, (positions != expected).long())
     tail = (wrong == 0).tolist()
-    runs = run_starts(page_tables, ctx_lens, page_size)
+    runs = page_runs(page_tables, ctx_lens, page_size)
     return AttnMeta(slots, list(seq_lens), list(ctx_lens), tables, page_size, tail, positions, runs)
 
 
-def run_starts(
+def page_runs(
     page_tables: list[torch.Tensor], ctx_lens: list[int], page_size: int
-) -> list[int | None]:
-    """Per sequence: first page id if its context's pages are consecutive ids, else None.
+) -> list[list[tuple[int, int]] | None]:
+    """Per sequence: its context's pages as runs of consecutive ids [(first id, pages), ...]
+    in logical order, or None where there are more than MAX_RUNS runs (gathered instead).
 
-    One vectorised check over all sequences (one host read), on the tables as given (the
-    engine's are host tensors, so no device sync).
+    Vectorised over all sequences, two host reads, on the tables as given (the engine's are
+    host tensors, so no device sync).
     """
     used = [
         t[: -(-c // page_size)].to(torch.long) for t, c in zip(page_tables, ctx_lens, strict=True)
     ]
-    if not used or any(u.numel() == 0 for u in used):
+    counts = [u.numel() for u in used]
+    if not used or min(counts) == 0:
         return [None] * len(used)
     device = used[0].device
-    flat = torch.cat([u.to(device) for u in used])  # [sum pages]
-    counts = torch.tensor([u.numel() for u in used], device=device)
-    seq_of = torch.repeat_interleave(torch.arange(len(used), device=device), counts)
-    begin = counts.cumsum(0) - counts  # offset of each sequence's first page in flat
-    rank = torch.arange(flat.numel(), device=device) - begin[seq_of]
-    off = torch.zeros(len(used), dtype=torch.long, device=device)
-    off.index_add_(0, seq_of, (flat != flat[begin][seq_of] + rank).long())
-    firsts, bad = flat[begin].tolist(), off.tolist()
-    return [f if b == 0 else None for f, b in zip(firsts, bad, strict=True)]
+    flat = torch.cat([u.to(device) for u in used])  # [P] every sequence's used pages
+    begin = torch.tensor([0, *counts[:-1]], device=device).cumsum(0)  # [S] offsets in flat
+    breaks = torch.ones_like(flat, dtype=torch.bool)  # True where a new run starts
+    breaks[1:] = flat[1:] != flat[:-1] + 1
+    breaks[begin] = True
+    seq_of = torch.repeat_interleave(torch.arange(len(used), device=device), torch.tensor(counts))
+    n_runs = torch.zeros(len(used), dtype=torch.long, device=device)
+    n_runs.index_add_(0, seq_of, breaks.long())
+    n_of = n_runs.tolist()
+    if min(n_of) > MAX_RUNS:
+        return [None] * len(used)
+    at = breaks.nonzero().squeeze(1)  # [R] flat index of each run's first page
+    bounds, firsts = [*at.tolist(), flat.numel()], flat[at].tolist()
+    out: list[list[tuple[int, int]] | None] = []
+    r = 0
+    for n in n_of:
+        runs = [(firsts[i], bounds[i + 1] - bounds[i]) for i in range(r, r + n)]
+        out.append(runs if n <= MAX_RUNS else None)
+        r += n
+    return out
 
 
 def merge_by_lse(
@@ -235,13 +254,20 @@ class PagedAttention(nn.Module):
         """Attention output of sequence s  # [1, heads, n, dim]"""
         n, ctx = meta.seq_lens[s], meta.ctx_lens[s]
         qs = q.transpose(0, 1)[None]  # [1, heads, n, dim]
-        way = route(meta, s, self.split_prefix and q.device.type == "cpu")
+        cpu = q.device.type == "cpu"
+        way = route(meta, s, self.split_prefix and cpu)
         if way == "first_chunk":  # nothing cached before: causal over the chunk, no pool reads
             return sdpa(qs, _bhsd(k), _bhsd(v), is_causal=True, enable_gqa=self.gqa)
         if way == "split_prefix":
             return self._split_prefix(qs, k, v, k_pool, v_pool, meta, s)
-        ks, vs = self._gather(k_pool, v_pool, meta, s, ctx, q.dtype)
         if way == "decode":  # one new token: every key is visible
+            pieces = self._in_place(k_pool, v_pool, meta, s, ctx, q.dtype)
+            if len(pieces) == 1:
+                return sdpa(qs, *pieces[0], enable_gqa=self.gqa)
+            if pieces and cpu:  # one kernel per run of pages, merged by log-sum-exp
+                return _merged(qs, pieces)[0]
+        ks, vs = self._gather(k_pool, v_pool, meta, s, ctx, q.dtype)
+        if way == "decode":
             return sdpa(qs, ks, vs, enable_gqa=self.gqa)
         if way == "masked_prefix":  # lower-right causal mask over prefix + chunk
             mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
@@ -261,20 +287,59 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """The chunk's own K/V (causal) and the cached prefix (no mask), merged by log-sum-exp.
 
-        The prefix is gathered PREFIX_BLOCK_TOKENS at a time, each block merged into the running
-        output, so one forward's transient K/V copy stays a block, not the whole prefix (at 1M
-        tokens a layer's prefix K/V is GBs). A prefix within one block merges exactly as before.
+        The prefix is read in place, one piece per run of consecutive pages; a fragmented one
+        is gathered PREFIX_BLOCK_TOKENS at a time, each block merged into the running output,
+        so one forward's transient K/V copy stays a block, not the whole prefix (at 1M tokens a
+        layer's prefix K/V is GBs).
         """
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o, lse = flash(qs, _bhsd(k), _bhsd(v), is_causal=True)
+        o, lse = _FLASH(qs, _bhsd(k), _bhsd(v), is_causal=True)
         prefix = meta.ctx_lens[s] - meta.seq_lens[s]
+        pieces: Iterable[tuple[torch.Tensor, torch.Tensor]]
+        pieces = self._in_place(k_pool, v_pool, meta, s, prefix, qs.dtype)
+        if not pieces:
+            pieces = self._blocks(k_pool, v_pool, meta, s, prefix, qs.dtype)
+        return _merged(qs, pieces, o, lse)[0]
+
+    def _in_place(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        meta: AttnMeta,
+        s: int,
+        length: int,
+        dtype: torch.dtype,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V of positions 0..length-1 of sequence s as views of the pool, one per run of
+        consecutive pages, in order  # [(k, v) each [1, kv_heads, len_i, dim]]
+        (empty when the sequence's pages are too fragmented: see page_runs)."""
+        runs = meta.runs[s] if meta.runs else None
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pos, page = 0, meta.page_size
+        for first, n in runs or ():
+            if pos >= length:
+                break
+            take = min(n * page, length - pos)
+            k, v = (
+                _bhsd(pool[first : first + n].view(-1, *pool.shape[2:])[:take].to(dtype))
+                for pool in (k_pool, v_pool)
+            )
+            out.append((k, v))
+            pos += take
+        return out
+
+    def _blocks(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        meta: AttnMeta,
+        s: int,
+        length: int,
+        dtype: torch.dtype,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """K/V of positions 0..length-1 gathered PREFIX_BLOCK_TOKENS at a time (lazily)."""
         step = max(1, PREFIX_BLOCK_TOKENS // meta.page_size) * meta.page_size
-        for a in range(0, prefix, step):
-            b = min(a + step, prefix)
-            kp, vp = self._gather(k_pool, v_pool, meta, s, b, qs.dtype, first=a)
-            o1, lse1 = flash(qs, kp, vp)
-            o, lse = merge_by_lse(o1, lse1, o, lse), torch.logaddexp(lse1, lse)
-        return o
+        for a in range(0, length, step):
+            yield self._gather(k_pool, v_pool, meta, s, min(a + step, length), dtype, first=a)
 
     def _gather(
         self,
@@ -289,11 +354,12 @@ class PagedAttention(nn.Module):
         """Keys and values of positions first..length-1 of sequence s (`first` a page start)
         # 2 x [1, kv_heads, length - first, dim]
 
-        Pages at consecutive ids are one slice of the pool, read in place (a view, no copy);
-        others are gathered whole (one index_select of [page, kv_heads, dim] blocks), then cut.
+        Whole pages are gathered (one index_select of [page, kv_heads, dim] blocks), then cut;
+        pages that are one run of consecutive ids are one slice of the pool instead (no copy).
         """
         a, b = first // meta.page_size, -(-length // meta.page_size)
-        run = meta.run_start[s] if meta.run_start else None
+        runs = meta.runs[s] if meta.runs else None
+        run = runs[0][0] if runs is not None and len(runs) == 1 else None
         pages = meta.page_tables[s][a:b]
         out = []
         for pool in (k_pool, v_pool):
@@ -302,6 +368,24 @@ class PagedAttention(nn.Module):
             kv = kv[: length - first]
             out.append(_bhsd(kv.to(dtype)))
         return out[0], out[1]
+
+
+def _merged(
+    qs: torch.Tensor,  # [1, heads, n, dim]
+    pieces: Iterable[tuple[torch.Tensor, torch.Tensor]],  # K/V [1, kv_heads, len_i, dim] each
+    o: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of qs over every piece's keys (all visible), and a running (o, lse)
+    over other keys if given, merged by log-sum-exp  # o [1, heads, n, dim], lse [1, heads, n]"""
+    for kp, vp in pieces:
+        o1, lse1 = _FLASH(qs, kp, vp)
+        if o is None or lse is None:
+            o, lse = o1, lse1
+        else:
+            o, lse = merge_by_lse(o1, lse1, o, lse), torch.logaddexp(lse1, lse)
+    assert o is not None and lse is not None, "no keys to attend to"
+    return o, lse
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
