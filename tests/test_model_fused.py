@@ -15,7 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvstrata.memory.pool import DevicePool
-from kvstrata.model.attention import MAX_RUNS, page_runs
+from kvstrata.model import attention
+from kvstrata.model.attention import MAX_RUNS, MIN_RUN_TOKENS, page_runs
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.parallel.config import DistConfig
@@ -144,8 +145,20 @@ def test_tp_shards_run_fused(ckpts: tuple[Path, Path]) -> None:
         assert rel_err(torch.tensor(logits)[: len(toks)], ref) <= TOL
 
 
-def test_page_runs_exact() -> None:
+def test_page_runs_exact(monkeypatch: pytest.MonkeyPatch) -> None:
     t = torch.tensor
+    # the run-length rule at its real value: 64-token pages, 2 runs of 4 pages are too short
+    # on average, 2 runs of 8 pages long enough; one run is always kept
+    page, half = 64, MIN_RUN_TOKENS // 64
+    short = t([*range(half // 2), *range(40, 40 + half // 2)])
+    long = t([*range(half), *range(40, 40 + half)])
+    ctx = [half * page, 2 * half * page, half // 2 * page]
+    assert page_runs([short, long, short[: half // 2]], ctx, page) == [
+        None,
+        [(0, half), (40, half)],
+        [(0, half // 2)],
+    ]
+    monkeypatch.setattr(attention, "MIN_RUN_TOKENS", 1)  # the run structure itself
     tables = [t([3, 4, 5]), t([7, 2]), t([9]), t([5, 6, 1]), t([11, 0, 1, 2])]
     ctx = [12, 5, 1, 8, 13]  # the 4th uses 2 of its 3 pages
     assert page_runs(tables, ctx, 4) == [
@@ -159,19 +172,30 @@ def test_page_runs_exact() -> None:
     assert page_runs([scattered, t([4, 5])], [4 * (MAX_RUNS + 1), 8], 4) == [None, [(4, 2)]]
 
 
-# (table, index_selects in the decode step): one run; two runs (merged, in place); too many
-# runs (K and V gathered in each layer)
-CASES = [([4, 5, 6, 7, 8], 0), ([10, 11, 0, 1, 2], 0), ([8, 6, 4, 2, 0], 2 * LAYERS)]
+# (table, min tokens per run, index_selects in the decode step): one run; two runs (merged,
+# in place); two runs too short (K and V gathered in each layer); too many runs (gathered)
+CASES = [
+    ([4, 5, 6, 7, 8], MIN_RUN_TOKENS, 0),
+    ([10, 11, 0, 1, 2], 1, 0),
+    ([10, 11, 0, 1, 2], 11, 2 * LAYERS),
+    ([8, 6, 4, 2, 0, 14, 12, 10, 15], 1, 2 * LAYERS),
+]
 
 
-@pytest.mark.parametrize("table,gathers", CASES)
+@pytest.mark.parametrize("table,min_run,gathers", CASES)
 def test_page_runs_are_read_in_place(
-    ckpts: tuple[Path, Path], table: list[int], gathers: int
+    ckpts: tuple[Path, Path],
+    table: list[int],
+    min_run: int,
+    gathers: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Decode and continued chunks read runs of consecutive pages in place, no gather."""
+    monkeypatch.setattr(attention, "MIN_RUN_TOKENS", min_run)  # tiny pages here
     model, hf = load_model(ckpts[0]), load_hf(ckpts[0])
-    toks = tokens(19, seed=6)  # + 1 decoded: 20 tokens, 5 pages
-    assert MAX_RUNS < 5
+    n = 4 * len(table) - 1  # + 1 decoded: every page of the table used
+    toks = tokens(n, seed=6)
+    assert MAX_RUNS < 9
     got, ops = prefill_then_decode(model, toks, table)
     assert ops["index_select"] == gathers
     ref = hf_logits(hf, [*toks, int(got[len(toks) - 1].argmax())])

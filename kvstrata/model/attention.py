@@ -34,7 +34,11 @@ from kvstrata.model.layers import Fused, apply_rotary
 sdpa = nn.functional.scaled_dot_product_attention
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, lse); CPU
 PREFIX_BLOCK_TOKENS = 65536  # most prefix tokens one split-prefix gather copies at a time
-MAX_RUNS = 4  # most runs of consecutive pages read in place, one kernel each, merged by LSE
+# Runs of consecutive pages read in place, one kernel each, merged by LSE: at most MAX_RUNS
+# of them and at least MIN_RUN_TOKENS per run on average (one run always). Measured on CPU
+# (notes/decode.md): a merged piece costs a kernel call, a gather a copy that grows with the
+# context; 2 runs of 160 tokens tie with a gather, 4 of 80 lose, 4-8 of 512+ win.
+MAX_RUNS, MIN_RUN_TOKENS = 8, 512
 
 
 @dataclass
@@ -110,7 +114,8 @@ def page_runs(
     page_tables: list[torch.Tensor], ctx_lens: list[int], page_size: int
 ) -> list[list[tuple[int, int]] | None]:
     """Per sequence: its context's pages as runs of consecutive ids [(first id, pages), ...]
-    in logical order, or None where there are more than MAX_RUNS runs (gathered instead).
+    in logical order; None where they are more than one run and too many or too short
+    (MAX_RUNS, MIN_RUN_TOKENS): those are gathered instead.
 
     Vectorised over all sequences, two host reads, on the tables as given (the engine's are
     host tensors, so no device sync).
@@ -127,19 +132,26 @@ def page_runs(
     breaks = torch.ones_like(flat, dtype=torch.bool)  # True where a new run starts
     breaks[1:] = flat[1:] != flat[:-1] + 1
     breaks[begin] = True
-    seq_of = torch.repeat_interleave(torch.arange(len(used), device=device), torch.tensor(counts))
+    seq_of = torch.repeat_interleave(
+        torch.arange(len(used), device=device), torch.tensor(counts, device=device)
+    )
     n_runs = torch.zeros(len(used), dtype=torch.long, device=device)
     n_runs.index_add_(0, seq_of, breaks.long())
     n_of = n_runs.tolist()
-    if min(n_of) > MAX_RUNS:
+    keep = [
+        n == 1 or (n <= MAX_RUNS and c * page_size >= n * MIN_RUN_TOKENS)
+        for n, c in zip(n_of, counts, strict=True)
+    ]
+    if not any(keep):
         return [None] * len(used)
     at = breaks.nonzero().squeeze(1)  # [R] flat index of each run's first page
     bounds, firsts = [*at.tolist(), flat.numel()], flat[at].tolist()
     out: list[list[tuple[int, int]] | None] = []
     r = 0
-    for n in n_of:
-        runs = [(firsts[i], bounds[i + 1] - bounds[i]) for i in range(r, r + n)]
-        out.append(runs if n <= MAX_RUNS else None)
+    for n, ok in zip(n_of, keep, strict=True):
+        out.append(
+            [(firsts[i], bounds[i + 1] - bounds[i]) for i in range(r, r + n)] if ok else None
+        )
         r += n
     return out
 
