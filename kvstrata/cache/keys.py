@@ -55,13 +55,21 @@ def as_token_array(tokens: object, vocab_size: int | None = None) -> np.ndarray:
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be a 1-D sequence of ids, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if not arr.size:
+        return np.ascontiguousarray(arr, dtype=np.int32)
+    kind = arr.dtype.kind
+    if kind not in "iu":
         raise TypeError(f"tokens must be integer ids, got dtype {arr.dtype}")
-    if arr.size:
+    limit = 2**31 if vocab_size is None else min(vocab_size, 2**31)  # ids must fit int32
+    unsigned = arr
+    if kind == "i":
+        # one reduction checks both ends: viewed as unsigned, a negative id is >= 2**(bits-1),
+        # which is >= limit for 32- and 64-bit ids (narrower ones are widened first)
+        wide = arr if arr.dtype.itemsize >= 4 else arr.astype(np.int32)
+        unsigned = wide.view(wide.dtype.str.replace("i", "u"))
+    if int(unsigned.max()) >= limit:
         lo, hi = int(arr.min()), int(arr.max())
-        limit = vocab_size if vocab_size is not None else 2**31
-        if lo < 0 or hi >= limit:
-            raise ValueError(f"tokens out of range [0, {limit}): min {lo}, max {hi}")
+        raise ValueError(f"tokens out of range [0, {limit}): min {lo}, max {hi}")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
