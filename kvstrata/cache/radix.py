@@ -187,33 +187,29 @@ class RadixTree:
         while i < total:
             child = node.children.get(keys[i])
             if child is None:
-                leaf = Node(node, keys[i:], ids[i:], clock=clock)
+                leaf = Node(node, keys[i:], ids[i:], None, clock)
                 node.children[keys[i]] = leaf
                 return leaf, spare
             edge = child.keys
-            end = i + len(edge)
-            if end - i > 1 and keys[i:end] != edge:  # a one-page edge matched by the lookup
-                end = i + _common_len(edge, keys, i)
-                child = self.split(child, end - i)
+            n = len(edge)
+            end = i + n
+            if n > 1 and keys[i:end] != edge:  # a one-page edge matched by the lookup
+                n = _common_len(edge, keys, i)
+                end = i + n
+                child = self.split(child, n)
             child.last_access = clock
-            self._adopt(child, ids, i, end, spare)
+            dev = child.device
+            if dev is None:  # the node had left the device: it adopts the caller's pages
+                child.device = ids[i:end]
+            elif n == 1:  # a one-page edge, common in a much-shared tree: no slices
+                if ids[i] != dev[0]:
+                    spare.append(ids[i])
+            else:  # the caller's copies of pages the node holds (ids that differ): to free
+                mine = ids[i:end]
+                if mine != dev:
+                    spare += compress(mine, map(ne, mine, dev))
             node, i = child, end
         return node, spare
-
-    @staticmethod
-    def _adopt(node: Node, ids: list[int], i: int, end: int, spare: list[int]) -> None:
-        """Give `node` the caller's ids[i:end] if it left the device; else the caller's copies
-        (ids that differ from the node's own) go to `spare`, theirs to free."""
-        dev = node.device
-        if dev is None:
-            node.device = ids[i:end]
-        elif end - i == 1:  # a one-page edge, common in a much-shared tree: no slices
-            if ids[i] != dev[0]:
-                spare.append(ids[i])
-        else:
-            mine = ids[i:end]
-            if mine != dev:
-                spare += compress(mine, map(ne, mine, dev))
 
     def insert_host(
         self, parent: Node, keys: list[int], host_ids: list[int], spare: list[int]
