@@ -89,11 +89,11 @@ def page_keys(
     data = memoryview(arr[: n_pages * page]).cast("B")  # no copy; slices are cheap views
     step = page * 4
     key = namespace.seed() if parent_key is None else parent_key
-    digest = xxhash.xxh3_128_intdigest
+    digest, mask = xxhash.xxh3_128_intdigest, _MASK64  # locals: this loop runs once per page
     keys: list[int] = []
     append = keys.append
     for start in range(0, n_pages * step, step):
-        key = digest(data[start : start + step], key & _MASK64)  # low 64 bits seed the next
+        key = digest(data[start : start + step], key & mask)  # low 64 bits seed the next
         append(key)
     return keys
 
