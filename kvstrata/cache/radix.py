@@ -183,33 +183,26 @@ class RadixTree:
         ids = device_ids if type(device_ids) is list else list(device_ids)
         self.clock += 1
         clock = self.clock
-        node, i, total, spare = self.root, 0, len(keys), []
+        node, i, total = self.root, 0, len(keys)
+        held: list[int] = []  # the tree's ids of keys[:i] (after adoption), compared at the end
         while i < total:
             child = node.children.get(keys[i])
             if child is None:
                 leaf = Node(node, keys[i:], ids[i:], None, clock)
                 node.children[keys[i]] = leaf
-                return leaf, spare
+                node = leaf
+                break
             edge = child.keys
             n = len(edge)
-            end = i + n
-            if n > 1 and keys[i:end] != edge:  # a one-page edge matched by the lookup
+            if n > 1 and keys[i : i + n] != edge:  # a one-page edge matched by the lookup
                 n = _common_len(edge, keys, i)
-                end = i + n
                 child = self.split(child, n)
             child.last_access = clock
-            dev = child.device
-            if dev is None:  # the node had left the device: it adopts the caller's pages
-                child.device = ids[i:end]
-            elif n == 1:  # a one-page edge, common in a much-shared tree: no slices
-                if ids[i] != dev[0]:
-                    spare.append(ids[i])
-            else:  # the caller's copies of pages the node holds (ids that differ): to free
-                mine = ids[i:end]
-                if mine != dev:
-                    spare += compress(mine, map(ne, mine, dev))
-            node, i = child, end
-        return node, spare
+            if child.device is None:  # the node had left the device: it adopts the caller's ids
+                child.device = ids[i : i + n]
+            held += child.device
+            node, i = child, i + n
+        return node, _duplicates(ids, held)
 
     def insert_host(
         self, parent: Node, keys: list[int], host_ids: list[int], spare: list[int]
@@ -291,6 +284,15 @@ class RadixTree:
             assert node.lock_ref <= node.parent.lock_ref or node.parent is self.root
             for k, child in node.children.items():
                 assert child.keys[0] == k
+
+
+def _duplicates(ids: list[int], held: list[int]) -> list[int]:
+    """The caller's ids of pages the tree holds under other ids (theirs to free), in order; one
+    C-level pass over the matched span instead of Python work per node."""
+    mine = ids[: len(held)]
+    if mine == held:  # the caller passed the ids it matched: nothing to free
+        return []
+    return list(compress(mine, map(ne, mine, held)))
 
 
 def _common_len(edge: list[int], keys: list[int], start: int) -> int:
