@@ -87,9 +87,12 @@ def _read_hashed(fd: int, header: bytearray, payload: memoryview) -> tuple[int, 
     if n < len(header) + len(first):
         return n, 0
     digest.update(first)
+    readv = os.readv
     for start in range(READ_CHUNK, len(payload), READ_CHUNK):
         piece = payload[start : start + READ_CHUNK]
-        got = _transfer_all(os.readv, fd, [piece])
+        got = readv(fd, [piece])  # a page-cache read is whole; a short one finishes below
+        if 0 < got < len(piece):
+            got += _transfer_all(readv, fd, [piece[got:]])
         n += got
         if got < len(piece):
             return n, 0
