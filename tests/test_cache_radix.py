@@ -65,6 +65,21 @@ def test_match_insert_split() -> None:
     tree.check_integrity()
 
 
+def test_insert_returns_exactly_the_callers_duplicates_and_adopts_left_pages() -> None:
+    tree = RadixTree()
+    tree.insert([1, 2, 3, 4], [10, 11, 12, 13])
+    tree.match([1, 2, 9])  # split: [1, 2] -> [3, 4]
+    lower = next(n for n in tree.nodes() if n.keys == [3, 4])
+    lower.device, lower.host = None, [70, 71]  # [3, 4] left the device (host copy only)
+    # mixed ids: 10 and 12 are matched, 99 a duplicate, 40/41 land on the device-less node
+    node, spare = tree.insert([1, 2, 3, 4, 5], [10, 99, 40, 41, 50])
+    assert spare == [99]
+    assert lower.device == [40, 41] and node.keys == [5] and node.device == [50]
+    assert tree.match([1, 2, 3, 4, 5]).device_ids == [10, 11, 40, 41, 50]
+    assert tree.insert([1, 2, 3], [10, 11, 40])[1] == []  # the ids it matched: nothing to free
+    tree.check_integrity()
+
+
 def test_lru_eviction_order_leaf_first() -> None:
     cache, _ = make_cache(device=6, host=0, storage=False)
     for keys in ([1, 2, 3], [1, 2, 4], [5, 6]):

@@ -12,7 +12,7 @@ import pytest
 
 from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import HEADER_NBYTES, StorageConfig, open_storage
-from kvstrata.storage.file_store import FileStore
+from kvstrata.storage.file_store import READ_CHUNK, FileStore
 
 PAGE = 4096
 _MASK64 = (1 << 64) - 1
@@ -127,6 +127,34 @@ def test_damaged_page_is_a_miss_and_is_removed(store: FileStore, damage: object)
     store.check_integrity()
     assert store.put(keys[1:2], [page_for(keys[1])]) == 1  # rewritten, it reads back fine
     assert store.get(keys, out) == 3
+
+
+@pytest.mark.parametrize("damage", ["none", "flip_last_piece", "cut_in_second_piece"])
+def test_pages_read_in_pieces_are_verified_whole(tmp_path: Path, damage: str) -> None:
+    """A page larger than READ_CHUNK is read and hashed piece by piece (the last piece partial):
+    its bytes are exact, and damage past the first piece is still a miss."""
+    nbytes = 2 * READ_CHUNK + 1000
+    store = FileStore(str(tmp_path / "l3"), nbytes)
+    keys = make_keys(2)
+    assert store.put(keys, [page_for(k, nbytes) for k in keys]) == 2
+    victim = page_file(store, keys[1])
+    if damage == "flip_last_piece":
+        with open(victim, "r+b") as f:
+            f.seek(HEADER_NBYTES + 2 * READ_CHUNK + 999)
+            last = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([last ^ 0x10]))
+    elif damage == "cut_in_second_piece":
+        os.truncate(victim, HEADER_NBYTES + READ_CHUNK + 10)
+    out = [np.zeros(nbytes, np.uint8) for _ in keys]
+    hits = store.get(keys, out)
+    np.testing.assert_array_equal(out[0], page_for(keys[0], nbytes))
+    if damage == "none":
+        assert hits == 2
+        np.testing.assert_array_equal(out[1], page_for(keys[1], nbytes))
+    else:
+        assert hits == 1 and store.stats()["corrupt"] == 1 and not victim.exists()
+    store.check_integrity()
 
 
 def test_bad_input_is_a_value_error(store: FileStore) -> None:

@@ -2,8 +2,17 @@
 
 The baseline, run on the same sequences in the same process, is the classic token radix tree
 (the shape of SGLang's RadixCache with a page size): edges hold token lists, a child is found by
-its first page of tokens, and edges are compared token page by token page. Ours hashes each
-page once to a 128-bit chained key and compares keys. speedup = baseline seconds / ours.
+the tuple of its first page of tokens, and edges are compared page by page as token-list slices.
+It is lean: one value per page in a Python list, no per-token tensor values, no key wrapper
+objects, no clock reads, so it flatters SGLang (a local replica of SGLang's own steps, with
+those, measured 2x slower on insert and 1.4x on match on this workload).
+
+Ours hashes each page once to a 128-bit chained key at admission; the lease reuses those keys
+for the match and for the insert after compute (kvstrata/engine/admission.py). So the hash is
+charged once per request, to the match: match_s = hash_s + match_tree_s, insert_s is the tree
+insert with the request's keys, and total = (classic insert + match) / (hash + insert + match).
+Each side runs `ROUNDS` times, interleaved, and keeps its best time per phase (the first run in
+a process pays for fresh allocator arenas, whichever side goes first). speedup = baseline / ours.
 """
 
 from __future__ import annotations
@@ -39,29 +48,22 @@ def shared_prefix_set(
 
 
 def time_insert_match(seqs: list[np.ndarray]) -> dict[str, float]:
-    """Seconds to hash + insert every sequence, then hash + match every sequence; and the tree
-    work alone (keys computed once per request, as the engine does at admission)."""
+    """Seconds to hash every sequence (once, as at admission), to insert every sequence with
+    its keys, then to match every sequence with the same keys."""
     tree = RadixTree()
     next_id = 0
     t0 = time.perf_counter()
-    for seq in seqs:
-        keys = page_keys(seq, NS)
+    all_keys = [page_keys(seq, NS) for seq in seqs]
+    t1 = time.perf_counter()
+    for keys in all_keys:
         tree.insert(keys, list(range(next_id, next_id + len(keys))))
         next_id += len(keys)
-    t1 = time.perf_counter()
-    all_keys = [page_keys(seq, NS) for seq in seqs]
     t2 = time.perf_counter()
-    for keys in all_keys:
-        tree.match(keys)
+    matched = sum(len(tree.match(keys).device_ids) for keys in all_keys)
     t3 = time.perf_counter()
+    assert matched == next_id, "every inserted page must match again"
     tree.check_integrity()
-    hash_s = t2 - t1
-    return {
-        "insert_s": t1 - t0,
-        "match_s": hash_s + t3 - t2,
-        "hash_s": hash_s,
-        "match_tree_s": t3 - t2,
-    }
+    return {"hash_s": t1 - t0, "insert_s": t2 - t1, "match_tree_s": t3 - t2}
 
 
 class _Edge:
@@ -172,25 +174,40 @@ def metadata_bytes_per_page(pages: int) -> float:
     return used / next_id
 
 
+ROUNDS = 3
+
+
+def _best(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per phase, the fastest of the rounds."""
+    return {k: min(r[k] for r in runs) for k in runs[0]}
+
+
 @BENCHES.register("radix")
 def bench_radix(quick: bool) -> dict[str, Any]:
     n = 200 if quick else 1000
     seqs = shared_prefix_set(n, 2000, 20)
-    t = time_insert_match(seqs)
-    c = time_classic(seqs)
-    long = time_insert_match([np.random.default_rng(2).integers(0, 32000, 200_000, dtype=np.int32)])
-    # a request is hashed once at admission and its keys serve both match and insert
-    ours_total = t["insert_s"] + t["match_tree_s"]
+    ours, classic = [], []
+    for _ in range(ROUNDS):  # interleaved: drifting load on a shared machine hits both sides
+        ours.append(time_insert_match(seqs))
+        classic.append(time_classic(seqs))
+    t, c = _best(ours), _best(classic)
+    match_s = t["hash_s"] + t["match_tree_s"]  # the request's one hash is charged to its match
+    long = time_insert_match([np.random.default_rng(2).integers(0, 32000, 200_000, np.int32)])
     return {
         "sequences": n,
         **t,
+        "match_s": match_s,
         "classic_insert_s": c["insert_s"],
         "classic_match_s": c["match_s"],
         "insert_speedup_vs_classic": c["insert_s"] / t["insert_s"],
-        "match_speedup_vs_classic": c["match_s"] / t["match_s"],
-        "total_speedup_vs_classic": (c["insert_s"] + c["match_s"]) / ours_total,
+        "match_speedup_vs_classic": c["match_s"] / match_s,
+        "match_tree_speedup_vs_classic": c["match_s"] / t["match_tree_s"],
+        "insert_with_hash_speedup_vs_classic": c["insert_s"] / (t["hash_s"] + t["insert_s"]),
+        "total_speedup_vs_classic": (c["insert_s"] + c["match_s"])
+        / (t["hash_s"] + t["insert_s"] + t["match_tree_s"]),
+        "long_200k_hash_s": long["hash_s"],
         "long_200k_insert_s": long["insert_s"],
-        "long_200k_match_s": long["match_s"],
+        "long_200k_match_s": long["hash_s"] + long["match_tree_s"],
         "hash_ns_per_token": hash_ns_per_token(200_000),
         "metadata_bytes_per_page": metadata_bytes_per_page(100_000 if quick else 1_000_000),
     }

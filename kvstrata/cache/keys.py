@@ -55,13 +55,21 @@ def as_token_array(tokens: object, vocab_size: int | None = None) -> np.ndarray:
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be a 1-D sequence of ids, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if not arr.size:
+        return np.ascontiguousarray(arr, dtype=np.int32)
+    kind = arr.dtype.kind
+    if kind not in "iu":
         raise TypeError(f"tokens must be integer ids, got dtype {arr.dtype}")
-    if arr.size:
+    limit = 2**31 if vocab_size is None else min(vocab_size, 2**31)  # ids must fit int32
+    unsigned = arr
+    if kind == "i":
+        # one reduction checks both ends: viewed as unsigned, a negative id is >= 2**(bits-1),
+        # which is >= limit for 32- and 64-bit ids (narrower ones are widened first)
+        wide = arr if arr.dtype.itemsize >= 4 else arr.astype(np.int32)
+        unsigned = wide.view(wide.dtype.str.replace("i", "u"))
+    if int(unsigned.max()) >= limit:
         lo, hi = int(arr.min()), int(arr.max())
-        limit = vocab_size if vocab_size is not None else 2**31
-        if lo < 0 or hi >= limit:
-            raise ValueError(f"tokens out of range [0, {limit}): min {lo}, max {hi}")
+        raise ValueError(f"tokens out of range [0, {limit}): min {lo}, max {hi}")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
@@ -81,11 +89,11 @@ def page_keys(
     data = memoryview(arr[: n_pages * page]).cast("B")  # no copy; slices are cheap views
     step = page * 4
     key = namespace.seed() if parent_key is None else parent_key
-    digest = xxhash.xxh3_128_intdigest
+    digest, mask = xxhash.xxh3_128_intdigest, _MASK64  # locals: this loop runs once per page
     keys: list[int] = []
     append = keys.append
     for start in range(0, n_pages * step, step):
-        key = digest(data[start : start + step], key & _MASK64)  # low 64 bits seed the next
+        key = digest(data[start : start + step], key & mask)  # low 64 bits seed the next
         append(key)
     return keys
 

@@ -13,7 +13,8 @@ Time is a logical clock (one tick per match/insert), identical on every rank, ne
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from itertools import compress
+from operator import ne
 
 
 class Node:
@@ -65,18 +66,29 @@ class Node:
         return any(c.device is not None for c in self.children.values())
 
 
-@dataclass
 class Match:
-    """The longest cached prefix of a key chain, split by tier."""
+    """The longest cached prefix of a key chain, split by tier (a plain slotted class: one is
+    made per lookup, on the admission path).
 
-    device_ids: list[int] = field(default_factory=list)
-    """L1 page ids of the leading pages resident on the device."""
-    host_nodes: list[Node] = field(default_factory=list)
-    """Nodes after the L1 prefix whose pages are only in host memory (L2), in order."""
-    device_node: Node | None = None
-    """Deepest matched node that is on the device (root if none)."""
-    last_node: Node | None = None
-    """Deepest matched node (the end of the L1 + L2 prefix)."""
+    - device_ids: L1 page ids of the leading pages resident on the device;
+    - host_nodes: nodes after the L1 prefix whose pages are only in host memory (L2), in order;
+    - device_node: deepest matched node that is on the device (root if none);
+    - last_node: deepest matched node (the end of the L1 + L2 prefix).
+    """
+
+    __slots__ = ("device_ids", "host_nodes", "device_node", "last_node")
+
+    def __init__(
+        self,
+        device_ids: list[int] | None = None,
+        host_nodes: list[Node] | None = None,
+        device_node: Node | None = None,
+        last_node: Node | None = None,
+    ) -> None:
+        self.device_ids: list[int] = [] if device_ids is None else device_ids
+        self.host_nodes: list[Node] = [] if host_nodes is None else host_nodes
+        self.device_node = device_node
+        self.last_node = last_node
 
     @property
     def device_pages(self) -> int:
@@ -100,28 +112,41 @@ class RadixTree:
 
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, keys: list[int], touch: bool = True) -> Match:
-        """Longest cached prefix of `keys`; splits a partially matched edge at the match end."""
+        """Longest cached prefix of `keys`; splits a partially matched edge at the match end.
+
+        Hot path (every admission): one dict lookup and one C-level list comparison per node,
+        no per-key Python work unless the match ends inside an edge.
+        """
         self.clock += 1
-        m = Match(device_node=self.root, last_node=self.root)
-        node, i = self.root, 0
-        while i < len(keys):
+        clock = self.clock
+        device_ids: list[int] = []
+        host_nodes: list[Node] = []
+        node = device_node = self.root
+        i, total = 0, len(keys)
+        while i < total:
             child = node.children.get(keys[i])
             if child is None:
                 break
-            n = _common_len(child.keys, keys, i)
-            if n < len(child):
+            edge = child.keys
+            end = i + len(edge)
+            # the request ends or turns inside this edge (a one-page edge matched by the lookup)
+            partial = end - i > 1 and keys[i:end] != edge
+            if partial:
+                n = _common_len(edge, keys, i)
                 child = self.split(child, n)
+                end = i + n
             if touch:
-                child.last_access = self.clock
+                child.last_access = clock
                 child.hits += 1
             if child.device is not None:
-                m.device_ids.extend(child.device)
-                m.device_node = child
+                device_ids += child.device
+                device_node = child
             else:
-                m.host_nodes.append(child)
-            m.last_node = child
-            node, i = child, i + n
-        return m
+                host_nodes.append(child)
+            node, i = child, end
+            if partial:
+                break  # the split-off lower part starts with a key that differs (or none left)
+        return Match(device_ids, host_nodes, device_node, node)
 
     def split(self, node: Node, n: int) -> Node:
         """Cut `node` after its first n pages; returns the new upper node (which keeps the stats)."""
@@ -151,29 +176,33 @@ class RadixTree:
         """Cache `keys` with their L1 pages. Returns (last node, ids the caller must free).
 
         Pages already on the device keep their existing ids (the caller's duplicates come back
-        to be freed); matched nodes that had left the device adopt the caller's ids.
+        to be freed); matched nodes that had left the device adopt the caller's ids. The tree
+        keeps its own copies of the id lists (slices), never the caller's list.
         """
         assert len(keys) == len(device_ids), "one device page per key"
+        ids = device_ids if type(device_ids) is list else list(device_ids)
         self.clock += 1
-        node, i, spare = self.root, 0, []
-        while i < len(keys):
+        clock = self.clock
+        node, i, total = self.root, 0, len(keys)
+        held: list[int] = []  # the tree's ids of keys[:i] (after adoption), compared at the end
+        while i < total:
             child = node.children.get(keys[i])
             if child is None:
-                leaf = Node(node, keys[i:], list(device_ids[i:]), clock=self.clock)
+                leaf = Node(node, keys[i:], ids[i:], None, clock)
                 node.children[keys[i]] = leaf
-                return leaf, spare
-            n = _common_len(child.keys, keys, i)
-            if n < len(child):
+                node = leaf
+                break
+            edge = child.keys
+            n = len(edge)
+            if n > 1 and keys[i : i + n] != edge:  # a one-page edge matched by the lookup
+                n = _common_len(edge, keys, i)
                 child = self.split(child, n)
-            child.last_access = self.clock
-            if child.device is None:
-                child.device = list(device_ids[i : i + n])
-            else:
-                spare.extend(
-                    d for d, e in zip(device_ids[i : i + n], child.device, strict=True) if d != e
-                )
+            child.last_access = clock
+            if child.device is None:  # the node had left the device: it adopts the caller's ids
+                child.device = ids[i : i + n]
+            held += child.device
             node, i = child, i + n
-        return node, spare
+        return node, _duplicates(ids, held)
 
     def insert_host(
         self, parent: Node, keys: list[int], host_ids: list[int], spare: list[int]
@@ -257,13 +286,22 @@ class RadixTree:
                 assert child.keys[0] == k
 
 
+def _duplicates(ids: list[int], held: list[int]) -> list[int]:
+    """The caller's ids of pages the tree holds under other ids (theirs to free), in order; one
+    C-level pass over the matched span instead of Python work per node."""
+    mine = ids[: len(held)]
+    if mine == held:  # the caller passed the ids it matched: nothing to free
+        return []
+    return list(compress(mine, map(ne, mine, held)))
+
+
 def _common_len(edge: list[int], keys: list[int], start: int) -> int:
-    """Length of the common prefix of `edge` and keys[start:]."""
+    """Length of the common prefix of `edge` and keys[start:] (edge[0] is known to match)."""
     n = min(len(edge), len(keys) - start)
     if edge[:n] == keys[start : start + n]:
         return n
-    i = 1  # edge[0] matched through the child lookup
-    while edge[i] == keys[start + i]:
+    i = 1
+    while edge[i] == keys[start + i]:  # stops before n: the slices differ
         i += 1
     return i
 

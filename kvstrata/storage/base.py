@@ -212,6 +212,11 @@ def checksum(payload: np.ndarray | bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def new_checksum() -> xxhash.xxh3_64:
+    """A streaming checksum: update() piece by piece, intdigest() equals checksum(all pieces)."""
+    return xxhash.xxh3_64()
+
+
 def encode_header(key: int, payload: np.ndarray) -> bytes:
     return _HEADER.pack(
         PAGE_MAGIC,
