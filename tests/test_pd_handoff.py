@@ -10,23 +10,31 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2 as httpx
 import pytest
 
 from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import PAGE, complete, info, raw_handoff, start_all, worker_args
 from tests.serve_helpers import Server, free_port
-from tests.tiny_models import make_llama
+from tests.tiny_models import hf_greedy, load_hf, make_llama
 
 PROMPT_A = [(5 * i + 1) % 97 for i in range(41)]  # 41 tokens: 5 full pages + 1 token
 PROMPT_B = [(7 * i + 3) % 97 for i in range(41)]
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
+        tmp_path_factory.mktemp("llama") / "tiny", seed=2, max_position_embeddings=512
+    )
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict[str, Server]]:
     tmp = tmp_path_factory.mktemp("pd")
-    ckpt = make_llama(tmp / "tiny", seed=2, max_position_embeddings=512)
     store = tmp / "store"
     p = (worker_args(ckpt, "--role", "prefill", store=store), tmp / "p.log")
     servers = start_all([p])
@@ -66,7 +74,7 @@ def test_info_names_roles_layout_and_endpoint(workers: dict[str, Server]) -> Non
 
 
 def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
-    workers: dict[str, Server],
+    workers: dict[str, Server], ckpt: Path
 ) -> None:
     page_bytes = info(workers["p"])["layout"]["page_bytes"]
     cold = pd_usage(complete(workers["d1"], PROMPT_A))
@@ -75,25 +83,25 @@ def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
     assert (cold["pd"]["pages_skipped"], cold["pd"]["pages_from_storage"]) == (0, 0)
     assert cold["pd"]["prefill_computed_tokens"] == 41
     check_all(workers)
-    hit = complete(workers["d1"], PROMPT_A)
+    hit = complete(workers["d1"], PROMPT_A, max_tokens=8)
     use = pd_usage(hit)
     assert use["pd"]["pages_received"] == 1 and use["pd"]["bytes_received"] == page_bytes
     assert use["pd"]["pages_skipped"] == 5 and use["prompt_tokens_details"]["cached_tokens"] == 40
     assert use["pd"]["prefill_computed_tokens"] == 1  # prefill's own L1 held the other 40
     check_all(workers)
-    out = httpx.post(
-        f"{workers['d1'].url}/tokenize", json={"prompt": hit.json()["choices"][0]["text"]}
-    ).json()["tokens"]
-    assert len(out) == 4
-    turn2 = PROMPT_A + out + [(3 * i + 2) % 97 for i in range(20)]  # 65 tokens
+    out = hf_greedy(load_hf(ckpt), PROMPT_A, 8)  # = decode's output (text below)
+    assert hit.json()["choices"][0]["text"] == ByteCodec(97).decode(out)
+    turn2 = PROMPT_A + out + [(3 * i + 2) % 97 for i in range(20)]  # 69 tokens
     use = pd_usage(complete(workers["d1"], turn2))
-    held = (41 + 4 - 1) // PAGE  # decode cached the full pages of turn 1's prompt + output: 5
+    held = (41 + 8 - 1) // PAGE  # decode cached the full pages of turn 1's prompt + output: 6
     new_pages = math.ceil(len(turn2) / PAGE) - held
-    assert new_pages == 4
+    assert new_pages == 3
     assert use["pd"]["pages_received"] == new_pages
     assert use["pd"]["bytes_received"] == new_pages * page_bytes
     assert use["pd"]["pages_skipped"] == held
-    assert use["pd"]["prefill_computed_tokens"] == len(turn2) - 5 * PAGE
+    # prefill's own L1 holds A's 5 pages; the 6th (decode's generated tokens) it takes from the
+    # shared L3, where decode backed it up: it computes only what nobody holds
+    assert use["pd"]["prefill_computed_tokens"] == len(turn2) - held * PAGE
     check_all(workers)
 
 

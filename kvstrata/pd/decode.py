@@ -85,7 +85,7 @@ class Handoff(threading.Thread):
         side = self.side
         try:
             self.endpoint = side.resolver.endpoint(self.target)
-            outcome = self._exchange(side.transport.connect(self.endpoint))
+            outcome = self._exchange(side.transport.connect(self.endpoint, self.rid))
         except WireError as exc:
             outcome = self._fail(502, f"bad hand-off reply: {exc}")
         except (OSError, httpx.HTTPError, zmq.ZMQError, ValueError) as exc:
