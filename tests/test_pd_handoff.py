@@ -39,9 +39,10 @@ def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
     p = (worker_args(ckpt, "--role", "prefill", store=store), tmp / "p.log")
     servers = start_all([p])
     prefill = servers[0]
+    fallback = {1: [], 2: ["--pd-on-failure", "local"]}
     decode = [
         (worker_args(ckpt, "--role", "decode", "--pd-prefill", prefill.url, "--pd-timeout-s",
-                     "3", store=store), tmp / f"d{i}.log")
+                     "3", *fallback[i], store=store), tmp / f"d{i}.log")
         for i in (1, 2)
     ]  # fmt: skip
     d1, d2 = start_all(decode)
@@ -55,6 +56,16 @@ def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
 def pd_usage(r: httpx.Response) -> dict:
     assert r.status_code == 200, r.text
     return r.json()["usage"]
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """Every sample of /metrics, by its name and labels."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def check_all(workers: dict[str, Server]) -> None:
@@ -103,6 +114,14 @@ def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
     # shared L3, where decode backed it up: it computes only what nobody holds
     assert use["pd"]["prefill_computed_tokens"] == len(turn2) - held * PAGE
     check_all(workers)
+    pages, nbytes = 6 + 1 + new_pages, (6 + 1 + new_pages) * page_bytes  # the three hand-offs
+    for srv, way in ((workers["d1"], "received"), (workers["p"], "sent")):
+        m = metrics(srv)
+        assert m[f'kvstrata:pd_pages_total{{model_name="tiny",direction="{way}"}}'] == pages
+        assert m[f'kvstrata:pd_bytes_total{{model_name="tiny",direction="{way}"}}'] == nbytes
+    m = metrics(workers["d1"])
+    assert m['kvstrata:pd_pages_skipped_total{model_name="tiny"}'] == 5 + held
+    assert m['kvstrata:pd_handoffs_total{model_name="tiny",outcome="ok"}'] == 3
 
 
 def test_prefix_in_shared_storage_is_not_sent(workers: dict[str, Server]) -> None:
@@ -161,3 +180,19 @@ def test_unreachable_prefill_is_a_504_naming_it(workers: dict[str, Server]) -> N
     assert workers["d1"].wait_idle()["device_free"] == before  # its pages came back
     r = complete(workers["d1"], [1, 2, 3], pd_prefill="ftp://x")
     assert r.status_code == 400 and r.json()["error"]["param"] == "pd_prefill"
+
+
+def test_failed_handoff_prefills_locally_when_asked(workers: dict[str, Server], ckpt: Path) -> None:
+    prompt = [(17 * i + 3) % 97 for i in range(30)]
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    r = complete(workers["d2"], prompt, pd_prefill=dead)  # d2: --pd-on-failure local
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(
+        hf_greedy(load_hf(ckpt), prompt, 4)
+    )
+    assert "pd" not in r.json()["usage"]  # nothing crossed: decode computed it
+    assert (
+        metrics(workers["d2"])['kvstrata:pd_handoffs_total{model_name="tiny",outcome="failed"}']
+        == 1
+    )
+    check_all(workers)

@@ -4,6 +4,7 @@ equal a single server's and transformers' from-scratch greedy decode, cold and o
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +79,34 @@ def test_pd_greedy_tokens_equal_single_server_and_recompute(
         single = complete(servers["s"], prompt, max_tokens=12)
         assert single.json()["choices"][0]["text"] == want
         assert r.json()["usage"]["pd"]["pages_skipped"] == (len(prompt) - 1) // PAGE
+    for srv in servers.values():
+        assert srv.wait_idle()["ok"]
+
+
+def test_concurrent_handoffs_each_get_their_own_pages(
+    servers: dict[str, Server], ckpt: Path
+) -> None:
+    hf = load_hf(ckpt)
+    prompts = [[(k * i + 2 * k + 1) % 97 for i in range(20 + 3 * k)] for k in range(1, 6)]
+    want = [ByteCodec(97).decode(hf_greedy(hf, p, 6)) for p in prompts]
+    got: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        got[i] = complete(servers["d"], prompts[i], max_tokens=6)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [r.json()["choices"][0]["text"] for r in got] == want
+    assert [r.json()["usage"]["pd"]["pages_received"] for r in got] == [
+        -(-len(p) // PAGE) for p in prompts
+    ]
+    one_token = complete(servers["d"], prompts[0] + [1], max_tokens=1)  # ends at the hand-off
+    assert one_token.json()["choices"][0]["text"] == ByteCodec(97).decode(
+        hf_greedy(hf, prompts[0] + [1], 1)
+    )
     for srv in servers.values():
         assert srv.wait_idle()["ok"]
 
