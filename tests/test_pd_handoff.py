@@ -117,8 +117,8 @@ def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
     pages, nbytes = 6 + 1 + new_pages, (6 + 1 + new_pages) * page_bytes  # the three hand-offs
     for srv, way in ((workers["d1"], "received"), (workers["p"], "sent")):
         m = metrics(srv)
-        assert m[f'kvstrata:pd_pages_total{{model_name="tiny",direction="{way}"}}'] == pages
-        assert m[f'kvstrata:pd_bytes_total{{model_name="tiny",direction="{way}"}}'] == nbytes
+        assert m[f'kvstrata:pd_pages_total{{direction="{way}",model_name="tiny"}}'] == pages
+        assert m[f'kvstrata:pd_bytes_total{{direction="{way}",model_name="tiny"}}'] == nbytes
     m = metrics(workers["d1"])
     assert m['kvstrata:pd_pages_skipped_total{model_name="tiny"}'] == 5 + held
     assert m['kvstrata:pd_handoffs_total{model_name="tiny",outcome="ok"}'] == 3
