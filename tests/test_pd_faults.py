@@ -107,7 +107,7 @@ def test_prefill_killed_mid_handoff(run: dict, ckpt: Path) -> None:
 
 def test_restarted_prefill_slower_than_the_timeout_but_alive(run: dict, ckpt: Path) -> None:
     # 0.5 s per L3 page read: prefill needs > 2.5 s for X's prefix; heartbeats keep decode waiting
-    slow = ["--storage-emulate-read-s-per-page", "0.5"]
+    slow = ["--storage-emulate-read-s-per-page", "0.5", "--no-pd-layerwise"]  # whole pages
     (p2,) = start_all([(prefill_args(ckpt, run["store"], *slow), run["tmp"] / "p2.log")])
     run["servers"].append(p2)
     run["p2"] = p2
