@@ -24,9 +24,14 @@ class ApiError(Exception):
 
     @property
     def kind(self) -> str:
-        return {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-            self.status, "InternalServerError"
-        )
+        kinds = {
+            400: "BadRequestError",
+            404: "NotFoundError",
+            502: "BadGatewayError",
+            503: "ServiceUnavailableError",
+            504: "GatewayTimeoutError",
+        }
+        return kinds.get(self.status, "InternalServerError")
 
     def body(self) -> dict[str, Any]:
         return {
@@ -58,6 +63,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    pd_prefill: str | None = None  # P/D decode: the prefill worker to use (the router sets it)
 
 
 class CompletionRequest(_Common):

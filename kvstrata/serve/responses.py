@@ -59,6 +59,7 @@ class TextState:
 def usage(req: Request, page_size: int, completion_tokens: int) -> dict[str, Any]:
     by_tier = {TIER_NAMES[t]: n * page_size for t, n in req.hits.items()}
     prompt = len(req.tokens)
+    pd = {"pd": dict(req.transfer)} if req.transfer is not None else {}
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
@@ -67,6 +68,7 @@ def usage(req: Request, page_size: int, completion_tokens: int) -> dict[str, Any
             "cached_tokens": sum(by_tier.values()),
             "cached_tokens_by_tier": by_tier,
         },
+        **pd,  # P/D decode: what crossed from prefill
     }
 
 

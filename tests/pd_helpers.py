@@ -1,0 +1,163 @@
+"""P/D test helpers: prefill and decode workers as real `kvstrata serve` processes, started in
+parallel, and a raw decode-side client of a prefill worker's transfer endpoint."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import numpy as np
+
+from kvstrata.pd.transport import TRANSPORTS
+from kvstrata.pd.wire import (
+    Frames,
+    assemble,
+    header,
+    pack_keys,
+    pages_message,
+    read_header,
+    read_layer,
+)
+from tests.serve_helpers import TINY_ENGINE, Server
+
+PAGE = 8
+
+
+def worker_args(ckpt: Path, *extra: str, store: Path | None = None) -> list[str]:
+    """A tiny-model worker (page size 8) with integrity endpoints, optionally sharing an L3 dir."""
+    args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "40", "--host-pages", "64"]
+    if store is not None:
+        args += ["--storage-url", f"file://{store}", "--prefetch-policy", "wait_complete"]
+    return [*args, "--debug-endpoints", *extra]
+
+
+def start_all(specs: list[tuple[list[str], Path]]) -> list[Server]:
+    """Start every server at once (each waits for its own /health); all or none."""
+    out: list[Server | BaseException | None] = [None] * len(specs)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = Server(*specs[i])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
+            out[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [x for x in out if not isinstance(x, Server)]
+    if failed:
+        for x in out:
+            if isinstance(x, Server):
+                x.stop()
+        raise RuntimeError(f"a server failed to start: {failed[0]!r}")
+    return out  # type: ignore[return-value]
+
+
+def info(server: Server) -> dict[str, Any]:
+    r = httpx.get(f"{server.url}/v1/pd/info", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(
+    server: Server, prompt: list[int], max_tokens: int = 4, **extra: Any
+) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+def raw_handoff(
+    endpoint: str,
+    tokens: list[int],
+    keys: list[int],
+    layout: dict[str, Any],
+    salt: str = "",
+    hid: str = "raw",
+    timeout_s: float = 30.0,
+) -> tuple[dict[str, Any], Frames]:
+    """Ask a prefill worker for a hand-off as decode would: its answer (a refusal, or the pages
+    with the logits row; pages sent layer by layer are put together and re-framed as one
+    `pages` message, whose header counts them in "layer_messages")."""
+    ch = TRANSPORTS.create("zmq").connect(endpoint)
+    layers: dict[int, list] = {}
+    half = layout["page_bytes"] // layout["layers"]
+    try:
+        ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
+        ch.send([header("handoff", hid, **ask)])
+        while True:
+            frames = ch.recv(timeout_s)
+            assert frames is not None, f"no reply from {endpoint} within {timeout_s} s"
+            head = read_header(frames)
+            if head["type"] == "layer":
+                layers[head["layer"]] = read_layer(head, frames, half)
+            elif head["type"] != "heartbeat":
+                break
+    finally:
+        ch.close()
+    if head["type"] == "pages" and head.get("layers"):
+        n = len(next(iter(layers.values()), []))
+        pages = assemble(layers, layout["layers"], n)
+        row = np.frombuffer(frames[-1], dtype=np.float32)
+        frames = pages_message(
+            hid, head["first_page"], pages, row, computed_tokens=head["computed_tokens"]
+        )
+        head = {**read_header(frames), "layer_messages": len(layers)}
+    return head, frames
+
+
+class CuttableRelay:
+    """A TCP relay 127.0.0.1:port -> target that can drop every connection at once (`cut`):
+    a dropped link between two live workers. Connections made after a cut relay again."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.srv.accept()
+                up = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                return
+            up.settimeout(None)
+            self.accepted += 1
+            self.conns += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        for s in self.conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+        self.conns = []
+
+    def close(self) -> None:
+        self.srv.close()
+        self.cut()
