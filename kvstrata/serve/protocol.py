@@ -14,6 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvstrata.engine.sampling import SamplingParams
 
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    502: "BadGatewayError",  # the P/D router: a worker unreachable or its answer cut
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",  # the P/D router: a worker silent past the read timeout
+}
+
 
 class ApiError(Exception):
     """An error answered in vLLM's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -24,9 +32,7 @@ class ApiError(Exception):
 
     @property
     def kind(self) -> str:
-        return {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
-            self.status, "InternalServerError"
-        )
+        return ERROR_TYPES.get(self.status, "InternalServerError")
 
     def body(self) -> dict[str, Any]:
         return {
