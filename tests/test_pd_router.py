@@ -19,6 +19,8 @@ from kvstrata.serve.process import ServerProcess, free_port
 from tests.serve_helpers import TINY_ENGINE, Server
 from tests.tiny_models import make_llama
 
+pytestmark = pytest.mark.slow  # several real server processes (minutes on a loaded box)
+
 NO_INFO = ["--no-router-require-info"]
 
 
