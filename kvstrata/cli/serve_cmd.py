@@ -13,6 +13,7 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.tp import check_layout
+from kvstrata.pd.config import PDConfig
 from kvstrata.pd.router_config import add_router_args, router_config_from_args
 from kvstrata.serve.config import ServeConfig
 from kvstrata.storage.base import StorageConfig
@@ -25,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p, CacheConfig)
     add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
     add_config_args(p, DistConfig)
+    add_config_args(p, PDConfig)
     add_router_args(p)
     p.set_defaults(func=run)
 
@@ -55,7 +57,13 @@ def run(args: argparse.Namespace) -> int:
     validate.check_checkpoint(path)
     model = load_model(path, dtype=cfgs[0].dtype)  # ValueError: not a checkpoint
     dist_cfg = config_from_args(DistConfig, args)
+    pd_cfg = config_from_args(PDConfig, args)
+    if cfg.role in ("prefill", "decode") and dist_cfg.world_size > 1:
+        raise ValueError(
+            f"--role {cfg.role} runs on one rank for now: P/D workers with --tp/--cp/--pp > 1 "
+            "are not supported yet"
+        )
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
-    return serve(make_state(cfg, model, path, cfgs, dist_cfg))
+    return serve(make_state(cfg, model, path, cfgs, dist_cfg, pd_cfg))

@@ -73,17 +73,20 @@ class Admission:
 
     def _open(self, req: Request) -> Lease:
         """The request's lease, keyed by the full pages of its prompt."""
-        n_full = len(req.tokens) // self.page
-        keys = page_keys(req.tokens[: n_full * self.page], self._ns(req), self.vocab_size)
         req.lease = Lease(
             self.cache,
-            keys,
+            self.prompt_keys(req),
             len(req.tokens),
             req.pages_needed(self.page),
             self.page,
             allocator=self.allocator,
         )
         return req.lease
+
+    def prompt_keys(self, req: Request) -> list[int]:
+        """Keys of the prompt's full pages under the request's namespace (pure: any thread)."""
+        n_full = len(req.tokens) // self.page
+        return page_keys(req.tokens[: n_full * self.page], self._ns(req), self.vocab_size)
 
     def _ns(self, req: Request) -> Namespace:
         """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""

@@ -75,6 +75,9 @@ class Engine:
         self.steps = 0
         self.on_token: Callable[[Request, int], None] | None = None
         """Called with each token as it is produced (the server streams from it)."""
+        self.step_hook: Callable[[Engine], list[Request]] | None = None
+        """Called once per step after admission (P/D: starts and lands remote prefills); returns
+        the requests it finished."""
 
     # ---- API ----------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -139,8 +142,9 @@ class Engine:
                     pages=req.page_table,
                     hits=[req.hits["L1"], req.hits["L2"], req.hits["L3"]],
                 )
+        finished = self.step_hook(self) if self.step_hook is not None else []
         work = self._plan()
-        finished = self._forward(work) if work else []
+        finished += self._forward(work) if work else []
         if log is not None:
             for req in finished:
                 log.record("finish", rid=req.rid, cached_pages=len(req.page_table))
@@ -173,6 +177,24 @@ class Engine:
         if self.cache is not None:
             self.cache.drain()
 
+    # ---- remote prefill (P/D decode: another worker computes the prompt) --------------------
+    def finish_remote_prefill(self, req: Request, row: torch.Tensor) -> bool:
+        """The prompt's KV is in req's pages now (written between steps); `row` [vocab] is the
+        prompt's last logits: emit the first token as a local prefill would. True when done."""
+        assert req.remote and req.state is State.PREFILL, f"{req.rid} is not a remote prefill"
+        req.computed = len(req.tokens)
+        if req.draft_computed is not None:
+            req.draft_computed = req.computed  # the draft's layers came in the same pages
+        return self._emit(req, row)
+
+    def fail_remote(self, req: Request, status: int, message: str) -> Request:
+        """End a remote prefill that failed: its pages and locks go back, the client gets
+        `status` and `message` (the loop reads req.failure)."""
+        self.admission.cache_pages(req, final=True)  # only the held prefix is cached
+        self.running.remove(req)
+        req.failure = (status, message)
+        return _ended(req, "error")
+
     # ---- one forward --------------------------------------------------------------------------
     def _plan(self) -> list[tuple[Request, list[int]]]:
         """Tokens each running request feeds this step: decodes first, then prefill chunks."""
@@ -183,7 +205,7 @@ class Engine:
                 work.append((req, [req.output[-1]]))
                 budget -= 1
         for req in self.running:
-            if req.state is State.PREFILL and budget:
+            if req.state is State.PREFILL and budget and not req.remote:
                 n = min(self.config.chunk_tokens, len(req.tokens) - req.computed, budget)
                 work.append((req, req.tokens[req.computed : req.computed + n]))
                 budget -= n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,9 @@ class Request:
     """Keep every produced logits row (tests compare them with recomputation)."""
     sampler: Sampler | None = None  # None: greedy, ends only at max_new_tokens
     cache_salt: str = ""  # mixed into the page keys: requests with other salts share no page
+    remote: str = ""
+    """P/D decode: the prefill worker that computes the prompt ("" = this engine prefills it)."""
+    transfer: dict[str, Any] | None = None  # P/D decode: what crossed for it (usage.pd)
 
     # --- engine state -------------------------------------------------------------------------
     state: State = State.WAITING
@@ -40,6 +44,7 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     finish_reason: str | None = None  # "length", "stop" (a stop token) or "abort"
+    failure: tuple[int, str] | None = None  # (HTTP status, message) of a failed remote prefill
     reported_hits: dict[str, int] | None = None
     """Hits as the rank that served it reported them (a copy of the request on another process,
     e.g. the HTTP side of a multi-rank server, has no lease of its own)."""

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvstrata.cache.events import MEDIA, snapshot
+from kvstrata.pd.routes import add_routes as pd_routes
 from kvstrata.serve.generate import Generation, complete, stream
 from kvstrata.serve.protocol import (
     ApiError,
@@ -64,6 +65,8 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.stopping = True
         await asyncio.to_thread(state.loop.stop, state.cfg.stop_timeout_s + 60.0)
+        if state.pd is not None:
+            state.pd.close()
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
 
@@ -80,6 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
     _info_routes(app, state)
     _generate_routes(app, state)
     _token_routes(app, state)
+    pd_routes(app, state)
     if state.cfg.debug_endpoints:
         _debug_routes(app, state)
     return app
@@ -162,6 +166,8 @@ async def _generate(
     state: ServerState, body: CompletionRequest | ChatRequest, request: Request
 ) -> Any:
     gen = Generation(state, body)
+    if body.stream and gen.req.remote:
+        await gen.wait_first()  # P/D: a failed hand-off gets its status, not a 200 stream
     if body.stream:
         return StreamingResponse(stream(gen), media_type="text/event-stream")
     return await complete(gen, request.is_disconnected)

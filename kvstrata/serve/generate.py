@@ -61,6 +61,11 @@ class Generation:
             sampler=Sampler(prep.sampling, self.rid),
             cache_salt=prep.cache_salt,
         )
+        if state.pd is not None and state.pd.decode is not None:
+            try:  # P/D decode: a prefill worker computes the prompt
+                self.req.remote = state.pd.decode.choose(body.pd_prefill)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "pd_prefill") from None
         self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)
         assert state.aloop is not None
         self.stream = Stream(state.aloop, time.monotonic())
@@ -70,19 +75,39 @@ class Generation:
         except QueueFull as exc:
             raise ApiError(503, f"server is busy: {exc}") from None
         self.ended = False
+        self._first: tuple[str, Any] | None = None  # an event taken early by wait_first()
+
+    async def _next(self, timeout: float) -> tuple[str, Any]:
+        if self._first is not None:
+            event, self._first = self._first, None
+            return event
+        return await asyncio.wait_for(self.stream.queue.get(), timeout)
+
+    async def wait_first(self) -> None:
+        """Wait for the first event (P/D decode: the KV arrived, or the hand-off failed), so
+        a failure is answered with its own status instead of a 200 stream."""
+        timeout = self.state.cfg.request_timeout_s
+        try:
+            self._first = await asyncio.wait_for(self.stream.queue.get(), timeout)
+        except TimeoutError:
+            self.abort()
+            raise ApiError(503, f"no token within request_timeout_s={timeout}") from None
+        if self._first[0] == "error":
+            self.ended = True
+            raise _failure(self._first[1])
 
     async def deltas(self) -> AsyncIterator[str]:
         """New text per token until the request ends (or a stop string shows up)."""
         timeout = self.state.cfg.request_timeout_s
         while True:
             try:
-                kind, value = await asyncio.wait_for(self.stream.queue.get(), timeout)
+                kind, value = await self._next(timeout)
             except TimeoutError:
                 self.abort()
                 raise ApiError(503, f"no token within request_timeout_s={timeout}") from None
             if kind == "error":
                 self.ended = True
-                raise ApiError(500, f"request failed: {value}")
+                raise _failure(value)
             if kind == "done":
                 self.ended = True
                 return
@@ -103,6 +128,13 @@ class Generation:
 
     def reason(self) -> str:
         return R.finish_reason(self.req if self.req.finish_reason else None, self.text)
+
+
+def _failure(value: Any) -> ApiError:
+    """The client's error for a failed request: (status, message) of a P/D hand-off, else 500."""
+    if isinstance(value, tuple):
+        return ApiError(*value)
+    return ApiError(500, f"request failed: {value}")
 
 
 async def complete(gen: Generation, gone: Callable[[], Awaitable[bool]]) -> dict[str, Any]:

@@ -217,7 +217,10 @@ class EngineLoop:
         self._release()
         for obs in self.observers:
             obs.on_finished(req, stream, now_s)
-        stream.push("done", req)
+        if req.failure is not None:  # a remote prefill failed: (status, message)
+            stream.push("error", req.failure)
+        else:
+            stream.push("done", req)
 
     def _release(self) -> None:
         with self._lock:

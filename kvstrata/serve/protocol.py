@@ -14,14 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvstrata.engine.sampling import SamplingParams
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    502: "BadGatewayError",  # the P/D router: a worker unreachable or its answer cut
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",  # the P/D router: a worker silent past the read timeout
-}
-
 
 class ApiError(Exception):
     """An error answered in vLLM's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -32,7 +24,14 @@ class ApiError(Exception):
 
     @property
     def kind(self) -> str:
-        return ERROR_TYPES.get(self.status, "InternalServerError")
+        kinds = {
+            400: "BadRequestError",
+            404: "NotFoundError",
+            502: "BadGatewayError",
+            503: "ServiceUnavailableError",
+            504: "GatewayTimeoutError",
+        }
+        return kinds.get(self.status, "InternalServerError")
 
     def body(self) -> dict[str, Any]:
         return {
@@ -64,6 +63,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    pd_prefill: str | None = None  # P/D decode: the prefill worker to use (the router sets it)
 
 
 class CompletionRequest(_Common):

@@ -59,7 +59,9 @@ class TextState:
 def usage(req: Request, page_size: int, completion_tokens: int) -> dict[str, Any]:
     by_tier = {TIER_NAMES[t]: n * page_size for t, n in req.hits.items()}
     prompt = len(req.tokens)
+    pd = {"pd": dict(req.transfer)} if req.transfer is not None else {}
     return {
+        **pd,
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt + completion_tokens,

@@ -54,11 +54,13 @@ def make_state(
     model_path: Path,
     configs: tuple[EngineConfig, CacheConfig, StorageConfig],
     dist_cfg: DistConfig | None = None,
+    pd_cfg: Any = None,
 ) -> ServerState:
     """The server's state; the engine (one rank, or tp x cp x pp ranks) is built by loop.start()."""
     engine_cfg, cache_cfg, storage_cfg = configs
     name = cfg.served_model_name or model_path.name
     metrics = ServeMetrics(name)
+    pd = _pd_worker(cfg, pd_cfg, metrics, name)
     loop: EngineLoop | RankedLoop
     if dist_cfg is not None and dist_cfg.world_size > 1:
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
@@ -66,7 +68,7 @@ def make_state(
         loop.observers.append(metrics)
         metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
     else:
-        loop = EngineLoop(lambda: _build(loop, cfg, metrics, model, configs), cfg.max_pending)
+        loop = EngineLoop(lambda: _build(loop, cfg, metrics, model, configs, pd), cfg.max_pending)
     limits = Limits(
         model.vocab_size,
         model.spec.max_position_embeddings,
@@ -74,7 +76,18 @@ def make_state(
         cache_cfg.device_pages,
     )
     codec = open_codec(model_path, model.vocab_size)
-    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics)
+    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics, pd=pd)
+
+
+def _pd_worker(cfg: ServeConfig, pd_cfg: Any, metrics: ServeMetrics, name: str) -> Any:
+    """The P/D side of a prefill or decode worker (None for single and router)."""
+    if cfg.role not in ("prefill", "decode"):
+        return None
+    from kvstrata.pd.config import PDConfig
+    from kvstrata.pd.routes import PDMetrics
+    from kvstrata.pd.worker import PDWorker
+
+    return PDWorker(cfg.role, pd_cfg or PDConfig(), PDMetrics(metrics.registry, name))
 
 
 def _build(
@@ -83,11 +96,14 @@ def _build(
     metrics: ServeMetrics,
     model: DecoderLM,
     configs: Any,
+    pd: Any = None,
 ) -> Built:
     """On the engine thread: pools, storage, cache; the observers that watch the loop."""
     built = build_engine(*configs, model=model)
     metrics.attach(lambda: engine_stats(built.engine), built.engine.page)
     loop.observers.append(metrics)
+    if pd is not None:
+        pd.attach(loop, built.engine)
     if cfg.kv_events_endpoint and built.engine.cache is not None:
         from kvstrata.serve.events import KVEventPublisher
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstrata.serve.codec import Codec
 from kvstrata.serve.config import ServeConfig
@@ -23,6 +24,7 @@ class ServerState:
     limits: Limits
     metrics: ServeMetrics
     stopping: bool = False
+    pd: Any = None  # kvstrata.pd.worker.PDWorker on a prefill or decode worker
     aloop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
 
     def check_ready(self) -> None:

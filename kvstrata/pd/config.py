@@ -1,0 +1,50 @@
+"""Configuration of a P/D worker's side of the hand-off (`kvstrata serve --role prefill|decode`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.configtools import doc
+
+ON_FAILURE = ("error", "local")
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    """Prefill/decode hand-off: where prefill listens, which prefill decode asks, time bounds."""
+
+    pd_transfer_endpoint: str = doc(
+        "tcp://127.0.0.1:0", "prefill: where the transport listens (port 0 = a free port)"
+    )
+    pd_transport: str = doc("zmq", "transport of the hand-off (registry name)")
+    pd_prefill: str = doc(
+        "", "decode: prefill workers, comma-separated HTTP base URLs or tcp:// endpoints"
+    )
+    pd_timeout_s: float = doc(
+        10.0, "longest silence (no page, no heartbeat) before a hand-off fails"
+    )
+    pd_heartbeat_s: float = doc(0.5, "prefill: heartbeat interval while a hand-off computes")
+    pd_on_failure: str = doc(
+        "error", "decode, failed hand-off: error (502/504) | local (prefill here)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("pd_timeout_s", "pd_heartbeat_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.pd_heartbeat_s >= self.pd_timeout_s:
+            raise ValueError(
+                f"pd_heartbeat_s ({self.pd_heartbeat_s}) must be below pd_timeout_s "
+                f"({self.pd_timeout_s}): a live prefill would time out"
+            )
+        if self.pd_on_failure not in ON_FAILURE:
+            raise ValueError(
+                f"pd_on_failure must be one of {ON_FAILURE}, got {self.pd_on_failure!r}"
+            )
+        for url in self.prefill_urls:
+            if not url.startswith(("http://", "https://", "tcp://")):
+                raise ValueError(f"pd_prefill entry {url!r} is not an http(s):// or tcp:// address")
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [u.strip() for u in self.pd_prefill.split(",") if u.strip()]

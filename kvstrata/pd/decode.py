@@ -1,0 +1,231 @@
+"""The decode worker's side of a hand-off.
+
+Decode's own Lease matched and admitted the request over its tiers (L1, L2, L3 prefetch into
+L2), locked the held prefix and allocated every other page; the engine does not plan the prompt
+of a `remote` request. Once admitted, a thread per hand-off sends prefill the keys of the pages
+decode holds and waits (bounded by pd_timeout_s of silence) for exactly the missing pages and
+the first-token logits row. The engine thread (the step hook) writes them into the request's
+own pages and emits the first token; or, on any failure, releases the request's pages and ends
+it with 502/504 naming the prefill endpoint (or, with pd_on_failure=local, prefills it here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any
+
+import httpx2 as httpx
+import numpy as np
+import torch
+import zmq
+
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.request import Request, State
+from kvstrata.pd.config import PDConfig
+from kvstrata.pd.transport import Transport
+from kvstrata.pd.wire import Layout, Received, WireError, header, pack_keys, read_header, read_pages
+
+POLL_S = 0.05  # how often a waiting hand-off checks for a cancel
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a hand-off thread hands the engine thread: pages, or (status, message)."""
+
+    rid: str
+    endpoint: str
+    received: Received | None = None
+    failure: tuple[int, str] | None = None
+
+
+class Resolver:
+    """HTTP base URL of a prefill worker -> its transfer endpoint (from GET /v1/pd/info)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._known: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def endpoint(self, target: str) -> str:
+        if target.startswith("tcp://"):
+            return target
+        with self._lock:
+            if target in self._known:
+                return self._known[target]
+        info = httpx.get(f"{target.rstrip('/')}/v1/pd/info", timeout=self.timeout_s)
+        if info.status_code != 200:
+            raise OSError(f"GET {target}/v1/pd/info answered {info.status_code}")
+        body = info.json()
+        if body.get("role") != "prefill" or not body.get("transfer_endpoint"):
+            raise OSError(f"{target} is not a prefill worker (role {body.get('role')!r})")
+        with self._lock:
+            self._known[target] = body["transfer_endpoint"]
+        return body["transfer_endpoint"]
+
+    def forget(self, target: str) -> None:
+        """After a failure: the worker may come back on another port."""
+        with self._lock:
+            self._known.pop(target, None)
+
+
+class Handoff(threading.Thread):
+    """One request's exchange with prefill on a fresh channel; ends by putting one Outcome."""
+
+    def __init__(self, side: DecodeSide, req: Request, held: list[int], n_pages: int) -> None:
+        super().__init__(name=f"pd-handoff-{req.rid}", daemon=True)
+        self.side, self.rid, self.target = side, req.rid, req.remote
+        self.tokens, self.salt, self.held, self.n_pages = req.tokens, req.cache_salt, held, n_pages
+        self.cancelled = threading.Event()
+        self.endpoint = req.remote
+
+    def run(self) -> None:
+        side = self.side
+        try:
+            self.endpoint = side.resolver.endpoint(self.target)
+            outcome = self._exchange(side.transport.connect(self.endpoint))
+        except WireError as exc:
+            outcome = self._fail(502, f"bad hand-off reply: {exc}")
+        except (OSError, httpx.HTTPError, zmq.ZMQError, ValueError) as exc:
+            outcome = self._fail(502, f"unreachable: {type(exc).__name__}: {exc}")
+        if outcome.failure is not None:
+            side.resolver.forget(self.target)
+        side.outcomes.put(outcome)
+
+    def _fail(self, status: int, why: str) -> Outcome:
+        msg = f"P/D hand-off of {self.rid} with prefill {self.endpoint} failed: {why}"
+        return Outcome(self.rid, self.endpoint, failure=(status, msg))
+
+    def _exchange(self, ch: Any) -> Outcome:
+        cfg = self.side.cfg
+        try:
+            ask = dict(tokens=self.tokens, salt=self.salt, keys=pack_keys(self.held))
+            ch.send([header("handoff", self.rid, layout=self.side.layout.as_dict(), **ask)])
+            heard = time.monotonic()
+            while not self.cancelled.is_set():
+                frames = ch.recv(min(POLL_S, cfg.pd_timeout_s))
+                if frames is None:
+                    if time.monotonic() - heard > cfg.pd_timeout_s:
+                        return self._fail(504, f"no answer within pd_timeout_s={cfg.pd_timeout_s}")
+                    continue
+                heard = time.monotonic()
+                done = self._on_message(frames)
+                if done is not None:
+                    return done
+            ch.send([header("cancel", self.rid)])  # prefill may stop computing for us
+            return self._fail(499, "cancelled")
+        finally:
+            ch.close()
+
+    def _on_message(self, frames: list[Any]) -> Outcome | None:
+        head = read_header(frames)
+        if head["id"] != self.rid or head["type"] == "heartbeat":
+            return None
+        if head["type"] == "refused":
+            return self._fail(502, f"refused: {head.get('message', '?')}")
+        if head["type"] != "pages":
+            raise WireError(f"unexpected message type {head['type']!r}")
+        got = read_pages(head, frames, self.side.layout.page_bytes)
+        want = self.n_pages - len(self.held)
+        if got.first_page != len(self.held) or len(got.pages) != want:
+            raise WireError(
+                f"sent pages [{got.first_page}, {got.first_page + len(got.pages)}), "
+                f"expected [{len(self.held)}, {self.n_pages})"
+            )
+        return Outcome(self.rid, self.endpoint, received=got)
+
+
+class DecodeSide:
+    """Starts and lands hand-offs; `hook` runs on the engine thread once per step."""
+
+    def __init__(self, cfg: PDConfig, transport: Transport, metrics: Any) -> None:
+        self.cfg, self.transport, self.metrics = cfg, transport, metrics
+        self.resolver = Resolver(cfg.pd_timeout_s)
+        self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
+        self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self.active: dict[str, Handoff] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def attach(self, engine: Engine, layout: Layout) -> None:
+        self.layout = layout
+        engine.step_hook = self.hook
+
+    def choose(self, wanted: str | None) -> str:
+        """The prefill worker of a new request: the one the router named, else round robin."""
+        if wanted:
+            if not wanted.startswith(("http://", "https://", "tcp://")):
+                raise ValueError(f"pd_prefill {wanted!r} is not an http(s):// or tcp:// address")
+            return wanted
+        urls = self.cfg.prefill_urls
+        if not urls:
+            raise ValueError("this decode worker has no --pd-prefill; name one in pd_prefill")
+        with self._lock:
+            self._next += 1
+            return urls[(self._next - 1) % len(urls)]
+
+    def hook(self, engine: Engine) -> list[Request]:
+        running = {r.rid: r for r in engine.running}
+        for rid, h in list(self.active.items()):
+            if rid not in running:  # aborted (client gone): stop waiting for prefill
+                h.cancelled.set()
+                del self.active[rid]
+        for req in running.values():
+            if req.remote and req.state is State.PREFILL and req.rid not in self.active:
+                self._start(engine, req)
+        finished: list[Request] = []
+        while True:
+            try:
+                out = self.outcomes.get_nowait()
+            except queue.Empty:
+                return finished
+            req = running.get(out.rid)
+            if req is None or self.active.pop(out.rid, None) is None:
+                continue  # ended meanwhile; its pages are already back
+            if self._land(engine, req, out):
+                finished.append(req)
+
+    def _start(self, engine: Engine, req: Request) -> None:
+        lease = req.lease
+        assert lease is not None
+        held = lease.keys[: lease.hits.pages]  # every tier: L1, L2 (and what L3 brought)
+        h = Handoff(self, req, held, -(-len(req.tokens) // engine.page))
+        self.active[req.rid] = h
+        h.start()
+
+    def _land(self, engine: Engine, req: Request, out: Outcome) -> bool:
+        """Write the pages and emit the first token, or fail the request; True when it ended."""
+        if out.failure is not None:
+            self.metrics.failed()
+            if self.cfg.pd_on_failure == "local":
+                req.remote = ""  # the engine prefills it from its held prefix on
+                return False
+            engine.fail_remote(req, *out.failure)
+            return True
+        got = out.received
+        assert got is not None and req.lease is not None
+        write_pages(engine, req.page_table[got.first_page : got.first_page + len(got.pages)], got)
+        hits = req.lease.hits
+        req.transfer = {
+            "pages_received": len(got.pages),
+            "bytes_received": got.nbytes,
+            "pages_skipped": hits.pages,
+            "pages_from_storage": hits.storage,
+            "prefill_computed_tokens": int(got.stats.get("computed_tokens", 0)),
+            "prefill": out.endpoint,
+        }
+        self.metrics.received(req.transfer)
+        return engine.finish_remote_prefill(req, torch.from_numpy(got.logits))
+
+
+def write_pages(engine: Engine, ids: list[int], got: Received) -> None:
+    """Host-layout pages [n, layers, 2, page, heads, dim] into device pages `ids` (layer-first)."""
+    if not ids:
+        return
+    pool = engine.pool
+    s = pool.shape
+    raw = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in got.pages])
+    pages = torch.from_numpy(raw).view(s.torch_dtype).view(len(ids), *s.host_shape(1)[1:])
+    pool.data[:, :, pool.local_slot(ids)] = pages.permute(1, 2, 0, 3, 4, 5).to(pool.device)

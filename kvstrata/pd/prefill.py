@@ -1,0 +1,175 @@
+"""The prefill worker's side of a hand-off.
+
+One thread owns the transport's listener. A `handoff` from decode is checked first (layout, then
+decode's key chain against the prompt under the request's cache_salt namespace, then the rule
+that the page of the last prompt token is never held); a bad one is refused with the reason.
+A good one runs as an ordinary engine request (max 1 token, logits kept), so its own Lease
+serves what prefill's L1/L2/L3 hold and only the rest is computed. When its first token is
+produced (on the engine thread, before the request's pages are released) the pages decode lacks
+are copied out to host memory and queued; the listener thread sends them with the logits row,
+and heartbeats each hand-off that is still computing every pd_heartbeat_s.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from kvstrata.cache.lease import hittable_pages
+from kvstrata.engine.request import Request
+from kvstrata.pd.config import PDConfig
+from kvstrata.pd.transport import Listener
+from kvstrata.pd.wire import (
+    Frames,
+    Layout,
+    WireError,
+    header,
+    layout_mismatch,
+    pages_message,
+    read_header,
+    unpack_keys,
+)
+
+
+class Sink:
+    """Where the engine loop sends a hand-off request's events (duck-types serve.loop.Stream).
+
+    `push` runs on the engine thread: on the first token the request still owns its pages."""
+
+    def __init__(self, side: PrefillSide, peer: bytes, req: Request, held: int) -> None:
+        self.side, self.peer, self.req, self.held = side, peer, req, held
+        self.received_s = time.monotonic()
+        self.last_token_s: float | None = None
+        self.last_sent_s = self.received_s  # the listener thread's last message to decode
+        self.sent = False  # pages queued (engine thread)
+
+    def push(self, kind: str, value: Any) -> None:
+        if kind == "token" and not self.sent:
+            self.sent = True
+            self.side.outbox.put((self, self._pages()))
+        elif kind == "error":
+            self.side.outbox.put((self, [header("refused", self.hid, message=str(value))]))
+        elif kind == "done":
+            self.side.outbox.put((self, None))
+
+    @property
+    def hid(self) -> str:
+        return self.req.rid.removeprefix("pd-")
+
+    def _pages(self) -> Frames:
+        """Pages [held, n) of the prompt, host layout, and the first-token logits row."""
+        engine = self.side.loop.engine
+        pool, req = engine.pool, self.req
+        n = -(-len(req.tokens) // engine.page)
+        ids = req.page_table[self.held : n]
+        # [layers, 2, k, page, heads, dim] -> page-first [k, layers, 2, page, heads, dim]
+        block = pool.data[:, :, pool.local_slot(ids)].permute(2, 0, 1, 3, 4, 5).contiguous()
+        flat = block.cpu().reshape(len(ids), -1).view(torch.uint8).numpy()
+        computed = len(req.tokens) - sum(req.hits.values()) * engine.page
+        self.side.metrics.sent(len(ids), int(flat.nbytes))
+        row = req.logits[-1].float().cpu().numpy()
+        return pages_message(self.hid, self.held, list(flat), row, computed_tokens=computed)
+
+
+class PrefillSide:
+    """The listener thread and what it knows of hand-offs in flight."""
+
+    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any) -> None:
+        self.cfg, self.listener, self.metrics = cfg, listener, metrics
+        self.loop: Any = None  # the server's EngineLoop (set by attach)
+        self.layout: Layout | None = None
+        self.outbox: queue.SimpleQueue[tuple[Sink, Frames | None]] = queue.SimpleQueue()
+        self.flight: dict[str, Sink] = {}  # hand-off id -> its sink, until sent or failed
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="pd-prefill", daemon=True)
+
+    def attach(self, loop: Any, layout: Layout) -> None:
+        self.loop, self.layout = loop, layout
+        self.thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.thread.is_alive():
+            self.thread.join(5.0)
+        self.listener.close()
+
+    def _serve(self) -> None:
+        wait = min(0.05, self.cfg.pd_heartbeat_s / 2)
+        while not self._stop.is_set():
+            got = self.listener.recv(wait)
+            if got is not None:
+                self._on_message(*got)
+            self._flush()
+            self._heartbeat()
+
+    def _on_message(self, peer: bytes, frames: Frames) -> None:
+        try:
+            head = read_header(frames)
+        except WireError:
+            return  # not ours to answer: no id to answer to
+        hid = str(head["id"])
+        if head["type"] == "cancel":
+            sink = self.flight.pop(hid, None)
+            if sink is not None:
+                self.loop.abort(sink.req.rid)  # its lease gives back every page
+            return
+        try:
+            req, held = self._admit(head)
+        except (WireError, ValueError, KeyError, TypeError) as exc:
+            self.metrics.failed()
+            self.listener.send(peer, [header("refused", hid, message=str(exc))])
+            return
+        sink = Sink(self, peer, req, held)
+        self.flight[hid] = sink
+        self.loop.submit(req, sink)
+
+    def _admit(self, head: dict[str, Any]) -> tuple[Request, int]:
+        """The engine request of a checked hand-off, and how many leading pages decode holds."""
+        assert self.layout is not None
+        bad = layout_mismatch(self.layout, head["layout"], "decode")
+        if bad:
+            raise WireError(bad)
+        tokens, salt = [int(t) for t in head["tokens"]], str(head["salt"])
+        req = Request(f"pd-{head['id']}", tokens, 1, keep_logits=True, cache_salt=salt)
+        held = unpack_keys(head["keys"])
+        page = self.layout.page_size
+        most = hittable_pages(len(tokens), page)
+        if len(held) > most:
+            raise WireError(
+                f"decode claims {len(held)} pages of a {len(tokens)}-token prompt; at most {most} "
+                "(the page of the last prompt token is always computed)"
+            )
+        mine = self.loop.engine.admission.prompt_keys(req)[: len(held)]
+        for i, (a, b) in enumerate(zip(held, mine, strict=True)):
+            if a != b:
+                raise WireError(
+                    f"page {i}: decode's key does not match the prompt (namespace/salt)"
+                )
+        return req, len(held)
+
+    def _flush(self) -> None:
+        """Send what the engine thread queued (pages, refusals); each hand-off is answered once."""
+        while True:
+            try:
+                sink, frames = self.outbox.get_nowait()
+            except queue.Empty:
+                return
+            hid = sink.hid
+            if self.flight.get(hid) is not sink:
+                continue  # cancelled by decode, or answered already (a "done" after the pages)
+            if frames is None:
+                frames = [header("refused", hid, message="prefill ended the request (stopping)")]
+            self.listener.send(sink.peer, frames)
+            del self.flight[hid]
+
+    def _heartbeat(self) -> None:
+        """Tell decode each hand-off still computing is alive (its timeout counts silence)."""
+        now = time.monotonic()
+        for hid, sink in self.flight.items():
+            if now - sink.last_sent_s >= self.cfg.pd_heartbeat_s:
+                self.listener.send(sink.peer, [header("heartbeat", hid)])
+                sink.last_sent_s = now

@@ -1,0 +1,61 @@
+"""P/D on the HTTP side: GET /v1/pd/info and the `kvstrata:pd_*` Prometheus counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter
+
+
+class PDMetrics:
+    """Counters of hand-offs (thread-safe: bumped on the engine and listener threads)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        lbl, self.name = ["model_name"], model_name
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"kvstrata:{name}", doc, [*lbl, *extra], registry=registry)
+
+        self.pages = counter("pd_pages", "KV pages of P/D hand-offs", ("direction",))
+        self.bytes = counter("pd_bytes", "KV bytes of P/D hand-offs", ("direction",))
+        self.skipped = counter("pd_pages_skipped", "prompt pages decode held: not sent")
+        self.storage = counter("pd_pages_from_storage", "held pages decode took from L3")
+        self.computed = counter("pd_prefill_computed_tokens", "prompt tokens prefill computed")
+        self.handoffs = counter("pd_handoffs", "hand-offs by outcome", ("outcome",))
+
+    def sent(self, pages: int, nbytes: int) -> None:
+        self.pages.labels(self.name, "sent").inc(pages)
+        self.bytes.labels(self.name, "sent").inc(nbytes)
+        self.handoffs.labels(self.name, "ok").inc()
+
+    def received(self, usage: dict[str, Any]) -> None:
+        self.pages.labels(self.name, "received").inc(usage["pages_received"])
+        self.bytes.labels(self.name, "received").inc(usage["bytes_received"])
+        self.skipped.labels(self.name).inc(usage["pages_skipped"])
+        self.storage.labels(self.name).inc(usage["pages_from_storage"])
+        self.computed.labels(self.name).inc(usage["prefill_computed_tokens"])
+        self.handoffs.labels(self.name, "ok").inc()
+
+    def failed(self) -> None:
+        self.handoffs.labels(self.name, "failed").inc()
+
+
+def add_routes(app: FastAPI, state: Any) -> None:
+    """GET /v1/pd/info on every role (a single server answers role "single")."""
+
+    @app.get("/v1/pd/info")
+    async def pd_info() -> dict[str, Any]:
+        state.check_ready()
+        if state.pd is not None:
+            return state.pd.info()
+        engine = state.loop.engine if hasattr(state.loop, "built") and state.loop.built else None
+        from kvstrata.pd.worker import layout_of  # avoids a cycle at import
+
+        return {
+            "role": "single",
+            "transport": "",
+            "transfer_endpoint": "",
+            "prefill": [],
+            "layout": layout_of(engine).as_dict() if engine is not None else None,
+        }

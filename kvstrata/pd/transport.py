@@ -1,0 +1,103 @@
+"""Transports of the hand-off, chosen by name (`--pd-transport`; zmq is the one built in).
+
+A transport gives prefill a `Listener` (many decode peers, each message tagged by its peer) and
+decode a `Channel` per hand-off (one peer: the prefill worker). Both are used by one thread
+only. Every receive has a bound. Room here for NIXL or Mooncake's transfer engine: they would
+register under their own name with the same two classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import zmq
+
+from kvstrata.pd.wire import Frames
+from kvstrata.registry import Registry
+
+
+class Listener(Protocol):
+    endpoint: str  # the bound address (a free port filled in)
+
+    def recv(self, timeout_s: float) -> tuple[bytes, Frames] | None: ...
+
+    def send(self, peer: bytes, frames: Frames) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Channel(Protocol):
+    def send(self, frames: Frames) -> None: ...
+
+    def recv(self, timeout_s: float) -> Frames | None: ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    def listen(self, endpoint: str) -> Listener: ...
+
+    def connect(self, endpoint: str) -> Channel: ...
+
+
+TRANSPORTS: Registry[Transport] = Registry("pd transport")
+
+
+def _bindable(endpoint: str) -> str:
+    """zmq spells "any free port" as `*`; our configs say port 0."""
+    return endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint
+
+
+class ZmqListener:
+    """A ROUTER socket: frames arrive as [peer identity, *message]."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(_bindable(endpoint))
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv(self, timeout_s: float) -> tuple[bytes, Frames] | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        peer, *frames = self.sock.recv_multipart(copy=False)
+        return peer.bytes, [f.buffer for f in frames]
+
+    def send(self, peer: bytes, frames: Frames) -> None:
+        # ROUTER drops messages to a peer that went away (decode killed): never blocks on it
+        self.sock.send_multipart([peer, *frames], copy=False)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class ZmqChannel:
+    """A fresh DEALER per hand-off: nothing of an earlier (failed) hand-off can arrive on it."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, frames: Frames) -> None:
+        self.sock.send_multipart(frames, copy=False)
+
+    def recv(self, timeout_s: float) -> Frames | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return [f.buffer for f in self.sock.recv_multipart(copy=False)]
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@TRANSPORTS.register("zmq")
+class ZmqTransport:
+    def __init__(self) -> None:
+        self.ctx: Any = zmq.Context.instance()
+
+    def listen(self, endpoint: str) -> Listener:
+        return ZmqListener(self.ctx, endpoint)
+
+    def connect(self, endpoint: str) -> Channel:
+        return ZmqChannel(self.ctx, endpoint)

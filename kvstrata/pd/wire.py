@@ -1,0 +1,139 @@
+"""Hand-off messages between a decode and a prefill worker (what crosses the transport).
+
+A message is a list of frames: frame 0 a msgpack header (a dict with "type" and the hand-off
+"id"), then raw payload frames. Decode -> prefill: `handoff` (prompt, cache_salt, the keys of the
+pages decode holds, decode's layout) and `cancel`. Prefill -> decode: `heartbeat` while it
+computes, `refused` (the reason, one line), or `pages`: one frame per page decode lacks (the host
+page layout [layers, 2, page_size, kv_heads, head_dim], page_bytes each), then the first-token
+logits row. Every page frame carries an xxh3-64 checksum in the header; a hand-off is all or
+nothing: one bad frame and none of its pages is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+Frames = list[Any]  # bytes-like frames (bytes, memoryview, numpy buffers)
+KEY_BYTES = 16  # page keys are 128-bit; msgpack ints stop at 64 bits
+
+
+class WireError(Exception):
+    """A malformed, inconsistent or corrupted message (the hand-off fails; nothing is used)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What must be equal on both workers for a page to mean the same thing on each."""
+
+    page_size: int
+    dtype: str
+    model: str  # the namespace's model fingerprint (weights, and the draft when speculating)
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    page_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def layout_mismatch(mine: Layout, theirs: dict[str, Any], theirs_name: str) -> str | None:
+    """None when `theirs` matches `mine`; else a sentence naming the first differing field."""
+    for field, value in mine.as_dict().items():
+        other = theirs.get(field)
+        if other != value:
+            return f"layout mismatch: {field} is {value!r} here but {other!r} on {theirs_name}"
+    return None
+
+
+def checksum(page: Any) -> int:
+    """xxh3-64 of one frame's bytes."""
+    return xxhash.xxh3_64_intdigest(memoryview(page).cast("B"))
+
+
+def pack_keys(keys: list[int]) -> bytes:
+    return b"".join(k.to_bytes(KEY_BYTES, "big") for k in keys)
+
+
+def unpack_keys(blob: bytes) -> list[int]:
+    if len(blob) % KEY_BYTES:
+        raise WireError(f"key blob of {len(blob)} bytes is not a multiple of {KEY_BYTES}")
+    return [int.from_bytes(blob[i : i + KEY_BYTES], "big") for i in range(0, len(blob), KEY_BYTES)]
+
+
+def header(kind: str, hid: str, **fields: Any) -> bytes:
+    return msgpack.packb({"type": kind, "id": hid, **fields})
+
+
+def read_header(frames: Frames) -> dict[str, Any]:
+    if not frames:
+        raise WireError("empty message")
+    try:
+        head = msgpack.unpackb(bytes(frames[0]))
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise WireError(f"header is not msgpack: {exc}") from None
+    if not isinstance(head, dict) or "type" not in head or "id" not in head:
+        raise WireError("header lacks type/id")
+    return head
+
+
+def pages_message(
+    hid: str, first_page: int, pages: list[Any], logits: np.ndarray, **stats: Any
+) -> Frames:
+    """`pages` reply: header + one frame per page (sent as they are, no copy) + the logits row."""
+    row = np.ascontiguousarray(logits, dtype=np.float32)
+    head = header(
+        "pages",
+        hid,
+        first_page=first_page,
+        page_bytes=[memoryview(p).nbytes for p in pages],
+        checksums=[checksum(p) for p in pages],
+        logits_checksum=checksum(row),
+        vocab=int(row.shape[0]),
+        **stats,
+    )
+    return [head, *pages, row]
+
+
+@dataclass(frozen=True)
+class Received:
+    """A verified `pages` reply: pages [first_page, first_page + len(pages)) and the logits row."""
+
+    first_page: int
+    pages: list[memoryview]
+    logits: np.ndarray  # [vocab] float32
+    stats: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pages)
+
+
+def read_pages(head: dict[str, Any], frames: Frames, page_bytes: int) -> Received:
+    """Check every frame (count, size, checksum) before any is used: all or nothing."""
+    sums, sizes = head.get("checksums"), head.get("page_bytes")
+    if not isinstance(sums, list) or not isinstance(sizes, list) or len(sums) != len(sizes):
+        raise WireError("pages header lacks matching checksums/page_bytes lists")
+    if len(frames) != 2 + len(sums):
+        raise WireError(f"expected {2 + len(sums)} frames, got {len(frames)}")
+    pages = [memoryview(f).cast("B") for f in frames[1:-1]]
+    for i, (page, size, want) in enumerate(zip(pages, sizes, sums, strict=True)):
+        if size != page_bytes or page.nbytes != page_bytes:
+            raise WireError(f"page {i}: {page.nbytes} bytes, expected {page_bytes}")
+        if checksum(page) != want:
+            raise WireError(f"page {i} (prompt page {head['first_page'] + i}) failed its checksum")
+    row = memoryview(frames[-1]).cast("B")
+    if checksum(row) != head.get("logits_checksum") or row.nbytes != 4 * head.get("vocab", -1):
+        raise WireError("the logits row failed its checksum or size")
+    logits = np.frombuffer(row, dtype=np.float32).copy()
+    skip = ("type", "id", "checksums", "page_bytes", "logits_checksum", "first_page")
+    stats = {k: v for k, v in head.items() if k not in skip}
+    return Received(int(head["first_page"]), pages, logits, stats)

@@ -1,0 +1,85 @@
+"""P/D test helpers: prefill and decode workers as real `kvstrata serve` processes, started in
+parallel, and a raw decode-side client of a prefill worker's transfer endpoint."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+from kvstrata.pd.transport import TRANSPORTS
+from kvstrata.pd.wire import Frames, header, pack_keys, read_header
+from tests.serve_helpers import TINY_ENGINE, Server
+
+PAGE = 8
+
+
+def worker_args(ckpt: Path, *extra: str, store: Path | None = None) -> list[str]:
+    """A tiny-model worker (page size 8) with integrity endpoints, optionally sharing an L3 dir."""
+    args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "40", "--host-pages", "64"]
+    if store is not None:
+        args += ["--storage-url", f"file://{store}", "--prefetch-policy", "wait_complete"]
+    return [*args, "--debug-endpoints", *extra]
+
+
+def start_all(specs: list[tuple[list[str], Path]]) -> list[Server]:
+    """Start every server at once (each waits for its own /health); all or none."""
+    out: list[Server | BaseException | None] = [None] * len(specs)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = Server(*specs[i])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
+            out[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [x for x in out if not isinstance(x, Server)]
+    if failed:
+        for x in out:
+            if isinstance(x, Server):
+                x.stop()
+        raise RuntimeError(f"a server failed to start: {failed[0]!r}")
+    return out  # type: ignore[return-value]
+
+
+def info(server: Server) -> dict[str, Any]:
+    r = httpx.get(f"{server.url}/v1/pd/info", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(
+    server: Server, prompt: list[int], max_tokens: int = 4, **extra: Any
+) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+def raw_handoff(
+    endpoint: str,
+    tokens: list[int],
+    keys: list[int],
+    layout: dict[str, Any],
+    salt: str = "",
+    hid: str = "raw",
+    timeout_s: float = 30.0,
+) -> tuple[dict[str, Any], Frames]:
+    """Ask a prefill worker for a hand-off as decode would; the first non-heartbeat reply."""
+    ch = TRANSPORTS.create("zmq").connect(endpoint)
+    try:
+        ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
+        ch.send([header("handoff", hid, **ask)])
+        while True:
+            frames = ch.recv(timeout_s)
+            assert frames is not None, f"no reply from {endpoint} within {timeout_s} s"
+            head = read_header(frames)
+            if head["type"] != "heartbeat":
+                return head, frames
+    finally:
+        ch.close()

@@ -1,0 +1,155 @@
+"""P/D hand-offs between real workers on 127.0.0.1, with exact page and byte counts: a cold
+prompt sends all its pages, a full decode hit only the last, turn 2 only the new pages, a prefix
+decode finds in the shared L3 directory nothing for those pages; a prefill refuses a layout
+mismatch (naming the field), forged keys and a claim on the last prompt token's page; an
+unreachable prefill is a 504 naming it. Every worker's pools pass the integrity check after
+each step."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+
+import httpx2 as httpx
+import pytest
+
+from kvstrata.cache.keys import Namespace, page_keys
+from tests.pd_helpers import PAGE, complete, info, raw_handoff, start_all, worker_args
+from tests.serve_helpers import Server, free_port
+from tests.tiny_models import make_llama
+
+PROMPT_A = [(5 * i + 1) % 97 for i in range(41)]  # 41 tokens: 5 full pages + 1 token
+PROMPT_B = [(7 * i + 3) % 97 for i in range(41)]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    tmp = tmp_path_factory.mktemp("pd")
+    ckpt = make_llama(tmp / "tiny", seed=2, max_position_embeddings=512)
+    store = tmp / "store"
+    p = (worker_args(ckpt, "--role", "prefill", store=store), tmp / "p.log")
+    servers = start_all([p])
+    prefill = servers[0]
+    decode = [
+        (worker_args(ckpt, "--role", "decode", "--pd-prefill", prefill.url, "--pd-timeout-s",
+                     "3", store=store), tmp / f"d{i}.log")
+        for i in (1, 2)
+    ]  # fmt: skip
+    d1, d2 = start_all(decode)
+    yield {"p": prefill, "d1": d1, "d2": d2}
+    for s in (prefill, d1, d2):
+        s.stop()
+    for log in tmp.glob("*.log"):
+        assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def pd_usage(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def check_all(workers: dict[str, Server]) -> None:
+    for s in workers.values():
+        rep = s.wait_idle()
+        assert rep["ok"] and rep["accounting"]["device"]["locked"] == 0
+
+
+def test_info_names_roles_layout_and_endpoint(workers: dict[str, Server]) -> None:
+    p, d = info(workers["p"]), info(workers["d1"])
+    assert p["role"] == "prefill" and d["role"] == "decode"
+    assert p["transfer_endpoint"].startswith("tcp://127.0.0.1:") and d["transfer_endpoint"] == ""
+    assert d["prefill"] == [workers["p"].url] and p["layout"] == d["layout"]
+    lay = p["layout"]
+    assert (lay["page_size"], lay["layers"], lay["kv_heads"], lay["head_dim"]) == (8, 2, 2, 16)
+    assert lay["page_bytes"] == 2 * 2 * PAGE * 2 * 16 * 4  # layers x K/V x tokens x heads x dim x 4
+
+
+def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
+    workers: dict[str, Server],
+) -> None:
+    page_bytes = info(workers["p"])["layout"]["page_bytes"]
+    cold = pd_usage(complete(workers["d1"], PROMPT_A))
+    assert cold["pd"]["pages_received"] == 6  # ceil(41 / 8): every page, the partial one too
+    assert cold["pd"]["bytes_received"] == 6 * page_bytes
+    assert (cold["pd"]["pages_skipped"], cold["pd"]["pages_from_storage"]) == (0, 0)
+    assert cold["pd"]["prefill_computed_tokens"] == 41
+    check_all(workers)
+    hit = complete(workers["d1"], PROMPT_A)
+    use = pd_usage(hit)
+    assert use["pd"]["pages_received"] == 1 and use["pd"]["bytes_received"] == page_bytes
+    assert use["pd"]["pages_skipped"] == 5 and use["prompt_tokens_details"]["cached_tokens"] == 40
+    assert use["pd"]["prefill_computed_tokens"] == 1  # prefill's own L1 held the other 40
+    check_all(workers)
+    out = httpx.post(
+        f"{workers['d1'].url}/tokenize", json={"prompt": hit.json()["choices"][0]["text"]}
+    ).json()["tokens"]
+    assert len(out) == 4
+    turn2 = PROMPT_A + out + [(3 * i + 2) % 97 for i in range(20)]  # 65 tokens
+    use = pd_usage(complete(workers["d1"], turn2))
+    held = (41 + 4 - 1) // PAGE  # decode cached the full pages of turn 1's prompt + output: 5
+    new_pages = math.ceil(len(turn2) / PAGE) - held
+    assert new_pages == 4
+    assert use["pd"]["pages_received"] == new_pages
+    assert use["pd"]["bytes_received"] == new_pages * page_bytes
+    assert use["pd"]["pages_skipped"] == held
+    assert use["pd"]["prefill_computed_tokens"] == len(turn2) - 5 * PAGE
+    check_all(workers)
+
+
+def test_prefix_in_shared_storage_is_not_sent(workers: dict[str, Server]) -> None:
+    page_bytes = info(workers["p"])["layout"]["page_bytes"]
+    assert pd_usage(complete(workers["d1"], PROMPT_B))["pd"]["pages_received"] == 6
+    check_all(workers)  # idle: every L3 backup of B is committed
+    use = pd_usage(complete(workers["d2"], PROMPT_B))  # d2 never saw B: only the shared L3 has it
+    assert use["pd"]["pages_from_storage"] == 5 and use["pd"]["pages_skipped"] == 5
+    assert use["pd"]["pages_received"] == 1 and use["pd"]["bytes_received"] == page_bytes
+    assert use["prompt_tokens_details"]["cached_tokens_by_tier"]["storage"] == 40
+    check_all(workers)
+
+
+def _keys(layout: dict, tokens: list[int], salt: str = "") -> list[int]:
+    ns = Namespace(layout["model"], layout["dtype"], page_size=layout["page_size"])
+    if salt:
+        ns = Namespace(layout["model"], layout["dtype"], tenant_salt=f"\x00{salt}", page_size=8)
+    return page_keys(tokens[: len(tokens) // PAGE * PAGE], ns, 97)
+
+
+def test_prefill_checks_layout_keys_and_the_last_page(workers: dict[str, Server]) -> None:
+    pinfo = info(workers["p"])
+    ep, lay = pinfo["transfer_endpoint"], pinfo["layout"]
+    keys = _keys(lay, PROMPT_A)
+    head, frames = raw_handoff(ep, PROMPT_A, keys[:2], lay, hid="ok")
+    assert head["type"] == "pages" and head["first_page"] == 2 and len(frames) == 2 + 4
+    head, _ = raw_handoff(ep, PROMPT_A, keys[:2], {**lay, "page_size": 16}, hid="ps")
+    assert head["type"] == "refused" and head["id"] == "ps"
+    assert head["message"].startswith("layout mismatch: page_size is 8 here but 16 on decode")
+    head, _ = raw_handoff(ep, PROMPT_A, keys[:2], {**lay, "dtype": "bfloat16"}, hid="dt")
+    assert "layout mismatch: dtype" in head["message"]
+    forged = [keys[0], keys[1] ^ 1]
+    head, _ = raw_handoff(ep, PROMPT_A, forged, lay, hid="forged")
+    assert head["type"] == "refused" and "page 1: decode's key does not match" in head["message"]
+    head, _ = raw_handoff(ep, PROMPT_A, keys[:2], lay, salt="tenant-b", hid="salt")
+    assert head["type"] == "refused" and "page 0" in head["message"]  # other namespace
+    salted = _keys(lay, PROMPT_A, salt="tenant-b")
+    head, _ = raw_handoff(ep, PROMPT_A, salted[:2], lay, salt="tenant-b", hid="salt-ok")
+    assert head["type"] == "pages"
+    whole = PROMPT_A[:40] + [9] * 8  # 48 tokens: 6 full pages, the 6th holds the last token
+    head, _ = raw_handoff(ep, whole, _keys(lay, whole), lay, hid="last")
+    assert head["type"] == "refused" and "at most 5" in head["message"]
+    check_all(workers)
+
+
+def test_unreachable_prefill_is_a_504_naming_it(workers: dict[str, Server]) -> None:
+    before = workers["d1"].wait_idle()["device_free"]
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    r = complete(workers["d1"], [(11 * i) % 97 for i in range(30)], pd_prefill=dead)
+    took = time.monotonic() - t0
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert dead in err["message"] and "pd_timeout_s=3.0" in err["message"]
+    assert err["type"] == "GatewayTimeoutError" and 3.0 <= took < 10.0
+    assert workers["d1"].wait_idle()["device_free"] == before  # its pages came back
+    r = complete(workers["d1"], [1, 2, 3], pd_prefill="ftp://x")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pd_prefill"

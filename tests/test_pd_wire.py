@@ -1,0 +1,112 @@
+"""Hand-off messages: per-page checksums, all or nothing, layout mismatches named, and the zmq
+transport carrying them unchanged between real sockets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstrata.pd.config import PDConfig
+from kvstrata.pd.transport import TRANSPORTS
+from kvstrata.pd.wire import (
+    Layout,
+    WireError,
+    checksum,
+    layout_mismatch,
+    pack_keys,
+    pages_message,
+    read_header,
+    read_pages,
+    unpack_keys,
+)
+
+PAGE_BYTES = 64
+LAYOUT = Layout(8, "float32", "fp", 2, 2, 16, page_bytes=PAGE_BYTES)
+
+
+def pages(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, PAGE_BYTES, dtype=np.uint8) for _ in range(n)]
+
+
+def test_checksum_is_xxh3_64_of_the_bytes() -> None:
+    a = pages(1)[0]
+    assert checksum(a) == checksum(bytes(a))
+    b = a.copy()
+    b[17] ^= 1
+    assert checksum(b) != checksum(a)
+    assert 0 <= checksum(a) < 1 << 64
+
+
+def test_keys_round_trip_128_bit() -> None:
+    keys = [0, 1, (1 << 128) - 1, 0x1234_5678_9ABC_DEF0_1122_3344_5566_7788]
+    assert unpack_keys(pack_keys(keys)) == keys
+    with pytest.raises(WireError, match="multiple of 16"):
+        unpack_keys(b"\x00" * 17)
+
+
+def test_layout_mismatch_names_the_field() -> None:
+    assert layout_mismatch(LAYOUT, LAYOUT.as_dict(), "decode") is None
+    for field, other in [("page_size", 16), ("dtype", "bfloat16"), ("model", "x"), ("tp", 2)]:
+        msg = layout_mismatch(LAYOUT, {**LAYOUT.as_dict(), field: other}, "decode")
+        assert msg is not None and msg.startswith(f"layout mismatch: {field} ")
+        assert repr(other) in msg and "decode" in msg
+    missing = {k: v for k, v in LAYOUT.as_dict().items() if k != "head_dim"}
+    assert "head_dim" in (layout_mismatch(LAYOUT, missing, "decode") or "")
+
+
+def test_pages_round_trip_and_all_or_nothing() -> None:
+    sent, row = pages(3), np.arange(97, dtype=np.float32)
+    frames = pages_message("h1", 2, sent, row, computed_tokens=9)
+    head = read_header(frames)
+    got = read_pages(head, frames, PAGE_BYTES)
+    assert got.first_page == 2 and got.stats["computed_tokens"] == 9
+    assert [bytes(p) for p in got.pages] == [bytes(p) for p in sent]
+    assert got.nbytes == 3 * PAGE_BYTES and np.array_equal(got.logits, row)
+    for bad_page in range(3):  # one flipped bit anywhere: the whole hand-off is refused
+        broken = [*frames]
+        page = np.array(sent[bad_page])
+        page[5] ^= 0x40
+        broken[1 + bad_page] = page
+        with pytest.raises(WireError, match=f"page {bad_page} .*checksum"):
+            read_pages(head, broken, PAGE_BYTES)
+    with pytest.raises(WireError, match="expected 5 frames"):
+        read_pages(head, frames[:-1], PAGE_BYTES)
+    with pytest.raises(WireError, match="expected 128"):
+        read_pages(head, frames, 2 * PAGE_BYTES)
+    bad_row = [*frames[:-1], row + 1]
+    with pytest.raises(WireError, match="logits"):
+        read_pages(head, bad_row, PAGE_BYTES)
+
+
+def test_zmq_transport_carries_frames_unchanged() -> None:
+    zmq_t = TRANSPORTS.create("zmq")
+    listener = zmq_t.listen("tcp://127.0.0.1:0")
+    assert listener.endpoint.startswith("tcp://127.0.0.1:") and not listener.endpoint.endswith(":0")
+    ch = zmq_t.connect(listener.endpoint)
+    try:
+        ch.send([b"hello"])
+        got = listener.recv(5.0)
+        assert got is not None and bytes(got[1][0]) == b"hello"
+        sent, row = pages(4, seed=3), np.ones(11, dtype=np.float32)
+        listener.send(got[0], pages_message("h", 0, sent, row))
+        frames = ch.recv(5.0)
+        assert frames is not None
+        rec = read_pages(read_header(frames), frames, PAGE_BYTES)
+        assert [bytes(p) for p in rec.pages] == [bytes(p) for p in sent]
+        assert ch.recv(0.05) is None  # a bounded wait, nothing more
+    finally:
+        ch.close()
+        listener.close()
+    with pytest.raises(ValueError, match="unknown pd transport 'nixl'; known: zmq"):
+        TRANSPORTS.create("nixl")
+
+
+def test_config_checks() -> None:
+    with pytest.raises(ValueError, match="pd_timeout_s must be positive"):
+        PDConfig(pd_timeout_s=0)
+    with pytest.raises(ValueError, match="must be below pd_timeout_s"):
+        PDConfig(pd_timeout_s=1, pd_heartbeat_s=1)
+    with pytest.raises(ValueError, match="not an http"):
+        PDConfig(pd_prefill="127.0.0.1:8000")
+    assert PDConfig(pd_prefill="http://a:1, tcp://b:2").prefill_urls == ["http://a:1", "tcp://b:2"]
