@@ -20,8 +20,9 @@ import httpx2 as httpx
 from kvstrata.pd.router_config import RouterConfig
 
 INFO_PATH = "/v1/pd/info"
-PD_FIELD = "kv_pd"
-"""Body field a decode worker reads: {"prefill_url": URL} of the prefill worker to use."""
+PD_FIELD = "pd_prefill"
+"""Body field a decode worker reads: the prefill worker to use for this request (its tcp://
+transfer endpoint from /v1/pd/info, or its HTTP base URL, which decode then resolves)."""
 
 
 class RoundRobin:
@@ -61,7 +62,8 @@ class Upstreams:
         """What the decode worker is sent for one client request (the client's own fields kept)."""
         if not self.cfg.require_info:
             return body
-        return {**body, PD_FIELD: {"prefill_url": prefill_url}}
+        endpoint = self.info.get(prefill_url, {}).get("transfer_endpoint") or prefill_url
+        return {**body, PD_FIELD: endpoint}
 
     def check_roles(self) -> None:
         """GET /v1/pd/info of every worker (retried until start_timeout_s): each must say the
