@@ -1,6 +1,7 @@
 """LocalPD: router + prefill + decode as real local processes sharing one L3 directory; the
-router's answers equal a worker's, the store is shared, stop() exits every process with 0, and
-a worker that cannot start is reported by role with nothing left running."""
+router's answers equal a single server's, exact pages cross (all when cold, the last one when
+decode holds the rest), the store fills, stop() exits every process with 0, and a worker that
+cannot start is reported by role with nothing left running."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from tests.tiny_models import make_llama
 
 pytestmark = pytest.mark.slow  # several real server processes (minutes on a loaded box)
 
-PD_WORKERS = False  # True once `kvstrata serve --role prefill|decode` exists (helper pd)
 WORKER = [*TINY_ENGINE, "--device-pages", "64", "--host-pages", "64", "--debug-endpoints",
           "--prefetch-policy", "wait_complete"]  # fmt: skip
 PROMPT = [(3 * i + 1) % 97 for i in range(41)]  # 5 full pages of 8 (+1 token)
@@ -42,23 +42,26 @@ def test_local_pd_serves_shares_the_store_and_stops_cleanly(tmp_path: Path) -> N
     ckpt = make_llama(tmp_path / "tiny", seed=2, max_position_embeddings=256)
     cfg = LocalPDConfig(
         model=str(ckpt), store_dir=str(tmp_path / "l3"), log_dir=str(tmp_path / "logs"),
-        worker_args=tuple(WORKER), pd_workers=PD_WORKERS, start_timeout_s=240,
+        worker_args=tuple(WORKER), start_timeout_s=240,
     )  # fmt: skip
     pd = LocalPD(cfg).start()
     try:
         assert httpx.get(f"{pd.url}/health", timeout=10).status_code == 200
-        via = client_of(pd.url).completions.create(
-            model="tiny", prompt=PROMPT, max_tokens=6, temperature=0
-        )
+        info = httpx.get(f"{pd.workers['prefill'].url}/v1/pd/info", timeout=10).json()
+        page_bytes = info["layout"]["page_bytes"]
+        rc = client_of(pd.url)
+        cold = rc.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+        use = cold.usage.model_extra["pd"]
+        assert (use["pages_received"], use["bytes_received"]) == (6, 6 * page_bytes)
         settled(pd.workers["decode"].url)
         assert any((tmp_path / "l3").rglob("*")), "the shared L3 directory holds nothing"
-        # the other worker never saw this prompt: its 5 pages come from the shared L3
+        again = rc.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+        use = again.usage.model_extra["pd"]  # decode holds the 5 full pages: only the last
+        assert (use["pages_received"], use["pages_skipped"]) == (1, 5)
         direct = client_of(pd.workers["prefill"].url).completions.create(
             model="tiny", prompt=PROMPT, max_tokens=6, temperature=0
-        )
-        tiers = direct.usage.prompt_tokens_details.model_extra["cached_tokens_by_tier"]
-        assert tiers == {"device": 0, "host": 0, "storage": 40}
-        assert direct.choices[0].text == via.choices[0].text
+        )  # the single-server path of the same model
+        assert direct.choices[0].text == cold.choices[0].text == again.choices[0].text
     finally:
         codes = pd.stop()
     assert codes == {"router": 0, "prefill": 0, "decode": 0}
@@ -69,7 +72,7 @@ def test_local_pd_serves_shares_the_store_and_stops_cleanly(tmp_path: Path) -> N
 def test_a_worker_that_cannot_start_is_named(tmp_path: Path) -> None:
     cfg = LocalPDConfig(
         model=str(tmp_path / "missing"), store_dir=str(tmp_path / "l3"),
-        log_dir=str(tmp_path / "logs"), pd_workers=PD_WORKERS, start_timeout_s=120,
+        log_dir=str(tmp_path / "logs"), start_timeout_s=120,
     )  # fmt: skip
     pd = LocalPD(cfg)
     with pytest.raises(RuntimeError, match="prefill worker.*exited 2") as exc:

@@ -1,8 +1,8 @@
-"""`kvstrata serve --role router` as a real process in front of real worker processes (ordinary
-`kvstrata serve` upstreams, --no-router-require-info), through the official openai client: the
-same greedy answers as a worker asked directly, streamed or not; round robin over two decode
-workers; errors passed through; a dead worker is a clear 502; a client that goes away aborts
-the worker's request. The P/D workers behind it are tested in tests/test_pd_launch.py."""
+"""`kvstrata serve --role router` as a real process in front of one prefill and two decode
+worker processes, through the official openai client: the same greedy answers as a single
+server, streamed or not; round robin over the two decode workers; worker errors passed through;
+a dead worker is a clear 502; a client that goes away aborts the worker's request; a worker
+listed under the wrong role is refused at start."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from kvstrata.serve.process import ServerProcess, free_port
+from tests.pd_helpers import start_all
 from tests.serve_helpers import TINY_ENGINE, Server
 from tests.tiny_models import make_llama
 
@@ -30,13 +31,14 @@ def prompt(offset: int, n: int = 41) -> list[int]:
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """[prefill, decode 0, decode 1], real P/D workers; the prefill worker, asked directly,
+    is also the single-server reference (its HTTP API serves like `--role single`)."""
     tmp = tmp_path_factory.mktemp("pdrouter")
     ckpt = make_llama(tmp / "tiny", seed=1, max_position_embeddings=512)
     args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "96", "--debug-endpoints"]
-    srvs: list[Server] = []
+    roles = ["prefill", "decode", "decode"]
+    srvs = start_all([([*args, "--role", r], tmp / f"worker{i}.log") for i, r in enumerate(roles)])
     try:
-        for i in range(2):
-            srvs.append(Server(args, tmp / f"worker{i}.log"))
         yield srvs
     finally:
         for s in srvs:
@@ -45,11 +47,10 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
 
 @pytest.fixture(scope="module")
 def router(workers: list[Server], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Prefill: worker 0; decode: workers 0 and 1 in turn."""
-    a, b = workers[0].url, workers[1].url
+    """Prefill: worker 0; decode: workers 1 and 2 in turn; roles checked at start."""
+    p, d1, d2 = (w.url for w in workers)
     log = tmp_path_factory.mktemp("router") / "router.log"
-    args = ["--role", "router", "--prefill", a, "--decode", f"{a},{b}", *NO_INFO]
-    proc = ServerProcess(args, log, start_timeout_s=60)
+    proc = ServerProcess(["--role", "router", "--prefill", p, "--decode", f"{d1},{d2}"], log, 60)
     yield proc.url
     assert proc.terminate() == 0, log.read_text()
 
@@ -65,48 +66,52 @@ def routed(worker: Server) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_router_answers_like_a_worker_streamed_or_not(router: str, workers: list[Server]) -> None:
-    direct = client_of(workers[1].url).completions.create(
-        model="tiny", prompt=prompt(1), max_tokens=7, temperature=0
-    )
+def test_router_answers_like_a_single_server_streamed_or_not(
+    router: str, workers: list[Server]
+) -> None:
     rc = client_of(router)
     assert [m.id for m in rc.models.list().data] == ["tiny"]
     whole = [
         rc.completions.create(model="tiny", prompt=prompt(1), max_tokens=7, temperature=0)
-        for _ in range(2)  # one per decode worker
+        for _ in range(2)  # one per decode worker, each cold: its KV comes from prefill
     ]
-    assert {w.choices[0].text for w in whole} == {direct.choices[0].text}
     assert whole[0].usage.completion_tokens == 7 and whole[0].usage.prompt_tokens == 41
+    assert all(w.usage.model_extra["pd"]["pages_received"] > 0 for w in whole)
     chunks = list(
         rc.completions.create(
             model="tiny", prompt=prompt(1), max_tokens=7, temperature=0, stream=True,
             stream_options={"include_usage": True},
         )
     )  # fmt: skip
+    direct = client_of(workers[0].url).completions.create(
+        model="tiny", prompt=prompt(1), max_tokens=7, temperature=0
+    )  # the single-server path, same model
+    assert {w.choices[0].text for w in whole} == {direct.choices[0].text}
     assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.choices[0].text
-    assert chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.completion_tokens == 7 and "pd" in chunks[-1].usage.model_extra
     msgs = [{"role": "user", "content": "hello router"}]
     chat = rc.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0)
-    want = client_of(workers[0].url).chat.completions.create(
-        model="tiny", messages=msgs, max_tokens=5, temperature=0
-    )
-    assert chat.choices[0].message.content == want.choices[0].message.content
     streamed = rc.chat.completions.create(
         model="tiny", messages=msgs, max_tokens=5, temperature=0, stream=True
     )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
-    assert text == want.choices[0].message.content
+    want = client_of(workers[0].url).chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=5, temperature=0
+    )
+    assert chat.choices[0].message.content == text == want.choices[0].message.content
 
 
 def test_round_robin_over_two_decode_workers(router: str, workers: list[Server]) -> None:
-    before = [routed(w) for w in workers]
+    decodes = workers[1:]
+    before = [routed(w) for w in decodes]
     rc = client_of(router)
     for i in range(6):
         rc.completions.create(model="tiny", prompt=prompt(10 + i), max_tokens=2, temperature=0)
-    assert [routed(w) - b for w, b in zip(workers, before, strict=True)] == [3.0, 3.0]
+    assert [routed(w) - b for w, b in zip(decodes, before, strict=True)] == [3.0, 3.0]
     text = httpx.get(f"{router}/metrics", timeout=10).text
-    for w in workers:
-        assert f'kvstrata:router_requests_total{{role="decode",worker="{w.url}"}}' in text
+    for w in decodes:
+        assert f'kvstrata:router_requests_total{{role="decode",worker="{w.url}"}} ' in text
+    assert f'kvstrata:router_requests_total{{role="prefill",worker="{workers[0].url}"}} ' in text
 
 
 def test_tokenize_detokenize_and_health(router: str) -> None:
@@ -170,14 +175,14 @@ def test_dead_worker_is_a_clear_502(tmp_path: Path, workers: list[Server]) -> No
         assert proc.terminate() == 0, proc.log.read_text()
 
 
-def test_router_refuses_workers_without_pd_info(tmp_path: Path, workers: list[Server]) -> None:
-    """Without --no-router-require-info an ordinary server is not a P/D worker: exit 2, named."""
+def test_router_refuses_a_worker_listed_under_the_wrong_role(workers: list[Server]) -> None:
+    """Roles are checked at start (GET /v1/pd/info): exit 2, the worker and its role named."""
     import subprocess
     import sys
 
-    url = workers[0].url
+    decode = workers[1].url
     cmd = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--role", "router"]
-    cmd += ["--port", str(free_port()), "--prefill", url, "--decode", url]
+    cmd += ["--port", str(free_port()), "--prefill", decode, "--decode", decode]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert url in out.stderr and "/v1/pd/info" in out.stderr and "HTTP 404" in out.stderr
+    assert f"worker {decode} listed as --prefill says role 'decode'" in out.stderr
