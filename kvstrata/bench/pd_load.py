@@ -37,11 +37,13 @@ class Turn:
         return dict(self.usage.get("pd") or {})
 
 
-def stream_turn(url: str, prompt: list[int], max_tokens: int, timeout_s: float) -> Turn:
+def stream_turn(
+    url: str, prompt: list[int], max_tokens: int, timeout_s: float, extra: dict[str, Any]
+) -> Turn:
     """One greedy streamed completion; a worker's error (HTTP or an SSE error event) raises."""
     body = {
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True}, **extra,
     }  # fmt: skip
     turn, parts, t0 = Turn(0, 0, len(prompt)), [], time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as r:
@@ -72,14 +74,16 @@ def drive(
     concurrency: int,
     tick: Callable[[], None] = lambda: None,
     timeout_s: float = 600.0,
+    extra: dict[str, Any] | None = None,
 ) -> list[Turn]:
-    """Every turn of every session, sorted by (session, turn); the first error stops the run."""
+    """Every turn of every session, sorted by (session, turn); the first error stops the run.
+    `extra`: more request fields (e.g. ignore_eos)."""
     out: list[Turn] = []
     lock = threading.Lock()
 
     def session(s: int) -> None:
         for k, prompt in enumerate(prompts[s]):
-            turn = stream_turn(url, prompt, max_tokens, timeout_s)
+            turn = stream_turn(url, prompt, max_tokens, timeout_s, extra or {})
             turn.session, turn.turn = s, k
             with lock:
                 out.append(turn)
