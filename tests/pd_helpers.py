@@ -3,6 +3,7 @@ parallel, and a raw decode-side client of a prefill worker's transfer endpoint."
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -83,3 +84,56 @@ def raw_handoff(
                 return head, frames
     finally:
         ch.close()
+
+
+class CuttableRelay:
+    """A TCP relay 127.0.0.1:port -> target that can drop every connection at once (`cut`):
+    a dropped link between two live workers. Connections made after a cut relay again."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.srv.accept()
+                up = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                return
+            up.settimeout(None)
+            self.accepted += 1
+            self.conns += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        for s in self.conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+        self.conns = []
+
+    def close(self) -> None:
+        self.srv.close()
+        self.cut()

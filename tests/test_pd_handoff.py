@@ -10,30 +10,39 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2 as httpx
 import pytest
 
 from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import PAGE, complete, info, raw_handoff, start_all, worker_args
 from tests.serve_helpers import Server, free_port
-from tests.tiny_models import make_llama
+from tests.tiny_models import hf_greedy, load_hf, make_llama
 
 PROMPT_A = [(5 * i + 1) % 97 for i in range(41)]  # 41 tokens: 5 full pages + 1 token
 PROMPT_B = [(7 * i + 3) % 97 for i in range(41)]
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
+        tmp_path_factory.mktemp("llama") / "tiny", seed=2, max_position_embeddings=512
+    )
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict[str, Server]]:
     tmp = tmp_path_factory.mktemp("pd")
-    ckpt = make_llama(tmp / "tiny", seed=2, max_position_embeddings=512)
     store = tmp / "store"
     p = (worker_args(ckpt, "--role", "prefill", store=store), tmp / "p.log")
     servers = start_all([p])
     prefill = servers[0]
+    fallback = {1: [], 2: ["--pd-on-failure", "local"]}
     decode = [
         (worker_args(ckpt, "--role", "decode", "--pd-prefill", prefill.url, "--pd-timeout-s",
-                     "3", store=store), tmp / f"d{i}.log")
+                     "3", *fallback[i], store=store), tmp / f"d{i}.log")
         for i in (1, 2)
     ]  # fmt: skip
     d1, d2 = start_all(decode)
@@ -47,6 +56,16 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
 def pd_usage(r: httpx.Response) -> dict:
     assert r.status_code == 200, r.text
     return r.json()["usage"]
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """Every sample of /metrics, by its name and labels."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def check_all(workers: dict[str, Server]) -> None:
@@ -66,7 +85,7 @@ def test_info_names_roles_layout_and_endpoint(workers: dict[str, Server]) -> Non
 
 
 def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
-    workers: dict[str, Server],
+    workers: dict[str, Server], ckpt: Path
 ) -> None:
     page_bytes = info(workers["p"])["layout"]["page_bytes"]
     cold = pd_usage(complete(workers["d1"], PROMPT_A))
@@ -75,26 +94,34 @@ def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
     assert (cold["pd"]["pages_skipped"], cold["pd"]["pages_from_storage"]) == (0, 0)
     assert cold["pd"]["prefill_computed_tokens"] == 41
     check_all(workers)
-    hit = complete(workers["d1"], PROMPT_A)
+    hit = complete(workers["d1"], PROMPT_A, max_tokens=8)
     use = pd_usage(hit)
     assert use["pd"]["pages_received"] == 1 and use["pd"]["bytes_received"] == page_bytes
     assert use["pd"]["pages_skipped"] == 5 and use["prompt_tokens_details"]["cached_tokens"] == 40
     assert use["pd"]["prefill_computed_tokens"] == 1  # prefill's own L1 held the other 40
     check_all(workers)
-    out = httpx.post(
-        f"{workers['d1'].url}/tokenize", json={"prompt": hit.json()["choices"][0]["text"]}
-    ).json()["tokens"]
-    assert len(out) == 4
-    turn2 = PROMPT_A + out + [(3 * i + 2) % 97 for i in range(20)]  # 65 tokens
+    out = hf_greedy(load_hf(ckpt), PROMPT_A, 8)  # = decode's output (text below)
+    assert hit.json()["choices"][0]["text"] == ByteCodec(97).decode(out)
+    turn2 = PROMPT_A + out + [(3 * i + 2) % 97 for i in range(20)]  # 69 tokens
     use = pd_usage(complete(workers["d1"], turn2))
-    held = (41 + 4 - 1) // PAGE  # decode cached the full pages of turn 1's prompt + output: 5
+    held = (41 + 8 - 1) // PAGE  # decode cached the full pages of turn 1's prompt + output: 6
     new_pages = math.ceil(len(turn2) / PAGE) - held
-    assert new_pages == 4
+    assert new_pages == 3
     assert use["pd"]["pages_received"] == new_pages
     assert use["pd"]["bytes_received"] == new_pages * page_bytes
     assert use["pd"]["pages_skipped"] == held
-    assert use["pd"]["prefill_computed_tokens"] == len(turn2) - 5 * PAGE
+    # prefill's own L1 holds A's 5 pages; the 6th (decode's generated tokens) it takes from the
+    # shared L3, where decode backed it up: it computes only what nobody holds
+    assert use["pd"]["prefill_computed_tokens"] == len(turn2) - held * PAGE
     check_all(workers)
+    pages, nbytes = 6 + 1 + new_pages, (6 + 1 + new_pages) * page_bytes  # the three hand-offs
+    for srv, way in ((workers["d1"], "received"), (workers["p"], "sent")):
+        m = metrics(srv)
+        assert m[f'kvstrata:pd_pages_total{{direction="{way}",model_name="tiny"}}'] == pages
+        assert m[f'kvstrata:pd_bytes_total{{direction="{way}",model_name="tiny"}}'] == nbytes
+    m = metrics(workers["d1"])
+    assert m['kvstrata:pd_pages_skipped_total{model_name="tiny"}'] == 5 + held
+    assert m['kvstrata:pd_handoffs_total{model_name="tiny",outcome="ok"}'] == 3
 
 
 def test_prefix_in_shared_storage_is_not_sent(workers: dict[str, Server]) -> None:
@@ -153,3 +180,19 @@ def test_unreachable_prefill_is_a_504_naming_it(workers: dict[str, Server]) -> N
     assert workers["d1"].wait_idle()["device_free"] == before  # its pages came back
     r = complete(workers["d1"], [1, 2, 3], pd_prefill="ftp://x")
     assert r.status_code == 400 and r.json()["error"]["param"] == "pd_prefill"
+
+
+def test_failed_handoff_prefills_locally_when_asked(workers: dict[str, Server], ckpt: Path) -> None:
+    prompt = [(17 * i + 3) % 97 for i in range(30)]
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    r = complete(workers["d2"], prompt, pd_prefill=dead)  # d2: --pd-on-failure local
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(
+        hf_greedy(load_hf(ckpt), prompt, 4)
+    )
+    assert "pd" not in r.json()["usage"]  # nothing crossed: decode computed it
+    assert (
+        metrics(workers["d2"])['kvstrata:pd_handoffs_total{model_name="tiny",outcome="failed"}']
+        == 1
+    )
+    check_all(workers)

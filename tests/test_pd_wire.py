@@ -3,6 +3,10 @@ transport carrying them unchanged between real sockets."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -19,6 +23,8 @@ from kvstrata.pd.wire import (
     read_pages,
     unpack_keys,
 )
+from kvstrata.serve.process import ROOT
+from tests.tiny_models import make_llama
 
 PAGE_BYTES = 64
 LAYOUT = Layout(8, "float32", "fp", 2, 2, 16, page_bytes=PAGE_BYTES)
@@ -110,3 +116,15 @@ def test_config_checks() -> None:
     with pytest.raises(ValueError, match="not an http"):
         PDConfig(pd_prefill="127.0.0.1:8000")
     assert PDConfig(pd_prefill="http://a:1, tcp://b:2").prefill_urls == ["http://a:1", "tcp://b:2"]
+
+
+def test_multi_rank_pd_workers_are_refused_by_name(tmp_path: Path) -> None:
+    ckpt = make_llama(tmp_path / "tiny", seed=1)
+    cmd = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--model", str(ckpt)]
+    for extra, why in [
+        (["--role", "prefill", "--tp", "2"], "--role prefill runs on one rank for now"),
+        (["--role", "decode", "--pd-prefill", "localhost:1"], "is not an http(s):// or tcp://"),
+        (["--role", "prefill", "--pd-timeout-s", "0.1"], "must be below pd_timeout_s"),
+    ]:
+        r = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert r.returncode == 2 and why in r.stderr, r.stderr

@@ -29,6 +29,7 @@ from kvstrata.pd.transport import Transport
 from kvstrata.pd.wire import Layout, Received, WireError, header, pack_keys, read_header, read_pages
 
 POLL_S = 0.05  # how often a waiting hand-off checks for a cancel
+IDLE_WAIT_S = 0.005  # nothing to step but hand-offs: the engine thread waits this long for one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Handoff(threading.Thread):
         side = self.side
         try:
             self.endpoint = side.resolver.endpoint(self.target)
-            outcome = self._exchange(side.transport.connect(self.endpoint))
+            outcome = self._exchange(side.transport.connect(self.endpoint, self.rid))
         except WireError as exc:
             outcome = self._fail(502, f"bad hand-off reply: {exc}")
         except (OSError, httpx.HTTPError, zmq.ZMQError, ValueError) as exc:
@@ -176,11 +177,13 @@ class DecodeSide:
             if req.remote and req.state is State.PREFILL and req.rid not in self.active:
                 self._start(engine, req)
         finished: list[Request] = []
+        wait = IDLE_WAIT_S if _only_handoffs(engine) else 0.0
         while True:
-            try:
-                out = self.outcomes.get_nowait()
+            try:  # block briefly instead of spinning steps while only hand-offs are in flight
+                out = self.outcomes.get(timeout=wait) if wait else self.outcomes.get_nowait()
             except queue.Empty:
                 return finished
+            wait = 0.0
             req = running.get(out.rid)
             if req is None or self.active.pop(out.rid, None) is None:
                 continue  # ended meanwhile; its pages are already back
@@ -218,6 +221,13 @@ class DecodeSide:
         }
         self.metrics.received(req.transfer)
         return engine.finish_remote_prefill(req, torch.from_numpy(got.logits))
+
+
+def _only_handoffs(engine: Engine) -> bool:
+    """Every request in the engine waits for its prefill worker, and no cache op is pending."""
+    if engine.waiting or (engine.cache is not None and len(engine.cache.queues)):
+        return False
+    return all(r.remote and r.state is State.PREFILL for r in engine.running)
 
 
 def write_pages(engine: Engine, ids: list[int], got: Received) -> None:

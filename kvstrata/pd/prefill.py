@@ -105,6 +105,7 @@ class PrefillSide:
                 self._on_message(*got)
             self._flush()
             self._heartbeat()
+        self._flush()  # stopping: requests the loop aborted are answered, not left to time out
 
     def _on_message(self, peer: bytes, frames: Frames) -> None:
         try:

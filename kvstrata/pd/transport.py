@@ -37,7 +37,10 @@ class Channel(Protocol):
 class Transport(Protocol):
     def listen(self, endpoint: str) -> Listener: ...
 
-    def connect(self, endpoint: str) -> Channel: ...
+    def connect(self, endpoint: str, name: str = "") -> Channel:
+        """A channel to `endpoint`; `name` (the hand-off id) names this end to the listener,
+        so a channel that reconnects after a dropped link is the same peer again."""
+        ...
 
 
 TRANSPORTS: Registry[Transport] = Registry("pd transport")
@@ -54,6 +57,7 @@ class ZmqListener:
     def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its id back
         self.sock.bind(_bindable(endpoint))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -74,9 +78,11 @@ class ZmqListener:
 class ZmqChannel:
     """A fresh DEALER per hand-off: nothing of an earlier (failed) hand-off can arrive on it."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, name: str = "") -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if name:  # zmq reconnects by itself; with a fixed id the replies find the new link
+            self.sock.setsockopt(zmq.ROUTING_ID, name.encode()[:255])
         self.sock.connect(endpoint)
 
     def send(self, frames: Frames) -> None:
@@ -99,5 +105,5 @@ class ZmqTransport:
     def listen(self, endpoint: str) -> Listener:
         return ZmqListener(self.ctx, endpoint)
 
-    def connect(self, endpoint: str) -> Channel:
-        return ZmqChannel(self.ctx, endpoint)
+    def connect(self, endpoint: str, name: str = "") -> Channel:
+        return ZmqChannel(self.ctx, endpoint, name)

@@ -61,7 +61,6 @@ def usage(req: Request, page_size: int, completion_tokens: int) -> dict[str, Any
     prompt = len(req.tokens)
     pd = {"pd": dict(req.transfer)} if req.transfer is not None else {}
     return {
-        **pd,
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt + completion_tokens,
@@ -69,6 +68,7 @@ def usage(req: Request, page_size: int, completion_tokens: int) -> dict[str, Any
             "cached_tokens": sum(by_tier.values()),
             "cached_tokens_by_tier": by_tier,
         },
+        **pd,  # P/D decode: what crossed from prefill
     }
 
 

@@ -1,0 +1,184 @@
+"""P/D faults with real processes: prefill frozen then killed (kill -9) while decode waits for its
+pages, decode killed while prefill works for it, a prefill slower than the timeout but alive
+(heartbeats), a layout mismatch end to end. The client always gets a clear answer within the
+bound, every worker's pools pass the integrity check, and the next request succeeds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from kvstrata.serve.codec import ByteCodec
+from tests.pd_helpers import CuttableRelay, complete, info, start_all, worker_args
+from tests.serve_helpers import Server
+from tests.tiny_models import hf_greedy, load_hf, make_llama
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 2.0
+X = [(5 * i + 1) % 97 for i in range(41)]
+Y = [(3 * i + 2) % 97 for i in range(33)]
+Z = [(7 * i + 5) % 97 for i in range(41)]
+W = [(11 * i + 4) % 97 for i in range(41)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
+        tmp_path_factory.mktemp("llama") / "tiny", seed=2, max_position_embeddings=512
+    )
+
+
+def prefill_args(ckpt: Path, store: Path, *extra: str) -> list[str]:
+    beat = ["--pd-heartbeat-s", "0.2", "--pd-timeout-s", str(TIMEOUT_S)]
+    return worker_args(ckpt, "--role", "prefill", *beat, *extra, store=store)
+
+
+def decode_args(ckpt: Path, prefill_url: str, *extra: str) -> list[str]:
+    pd = ["--pd-prefill", prefill_url, "--pd-timeout-s", str(TIMEOUT_S)]
+    return worker_args(ckpt, "--role", "decode", *pd, *extra)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("pdf")
+    store = tmp / "store"
+    (p1,) = start_all([(prefill_args(ckpt, store), tmp / "p1.log")])
+    (d,) = start_all([(decode_args(ckpt, p1.url), tmp / "d.log")])
+    env: dict = {"tmp": tmp, "store": store, "p1": p1, "d": d, "servers": [p1, d]}
+    yield env
+    for s in env["servers"]:
+        s.stop()
+
+
+def want(ckpt: Path, prompt: list[int], n: int = 4) -> str:
+    return ByteCodec(97).decode(hf_greedy(load_hf(ckpt), prompt, n))
+
+
+def idle_ok(server: Server) -> dict:
+    rep = server.wait_idle()
+    assert rep["ok"] and rep["accounting"]["device"]["locked"] == 0
+    return rep
+
+
+def in_thread(fn, *args, **kw) -> tuple[threading.Thread, list]:  # noqa: ANN001
+    """Run fn in a thread; its (result or exception, end time) lands in the list."""
+    out: list = []
+
+    def go() -> None:
+        try:
+            res = fn(*args, **kw)
+        except httpx.HTTPError as exc:  # a killed server drops its connections
+            res = exc
+        out.append((res, time.monotonic()))
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t, out
+
+
+def test_prefill_killed_mid_handoff(run: dict, ckpt: Path) -> None:
+    d, p1 = run["d"], run["p1"]
+    for prompt in (X, Z, W):  # they reach the shared store through p1
+        assert complete(d, prompt).status_code == 200
+    idle_ok(p1)
+    free = idle_ok(d)["device_free"]
+    endpoint = info(p1)["transfer_endpoint"]
+    os.kill(p1.proc.pid, signal.SIGSTOP)  # decode's hand-off gets no answer, no heartbeat
+    t0 = time.monotonic()
+    t, out = in_thread(complete, d, Y)
+    time.sleep(0.5)
+    os.kill(p1.proc.pid, signal.SIGKILL)
+    p1.proc.wait(10)
+    t.join(30)
+    r, t1 = out[0]
+    assert r.status_code == 504, r.text
+    msg = r.json()["error"]["message"]
+    assert endpoint in msg and f"pd_timeout_s={TIMEOUT_S}" in msg
+    assert TIMEOUT_S <= t1 - t0 < TIMEOUT_S + 5
+    assert idle_ok(d)["device_free"] == free  # the request's pages are back, nothing leaked
+
+
+def test_restarted_prefill_slower_than_the_timeout_but_alive(run: dict, ckpt: Path) -> None:
+    # 0.5 s per L3 page read: prefill needs > 2.5 s for X's prefix; heartbeats keep decode waiting
+    slow = ["--storage-emulate-read-s-per-page", "0.5"]
+    (p2,) = start_all([(prefill_args(ckpt, run["store"], *slow), run["tmp"] / "p2.log")])
+    run["servers"].append(p2)
+    run["p2"] = p2
+    t0 = time.monotonic()
+    r = complete(run["d"], X, pd_prefill=p2.url)  # decode re-resolves: a fresh channel
+    took = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    assert took > TIMEOUT_S  # longer than the silence bound: heartbeats, not luck
+    assert r.json()["choices"][0]["text"] == want(ckpt, X)
+    assert r.json()["usage"]["pd"]["pages_received"] == 1  # decode still held X's 5 pages
+    assert complete(run["d"], Y, pd_prefill=p2.url).json()["choices"][0]["text"] == want(ckpt, Y)
+    idle_ok(p2)
+    idle_ok(run["d"])
+
+
+def test_dropped_connection_reconnects_and_the_handoff_completes(run: dict, ckpt: Path) -> None:
+    p2, d = run["p2"], run["d"]
+    relay = CuttableRelay(info(p2)["transfer_endpoint"])
+    try:
+        t0 = time.monotonic()
+        t, out = in_thread(complete, d, W, pd_prefill=relay.endpoint)  # p2 reads W: 2.5 s
+        deadline = time.monotonic() + 20
+        while p2.integrity()["running"] + p2.integrity()["waiting"] == 0:
+            assert time.monotonic() < deadline, "the hand-off never reached prefill"
+            time.sleep(0.05)
+        relay.cut()  # both workers live, the link between them gone mid-hand-off
+        t.join(30)
+        r, t1 = out[0]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want(ckpt, W)
+        assert r.json()["usage"]["pd"]["pages_received"] == 1  # d holds W's 5 pages since test 1
+        assert relay.accepted >= 2 and t1 - t0 > TIMEOUT_S  # reconnected, same hand-off
+    finally:
+        relay.close()
+    idle_ok(p2)
+    idle_ok(d)
+
+
+def test_decode_killed_while_prefill_works_for_it(run: dict, ckpt: Path) -> None:
+    p2 = run["p2"]
+    d2, d3 = start_all(
+        [
+            (decode_args(ckpt, p2.url), run["tmp"] / "d2.log"),
+            (decode_args(ckpt, p2.url, "--page-size", "16"), run["tmp"] / "d3.log"),
+        ]
+    )
+    run["servers"] += [d2, d3]
+    t, out = in_thread(complete, d2, Z)  # p2 reads Z's prefix from L3: 2.5 s
+    deadline = time.monotonic() + 20
+    while True:  # wait until prefill holds a lease for it
+        rep = p2.integrity()
+        if rep["running"] + rep["waiting"] > 0:
+            break
+        assert time.monotonic() < deadline, "the hand-off never reached prefill"
+        time.sleep(0.05)
+    d2.proc.kill()
+    d2.proc.wait(10)
+    t.join(30)
+    assert isinstance(out[0][0], httpx.HTTPError)  # its client saw the connection drop
+    rep = idle_ok(p2)  # its request ran out, the pages it held are released
+    assert rep["owned"] == 0 and rep["accounting"]["host"]["locked"] == 0
+    r = complete(run["d"], Z, pd_prefill=p2.url)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want(ckpt, Z)
+    r = complete(d3, X)
+    assert r.status_code == 502, r.text
+    msg = r.json()["error"]["message"]
+    assert info(p2)["transfer_endpoint"] in msg
+    assert "layout mismatch: page_size is 8 here but 16 on decode" in msg
+    idle_ok(d3)
+    idle_ok(p2)
+    log = (run["tmp"] / "p2.log").read_text()
+    assert "Traceback" not in log, log
+    m = httpx.get(f"{p2.url}/metrics").text
+    assert 'kvstrata:pd_handoffs_total{model_name="tiny",outcome="failed"} 1.0' in m
