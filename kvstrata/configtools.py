@@ -68,3 +68,24 @@ def config_from_args(
             values[f.name] = tuple(v) if isinstance(v, list) and isinstance(f.default, tuple) else v
     values.update(overrides)
     return cls(**values)
+
+
+def config_to_args(cfg: Any, prefix: str = "", exclude: tuple[str, ...] = ()) -> list[str]:
+    """The options that rebuild `cfg` through add_config_args/config_from_args (fields left at
+    their default are omitted), e.g. to start a child `kvstrata serve` with the same settings."""
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        if f.metadata.get("cli") is False or f.name in exclude:
+            continue
+        value = getattr(cfg, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        if value == default:
+            continue
+        name = "--" + (prefix + f.name).replace("_", "-")
+        if isinstance(value, bool):
+            out.append(name if value else "--no-" + (prefix + f.name).replace("_", "-"))
+        elif isinstance(value, list | tuple):
+            out += [name, *(str(v) for v in value)]
+        else:
+            out += [name, str(value)]
+    return out

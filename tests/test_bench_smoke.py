@@ -79,6 +79,7 @@ COVERED_ELSEWHERE = {
     "serve": "tests/test_bench_serve.py",
     "spec": "tests/test_bench_spec.py",
     "parallel": "tests/test_parallel_kv.py",
+    "pd": "tests/test_bench_pd.py",
 }
 """Benches whose --quick run has its own test (they need servers, ranks or a draft)."""
 

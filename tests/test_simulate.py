@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import kvstrata.cli.main as cli
-from kvstrata.bench.costmodel import CostModel, Topology
+from kvstrata.bench.costmodel import CostModel, Topology, pipelined
 from kvstrata.bench.hardware import get_model, get_profile
 from kvstrata.bench.replay import ReplayConfig
 from kvstrata.bench.simulate import TERMS, Outcome, fifo, no_cache
@@ -128,3 +128,29 @@ def test_cli_simulate_and_replay_write_reports(
     assert cli_main(["simulate", str(path), "--hardware", "nope"]) == 2
     assert cli_main(["simulate", str(path), "--hardware", "h100-nvme", "--tp", "3"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_pd_sends_only_what_the_decode_worker_lacks() -> None:
+    """Decode holds the cached prefix (any tier): prefill sends the rest, exactly those bytes."""
+    kv = 2 * 32 * 8 * 128 * 2  # llama-3.1-8b bf16: bytes per token
+    pd, plain = CostModel(MODEL, HW, Topology(tp=2, pd=True)), CostModel(MODEL, HW, Topology(tp=2))
+    c = pd.costs(10_000, 4000, 1000, 2000)
+    assert c.pd_bytes == 3000 * kv  # 10k prompt, 7k held
+    send = HW.inter_node.time(3000 * kv, lanes=2)
+    assert c.pd_transfer_s == pipelined(send, c.compute_s, MODEL.num_layers)
+    assert plain.costs(10_000, 4000, 1000, 2000).pd_bytes == 0
+    assert pd.costs(10_000, 0, 0, 0).pd_bytes == 10_000 * kv  # cold: every token's KV
+
+
+def test_cli_simulate_pd_reports_bytes_sent(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path, sim = tmp_path / "t.jsonl", tmp_path / "sim.json"
+    write_mooncake(small_trace(40).requests, path)
+    args = ["simulate", str(path), "--hardware", "h100-nvme", "--tp", "2", "--pd"]
+    assert cli.main([*args, "--l1-tokens", "4096", "--l2-tokens", "8192", "--json", str(sim)]) == 0
+    rep = json.loads(sim.read_text())
+    assert 0 < rep["pd_bytes_sent"] < rep["pd_bytes_whole_prompts"]
+    # the main row is L1+L2+L3: decode lacks exactly the tokens that row missed
+    assert math.isclose(rep["pd_bytes_sent_ratio"], 1 - rep["hit_rate"], rel_tol=1e-12)
+    assert rep["ablation"]["off"]["tp2-pd"]["pd_bytes_sent"] == rep["pd_bytes_whole_prompts"]
+    assert rep["ablation"]["L1+L2+L3"]["tp2"]["pd_bytes_sent"] == 0
+    assert "P/D KV bytes sent" in capsys.readouterr().out

@@ -78,6 +78,8 @@ class Costs:
     prefetch_s: float  # full L3->L2 time; simulate.py hides the part that overlaps queueing
     gather_s: float
     pd_transfer_s: float
+    pd_bytes: float = 0.0
+    """KV bytes prefill sends decode (P/D only): the tokens the decode worker lacks."""
 
     @property
     def busy_s(self) -> float:
@@ -143,8 +145,11 @@ class CostModel:
         if topo.cp > 1:  # each rank receives the pages it does not own, of the whole context
             per_rank = prompt * self.kv_per_token / (topo.tp * topo.pp) * (topo.cp - 1) / topo.cp
             gather = pipelined(self.group_link.time(per_rank), compute, layers)
-        pd = 0.0
-        if topo.pd:  # the decode worker holds nothing of this prompt: every page goes over RDMA
-            send = hw.inter_node.time(prompt * self.kv_per_token, lanes=topo.gpus)
-            pd = pipelined(send, compute, layers)
-        return Costs(compute, load, prefetch, gather, pd)
+        pd, sent = 0.0, 0.0
+        if topo.pd:
+            # Decode matches first (issue 10): it holds the `hit` prefix (its own tiers or the
+            # shared L3), so only the missed suffix, computed by prefill, goes over RDMA. Token
+            # granularity: the real send rounds up to whole pages (< one page more a request).
+            sent = float((prompt - hit) * self.kv_per_token)
+            pd = pipelined(hw.inter_node.time(sent, lanes=topo.gpus), compute, layers)
+        return Costs(compute, load, prefetch, gather, pd, sent)

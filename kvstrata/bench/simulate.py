@@ -59,6 +59,7 @@ class Timing:
     rid: int
     ttft_s: float
     terms: dict[str, float]
+    pd_bytes: float = 0.0  # KV bytes prefill sent decode (P/D topologies)
 
 
 def fifo(outcomes: Sequence[Outcome], cost: CostModel, time_scale: float = 1.0) -> list[Timing]:
@@ -84,7 +85,7 @@ def fifo(outcomes: Sequence[Outcome], cost: CostModel, time_scale: float = 1.0) 
             "gather_s": c.gather_s,
             "pd_transfer_s": c.pd_transfer_s,
         }
-        out.append(Timing(o.rid, first_token - arrival, terms))
+        out.append(Timing(o.rid, first_token - arrival, terms, c.pd_bytes))
         # PP: the next prompt enters stage 0 once this one left it (about 1/pp of the busy time).
         free_at = start + c.busy_s / pp
     return out
@@ -104,6 +105,7 @@ def summarize(timings: Sequence[Timing]) -> dict[str, object]:
         "ttft_p90_s": p90,
         "ttft_p99_s": p99,
         "decomposition": mean_terms,
+        "pd_bytes_sent": float(sum(t.pd_bytes for t in timings)),
     }
 
 

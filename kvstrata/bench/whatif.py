@@ -101,6 +101,7 @@ def whatif(
             "L3": "unbounded",
         },
         **summarize(main_timings),
+        **_pd_figures(outcomes["L1+L2+L3"], main_cost, main_timings),
         "hit_rate": top["hit_rate"],
         "hit_rate_by_tier": top["hit_rate_by_tier"],
         "ceiling": top["ceiling"],
@@ -133,6 +134,14 @@ def _replay_rows(
 
 def _cell(timings: list[Timing]) -> dict[str, Any]:
     s = summarize(timings)
-    return {
-        k: s[k] for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "decomposition")
-    }
+    keys = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "decomposition")
+    return {k: s[k] for k in (*keys, "pd_bytes_sent")}
+
+
+def _pd_figures(outcomes: list[Outcome], cost: CostModel, timings: list[Timing]) -> dict:
+    """P/D: bytes sent against sending every prompt whole (a decode worker holding nothing)."""
+    if not cost.topo.pd:
+        return {}
+    whole = float(sum(o.prompt for o in outcomes) * cost.kv_per_token)
+    sent = float(sum(t.pd_bytes for t in timings))
+    return {"pd_bytes_whole_prompts": whole, "pd_bytes_sent_ratio": sent / whole if whole else 0.0}

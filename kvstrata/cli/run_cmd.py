@@ -31,6 +31,8 @@ from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.decision_log import DecisionLog, config_digest, new_run_id
 from kvstrata.parallel.group import RankFailure
 from kvstrata.parallel.tp import check_layout
+from kvstrata.pd.run_row import PD, check_pd_args, run_pd_row
+from kvstrata.serve.codec import open_codec
 from kvstrata.storage.base import StorageConfig, open_storage
 from kvstrata.workloads.agent import (
     SessionTurns,
@@ -59,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens generated per turn")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--prompt", default=None, help="serve this one prompt instead of the workload")
+    p.add_argument(
+        "--pd", action="store_true", help="one more row: router + prefill + decode processes"
+    )
     add_config_args(p, EngineConfig, exclude=("tiers",))  # run serves every tier set
     add_config_args(p, CacheConfig)
     add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
@@ -218,6 +223,9 @@ def _table(configs: dict[str, dict[str, Any]]) -> Table:
     for d in directions:
         table.add_column(f"{d} MB", justify="right")
     spec = any(rep.get("spec") for rep in configs.values())
+    pd = any("pd_bytes_sent" in rep for rep in configs.values())
+    if pd:
+        table.add_column("P/D MB", justify="right")
     if spec:
         table.add_column("accept", justify="right")
         table.add_column("acc len", justify="right")
@@ -232,6 +240,7 @@ def _table(configs: dict[str, dict[str, Any]]) -> Table:
             f"{rep['ttft_p50_s']:.3f}s",
             f"{rep['ttft_p90_s']:.3f}s",
             *(f"{rep['bytes_moved'][d] / 1e6:.1f}" for d in directions),
+            *([f"{rep['pd_bytes_sent'] / 1e6:.1f}" if "pd_bytes_sent" in rep else "-"] * pd),
             *(extra or (["-", "-"] if spec else [])),
         )
     return table
@@ -260,6 +269,8 @@ def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Di
     dist_cfg = config_from_args(DistConfig, args)
     validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
     validate.check_backend(dist_cfg.backend)
+    if args.pd:
+        check_pd_args(dist_cfg)
     validate.check_out_dir(args.out, "--out")
     if cache_cfg.storage_url:
         create = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX).create_dir
@@ -361,6 +372,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     reports = {tiers: config_report(res, counters) for tiers, (res, counters) in served.items()}
     same = outputs_identical({tiers: res for tiers, (res, _) in served.items()})
+    if args.pd:  # the same workload through router + prefill + decode (kvstrata/pd/run_row.py)
+        pd_row = run_pd_row(model_path, cfgs, prompts, spec.max_new_tokens, args.out)
+        reports[PD] = pd_row.report()
+        decode = open_codec(model_path, model.vocab_size).decode
+        same = same and pd_row.same_text(served[PLAIN if PLAIN in served else "none"][0], decode)
     report = {
         "configs": reports,
         "outputs_identical": same,
@@ -371,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     json_path, png_path = write_report(report, args.out)
     console.print(_table(reports))
     if same:
-        console.print(f"outputs identical across {', '.join(served)}: yes")
+        console.print(f"outputs identical across {', '.join(reports)}: yes")
     else:
         console.print("[red]outputs DIFFER between configurations[/red]")
     console.print(f"report: {json_path}\nplot:   {png_path}")

@@ -14,6 +14,7 @@ from kvstrata.model.checkpoint import load_model
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.tp import check_layout
 from kvstrata.pd.config import PDConfig
+from kvstrata.pd.router_config import add_router_args, router_config_from_args
 from kvstrata.serve.config import ServeConfig
 from kvstrata.storage.base import StorageConfig
 
@@ -26,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
     add_config_args(p, DistConfig)
     add_config_args(p, PDConfig)
+    add_router_args(p)
     p.set_defaults(func=run)
 
 
@@ -46,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.serve.server import make_state, serve  # fastapi/uvicorn only when serving
 
     cfg = config_from_args(ServeConfig, args)
+    if cfg.role == "router":  # no model: the workers have it
+        from kvstrata.pd.router import serve_router
+
+        return serve_router(cfg, router_config_from_args(args))
     cfgs = configs(args)
     path = resolve_model_path(cfgs[0])
     validate.check_checkpoint(path)

@@ -33,7 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     p.add_argument(
-        "--pd", action="store_true", help="prefill/decode disaggregation (KV sent over RDMA)"
+        "--pd",
+        action="store_true",
+        help="prefill/decode disaggregation: decode holds the cached prefix, the rest of the KV "
+        "goes over RDMA (reports pd_bytes_sent)",
     )
     p.add_argument(
         "--ablate",
@@ -119,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
     out.print(decomposition_table(report))
     out.print(ablation_table(report))
     print(f"hit rate {report['hit_rate']:.4f} (ceiling {report['ceiling']:.4f})")
+    if main.pd:  # decode holds the hit prefix: only the rest crosses
+        sent, ratio = report["pd_bytes_sent"], report["pd_bytes_sent_ratio"]
+        print(f"P/D KV bytes sent {sent / 1e9:.3f} GB ({ratio:.4f} of the whole prompts)")
     if args.json:
         write_json(report, args.json)
         print(f"report: {args.json}")

@@ -22,9 +22,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`kvstrata serve ARGS` on a free port; returns once /health answers 200."""
+    """`kvstrata serve ARGS` on a free port; returns once `ready_path` (/health) answers 200."""
 
-    def __init__(self, args: list[str], log: Path, start_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        start_timeout_s: float = 180.0,
+        ready_path: str = "/health",
+    ) -> None:
+        self.ready_path = ready_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -42,7 +49,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -1,0 +1,135 @@
+"""LocalPD: a router, one prefill and one decode worker as local `kvstrata serve` processes on
+127.0.0.1 sharing one L3 directory (tests, `kvstrata bench pd`, the `pd` row of `kvstrata run`).
+
+Workers start together and are waited for with one bound (start_timeout_s), then the router,
+whose /health is 200 only when both workers' are. `stop()` sends SIGTERM to the router, then to
+the workers, and returns their exit codes; an exception during start stops what already runs.
+With `pd_workers=False` the two workers are ordinary `--role single` servers and the router skips
+their /v1/pd/info (the router's own tests, and any build without the P/D workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from kvstrata.configtools import doc
+from kvstrata.serve.process import ServerProcess
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class LocalPDConfig:
+    """What LocalPD starts: the model, the shared store, each process's extra options."""
+
+    model: str = doc("", "checkpoint directory every worker loads")
+    store_dir: str = doc("", "L3 directory shared by both workers (file store)")
+    log_dir: str = doc("", "directory of the three processes' logs")
+    worker_args: tuple[str, ...] = doc((), "more `kvstrata serve` options of both workers")
+    router_args: tuple[str, ...] = doc((), "more `kvstrata serve --role router` options")
+    pd_workers: bool = doc(True, "workers are --role prefill/decode (else --role single)")
+    start_timeout_s: float = doc(300.0, "longest wait for all three to answer /health 200")
+
+    def __post_init__(self) -> None:
+        for name in ("model", "store_dir", "log_dir"):
+            if not getattr(self, name):
+                raise ValueError(f"LocalPDConfig.{name} is empty")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s}")
+
+
+def worker_command(cfg: LocalPDConfig, role: str) -> list[str]:
+    """`kvstrata serve` options of one worker (ServerProcess adds --port)."""
+    store = Path(cfg.store_dir).resolve()
+    return [
+        "--model", cfg.model, "--role", role if cfg.pd_workers else "single",
+        "--storage-url", f"file://{store}", *cfg.worker_args,
+    ]  # fmt: skip
+
+
+@dataclass
+class LocalPD:
+    """The three processes; `url` is the router's base URL (the OpenAI API clients use)."""
+
+    cfg: LocalPDConfig
+    workers: dict[str, ServerProcess] = field(default_factory=dict)
+    router: ServerProcess | None = None
+
+    def start(self) -> LocalPD:
+        log_dir = Path(self.cfg.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        Path(self.cfg.store_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_workers(log_dir)
+            self.router = ServerProcess(
+                self._router_command(), log_dir / "router.log", self.cfg.start_timeout_s
+            )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_workers(self, log_dir: Path) -> None:
+        """Both at once (model loads overlap), each bounded by start_timeout_s."""
+
+        def one(role: str) -> ServerProcess:
+            cmd = worker_command(self.cfg, role)
+            return ServerProcess(cmd, log_dir / f"{role}.log", self.cfg.start_timeout_s)
+
+        with ThreadPoolExecutor(len(ROLES)) as pool:
+            futs = {role: pool.submit(one, role) for role in ROLES}
+            errors = []
+            for role, fut in futs.items():
+                try:
+                    self.workers[role] = fut.result()
+                except Exception as exc:  # noqa: BLE001 - reported together, below
+                    errors.append(f"{role} worker: {exc}")
+        if errors:
+            raise RuntimeError("LocalPD did not start: " + " | ".join(errors))
+
+    def _router_command(self) -> list[str]:
+        urls = {role: self.workers[role].url for role in ROLES}
+        cmd = ["--role", "router", "--prefill", urls["prefill"], "--decode", urls["decode"]]
+        if not self.cfg.pd_workers:
+            cmd.append("--no-router-require-info")
+        return [*cmd, *self.cfg.router_args]
+
+    @property
+    def url(self) -> str:
+        if self.router is None:
+            raise RuntimeError("LocalPD is not started")
+        return self.router.url
+
+    def stop(self, timeout_s: float = 60.0) -> dict[str, int]:
+        """SIGTERM the router, then the workers; their exit codes (-9: killed after timeout_s)."""
+        codes: dict[str, int] = {}
+        procs: Sequence[tuple[str, ServerProcess | None]] = [
+            ("router", self.router),
+            *self.workers.items(),
+        ]
+        for name, proc in procs:
+            if proc is None:
+                continue
+            if proc.proc.poll() is not None:  # already gone: its code, its log closed
+                proc.stop()
+                codes[name] = proc.proc.returncode
+                continue
+            try:
+                codes[name] = proc.terminate(timeout_s)
+            except TimeoutError:
+                proc.stop()
+                codes[name] = -9
+        self.router, self.workers = None, {}
+        return codes
+
+    def __enter__(self) -> LocalPD:
+        return self.start()
+
+    def __exit__(
+        self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

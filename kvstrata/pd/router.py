@@ -1,0 +1,270 @@
+"""`kvstrata serve --role router`: the OpenAI API of a single server in front of P/D workers.
+
+The router loads no model. Each completion goes to the next decode worker (round robin), which
+is told the next prefill worker (upstream.py); the answer comes back as it is: a stream is
+relayed chunk by chunk as the bytes arrive (never buffered), a worker's error JSON keeps its
+status. A client that goes away closes the upstream connection, so the worker aborts the request.
+A worker that cannot be reached is a 502, one silent past read_timeout_s a 504, each naming the
+worker; the client never sees a traceback. /tokenize, /detokenize and /v1/models are answered by
+a decode worker (every worker serves the same model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import traceback
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx2 as httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvstrata.pd.router_config import RouterConfig
+from kvstrata.pd.router_metrics import RouterMetrics
+from kvstrata.pd.upstream import Upstreams
+from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.protocol import ApiError
+from kvstrata.serve.responses import sse
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
+JSON = {"content-type": "application/json"}
+
+
+@dataclass
+class RouterState:
+    cfg: ServeConfig
+    up: Upstreams
+    metrics: RouterMetrics
+    client: httpx.AsyncClient | None = None
+    stopping: bool = False
+
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise ApiError(503, "router is starting")
+        return self.client
+
+
+def create_router_app(state: RouterState) -> FastAPI:
+    rc = state.up.cfg
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(rc.read_timeout_s, connect=rc.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            state.client = client
+            yield
+            state.stopping = True
+
+    app = FastAPI(title="kvstrata router", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        traceback.print_exc(file=sys.stderr)  # the operator sees it; the client gets one line
+        err = ApiError(500, f"internal error: {type(exc).__name__}")
+        return JSONResponse(err.body(), status_code=500)
+
+    _info_routes(app, state)
+    _generate_routes(app, state)
+    return app
+
+
+def _info_routes(app: FastAPI, state: RouterState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        """200 when every worker's /health is 200; else 503 naming the workers that are not."""
+        if state.stopping:
+            return JSONResponse(ApiError(503, "router is stopping").body(), status_code=503)
+        bad = await _unhealthy(state)
+        if bad:
+            err = ApiError(503, "workers not healthy: " + "; ".join(bad))
+            return JSONResponse(err.body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await _forward(state, request, "GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _forward(state, request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _forward(state, request, "POST", "/detokenize")
+
+
+def _generate_routes(app: FastAPI, state: RouterState) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, "/v1/completions")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Response:
+        return await _generate(state, request, "/v1/chat/completions")
+
+
+async def _unhealthy(state: RouterState) -> list[str]:
+    client, timeout = state.http(), state.up.cfg.info_timeout_s
+
+    async def one(role: str, url: str) -> str | None:
+        try:
+            r = await client.get(f"{url}/health", timeout=timeout)
+        except httpx.HTTPError as exc:
+            return f"{role} {url}: {type(exc).__name__}"
+        return None if r.status_code == 200 else f"{role} {url}: HTTP {r.status_code}"
+
+    found = await asyncio.gather(*(one(role, url) for role, url in state.up.all()))
+    return [b for b in found if b is not None]
+
+
+def _failure(role: str, url: str, exc: httpx.HTTPError, state: RouterState) -> ApiError:
+    """The client's error for a worker that failed (the operator's log gets the details)."""
+    state.metrics.upstream_errors.labels(role=role, worker=url, kind=type(exc).__name__).inc()
+    if isinstance(exc, httpx.TimeoutException):
+        limit = state.up.cfg.read_timeout_s
+        return ApiError(504, f"{role} worker {url} did not answer within {limit} s")
+    return ApiError(502, f"{role} worker {url} unreachable: {type(exc).__name__}: {exc}")
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`'s answer; if the client goes first, `work` is cancelled (its connection closed,
+    so the worker aborts) and the answer is a 499-style empty response nobody reads."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return Response(status_code=499)
+
+
+async def _forward(state: RouterState, request: Request, method: str, path: str) -> Response:
+    """A plain request to the next decode worker; its answer (status and body) as it is."""
+    url = state.up.decode.pick()
+    body = await request.body() if method == "POST" else None
+    try:
+        r = await state.http().request(method, f"{url}{path}", content=body, headers=JSON)
+    except httpx.HTTPError as exc:
+        raise _failure("decode", url, exc, state) from None
+    return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+
+def _decode_content(state: RouterState, raw: bytes, prefill_url: str) -> tuple[bytes, bool]:
+    """(what decode is sent, whether the client asked for a stream). A body that is not a JSON
+    object goes as it is: the worker answers it with its own 400 (one validation rule)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return raw, False
+    if not isinstance(body, dict):
+        return raw, False
+    content = json.dumps(state.up.decode_body(body, prefill_url)).encode()
+    return content, body.get("stream") is True
+
+
+async def _generate(state: RouterState, request: Request, path: str) -> Response:
+    prefill_url, decode_url = state.up.prefill.pick(), state.up.decode.pick()
+    content, streaming = _decode_content(state, await request.body(), prefill_url)
+    state.metrics.requests.labels(role="decode", worker=decode_url).inc()
+    state.metrics.requests.labels(role="prefill", worker=prefill_url).inc()
+    client, t0 = state.http(), time.perf_counter()
+    send = client.build_request("POST", f"{decode_url}{path}", content=content, headers=JSON)
+
+    async def open_and_answer() -> Response:
+        try:
+            resp = await client.send(send, stream=True)
+        except httpx.HTTPError as exc:
+            raise _failure("decode", decode_url, exc, state) from None
+        if resp.status_code == 200 and streaming:
+            relay = _relay(resp, decode_url, state, t0)
+            return StreamingResponse(relay, media_type="text/event-stream")
+        try:
+            data = await resp.aread()
+        except httpx.HTTPError as exc:
+            raise _failure("decode", decode_url, exc, state) from None
+        finally:
+            await resp.aclose()
+        state.metrics.observe_whole(resp.status_code, time.perf_counter() - t0)
+        kind = resp.headers.get("content-type")
+        return Response(data, status_code=resp.status_code, media_type=kind)
+
+    return await _unless_disconnected(request, open_and_answer())
+
+
+async def _relay(
+    resp: httpx.Response, url: str, state: RouterState, t0: float
+) -> AsyncIterator[bytes]:
+    """The worker's SSE bytes as they arrive. A cut stream ends with an error event (the
+    OpenAI clients raise it) instead of a silent end; closing here aborts the worker's request."""
+    first = True
+    try:
+        async for chunk in resp.aiter_raw():
+            if first:
+                state.metrics.ttft.observe(time.perf_counter() - t0)
+                first = False
+            yield chunk
+        state.metrics.e2e.observe(time.perf_counter() - t0)
+    except httpx.HTTPError as exc:
+        err = _failure("decode", url, exc, state)
+        yield sse(err.body()).encode()
+    finally:
+        with anyio.CancelScope(shield=True):  # also on a client disconnect (cancellation)
+            await resp.aclose()
+
+
+class _Server(uvicorn.Server):
+    """A graceful SIGTERM stop is a normal exit (uvicorn would re-raise the signal)."""
+
+    def __init__(self, config: uvicorn.Config, state: RouterState) -> None:
+        super().__init__(config)
+        self.router_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.router_state.stopping = True
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def serve_router(cfg: ServeConfig, rcfg: RouterConfig) -> int:
+    """Check the workers' roles (bounded), then serve until SIGTERM. Exit 0 on a clean stop."""
+    up = Upstreams(rcfg)
+    up.check_roles()
+    state = RouterState(cfg, up, RouterMetrics(cfg.served_model_name or "router"))
+    config = uvicorn.Config(
+        create_router_app(state),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        timeout_graceful_shutdown=int(cfg.stop_timeout_s),
+        lifespan="on",
+    )
+    workers = ", ".join(f"{r} {u}" for r, u in up.all())
+    print(f"kvstrata serve: router on http://{cfg.host}:{cfg.port} ({workers})", flush=True)
+    _Server(config, state).run()
+    return 0

@@ -1,0 +1,101 @@
+"""The router's view of its workers: round-robin choice, the start-up role check, and the one
+place that turns a client's request body into what a decode worker is sent.
+
+Decode goes first (issue 10): the router sends the whole OpenAI request to a decode worker and
+names the prefill worker it chose; decode runs the handshake with that prefill worker itself.
+Without `require_info` (ordinary `kvstrata serve` processes as upstreams) the body goes to the
+decode worker unchanged and the prefill list is only health-checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2 as httpx
+
+from kvstrata.pd.router_config import RouterConfig
+
+INFO_PATH = "/v1/pd/info"
+PD_FIELD = "pd_prefill"
+"""Body field a decode worker reads: the prefill worker to use for this request (its tcp://
+transfer endpoint from /v1/pd/info, or its HTTP base URL, which decode then resolves)."""
+
+
+class RoundRobin:
+    """Worker URLs taken in turn (thread-safe: the launcher's tests pick from threads too)."""
+
+    def __init__(self, role: str, urls: tuple[str, ...]) -> None:
+        if not urls:
+            raise ValueError(f"no {role} workers")
+        self.role, self.urls = role, urls
+        self._next = itertools.cycle(range(len(urls)))
+        self._lock = threading.Lock()
+
+    def pick(self) -> str:
+        with self._lock:
+            return self.urls[next(self._next)]
+
+
+@dataclass
+class Upstreams:
+    """Both pools, and the /v1/pd/info answers read at start (empty without require_info)."""
+
+    cfg: RouterConfig
+    prefill: RoundRobin = field(init=False)
+    decode: RoundRobin = field(init=False)
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cfg.check_complete()
+        self.prefill = RoundRobin("prefill", self.cfg.prefill)
+        self.decode = RoundRobin("decode", self.cfg.decode)
+
+    def all(self) -> list[tuple[str, str]]:
+        """(role, url) of every worker."""
+        return [("prefill", u) for u in self.cfg.prefill] + [("decode", u) for u in self.cfg.decode]
+
+    def decode_body(self, body: dict[str, Any], prefill_url: str) -> dict[str, Any]:
+        """What the decode worker is sent for one client request (the client's own fields kept)."""
+        if not self.cfg.require_info:
+            return body
+        endpoint = self.info.get(prefill_url, {}).get("transfer_endpoint") or prefill_url
+        return {**body, PD_FIELD: endpoint}
+
+    def check_roles(self) -> None:
+        """GET /v1/pd/info of every worker (retried until start_timeout_s): each must say the
+        role it was listed under. A ValueError names the worker and what it said."""
+        if not self.cfg.require_info:
+            return
+        for role, url in self.all():
+            info = fetch_info(url, self.cfg)
+            said = info.get("role")
+            if said != role:
+                raise ValueError(
+                    f"worker {url} listed as --{role} says role {said!r} at {INFO_PATH}"
+                )
+            self.info[url] = info
+
+
+def fetch_info(url: str, cfg: RouterConfig) -> dict[str, Any]:
+    """The worker's /v1/pd/info JSON; bounded by start_timeout_s, each try by info_timeout_s."""
+    deadline = time.monotonic() + cfg.start_timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}{INFO_PATH}", timeout=cfg.info_timeout_s)
+            if r.status_code == 200:
+                return dict(r.json())
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code == 404:  # an ordinary server: waiting will not change it
+                break
+        except (httpx.HTTPError, ValueError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.2)
+    raise ValueError(
+        f"worker {url}: no {INFO_PATH} within {cfg.start_timeout_s} s ({last}); "
+        "is it a `kvstrata serve --role prefill|decode`? (--no-router-require-info skips this)"
+    )
