@@ -20,7 +20,7 @@ same positions), so a cached page always carries both parts.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,11 +34,15 @@ Proposals = dict[str, list[int]]  # rid -> drafted tokens d_1 .. d_n
 
 @dataclass
 class SpecStats:
-    """Verify steps, drafted and accepted tokens, summed over every request of an engine."""
+    """Verify steps, drafted and accepted tokens, summed over every request of an engine.
+
+    Plain integers only (the server's /metrics reads them from another thread at scrape time);
+    `accepted_per_pos[j]` counts verify steps that accepted draft j (0-based), sized N once."""
 
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, float]:
         """acceptance_rate = accepted / proposed; accept_length = tokens emitted per verify step
@@ -57,7 +61,7 @@ class Speculator:
 
     def __init__(self, draft: DecoderLM, layer_offset: int, spec_tokens: int) -> None:
         self.draft, self.offset, self.n = draft, layer_offset, spec_tokens
-        self.stats = SpecStats()
+        self.stats = SpecStats(accepted_per_pos=[0] * spec_tokens)
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
         """One verify step of `req`: on the request and in the engine-wide stats."""
@@ -66,6 +70,8 @@ class Speculator:
         self.stats.steps += 1
         self.stats.proposed += proposed
         self.stats.accepted += accepted
+        for j in range(accepted):  # a accepted drafts: positions 0 .. a-1 each accepted once
+            self.stats.accepted_per_pos[j] += 1
 
     def budget(self, req: Request) -> int:
         """Drafts to propose for `req` this step (0 for its last token)."""

@@ -61,6 +61,8 @@ def make_state(
     metrics = ServeMetrics(name)
     loop: EngineLoop | RankedLoop
     if dist_cfg is not None and dist_cfg.world_size > 1:
+        if engine_cfg.spec_draft:
+            raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
         loop = RankedLoop((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg)
         loop.observers.append(metrics)
@@ -74,7 +76,8 @@ def make_state(
         cache_cfg.device_pages,
     )
     codec = open_codec(model_path, model.vocab_size)
-    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics)
+    spec = bool(engine_cfg.spec_draft)
+    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics, spec)
 
 
 def _build(

@@ -22,6 +22,7 @@ class ServerState:
     codec: Codec
     limits: Limits
     metrics: ServeMetrics
+    speculative: bool = False  # --spec-draft set: usage carries each request's `spec`
     stopping: bool = False
     aloop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
 
