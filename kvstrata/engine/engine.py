@@ -17,7 +17,7 @@ from kvstrata.cache.manager import HiCache
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
-from kvstrata.engine.speculative import Speculator, accept
+from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 
@@ -246,19 +246,20 @@ class Engine:
     def _verify(self, req: Request, drafted: list[int], rows: torch.Tensor) -> bool:
         """Accept the longest agreeing prefix of `drafted` (rows: [n+1, vocab]); True if done."""
         assert self.spec is not None and req.draft_computed is not None
-        a, emit = accept(drafted, rows)
+        a, emit = self.spec.verify(req, drafted, rows)
         c = req.computed
         self.spec.record(req, len(drafted), a)
         req.draft_computed = c + min(len(drafted), a + 1)  # draft KV valid up to c + a
-        for j in range(len(emit)):
+        for j, tok in enumerate(emit):
             req.computed = c + j + 1  # KV of the token before emit[j] is final
-            if self._emit(req, rows[j]):
+            if self._emit(req, rows[j], tok):
                 return True
         return False
 
-    def _emit(self, req: Request, row: torch.Tensor) -> bool:
-        """Record one generated token; True when the request is complete."""
-        tok = int(torch.argmax(row)) if req.sampler is None else req.sampler.sample(row)
+    def _emit(self, req: Request, row: torch.Tensor, tok: int | None = None) -> bool:
+        """Record one generated token (`tok`, or chosen from `row` now); True when complete."""
+        if tok is None:
+            tok = int(torch.argmax(row)) if req.sampler is None else req.sampler.sample(row)
         req.output.append(tok)
         if req.keep_logits:
             req.logits.append(row.clone())
