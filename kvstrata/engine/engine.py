@@ -198,13 +198,19 @@ class Engine:
 
         wait = wait_layer if loads else None
         drafts = self.spec.propose(work, self.pool, wait) if self.spec is not None else {}
-        rows = self._logits(work, drafts, wait)
+        hidden: list[torch.Tensor] | None = [] if self.spec and self.spec.wants_hidden else None
+        rows = self._logits(work, drafts, wait, hidden)
+        hid = hidden or [None] * len(work)  # per item [its tokens, hidden] (MTP only)
+        if self.spec is not None:
+            items = zip(work, hid, strict=True)
+            prefills = [(r, h) for (r, _), h in items if r.state is State.PREFILL]
+            self.spec.after_forward(prefills, self.pool, wait)  # type: ignore[arg-type]
         finished = []
-        for (req, toks), row in zip(work, rows, strict=True):
+        for (req, toks), row, h in zip(work, rows, hid, strict=True):
             assert req.lease is not None
             req.lease.load = None  # waited for, layer by layer, in this forward
             if req.state is State.DECODE and drafts.get(req.rid):
-                if self._verify(req, drafts[req.rid], row):
+                if self._verify(req, drafts[req.rid], row, h):
                     finished.append(req)
                 continue
             req.computed += len(toks)
@@ -220,11 +226,14 @@ class Engine:
         work: list[tuple[Request, list[int]]],
         drafts: dict[str, list[int]],
         wait: Callable[[int], None] | None,
+        hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Target logits per work item: [1, vocab] (its last token), or [n+1, vocab] for a
-        decode verifying n drafts. Verifies run in a forward of their own (all rows kept)."""
+        decode verifying n drafts. Verifies run in a forward of their own (all rows kept).
+        `hidden` (if given) gets each item's last-layer states [its tokens, hidden]."""
         plain = [i for i, (r, _) in enumerate(work) if not drafts.get(r.rid)]
         out: list[torch.Tensor] = [torch.empty(0)] * len(work)
+        hid: list[torch.Tensor] = [torch.empty(0)] * len(work)
         for idx, last_only in (
             (plain, True),
             ([i for i in range(len(work)) if i not in plain], False),
@@ -236,20 +245,28 @@ class Engine:
             batch = SeqBatch.build(
                 toks, [r.computed for r, _ in items], [r.page_table for r, _ in items]
             )
-            logits = self.model(batch, self.pool, before_layer=wait, last_only=last_only)
+            states: list[torch.Tensor] | None = [] if hidden is not None else None
+            logits = self.model(batch, self.pool, wait, last_only=last_only, hidden_out=states)
             parts = logits.split(1) if last_only else logits.split(batch.seq_lens)
             for i, part in zip(idx, parts, strict=True):
                 out[i] = part
+            if states is not None:
+                for i, h in zip(idx, states[0].split(batch.seq_lens), strict=True):
+                    hid[i] = h
             wait = None  # every pending load was waited for, layer by layer
+        if hidden is not None:
+            hidden.extend(hid)
         return out
 
-    def _verify(self, req: Request, drafted: list[int], rows: torch.Tensor) -> bool:
-        """Accept the longest agreeing prefix of `drafted` (rows: [n+1, vocab]); True if done."""
+    def _verify(
+        self, req: Request, drafted: list[int], rows: torch.Tensor, hidden: torch.Tensor | None
+    ) -> bool:
+        """Accept drafts by the greedy or the rejection rule (rows: [n+1, vocab]); True if done."""
         assert self.spec is not None and req.draft_computed is not None
         a, emit = self.spec.verify(req, drafted, rows)
         c = req.computed
         self.spec.record(req, len(drafted), a)
-        req.draft_computed = c + min(len(drafted), a + 1)  # draft KV valid up to c + a
+        self.spec.settle(req, c, len(drafted), a, hidden)
         for j, tok in enumerate(emit):
             req.computed = c + j + 1  # KV of the token before emit[j] is final
             if self._emit(req, rows[j], tok):

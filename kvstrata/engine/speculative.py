@@ -34,6 +34,7 @@ from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.model.draft import DraftKV
 
 Work = list[tuple[Request, list[int]]]
+Wait = Callable[[int], None] | None  # wait(pool layer) for pending L2 -> L1 loads
 Proposals = dict[str, list[int]]  # rid -> drafted tokens d_1 .. d_n
 
 
@@ -121,6 +122,19 @@ class Speculator:
         q = req.sampler.probs(row)
         self.draft_probs.setdefault(req.rid, []).append(q)
         return req.sampler.draw(q)
+
+    wants_hidden = False
+    """The draft needs the target's hidden states (an MTP head); a draft model does not."""
+
+    def after_forward(
+        self, prefills: list[tuple[Request, torch.Tensor]], pool: object, wait: Wait
+    ) -> None:
+        """After the target's forward, before `computed` moves: prefill chunks (with their
+        hidden states [m, hidden] when wants_hidden). A draft model ran over them already."""
+
+    def settle(self, req: Request, c: int, n: int, a: int, hidden: torch.Tensor | None) -> None:
+        """After verifying n drafts at c with a accepted (hidden: the verify's [n+1, hidden])."""
+        req.draft_computed = c + min(n, a + 1)  # draft KV valid up to c + a
 
     def verify(self, req: Request, drafted: list[int], rows: torch.Tensor) -> tuple[int, list[int]]:
         """(a, tokens to emit) for `req`'s drafts against the target's rows [n+1, vocab]."""
