@@ -15,6 +15,7 @@ from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
+from kvstrata.model.mtp import load_head, save_head
 from tests.tiny_models import make_llama, make_qwen2
 
 torch.set_num_threads(1)
@@ -146,3 +147,28 @@ def test_rejected_tokens_leave_pools_and_tree_intact(ckpts, tmp_path: Path) -> N
     assert [r.output for r in spec] == [r.output for r in ref]
     assert sum(len(r.spec_accepts) for r in spec) > 100
     assert any(a < 4 for r in spec for a in r.spec_accepts)  # rejections happened
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_equal_with_mtp_head(ckpts, tmp_path: Path, arch: str) -> None:  # noqa: ANN001
+    """An MTP head with fixed random weights: greedy tokens as without speculation, pools and
+    tree intact after every step; a saved head loads as mtp:PATH and drafts the same tokens."""
+    model = load_model(ckpts[arch])
+    ps = prompts(4, seed=7)
+    ref = generate(model, tmp_path, "", 1, ps, tiers="none")
+    for n in (1, 3):
+        spec = generate(model, tmp_path, "mtp:random", n, ps, check=True)
+        assert [r.output for r in spec] == [r.output for r in ref]
+        assert all(r.spec_proposed > 0 and r.draft_computed <= r.computed for r in spec)
+    save_head(load_head("mtp:random", model), tmp_path / "head.safetensors")
+    saved = generate(model, tmp_path, f"mtp:{tmp_path / 'head.safetensors'}", 3, ps)
+    assert [r.spec_accepts for r in saved] == [r.spec_accepts for r in spec]
+
+
+def test_bad_mtp_head_is_refused(ckpts, tmp_path: Path) -> None:  # noqa: ANN001
+    model = load_model(ckpts["llama"])
+    with pytest.raises(ValueError, match="safetensors file"):
+        generate(model, tmp_path, f"mtp:{tmp_path / 'missing'}", 2, prompts(1))
+    save_head(load_head("mtp:random", load_model(ckpts["qwen2"])), tmp_path / "q.safetensors")
+    with pytest.raises(ValueError, match="not an MTP head of this target"):  # q/k/v biases
+        load_head(f"mtp:{tmp_path / 'q.safetensors'}", model)

@@ -16,6 +16,7 @@ from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
 from kvstrata.model.checkpoint import load_model
+from kvstrata.model.mtp import load_head, save_head
 from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
@@ -123,35 +124,47 @@ def assert_same_acceptance(a, b) -> None:  # noqa: ANN001
         assert acc_a == acc_b
 
 
-def test_restore_from_l1_and_l2_keeps_draft_kv_and_acceptance(ckpt: Path, tmp_path: Path) -> None:
+DRAFTS = ["self:2", "mtp:random"]  # a draft model (2 tail layers), an MTP head (1)
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_restore_from_l1_and_l2_keeps_draft_kv_and_acceptance(
+    ckpt: Path, tmp_path: Path, draft: str
+) -> None:
     model = load_model(ckpt)
     prompts = conversation(4)
-    cold = run_turns(model, "none", tmp_path / "s0", prompts, tmp_path)
-    l1 = run_turns(model, "l1", tmp_path / "s1", prompts, tmp_path)
+    cold = run_turns(model, "none", tmp_path / "s0", prompts, tmp_path, draft=draft)
+    plain = run_turns(model, "none", tmp_path / "s0", prompts, tmp_path, draft="")
+    assert [r[0] for r in cold] == [r[0] for r in plain]  # greedy tokens as without drafts
+    assert sum(sum(r[1]) for r in cold) > 0  # some drafts accepted
+    l1 = run_turns(model, "l1", tmp_path / "s1", prompts, tmp_path, draft=draft)
     assert_same_acceptance(cold, l1)
     cached = {k: v for r in l1 for k, v in r[4].items()}
     assert all(r[2]["L1"] == len(r[3]) for r in l1) and assert_restored(l1, cached, "L1") > 6
-    l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, tmp_path, demote=True)
+    l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, tmp_path, demote=True, draft=draft)
     assert_same_acceptance(cold, l2)
     cached = {k: v for r in l2 for k, v in r[4].items()}
     assert [r[2]["L1"] for r in l2] == [0] * 4
     assert assert_restored(l2, cached, "L2") > 6 and all(r[2]["L2"] for r in l2[1:])
 
 
-def _child(ckpt: str, store: str, cache_dir: str, prompts, out: str) -> None:  # noqa: ANN001
+def _child(ckpt: str, store: str, cache_dir: str, prompts, out: str, draft: str) -> None:  # noqa: ANN001
     torch.set_num_threads(1)
-    res = run_turns(load_model(ckpt), "l1_l2_l3", Path(store), prompts, Path(cache_dir))
+    res = run_turns(
+        load_model(ckpt), "l1_l2_l3", Path(store), prompts, Path(cache_dir), draft=draft
+    )
     torch.save(res, out)
 
 
-def test_restore_from_l3_in_a_fresh_process(ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_restore_from_l3_in_a_fresh_process(ckpt: Path, tmp_path: Path, draft: str) -> None:
     model = load_model(ckpt)
     prompts = conversation(3, seed=4)
-    cold = run_turns(model, "none", tmp_path / "unused", prompts, tmp_path)
-    first = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path)
+    cold = run_turns(model, "none", tmp_path / "unused", prompts, tmp_path, draft=draft)
+    first = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=draft)
     cached = {k: v for r in first for k, v in r[4].items()}
     out = tmp_path / "child.pt"
-    args = (str(ckpt), str(tmp_path / "store"), str(tmp_path), prompts, str(out))
+    args = (str(ckpt), str(tmp_path / "store"), str(tmp_path), prompts, str(out), draft)
     proc = mp.get_context("spawn").Process(target=_child, args=args)
     proc.start()
     proc.join(120)
@@ -178,3 +191,10 @@ def test_namespace_names_the_draft(ckpt: Path, tmp_path: Path) -> None:
     other = str(make_llama(tmp_path / "other", seed=9, num_hidden_layers=2))
     stranger = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=other)
     assert stranger[0][2]["L3"] == 0
+    run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft="mtp:random")
+    head = load_head("mtp:random", model)
+    head.layer.mlp.up_proj.weight.mul_(2.0)  # an MTP head of the same shape, other weights
+    save_head(head, tmp_path / "head.safetensors")
+    mtp = f"mtp:{tmp_path / 'head.safetensors'}"
+    mine = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=mtp)
+    assert mine[0][2]["L3"] == 0 and again[0][2]["L3"] > 0

@@ -16,6 +16,7 @@ from kvstrata.cache.ops import PageMover
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Agree, DecisionSink, Engine
+from kvstrata.engine.mtp_speculator import MTPSpeculator
 from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
@@ -23,6 +24,7 @@ from kvstrata.memory.transfer import TensorMover
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.draft import load_draft
+from kvstrata.model.mtp import MTP_PREFIX, load_head
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.units import PagePart, open_unit_storage
 
@@ -146,9 +148,14 @@ def build_speculator(
     fingerprint naming both models (KV made with one draft is never served to another)."""
     from kvstrata.model.smollm2 import default_cache_dir
 
+    target_layers = shape.num_layers
+    if config.spec_draft.startswith(MTP_PREFIX):  # one NextN layer: one tail layer per page
+        head = load_head(config.spec_draft, model)
+        mtp = MTPSpeculator(head, target_layers, config.spec_tokens, shape.page_size)
+        shape = dataclasses.replace(shape, num_layers=target_layers + 1)
+        return mtp, shape, f"{model.fingerprint}+mtp:{head.fingerprint}"
     cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else default_cache_dir()
     draft = load_draft(config.spec_draft, model, cache_dir)
-    target_layers = shape.num_layers
     shape = dataclasses.replace(shape, num_layers=target_layers + draft.spec.num_layers)
     spec = Speculator(draft, target_layers, config.spec_tokens)
     return spec, shape, f"{model.fingerprint}+draft:{draft.fingerprint}"

@@ -34,7 +34,8 @@ class EngineConfig:
     spec_draft: str = doc(
         "",
         "speculative decoding draft: empty = off, self:K = the target's first K layers + its "
-        "norm and head (built once under the model cache dir), or a Llama/Qwen2 checkpoint dir",
+        "norm and head (built once under the model cache dir), a Llama/Qwen2 checkpoint dir, or "
+        "mtp:PATH / mtp:random = an MTP (NextN) head: a safetensors file / fixed random weights",
     )
     spec_tokens: int = doc(4, "speculative decoding: tokens the draft proposes per step")
 

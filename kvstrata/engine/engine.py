@@ -17,7 +17,7 @@ from kvstrata.cache.manager import HiCache
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
-from kvstrata.engine.speculative import Speculator, accept
+from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 
@@ -223,13 +223,19 @@ class Engine:
 
         wait = wait_layer if loads else None
         drafts = self.spec.propose(work, self.pool, wait) if self.spec is not None else {}
-        rows = self._logits(work, drafts, wait)
+        hidden: list[torch.Tensor] | None = [] if self.spec and self.spec.wants_hidden else None
+        rows = self._logits(work, drafts, wait, hidden)
+        hid = hidden or [None] * len(work)  # per item [its tokens, hidden] (MTP only)
+        if self.spec is not None:
+            items = zip(work, hid, strict=True)
+            prefills = [(r, h) for (r, _), h in items if r.state is State.PREFILL]
+            self.spec.after_forward(prefills, self.pool, wait)  # type: ignore[arg-type]
         finished = []
-        for (req, toks), row in zip(work, rows, strict=True):
+        for (req, toks), row, h in zip(work, rows, hid, strict=True):
             assert req.lease is not None
             req.lease.load = None  # waited for, layer by layer, in this forward
             if req.state is State.DECODE and drafts.get(req.rid):
-                if self._verify(req, drafts[req.rid], row):
+                if self._verify(req, drafts[req.rid], row, h):
                     finished.append(req)
                 continue
             req.computed += len(toks)
@@ -245,11 +251,14 @@ class Engine:
         work: list[tuple[Request, list[int]]],
         drafts: dict[str, list[int]],
         wait: Callable[[int], None] | None,
+        hidden: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Target logits per work item: [1, vocab] (its last token), or [n+1, vocab] for a
-        decode verifying n drafts. Verifies run in a forward of their own (all rows kept)."""
+        decode verifying n drafts. Verifies run in a forward of their own (all rows kept).
+        `hidden` (if given) gets each item's last-layer states [its tokens, hidden]."""
         plain = [i for i, (r, _) in enumerate(work) if not drafts.get(r.rid)]
         out: list[torch.Tensor] = [torch.empty(0)] * len(work)
+        hid: list[torch.Tensor] = [torch.empty(0)] * len(work)
         for idx, last_only in (
             (plain, True),
             ([i for i in range(len(work)) if i not in plain], False),
@@ -262,13 +271,21 @@ class Engine:
                 toks, [r.computed for r, _ in items], [r.page_table for r, _ in items]
             )
             before, last = self._layers_done(items, wait)
-            logits = self.model(batch, self.pool, before_layer=before, last_only=last_only)
+            states: list[torch.Tensor] | None = [] if hidden is not None else None
+            logits = self.model(
+                batch, self.pool, before_layer=before, last_only=last_only, hidden_out=states
+            )
             if last is not None:
                 last()
             parts = logits.split(1) if last_only else logits.split(batch.seq_lens)
             for i, part in zip(idx, parts, strict=True):
                 out[i] = part
+            if states is not None:
+                for i, h in zip(idx, states[0].split(batch.seq_lens), strict=True):
+                    hid[i] = h
             wait = None  # every pending load was waited for, layer by layer
+        if hidden is not None:
+            hidden.extend(hid)
         return out
 
     def _layers_done(
@@ -292,22 +309,25 @@ class Engine:
         last = self.model.spec.num_layers - 1
         return before, lambda: hook(done, last)
 
-    def _verify(self, req: Request, drafted: list[int], rows: torch.Tensor) -> bool:
-        """Accept the longest agreeing prefix of `drafted` (rows: [n+1, vocab]); True if done."""
+    def _verify(
+        self, req: Request, drafted: list[int], rows: torch.Tensor, hidden: torch.Tensor | None
+    ) -> bool:
+        """Accept drafts by the greedy or the rejection rule (rows: [n+1, vocab]); True if done."""
         assert self.spec is not None and req.draft_computed is not None
-        a, emit = accept(drafted, rows)
+        a, emit = self.spec.verify(req, drafted, rows)
         c = req.computed
         self.spec.record(req, len(drafted), a)
-        req.draft_computed = c + min(len(drafted), a + 1)  # draft KV valid up to c + a
-        for j in range(len(emit)):
+        self.spec.settle(req, c, len(drafted), a, hidden)
+        for j, tok in enumerate(emit):
             req.computed = c + j + 1  # KV of the token before emit[j] is final
-            if self._emit(req, rows[j]):
+            if self._emit(req, rows[j], tok):
                 return True
         return False
 
-    def _emit(self, req: Request, row: torch.Tensor) -> bool:
-        """Record one generated token; True when the request is complete."""
-        tok = int(torch.argmax(row)) if req.sampler is None else req.sampler.sample(row)
+    def _emit(self, req: Request, row: torch.Tensor, tok: int | None = None) -> bool:
+        """Record one generated token (`tok`, or chosen from `row` now); True when complete."""
+        if tok is None:
+            tok = int(torch.argmax(row)) if req.sampler is None else req.sampler.sample(row)
         req.output.append(tok)
         if req.keep_logits:
             req.logits.append(row.clone())

@@ -52,6 +52,9 @@ class Request:
     draft_computed: int | None = None  # tokens whose draft KV (the pages' tail layers) is final
     spec_proposed: int = 0  # drafted tokens the target verified
     spec_accepts: list[int] = field(default_factory=list)  # accepted drafts per verify step
+    draft_hidden: torch.Tensor | None = None
+    """MTP head only: the target's hidden states [computed - draft_computed + 1, hidden] at
+    positions draft_computed - 1 .. computed - 1, the inputs of the entries not yet written."""
 
     @property
     def final_kv_tokens(self) -> int:

@@ -39,15 +39,31 @@ class Sampler:
             seed = xxhash.xxh3_64_intdigest(rid.encode())
         self.generator = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
 
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
     def sample(self, row: torch.Tensor) -> int:
         """The next token from one logits row [vocab]."""
-        p = self.params
-        if p.temperature == 0:
+        if self.greedy:
             return int(torch.argmax(row))
+        return self.draw(self.probs(row))
+
+    def probs(self, row: torch.Tensor) -> torch.Tensor:
+        """The distribution a token is drawn from: softmax(row / T), cut to top_p [vocab] fp32.
+        Speculative sampling applies it to the draft's and the target's rows alike."""
+        p = self.params
+        assert p.temperature > 0, "greedy requests take argmax, not a distribution"
         probs = torch.softmax(row.float() / p.temperature, dim=-1)  # [vocab]
-        if p.top_p < 1:
-            probs = _top_p(probs, p.top_p)
+        return _top_p(probs, p.top_p) if p.top_p < 1 else probs
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from `probs` [vocab] (need not sum to 1), from this request's generator."""
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        """One number in [0, 1) from this request's generator (the rejection test's coin)."""
+        return float(torch.rand(1, generator=self.generator))
 
     def stops(self, token: int) -> bool:
         return token in self.params.stop_token_ids

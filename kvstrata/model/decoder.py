@@ -188,8 +188,10 @@ class DecoderLM(nn.Module):
         kv: KVPool,
         before_layer: Callable[[int], None] | None = None,
         last_only: bool = False,
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits fp32: [T, vocab], or [num_seqs, vocab] of each sequence's last token."""
+        """Logits fp32: [T, vocab], or [num_seqs, vocab] of each sequence's last token.
+        `hidden_out` gets the last layer's output [T, hidden] (before the final norm)."""
         if getattr(kv, "n_shards", 1) != 1:
             raise ValueError("kv: a sharded (context-parallel) pool needs the dist gather path")
         capacity, page_size = kv.k(0).shape[:2]
@@ -203,6 +205,8 @@ class DecoderLM(nn.Module):
             if before_layer is not None:
                 before_layer(i)  # e.g. wait until layer i's pages arrived from the host pool
             x = layer(x, rope, kv.k(i), kv.v(i), meta)
+        if hidden_out is not None:
+            hidden_out.append(x)  # an MTP draft head's input
         if last_only:
             ends = torch.tensor(batch.seq_lens, device=device).cumsum(0) - 1  # [num_seqs]
             x = x[ends]

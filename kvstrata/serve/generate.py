@@ -124,7 +124,8 @@ class Generation:
             self.state.loop.abort(self.rid)
 
     def usage(self) -> dict[str, Any]:
-        return R.usage(self.req, self.state.limits.page_size, self.text.n_tokens)
+        page, spec = self.state.limits.page_size, self.state.speculative
+        return R.usage(self.req, page, self.text.n_tokens, spec)
 
     def reason(self) -> str:
         return R.finish_reason(self.req if self.req.finish_reason else None, self.text)

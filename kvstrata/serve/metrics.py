@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
+from kvstrata.engine.speculative import SpecStats
 from kvstrata.serve.loop import LoopObserver, Stream
 
 
@@ -31,12 +32,17 @@ class PoolStats:
     counters: CacheCounters | None = None
     running: int = 0
     waiting: int = 0
+    spec: SpecStats | None = None  # speculative decoding's counters (None: off)
 
 
 def engine_stats(engine: Engine) -> PoolStats:
     """Plain integers of a live engine (safe to read from another thread)."""
     alloc, cache = engine.pool.allocator, engine.cache
     host = cache.tiers.host if cache is not None else None
+    spec = None
+    if engine.spec is not None:  # a copy: the engine thread goes on counting
+        st = engine.spec.stats
+        spec = SpecStats(st.steps, st.proposed, st.accepted, list(st.accepted_per_pos))
     return PoolStats(
         alloc.num_free,
         alloc.capacity,
@@ -45,6 +51,7 @@ def engine_stats(engine: Engine) -> PoolStats:
         cache.counters if cache is not None else None,
         len(engine.running),
         len(engine.waiting),
+        spec,
     )
 
 
@@ -159,6 +166,28 @@ class _PoolCollector(Collector):
         yield usage
         if st.counters is not None:
             yield from self._counters(st.counters)
+        if st.spec is not None:
+            yield from self._spec(st.spec)
+
+    def _spec(self, s: SpecStats) -> Iterator[Metric]:
+        """vLLM's spec_decode_* counters: mean accepted length = 1 + accepted / drafts."""
+        lbl = ["model_name"]
+        for name, doc, value in (
+            ("num_drafts", "verify steps (one draft sequence each)", s.steps),
+            ("num_draft_tokens", "tokens the draft proposed", s.proposed),
+            ("num_accepted_tokens", "drafted tokens the target accepted", s.accepted),
+        ):
+            fam = CounterMetricFamily(f"kvstrata:spec_decode_{name}", doc, labels=lbl)
+            fam.add_metric([self.name], value)
+            yield fam
+        per_pos = CounterMetricFamily(
+            "kvstrata:spec_decode_num_accepted_tokens_per_pos",
+            "verify steps that accepted the draft at this position (0-based)",
+            labels=[*lbl, "position"],
+        )
+        for pos, n in enumerate(s.accepted_per_pos):
+            per_pos.add_metric([self.name, str(pos)], n)
+        yield per_pos
 
     def _counters(self, c: CacheCounters) -> Iterator[Metric]:
         moved = CounterMetricFamily(

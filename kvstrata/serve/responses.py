@@ -56,11 +56,14 @@ class TextState:
         return text
 
 
-def usage(req: Request, page_size: int, completion_tokens: int) -> dict[str, Any]:
+def usage(
+    req: Request, page_size: int, completion_tokens: int, speculative: bool = False
+) -> dict[str, Any]:
+    """OpenAI's usage; with speculative decoding on, also `spec` (spec_usage)."""
     by_tier = {TIER_NAMES[t]: n * page_size for t, n in req.hits.items()}
     prompt = len(req.tokens)
     pd = {"pd": dict(req.transfer)} if req.transfer is not None else {}
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt + completion_tokens,
@@ -69,6 +72,23 @@ def usage(req: Request, page_size: int, completion_tokens: int) -> dict[str, Any
             "cached_tokens_by_tier": by_tier,
         },
         **pd,  # P/D decode: what crossed from prefill
+    }
+    if speculative:
+        out["spec"] = spec_usage(req)
+    return out
+
+
+def spec_usage(req: Request) -> dict[str, Any]:
+    """One request's speculation: verify steps, drafted and accepted tokens, acceptance rate
+    (accepted / proposed) and mean accepted length (tokens per verify step, the target's own
+    included: 1 + accepted / verify_steps; 0.0 before any verify step)."""
+    accepted = sum(req.spec_accepts)
+    return {
+        "verify_steps": len(req.spec_accepts),
+        "proposed": req.spec_proposed,
+        "accepted": accepted,
+        "acceptance_rate": req.acceptance_rate,
+        "mean_accepted_length": req.accept_length,
     }
 
 

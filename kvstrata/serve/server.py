@@ -63,6 +63,8 @@ def make_state(
     pd = _pd_worker(cfg, pd_cfg, metrics, name)
     loop: EngineLoop | RankedLoop
     if dist_cfg is not None and dist_cfg.world_size > 1:
+        if engine_cfg.spec_draft:
+            raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
         loop = RankedLoop((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg)
         loop.observers.append(metrics)
@@ -76,7 +78,8 @@ def make_state(
         cache_cfg.device_pages,
     )
     codec = open_codec(model_path, model.vocab_size)
-    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics, pd=pd)
+    spec = bool(engine_cfg.spec_draft)
+    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics, spec, pd=pd)
 
 
 def _pd_worker(cfg: ServeConfig, pd_cfg: Any, metrics: ServeMetrics, name: str) -> Any:

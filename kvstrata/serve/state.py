@@ -23,6 +23,7 @@ class ServerState:
     codec: Codec
     limits: Limits
     metrics: ServeMetrics
+    speculative: bool = False  # --spec-draft set: usage carries each request's `spec`
     stopping: bool = False
     pd: Any = None  # kvstrata.pd.worker.PDWorker on a prefill or decode worker
     aloop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)

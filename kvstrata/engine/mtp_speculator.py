@@ -1,0 +1,107 @@
+"""Speculative decoding with an MTP head (kvstrata.model.mtp): the head's entry j needs the
+target's hidden state at j - 1, so it runs after the target where a draft model runs before.
+
+Per decoding request with `computed = c`, `draft_computed = dc` and the target's states
+h_{dc-1} .. h_{c-1} (Request.draft_hidden):
+- propose: entries dc .. c with the true states (final: draft KV valid up to c + 1), then
+  chained drafts: entry c + s takes the head's own output g_{c+s-1} in place of the unknown
+  h_{c+s-1} and embeds d_s; d_{s+1} = its prediction;
+- settle after verifying with a accepted: draft_computed = c + 1 (entries past c used g, not h)
+  and draft_hidden = the verify's h_c .. h_{c+a}, the inputs of entries c + 1 .. c + a + 1;
+- prefill chunks: after the target's forward, entries s .. s+m-1 from h_{s-1} (kept from the
+  previous chunk) and the chunk's own states; draft_computed moves with computed.
+Every entry at a page's first position takes h = 0 (see kvstrata.model.mtp): pages restored
+from any tier then hold what a cold run writes, and a hit needs no hidden state it never made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.engine.request import Request, State
+from kvstrata.engine.speculative import Proposals, Speculator, Wait, Work
+from kvstrata.model.decoder import SeqBatch
+from kvstrata.model.draft import DraftKV
+from kvstrata.model.mtp import MTPHead
+
+
+class MTPSpeculator(Speculator):
+    """The MTP head, its one tail layer of the pool, N and the page size (for the h = 0 rule)."""
+
+    wants_hidden = True
+
+    def __init__(self, head: MTPHead, layer_offset: int, spec_tokens: int, page: int) -> None:
+        super().__init__(head, layer_offset, spec_tokens)  # type: ignore[arg-type]
+        self.head, self.page = head, page
+
+    def _inputs(self, hidden: torch.Tensor | None, first: int, n: int) -> torch.Tensor:
+        """Target states [n, hidden] for entries first .. first+n-1: zero at page starts."""
+        if hidden is None:  # nothing before `first` (position 0, or a hit's page boundary)
+            assert first % self.page == 0, f"MTP entry {first} has no hidden state"
+            hidden = torch.zeros(n, self.head.eh_proj.out_features)
+        assert hidden.shape[0] == n, (hidden.shape, n)
+        at = torch.arange(first, first + n)
+        return torch.where((at % self.page == 0)[:, None], torch.zeros_like(hidden), hidden)
+
+    def _head(
+        self, reqs: list[Request], toks: list[list[int]], starts: list[int], hs: list, kv: DraftKV
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last rows' logits [seqs, vocab], head outputs of each sequence's last entry)."""
+        batch = SeqBatch.build(toks, starts, [r.page_table for r in reqs])
+        logits, g = self.head(batch, torch.cat(hs), kv, last_only=True)
+        return logits, g[torch.tensor(batch.seq_lens).cumsum(0) - 1]
+
+    def propose(self, work: Work, pool: object, wait: Wait) -> Proposals:
+        """Drafts of this step's decodes (prefill chunks run in after_forward)."""
+        self.draft_probs = {}
+        reqs = [r for r, _ in work if r.state is State.DECODE and self.budget(r)]
+        if not reqs:
+            return {}
+        kv = DraftKV(pool, self.offset)
+        toks, starts, hs = [], [], []
+        for r in reqs:
+            dc, c = r.draft_computed, r.computed
+            assert dc is not None and dc <= c
+            toks.append(r.all_tokens[dc : c + 1])
+            starts.append(dc)
+            hs.append(self._inputs(r.draft_hidden, dc, c + 1 - dc))
+        logits, g = self._head(reqs, toks, starts, hs, kv)
+        out = {r.rid: [self._pick(r, row)] for r, row in zip(reqs, logits, strict=True)}
+        last = dict(zip((r.rid for r in reqs), g, strict=True))
+        step = 1
+        while active := [r for r in reqs if len(out[r.rid]) < self.budget(r)]:
+            pos = [r.computed + step for r in active]  # entry c + step embeds d_step
+            hs = [self._inputs(last[r.rid][None], p, 1) for r, p in zip(active, pos, strict=True)]
+            logits, g = self._head(active, [[out[r.rid][-1]] for r in active], pos, hs, kv)
+            for r, row, g_r in zip(active, logits, g, strict=True):
+                out[r.rid].append(self._pick(r, row))
+                last[r.rid] = g_r
+            step += 1
+        return out
+
+    def after_forward(
+        self, prefills: list[tuple[Request, torch.Tensor]], pool: object, wait: Wait
+    ) -> None:
+        if not prefills:
+            return
+        if wait is not None:
+            wait(self.offset)  # pending L2 -> L1 loads carry the head's layer too
+        reqs = [r for r, _ in prefills]
+        toks = [r.tokens[r.computed : r.computed + h.shape[0]] for r, h in prefills]
+        hs = []
+        for r, h in prefills:
+            assert r.draft_computed == r.computed, "MTP head out of step in prefill"
+            prev = r.draft_hidden
+            if prev is None:  # the prompt's start, or a hit's last page boundary
+                assert r.computed % self.page == 0, f"{r.rid}: no hidden state before a chunk"
+                prev = torch.zeros_like(h[:1])
+            hs.append(self._inputs(torch.cat([prev, h[:-1]]), r.computed, h.shape[0]))
+        self._head(reqs, toks, [r.computed for r in reqs], hs, DraftKV(pool, self.offset))
+        for r, h in prefills:
+            r.draft_computed = r.computed + h.shape[0]
+            r.draft_hidden = h[-1:]  # h_{s+m-1}: the input of the next entry
+
+    def settle(self, req: Request, c: int, n: int, a: int, hidden: torch.Tensor | None) -> None:
+        assert hidden is not None and hidden.shape[0] == n + 1
+        req.draft_computed = c + 1
+        req.draft_hidden = hidden[: a + 1]

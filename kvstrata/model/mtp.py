@@ -1,0 +1,118 @@
+"""An MTP (NextN-style) draft head: one decoder layer over the target's hidden states.
+
+Entry j of the head's sequence takes the target's last hidden state at position j-1 (before
+the final norm) and the embedding of token j:
+
+    x_j = eh_proj([enorm(embed(t_j)) ; hnorm(h_{j-1})])        [T, 2*hidden] -> [T, hidden]
+    g_j = layer(x_j)  (its own KV at position j: one tail layer of the page)
+    logits_j = head(norm(g_j))  -> predicts t_{j+1}
+
+so entry j needs tokens <= j and target states < j only, the same prefix a page's target KV
+needs. Embedding and output head are the target's (shared, like DeepSeek-V3's MTP modules).
+
+A prefix hit never produces the target's hidden states, so a page must not need any from an
+earlier page: the entry at a page's first position takes h = 0 (hnorm(0) = 0), in cold runs and
+restores alike. A page's head KV is then a function of the page's prefix of tokens only, and a
+restored page carries exactly what a cold run would have written; the cost is the hidden input
+of 1 entry in page_size.
+
+`mtp:random` is a head with fixed random weights (seeded; for tests), `mtp:PATH` a safetensors
+file of this module's state dict (save_head writes one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kvstrata.memory.layout import DTYPES
+from kvstrata.model.attention import build_meta
+from kvstrata.model.decoder import DecoderLayer, DecoderLM, KVPool, SeqBatch
+from kvstrata.model.layers import RMSNorm
+
+MTP_PREFIX = "mtp:"
+RANDOM = "random"
+RANDOM_SEED = 20260  # mtp:random: the same weights in every process
+
+
+class MTPHead(nn.Module):
+    """One NextN layer over a target's geometry; inference only."""
+
+    def __init__(self, target: DecoderLM) -> None:
+        super().__init__()
+        s, dtype = target.spec, DTYPES[target.dtype_name]
+        self.enorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.eh_proj = nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False, dtype=dtype)
+        self.layer = DecoderLayer(s, dtype)
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
+        self.target = [target]  # a list: not a submodule (its weights are not the head's)
+        self.fingerprint = ""
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(
+        self, batch: SeqBatch, hidden: torch.Tensor, kv: KVPool, last_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits fp32 [T or num_seqs, vocab], g [T, hidden]) for entries batch.positions with
+        target states `hidden` [T, hidden] (row i: h at position positions[i] - 1, or zeros)."""
+        target = self.target[0]
+        capacity, page_size = kv.k(0).shape[:2]
+        batch.validate(page_size, capacity)
+        meta = build_meta(
+            batch.positions, batch.seq_lens, batch.ctx_lens, batch.page_tables, page_size
+        )
+        emb = target.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
+        rope = target.rotary.tables(batch.positions, x.dtype)
+        g = self.layer(x, rope, kv.k(0), kv.v(0), meta)  # [T, hidden]
+        y = g
+        if last_only:
+            y = g[torch.tensor(batch.seq_lens).cumsum(0) - 1]  # [num_seqs, hidden]
+        head = target.model.embed_tokens if target.lm_head is None else target.lm_head
+        return nn.functional.linear(self.norm(y), head.weight).float(), g
+
+
+def _fingerprint(head: MTPHead) -> str:
+    h = xxhash.xxh3_128()
+    for name, tensor in sorted(head.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _randomize(head: MTPHead) -> None:
+    """Normal(0, 0.02) matrices, unit norms, from RANDOM_SEED (transformers' init scale)."""
+    gen = torch.Generator().manual_seed(RANDOM_SEED)
+    for _, param in sorted(head.named_parameters()):
+        if param.dim() == 2:
+            param.copy_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.02)
+
+
+def save_head(head: MTPHead, path: Path) -> None:
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(path))
+
+
+def load_head(spec_draft: str, target: DecoderLM) -> MTPHead:
+    """The head named by `mtp:random` or `mtp:PATH` (a safetensors file of MTPHead's names)."""
+    what = spec_draft[len(MTP_PREFIX) :]
+    head = MTPHead(target)
+    if what == RANDOM:
+        _randomize(head)
+    else:
+        path = Path(what)
+        if not path.is_file():
+            raise ValueError(f"spec_draft {spec_draft!r}: mtp:PATH needs a safetensors file")
+        state = load_file(str(path))
+        want = head.state_dict()
+        bad = {k for k in want if k not in state or state[k].shape != want[k].shape}
+        if bad or set(state) - set(want):
+            raise ValueError(f"spec_draft {spec_draft!r}: not an MTP head of this target's shape")
+        head.load_state_dict({k: v.to(want[k].dtype) for k, v in state.items()})
+    head.to(target.model.embed_tokens.weight.device)
+    head.fingerprint = _fingerprint(head)
+    return head
