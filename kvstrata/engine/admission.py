@@ -72,13 +72,14 @@ class Admission:
                 req.lease = None
 
     def _open(self, req: Request) -> Lease:
-        """The request's lease, keyed by the full pages of its prompt."""
-        n_full = len(req.tokens) // self.page
-        keys = page_keys(req.tokens[: n_full * self.page], self._ns(req), self.vocab_size)
+        """The request's lease, keyed by the full pages of what it prefills (its prompt)."""
+        seq = req.prefill_tokens
+        n_full = len(seq) // self.page
+        keys = page_keys(seq[: n_full * self.page], self._ns(req), self.vocab_size)
         req.lease = Lease(
             self.cache,
             keys,
-            len(req.tokens),
+            len(seq),
             req.pages_needed(self.page),
             self.page,
             allocator=self.allocator,
