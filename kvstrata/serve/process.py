@@ -24,11 +24,19 @@ def free_port() -> int:
 class ServerProcess:
     """`kvstrata serve ARGS` on a free port; returns once /health answers 200."""
 
-    def __init__(self, args: list[str], log: Path, start_timeout_s: float = 180.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        start_timeout_s: float = 180.0,
+        launcher: list[str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--port", str(self.port)]
+        # launcher: what runs `-m kvstrata.cli.main` (default this Python; or torchrun's)
+        head = launcher or [sys.executable]
+        cmd = [*head, "-m", "kvstrata.cli.main", "serve", "--port", str(self.port)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.out = log.open("w")
         self.proc = subprocess.Popen(
