@@ -156,13 +156,13 @@ def _flag(request: Request, name: str) -> bool:
 
 def _cache_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> Response:
+    async def reset_prefix_cache(request: Request) -> dict[str, Any]:
         """vLLM's reset: every rank forgets its L1 pages between the same two steps.
 
         reset_running_requests=true preempts running requests first (they recompute and go
-        on); reset_external=true drops the L2 (host) copies too. L3 is never touched. 200 with
-        an empty body as vLLM; where vLLM answers 200 and only logs that it declined, this
-        answers 409 naming the running requests.
+        on); reset_external=true drops the L2 (host) copies too. L3 is never touched. As vLLM
+        (0.32): 200 with {"success": bool}, false while requests run and hold pages (callers
+        may retry); here a false one also says why in "message".
         """
         running, external = (
             _flag(request, "reset_running_requests"),
@@ -171,15 +171,14 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
         state.check_ready()
         fut = state.loop.call(functools.partial(_reset, running, external))
         done = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S + RESET_DRAIN_S)
-        if not done["reset"]:
-            raise ApiError(
-                409,
-                f"prefix cache not reset: {done['running']} requests are running and hold "
-                "pages; retry once they finish, or pass reset_running_requests=true to preempt "
-                "them (they recompute and go on)",
-                "reset_running_requests",
-            )
-        return Response(status_code=200)
+        if done["reset"]:
+            return {"success": True}
+        why = (
+            f"prefix cache not reset: {done['running']} requests are running and hold pages; "
+            "retry once they finish, or pass reset_running_requests=true to preempt them "
+            "(they recompute and go on)"
+        )
+        return {"success": False, "message": why}
 
 
 def _reset(running: bool, external: bool, engine: Any) -> dict[str, Any]:

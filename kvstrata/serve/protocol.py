@@ -24,9 +24,9 @@ class ApiError(Exception):
 
     @property
     def kind(self) -> str:
-        kinds = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}
-        kinds[503] = "ServiceUnavailableError"
-        return kinds.get(self.status, "InternalServerError")
+        return {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(
+            self.status, "InternalServerError"
+        )
 
     def body(self) -> dict[str, Any]:
         return {
