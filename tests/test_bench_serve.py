@@ -58,6 +58,10 @@ def test_bench_serve_starts_our_server_twice(ckpt: Path, tmp_path: Path) -> None
     rep = check_report(tmp_path / "r.json")
     over = rep["l1_hit_overhead"]
     assert over["prompt_tokens"] > 64 and over["http_ttft_s"] > 0 and over["engine_ttft_s"] > 0
+    direct = rep["direct"]  # the same load with no HTTP: the same prompts, turn by turn
+    assert direct["requests"] == 6 and direct["errors"] == 0
+    assert direct["prompt_tokens"] == rep["cache_on"]["prompt_tokens"]
+    assert direct["hit_rate"] > 0.3 and rep["ttft_p50_http_over_direct"] > 0
 
 
 @pytest.mark.slow

@@ -87,6 +87,14 @@ def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
         r2 = again.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
         assert r2.choices[0].text == want[0][0]
         assert two.wait_idle()["ok"]  # the dropped stream's pages are back, on every rank
+        reset = httpx.post(f"{two.url}/reset_prefix_cache?reset_external=true", timeout=60)
+        assert reset.json() == {"success": True}  # every rank, between the same two steps
+        own = httpx.get(f"{two.url}/debug/blocks", timeout=30).json()
+        assert own == {"GPU": [], "CPU": [], "DISK": []}
+        r3 = again.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+        assert (
+            r3.choices[0].text == want[0][0] and r3.usage.prompt_tokens_details.cached_tokens == 0
+        )
         time.sleep(1.0)  # rank 0 reports pools and agreement latencies every 0.5 s
         metrics = httpx.get(f"{two.url}/metrics").text
         count = [

@@ -5,7 +5,9 @@ drives each with the same sessions; with --url it drives that server (any OpenAI
 engine) twice, the second time with a fresh `cache_salt` per request, so nothing is shared.
 Prints TTFT p50/p99, output tokens/s, hit rate; writes a PNG. Without --url it also measures the
 server's overhead: TTFT through HTTP of a full L1 hit over the engine's own TTFT for the same
-prompt tokens (an in-process engine with the same configs), interleaved, medians.
+prompt tokens (an in-process engine with the same configs), interleaved, medians; and the same
+agent load driven straight into that in-process engine (`direct`), HTTP over direct for TTFT p50
+and wall time. Server and baseline use BENCH_THREADS torch threads each.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from kvstrata.bench.serve_load import LoadSpec, run_load, session_messages, summ
 
 QUICK = LoadSpec(sessions=2, turns=3, concurrency=2, first_lines=20, tool_lines=10, max_tokens=8)
 FULL = LoadSpec(sessions=8, turns=4, concurrency=4, first_lines=60, tool_lines=30, max_tokens=16)
-ENGINE_ARGS = ["--page-size", "64", "--device-pages", "512", "--host-pages", "1024"]
+BENCH_THREADS = 1  # torch threads of the server and of the in-process baseline engine alike
+ENGINE_ARGS = [
+    "--page-size", "64", "--device-pages", "512", "--host-pages", "1024",
+    "--threads", str(BENCH_THREADS),
+]  # fmt: skip
 OVERHEAD_REPEATS = 5
 
 
@@ -63,6 +69,10 @@ def serve_bench(
             report[f"{key}_{mode}"] = rep[key]
     if "l1_hit_overhead" in report:
         report["l1_hit_http_over_engine"] = report["l1_hit_overhead"]["http_over_engine"]
+    if "direct" in report:  # the same load straight into an in-process engine
+        d = report["direct"]
+        report["ttft_p50_http_over_direct"] = on["ttft_p50_s"] / d["ttft_p50_s"]
+        report["wall_http_over_direct"] = on["wall_s"] / d["wall_s"]
     return report
 
 
@@ -103,24 +113,47 @@ def _drive_ours(
         finally:
             if srv.terminate() != 0:
                 raise RuntimeError(f"server ({mode}) did not exit 0; see {srv.log}")
+    report["direct"] = _direct(path, spec, progress)
     return report
+
+
+def _engine(path: Path) -> Any:
+    """The in-process baseline: the server's cache_on configs (ENGINE_ARGS), built alike."""
+    from kvstrata.cache.config import CacheConfig
+    from kvstrata.engine.build import build_engine
+    from kvstrata.engine.config import EngineConfig
+    from kvstrata.model.checkpoint import load_model
+
+    cfg = CacheConfig(page_size=64, device_pages=512, host_pages=1024)
+    ecfg = EngineConfig(model=str(path), tiers="l1_l2", threads=BENCH_THREADS)
+    return build_engine(ecfg, cfg, model=load_model(path))
+
+
+def _direct(path: Path, spec: LoadSpec, progress: Progress) -> dict[str, Any]:
+    """The same agent load with no HTTP in between: the server's overhead on that load."""
+    from kvstrata.bench.serve_direct import run_direct
+    from kvstrata.model.checkpoint import load_model
+    from kvstrata.serve.codec import open_codec
+
+    built = _engine(path)
+    try:
+        codec = open_codec(path, load_model(path).vocab_size)
+        res = run_direct(built.engine, codec, spec, _ticker(progress, "direct", spec))
+        built.engine.check_integrity()
+    finally:
+        built.close()
+    return summarize(res)
 
 
 def _l1_overhead(url: str, path: Path, spec: LoadSpec) -> dict[str, float]:
     """Full-L1-hit TTFT through HTTP vs the engine's own, for the same prompt tokens."""
     import httpx2 as httpx
 
-    from kvstrata.cache.config import CacheConfig
-    from kvstrata.engine.build import build_engine
-    from kvstrata.engine.config import EngineConfig
     from kvstrata.engine.request import Request
-    from kvstrata.model.checkpoint import load_model
 
     msgs, _ = session_messages(spec, 0)
     tokens = httpx.post(f"{url}/tokenize", json={"messages": msgs}, timeout=60).json()["tokens"]
-    model = load_model(path)
-    cfg = CacheConfig(page_size=64, device_pages=512, host_pages=1024)
-    built = build_engine(EngineConfig(model=str(path), tiers="l1_l2"), cfg, model=model)
+    built = _engine(path)
     eng = built.engine
     http_s, engine_s = [], []
     try:

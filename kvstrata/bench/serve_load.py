@@ -122,14 +122,21 @@ def run_session(
         with lock:
             out.turns.append(stat)
         tick()
-        action = rng.choice(ACTIONS).format(name=rng.choice(NAMES))
-        tool = _lines(rng, spec.tool_lines)
-        question = rng.choice(QUESTIONS).format(name=rng.choice(NAMES))
-        msgs = [
-            *msgs,
-            {"role": "assistant", "content": f"{reply}\n{action}"},
-            {"role": "user", "content": f"Tool output:\n{tool}\n\n{question}"},
-        ]
+        msgs = next_messages(msgs, reply, rng, spec)
+
+
+def next_messages(
+    msgs: list[dict[str, str]], reply: str, rng: random.Random, spec: LoadSpec
+) -> list[dict[str, str]]:
+    """The next turn's chat: the reply with a tool call, its output and a new question."""
+    action = rng.choice(ACTIONS).format(name=rng.choice(NAMES))
+    tool = _lines(rng, spec.tool_lines)
+    question = rng.choice(QUESTIONS).format(name=rng.choice(NAMES))
+    return [
+        *msgs,
+        {"role": "assistant", "content": f"{reply}\n{action}"},
+        {"role": "user", "content": f"Tool output:\n{tool}\n\n{question}"},
+    ]
 
 
 def run_load(

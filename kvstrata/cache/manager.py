@@ -62,6 +62,7 @@ class HiCache:
         )
         self.queues = OpQueues(config.results_per_step)
         self.owned: set[int] = set()  # device pages held by running requests, not in the tree
+        self.resets = 0  # prefix-cache resets so far (agreed: every rank resets at one step)
 
     # ---- request path -------------------------------------------------------------------------
     def match(self, keys: list[int]) -> Match:
@@ -279,6 +280,27 @@ class HiCache:
         if spare:
             self.tiers.host.free(spare)  # type: ignore[union-attr]
         self.tiers.touched(parent)
+
+    # ---- reset --------------------------------------------------------------------------------
+    def busy_pages(self) -> int:
+        """Device pages a reset cannot drop now: owned by requests, or in locked/pinned nodes."""
+        locked = sum(
+            len(n.device) for n in self.tree.nodes() if n.device is not None and not n.evictable
+        )
+        return len(self.owned) + locked
+
+    def reset_prefix(self, drop_host: bool = False) -> bool:
+        """Forget every L1 page (vLLM's prefix-cache reset); drop_host: every L2 page too.
+
+        L3 is never touched. False (nothing changed) while a page is in use or a copy is in
+        flight: the caller releases waiting leases, preempts running requests and drains
+        (agreed) first. Each reset bumps `resets`, so KV events announce AllBlocksCleared.
+        """
+        if self.busy_pages() or len(self.queues):
+            return False
+        self.tiers.clear_device(drop_host)
+        self.resets += 1
+        return True
 
     # ---- integrity ----------------------------------------------------------------------------
     def accounting(self) -> dict[str, dict[str, int]]:

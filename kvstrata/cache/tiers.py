@@ -227,6 +227,34 @@ class Tiers:
         self.device_q.compact()
         self.host_q.compact()
 
+    # ---- reset --------------------------------------------------------------------------------
+    def clear_device(self, drop_host: bool) -> None:
+        """Drop every cached L1 copy (a prefix-cache reset); with drop_host every L2 copy too.
+
+        The caller checked that nothing is locked, pinned or in flight. A node keeps its place
+        only with an L2 copy kept and a parent that stays (a match walks from the root); the
+        eviction queues' entries for dropped nodes go stale and are skipped when popped.
+        """
+        assert self.freeing == 0, "clear_device with a demotion in flight"
+        stay: set[Node] = set()
+        for node in self.tree.nodes():  # parents before children
+            assert node.evictable, "clear_device with a locked or pinned node"
+            up = node.parent
+            if node.host is not None and not drop_host and (up is self.tree.root or up in stay):
+                stay.add(node)
+        for node in reversed(list(self.tree.nodes())):  # children before parents
+            if node.device is not None:
+                self.device.free(node.device)
+                node.device = None
+            if node in stay:
+                self.host_q.push(node)  # may have become an L2 candidate (no L1 copy now)
+                continue
+            if node.host is not None:
+                assert self.host is not None
+                self.host.free(node.host)
+                node.host = None
+            self.tree.remove_leaf(node)
+
 
 def _subtree(node: Node) -> list[Node]:
     """`node` and its descendants, parents before children."""

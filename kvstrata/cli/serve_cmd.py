@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
@@ -45,6 +46,10 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Storag
 
 
 def run(args: argparse.Namespace) -> int:
+    """One server; under torchrun (RANK / WORLD_SIZE set) rank 0 serves HTTP and steps with
+    the other ranks, which only step (`torchrun --nproc-per-node 2 -m kvstrata.cli.main serve
+    --tp 2 ...`, world size = tp x cp x pp)."""
+    from kvstrata.serve.ranks import serve_follower, torchrun_rank
     from kvstrata.serve.server import make_state, serve  # fastapi/uvicorn only when serving
 
     cfg = config_from_args(ServeConfig, args)
@@ -66,4 +71,8 @@ def run(args: argparse.Namespace) -> int:
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
+    rank = torchrun_rank(dist_cfg.world_size)  # ValueError: a world size other than tp*cp*pp
+    if rank:
+        engine_cfg = dataclasses.replace(cfgs[0], model=str(path))
+        return serve_follower((engine_cfg, cfgs[1], cfgs[2]), dist_cfg, cfg)
     return serve(make_state(cfg, model, path, cfgs, dist_cfg, pd_cfg))

@@ -72,11 +72,12 @@ class Admission:
                 req.lease = None
 
     def _open(self, req: Request) -> Lease:
-        """The request's lease, keyed by the full pages of its prompt."""
+        """The request's lease, keyed by the full pages of what it prefills (its prompt)."""
+        seq = req.prefill_tokens
         req.lease = Lease(
             self.cache,
-            self.prompt_keys(req),
-            len(req.tokens),
+            self.seq_keys(req, seq),
+            len(seq),
             req.pages_needed(self.page),
             self.page,
             allocator=self.allocator,
@@ -85,8 +86,12 @@ class Admission:
 
     def prompt_keys(self, req: Request) -> list[int]:
         """Keys of the prompt's full pages under the request's namespace (pure: any thread)."""
-        n_full = len(req.tokens) // self.page
-        return page_keys(req.tokens[: n_full * self.page], self._ns(req), self.vocab_size)
+        return self.seq_keys(req, req.tokens)
+
+    def seq_keys(self, req: Request, seq: list[int]) -> list[int]:
+        """Keys of the full pages of `seq` under the request's namespace (pure: any thread)."""
+        n_full = len(seq) // self.page
+        return page_keys(seq[: n_full * self.page], self._ns(req), self.vocab_size)
 
     def _ns(self, req: Request) -> Namespace:
         """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""

@@ -79,6 +79,12 @@ class Request:
         return self.tokens + self.output
 
     @property
+    def prefill_tokens(self) -> list[int]:
+        """What prefill computes: the prompt; after a preemption also every generated token but
+        the last (whose KV the next decode step writes, as if never preempted)."""
+        return self.tokens + self.output[:-1] if self.output else self.tokens
+
+    @property
     def page_table(self) -> list[int]:
         """Device page of each logical page (empty before admission and after release)."""
         return self.lease.page_table if self.lease is not None else []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 import time
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvstrata.cache.events import MEDIA, snapshot
+from kvstrata.engine.engine import RESET_DRAIN_S
 from kvstrata.pd.routes import add_routes as pd_routes
 from kvstrata.serve.generate import Generation, complete, stream
 from kvstrata.serve.protocol import (
@@ -83,6 +85,7 @@ def create_app(state: ServerState) -> FastAPI:
     _info_routes(app, state)
     _generate_routes(app, state)
     _token_routes(app, state)
+    _cache_routes(app, state)
     pd_routes(app, state)
     if state.cfg.debug_endpoints:
         _debug_routes(app, state)
@@ -145,6 +148,47 @@ def _token_routes(app: FastAPI, state: ServerState) -> None:
         if body.tokens:
             check_tokens(body.tokens, state.limits, "tokens")
         return {"prompt": state.codec.decode(body.tokens)}
+
+
+def _flag(request: Request, name: str) -> bool:
+    """A boolean query parameter (true/false/1/0, absent = false), or a 400 naming it."""
+    raw = request.query_params.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise ApiError(400, f"{name} must be true or false, got {raw!r}", name)
+    return raw in ("true", "1")
+
+
+def _cache_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+        """vLLM's reset: every rank forgets its L1 pages between the same two steps.
+
+        reset_running_requests=true preempts running requests first (they recompute and go
+        on); reset_external=true drops the L2 (host) copies too. L3 is never touched. As vLLM
+        (0.32): 200 with {"success": bool}, false while requests run and hold pages (callers
+        may retry); here a false one also says why in "message".
+        """
+        running, external = (
+            _flag(request, "reset_running_requests"),
+            _flag(request, "reset_external"),
+        )
+        state.check_ready()
+        fut = state.loop.call(functools.partial(_reset, running, external))
+        done = await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S + RESET_DRAIN_S)
+        if done["reset"]:
+            return {"success": True}
+        why = (
+            f"prefix cache not reset: {done['running']} requests are running and hold pages; "
+            "retry once they finish, or pass reset_running_requests=true to preempt them "
+            "(they recompute and go on)"
+        )
+        return {"success": False, "message": why}
+
+
+def _reset(running: bool, external: bool, engine: Any) -> dict[str, Any]:
+    """On the engine thread (every rank, between the same steps)."""
+    busy = len(engine.running)
+    return {"reset": engine.reset_prefix_cache(running, external), "running": busy}
 
 
 def _debug_routes(app: FastAPI, state: ServerState) -> None:

@@ -7,6 +7,9 @@ type, fields in vLLM's order:
   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
   ["BlockRemoved", block_hashes, medium]
   ["AllBlocksCleared"]
+After a prefix-cache reset the batch starts with AllBlocksCleared (a subscriber forgets every
+medium), followed by BlockStored for what the reset kept (L2 copies; L3 where the tree still
+knows it), so the sets a subscriber rebuilds always equal the cache's own.
 Block hashes are the low 64 bits of our 128-bit page keys (msgpack integers are 64-bit).
 A ROUTER socket (optional) answers a request [start_seq (8 bytes)] with every buffered batch from
 that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty).
@@ -65,6 +68,7 @@ class KVEventPublisher(LoopObserver):
         self.tracker = BlockTracker()
         self.tokens: dict[int, list[int]] = {}  # page key -> its tokens (for BlockStored)
         self.recorded: dict[str, int] = {}  # rid -> how many of its keys are in self.tokens
+        self.resets = 0  # the cache's reset count last announced
 
     # ---- LoopObserver ---------------------------------------------------------------------------
     def on_finished(self, req: Request, stream: Stream, now_s: float) -> None:
@@ -79,9 +83,14 @@ class KVEventPublisher(LoopObserver):
         for req in [*engine.waiting, *engine.running]:
             self._record(req)
         assert engine.cache is not None
+        head: list[list[Any]] = []
+        if engine.cache.resets != self.resets:  # the cache was reset: say so, then what is left
+            self.resets = engine.cache.resets
+            self.tracker = BlockTracker()
+            head = [["AllBlocksCleared"]]
         changes = self.tracker.diff(engine.cache.tree)
-        if changes:
-            self._publish([self._encode(c) for c in changes])
+        if changes or head:
+            self._publish(head + [self._encode(c) for c in changes])
             held = set().union(*self.tracker.held.values())
             for key in [k for k in self.tokens if k not in held]:
                 del self.tokens[key]

@@ -198,6 +198,8 @@ class EngineLoop:
                     fut.set_result(fn(self.engine))
                 except Exception as exc:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(exc)
+                for obs in self.observers:  # a call may change the tree (a prefix-cache reset)
+                    obs.after_step(self.engine)
 
     def _on_token(self, req: Request, token: int) -> None:
         stream = self._streams.get(req.rid)

@@ -30,12 +30,15 @@ class ServerProcess:
         log: Path,
         start_timeout_s: float = 180.0,
         ready_path: str = "/health",
+        launcher: list[str] | None = None,
     ) -> None:
         self.ready_path = ready_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--port", str(self.port)]
+        # launcher: what runs `-m kvstrata.cli.main` (default this Python; or torchrun's)
+        head = launcher or [sys.executable]
+        cmd = [*head, "-m", "kvstrata.cli.main", "serve", "--port", str(self.port)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.out = log.open("w")
         self.proc = subprocess.Popen(

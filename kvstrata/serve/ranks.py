@@ -11,6 +11,7 @@ a dispatcher thread in the HTTP process hands them to the requests' streams.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import queue
 import signal
 import sys
@@ -117,7 +118,8 @@ def serve_rank_loop(
 ) -> dict[str, Any]:
     from kvstrata.parallel.ranks import RankEngine, RankOptions
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when ranks stop
+    if threading.current_thread() is threading.main_thread():  # (torchrun's rank 0: a thread)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when ranks stop
     re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, RankOptions())
     eng, rank0 = re.engine, ctx.rank == 0
     out = outbox if rank0 else None
@@ -162,7 +164,7 @@ def _serve_steps(re: Any, inbox: Any, out: Any | None, events: KVEventPublisher 
                     out.put(("done", req.rid, req.finish_reason, dict(req.hits)))
                 if events is not None:
                     events.record(req)
-        if events is not None and (step or aborts):
+        if events is not None and (step or aborts or calls):  # a call may reset the cache
             events.after_step(eng)
         elif events is not None:
             events.on_idle()
@@ -177,8 +179,44 @@ def _serve_steps(re: Any, inbox: Any, out: Any | None, events: KVEventPublisher 
         events.after_step(eng)  # the drained state (new L3 copies) is reported too
 
 
+def torchrun_rank(world_size: int | None = None) -> int | None:
+    """This process's global rank when torchrun (or any env:// launcher) started more than one,
+    else None. Read when called (never at import): RANK and WORLD_SIZE are what torchrun sets.
+    world_size: tp x cp x pp, which must be the launched world size."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    launched = int(os.environ["WORLD_SIZE"])
+    if world_size is not None and launched != world_size:
+        raise ValueError(
+            f"torchrun started {launched} ranks but --tp x --cp x --pp is {world_size}"
+        )
+    return int(os.environ["RANK"])
+
+
+def serve_follower(
+    configs: tuple[EngineConfig, CacheConfig, StorageConfig],
+    dist_cfg: DistConfig,
+    serve_cfg: ServeConfig,
+) -> int:
+    """A torchrun rank other than 0: no HTTP, the steps rank 0 broadcasts until it says stop.
+
+    Signals are ignored (torchrun passes SIGTERM to every rank; rank 0 stops them all, in step);
+    a rank 0 that died is noticed by the next collective, within dist_cfg.timeout_s."""
+    from kvstrata.parallel.group import init_ranks, teardown
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = init_ranks(dist_cfg)  # env:// (torchrun's MASTER_ADDR / MASTER_PORT / RANK)
+    try:
+        serve_rank_loop(ctx, *configs, None, None, serve_cfg)
+    finally:
+        teardown()
+    return 0
+
+
 class RankedLoop:
-    """The EngineLoop interface over ranks in child processes (see the module docstring)."""
+    """The EngineLoop interface over ranks in child processes (see the module docstring), or,
+    under torchrun (torchrun=True), over this process as rank 0, stepping in a thread of it."""
 
     def __init__(
         self,
@@ -186,11 +224,17 @@ class RankedLoop:
         dist_cfg: DistConfig,
         max_pending: int,
         serve_cfg: ServeConfig | None = None,
+        torchrun: bool = False,
     ) -> None:
         import torch.multiprocessing as tmp
 
-        mp = tmp.get_context("fork")
-        self.inbox, self.outbox = mp.Queue(), mp.Queue()
+        self.torchrun = torchrun
+        if torchrun:  # rank 0 is a thread of this process: plain thread-safe queues
+            self.inbox: Any = queue.Queue()
+            self.outbox: Any = queue.Queue()
+        else:
+            mp = tmp.get_context("fork")
+            self.inbox, self.outbox = mp.Queue(), mp.Queue()
         self.configs, self.dist_cfg, self.max_pending = configs, dist_cfg, max_pending
         self.serve_cfg = serve_cfg
         self.observers: list[LoopObserver] = []
@@ -245,13 +289,20 @@ class RankedLoop:
 
     # ---- threads of the HTTP process -------------------------------------------------------------
     def _run(self) -> None:
-        from kvstrata.parallel.group import run_ranks
+        from kvstrata.parallel.group import init_ranks, run_ranks, teardown
 
         args = (*self.configs, self.inbox, self.outbox, self.serve_cfg)
         try:
-            run_ranks(
-                serve_rank_loop, self.dist_cfg, args=args, start_method="fork", timeout_s=FOREVER_S
-            )
+            if self.torchrun:
+                ctx = init_ranks(self.dist_cfg)  # env://: the other ranks are serve_follower
+                try:
+                    serve_rank_loop(ctx, *args)
+                finally:
+                    teardown()
+            else:
+                run_ranks(
+                    serve_rank_loop, self.dist_cfg, args, start_method="fork", timeout_s=FOREVER_S
+                )
         except Exception as exc:  # noqa: BLE001 - reported by /health and on stderr
             self.failed = f"{type(exc).__name__}: {exc}"
             print(f"kvstrata serve: ranks stopped: {self.failed}", file=sys.stderr)

@@ -8,6 +8,7 @@ is left, drains pending L3 backups and closes the store. Exit 0 when all of that
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from types import FrameType
@@ -26,7 +27,7 @@ from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import EngineLoop
 from kvstrata.serve.metrics import ServeMetrics, engine_stats
 from kvstrata.serve.protocol import Limits
-from kvstrata.serve.ranks import RankedLoop
+from kvstrata.serve.ranks import RankedLoop, torchrun_rank
 from kvstrata.serve.state import ServerState
 from kvstrata.storage.base import StorageConfig
 
@@ -66,7 +67,10 @@ def make_state(
         if engine_cfg.spec_draft:
             raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
-        loop = RankedLoop((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg)
+        under_torchrun = torchrun_rank() is not None  # this process is rank 0 of torchrun's
+        loop = RankedLoop(
+            (engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg, under_torchrun
+        )
         loop.observers.append(metrics)
         metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
     else:
@@ -126,7 +130,8 @@ def serve(state: ServerState) -> int:
         lifespan="on",
     )
     server = _Server(config, state)
-    print(f"kvstrata serve: {state.model_name} on http://{cfg.host}:{cfg.port}", flush=True)
+    where = f"http://{cfg.host}:{cfg.port}"
+    print(f"kvstrata serve: {state.model_name} on {where} (pid {os.getpid()})", flush=True)
     server.run()
     if state.loop.thread.is_alive():
         print("kvstrata serve: the engine loop did not stop in time", file=sys.stderr)
