@@ -39,6 +39,7 @@ from kvstrata.pd.wire import (
 )
 
 POLL_S = 0.05  # how often a waiting hand-off checks for a cancel
+WIRE_RETRIES = 1  # a reply that fails its checks (a checksum) is asked for again this often
 IDLE_WAIT_S = 0.005  # nothing to step but hand-offs: the engine thread waits this long for one
 
 
@@ -95,13 +96,19 @@ class Handoff(threading.Thread):
 
     def run(self) -> None:
         side = self.side
-        try:
-            self.endpoint = side.resolver.endpoint(self.target)
-            outcome = self._exchange(side.transport.connect(self.endpoint, self.rid))
-        except WireError as exc:
-            outcome = self._fail(502, f"bad hand-off reply: {exc}")
-        except (OSError, httpx.HTTPError, zmq.ZMQError, ValueError) as exc:
-            outcome = self._fail(502, f"unreachable: {type(exc).__name__}: {exc}")
+        for attempt in range(1 + WIRE_RETRIES):
+            self.layers = {}
+            try:
+                self.endpoint = side.resolver.endpoint(self.target)
+                outcome = self._exchange(side.transport.connect(self.endpoint, self.rid))
+            except WireError as exc:  # corrupted or inconsistent: nothing of it was used
+                outcome = self._fail(502, f"bad hand-off reply: {exc}")
+                if attempt < WIRE_RETRIES and not self.cancelled.is_set():
+                    side.metrics.retried()
+                    continue  # the same hand-off again, on a fresh channel
+            except (OSError, httpx.HTTPError, zmq.ZMQError, ValueError) as exc:
+                outcome = self._fail(502, f"unreachable: {type(exc).__name__}: {exc}")
+            break
         if outcome.failure is not None:
             side.resolver.forget(self.target)
         side.outcomes.put(outcome)
