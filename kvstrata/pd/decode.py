@@ -89,6 +89,7 @@ class Handoff(threading.Thread):
     def __init__(self, side: DecodeSide, req: Request, held: list[int], n_pages: int) -> None:
         super().__init__(name=f"pd-handoff-{req.rid}", daemon=True)
         self.side, self.rid, self.target = side, req.rid, req.remote
+        self.hid = req.rid  # the hand-off id on the wire: a new one per attempt
         self.tokens, self.salt, self.held, self.n_pages = req.tokens, req.cache_salt, held, n_pages
         self.cancelled = threading.Event()
         self.endpoint = req.remote
@@ -97,10 +98,11 @@ class Handoff(threading.Thread):
     def run(self) -> None:
         side = self.side
         for attempt in range(1 + WIRE_RETRIES):
-            self.layers = {}
+            # a retry is a new hand-off: prefill may still be working on the first one
+            self.layers, self.hid = {}, self.rid if not attempt else f"{self.rid}~{attempt}"
             try:
                 self.endpoint = side.resolver.endpoint(self.target)
-                outcome = self._exchange(side.transport.connect(self.endpoint, self.rid))
+                outcome = self._exchange(side.transport.connect(self.endpoint, self.hid))
             except WireError as exc:  # corrupted or inconsistent: nothing of it was used
                 outcome = self._fail(502, f"bad hand-off reply: {exc}")
                 if attempt < WIRE_RETRIES and not self.cancelled.is_set():
@@ -121,7 +123,7 @@ class Handoff(threading.Thread):
         cfg = self.side.cfg
         try:
             ask = dict(tokens=self.tokens, salt=self.salt, keys=pack_keys(self.held))
-            ch.send([header("handoff", self.rid, layout=self.side.layout.as_dict(), **ask)])
+            ch.send([header("handoff", self.hid, layout=self.side.layout.as_dict(), **ask)])
             heard = time.monotonic()
             while not self.cancelled.is_set():
                 frames = ch.recv(min(POLL_S, cfg.pd_timeout_s))
@@ -130,17 +132,21 @@ class Handoff(threading.Thread):
                         return self._fail(504, f"no answer within pd_timeout_s={cfg.pd_timeout_s}")
                     continue
                 heard = time.monotonic()
-                done = self._on_message(frames)
+                try:
+                    done = self._on_message(frames)
+                except WireError:
+                    ch.send([header("cancel", self.hid)])  # prefill may stop what is left
+                    raise
                 if done is not None:
                     return done
-            ch.send([header("cancel", self.rid)])  # prefill may stop computing for us
+            ch.send([header("cancel", self.hid)])  # prefill may stop computing for us
             return self._fail(499, "cancelled")
         finally:
             ch.close()
 
     def _on_message(self, frames: list[Any]) -> Outcome | None:
         head = read_header(frames)
-        if head["id"] != self.rid or head["type"] == "heartbeat":
+        if head["id"] != self.hid or head["type"] == "heartbeat":
             return None
         if head["type"] == "refused":
             return self._fail(502, f"refused: {head.get('message', '?')}")
