@@ -1,7 +1,8 @@
 """P/D faults with real processes: prefill frozen then killed (kill -9) while decode waits for its
-pages, decode killed while prefill works for it, a prefill slower than the timeout but alive
-(heartbeats), a layout mismatch end to end. The client always gets a clear answer within the
-bound, every worker's pools pass the integrity check, and the next request succeeds."""
+pages, a prefill slower than the timeout but alive (heartbeats), a dropped link between two live
+workers (a TCP relay cut mid-hand-off: the channel reconnects), decode killed while prefill works
+for it, a layout mismatch end to end. The client always gets a clear answer within the bound,
+every worker's pools pass the integrity check, and the next request succeeds."""
 
 from __future__ import annotations
 
