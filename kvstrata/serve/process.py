@@ -41,8 +41,15 @@ class ServerProcess:
         cmd = [*head, "-m", "kvstrata.cli.main", "serve", "--port", str(self.port)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.out = log.open("w")
+        # its own process group: stop() also kills what a launcher (torchrun) started, which a
+        # SIGKILL of the launcher alone would leave running
         self.proc = subprocess.Popen(
-            [*cmd, *args], cwd=ROOT, env=env, stdout=self.out, stderr=subprocess.STDOUT
+            [*cmd, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self._wait_healthy(start_timeout_s)
 
@@ -71,7 +78,11 @@ class ServerProcess:
             self.out.close()
 
     def stop(self) -> None:
+        """Kill the server and every process of its group (torchrun's ranks too)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the whole group is gone already
+            pass
         if self.proc.poll() is None:
-            self.proc.kill()
             self.proc.wait(10)
         self.out.close()
