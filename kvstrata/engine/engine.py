@@ -14,6 +14,7 @@ import torch
 
 from kvstrata.cache.keys import as_token_array
 from kvstrata.cache.manager import HiCache
+from kvstrata.engine import reset
 from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
@@ -21,7 +22,6 @@ from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 
-RESET_DRAIN_S = 120.0  # a prefix-cache reset waits this long at most for copies in flight
 Agree = Callable[[list[int]], list[int]]
 """Turns this rank's cache progress vector into the agreed one (identity on one rank)."""
 
@@ -199,45 +199,15 @@ class Engine:
         req.failure = (status, message)
         return _ended(req, "error")
 
-    # ---- prefix-cache reset -------------------------------------------------------------------
+    # ---- prefix-cache reset (kvstrata/engine/reset.py) ---------------------------------------
     def preempt_running(self) -> int:
-        """Send every running request back to the head of the queue, its pages given back (the
-        full ones stay cached): readmitted, it recomputes its prompt and the tokens it made so
-        far (vLLM's recompute preemption) and goes on; its reported hits stay the first ones."""
-        n = len(self.running)
-        for req in reversed(self.running):
-            req.hits = req.hits  # freeze what the client was told
-            self.admission.cache_pages(req, final=True)
-            req.lease, req.computed, req.draft_computed = None, 0, None
-            req.state = State.WAITING
-            self.waiting.insert(0, req)
-        self.running.clear()
-        return n
+        """Every running request back to the head of the queue (vLLM's recompute preemption)."""
+        return reset.preempt_running(self)
 
     def reset_prefix_cache(self, reset_running: bool = False, drop_host: bool = False) -> bool:
-        """Forget every cached L1 page (drop_host: L2 too; never L3); False, changing nothing,
-        while requests run and reset_running is off. Agreed state only, and the drain goes
-        through `agree`: called between the same two steps on every rank, every rank resets."""
-        cache = self.cache
-        if cache is None:
-            return True
-        if self.running and not reset_running:
-            return False
-        self.preempt_running()
-        for req in self.waiting:  # waiting leases let go of their locks; they match again later
-            if req.lease is not None:
-                req.lease.release()
-                req.lease = None
-        deadline = time.monotonic() + RESET_DRAIN_S
-        while len(cache.queues):  # every copy lands (agreed: the same loop on every rank)
-            if not cache.apply(self.agree(cache.local_progress())):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"prefix-cache reset: {len(cache.queues)} cache copies still pending "
-                        f"after {RESET_DRAIN_S:g} s"
-                    )
-                time.sleep(0.0005)
-        return cache.reset_prefix(drop_host)
+        """Forget every cached L1 page (drop_host: L2 too; never L3); False while requests run
+        and reset_running is off (see reset.reset_prefix_cache)."""
+        return reset.reset_prefix_cache(self, reset_running, drop_host)
 
     # ---- one forward --------------------------------------------------------------------------
     def _plan(self) -> list[tuple[Request, list[int]]]:

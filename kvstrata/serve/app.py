@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvstrata.cache.events import MEDIA, snapshot
-from kvstrata.engine.engine import RESET_DRAIN_S
+from kvstrata.engine.reset import RESET_DRAIN_S
 from kvstrata.pd.routes import add_routes as pd_routes
 from kvstrata.serve.generate import Generation, complete, stream
 from kvstrata.serve.protocol import (
