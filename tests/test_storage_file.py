@@ -12,7 +12,8 @@ import pytest
 
 from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import HEADER_NBYTES, StorageConfig, open_storage
-from kvstrata.storage.file_store import READ_CHUNK, FileStore
+from kvstrata.storage.file_io import READ_CHUNK
+from kvstrata.storage.file_store import FileStore
 
 PAGE = 4096
 _MASK64 = (1 << 64) - 1
