@@ -14,6 +14,9 @@ from kvstrata.model.checkpoint import load_model
 from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
+# tiny llama: hidden 64, 2 x 32-wide K/V (2 heads x 16), MLP 112, vocab 97 (tests/tiny_models.py)
+LAYER = 2 * 64 * (64 + 32) + 3 * 64 * 112
+HEAD = 97 * 64
 
 
 def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -38,6 +41,7 @@ def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noq
         assert key in rep
     assert rep["outputs_identical"] and rep["acceptance_sequences_identical"]
     assert rep["acceptance_equal_after_restores"] and 0 < rep["acceptance_cold"] < 1
+    assert rep["draft_cost_ratio"] == (1 * LAYER + HEAD) / (3 * LAYER + HEAD)
     # rounds 1 and 2, 2 sessions: the previous round's prompt pages (20 // 8, 40 // 8) from L1
     # or L2; from L3 (stored by the L1 run, which ran every round) all but the last token's page
     assert rep["l1_hit_pages"] == rep["l2_hit_pages"] == 2 * (2 + 5)

@@ -131,3 +131,14 @@ def test_temperature_zero_stays_greedy(model, tmp_path: Path) -> None:  # noqa: 
     for s, p in zip(spec, plain, strict=True):
         assert s.output == p.output == [int(torch.argmax(row)) for row in p.logits]
     assert sum(sum(r.spec_accepts) for r in spec) > 0
+
+
+def test_mtp_head_samples_reproducibly(model, tmp_path: Path) -> None:  # noqa: ANN001
+    """The MTP head drafts by sampling too: the same seed gives the same tokens and acceptances,
+    batched or alone, and its rejections leave pools and tree intact (run() checks them)."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in (3, 3, 4)]
+    a = run(model, tmp_path, "mtp:random", params, new=12)
+    b = run(model, tmp_path, "mtp:random", params[:1], new=12)
+    assert a[0].output == a[1].output == b[0].output and a[2].output != a[0].output
+    assert a[0].spec_accepts == a[1].spec_accepts == b[0].spec_accepts
+    assert sum(r.spec_proposed for r in a) > sum(sum(r.spec_accepts) for r in a) > 0

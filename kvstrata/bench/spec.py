@@ -7,10 +7,15 @@ on each prompt's prefix is a hit from the tier under test. Goal: acceptance afte
 equals cold to the last digit (each request's acceptance sequence too), outputs equal plain
 greedy decoding.
 
-K = 26 of SmolLM2's 30 layers, N = 2: an early exit of SmolLM2 (no trained draft head) predicts
-the target's next token rarely below ~20 layers (measured on this workload: acceptance ~0.01 at
-K = 4..8, ~0.05 at K = 12..20, ~0.25 at K = 26), so K = 26 is the cheapest draft whose
-acceptance is meaningful; N = 2 because more drafts at that acceptance are mostly rejected.
+K = 26 of SmolLM2's 30 layers, N = 1. An early exit of SmolLM2 (no trained draft head)
+predicts the target's next token rarely below ~20 layers (measured on this workload:
+acceptance ~0.01 at K = 4..8, ~0.05 at K = 12..20, ~0.25-0.5 at K = 26), so K = 26 is the
+cheapest draft whose acceptance is meaningful. Break-even: a step costs N draft passes (r each,
+in target passes) and one verify pass (>= 1), and emits 1 + a tokens, so speculation pays only
+when acceptance exceeds about r for N = 1 (more for larger N). With the 49k-token tied head
+(28M of 134M weights) r = (K x 3.5M + 28M) / 134M = 0.90 at K = 26 (0.32 even at K = 4): no
+self:K draft of SmolLM2 beats plain decoding; N = 1 loses least (N = 2 adds a second draft pass
+for a second draft that is rarely accepted). The report carries r (`draft_cost_ratio`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.workloads.agent import WorkloadSpec, build_workload
 
-DRAFT, SPEC_TOKENS, PAGE = "self:26", 2, 64
+DRAFT, SPEC_TOKENS, PAGE = "self:26", 1, 64
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=16)
 FULL = WorkloadSpec(sessions=2, turns=4, first_lines=30, tool_lines=12, max_new_tokens=32)
 Rounds = list[list[list[int]]]  # [turn][session] -> prompt
@@ -107,6 +112,20 @@ def _summary(reqs: list[Request], busy: float) -> dict[str, Any]:
     }
 
 
+def draft_cost_ratio(model: DecoderLM, draft: str) -> float | None:
+    """Weights a self:K draft pass reads over a target pass's (decode at small batch reads
+    every weight once per pass): (K layers + head) / (all layers + head); None for other drafts.
+    Speculation with N = 1 beats plain decoding only if acceptance exceeds about this."""
+    if not draft.startswith("self:"):
+        return None
+    s = model.spec
+    kv = s.num_kv_heads * s.head_dim
+    layer = 2 * s.hidden_size * (s.hidden_size + kv) + 3 * s.hidden_size * s.intermediate_size
+    head = s.vocab_size * s.hidden_size
+    k = int(draft[len("self:") :])
+    return (k * layer + head) / (s.num_layers * layer + head)
+
+
 def measure(
     model: DecoderLM,
     rounds: Rounds,
@@ -125,6 +144,7 @@ def measure(
         "l3": run.serve("l1_l2_l3", draft, fresh=True),
     }
     report: dict[str, Any] = {"draft": draft, "spec_tokens": SPEC_TOKENS, "page_size": PAGE}
+    report["draft_cost_ratio"] = draft_cost_ratio(model, draft)
     report["acceptance_cold"] = cold["acceptance"]
     for name, case in cases.items():
         report[f"acceptance_{name}"] = case["acceptance"]

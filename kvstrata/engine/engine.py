@@ -285,16 +285,16 @@ class Engine:
                 toks, [r.computed for r, _ in items], [r.page_table for r, _ in items]
             )
             before, last = self._layers_done(items, wait)
-            states: list[torch.Tensor] | None = [] if hidden is not None else None
-            logits = self.model(
-                batch, self.pool, before_layer=before, last_only=last_only, hidden_out=states
-            )
+            states: list[torch.Tensor] = []
+            # hidden_out only when asked: the PP / CP model wrappers take no such argument
+            extra = {"hidden_out": states} if hidden is not None else {}
+            logits = self.model(batch, self.pool, before_layer=before, last_only=last_only, **extra)
             if last is not None:
                 last()
             parts = logits.split(1) if last_only else logits.split(batch.seq_lens)
             for i, part in zip(idx, parts, strict=True):
                 out[i] = part
-            if states is not None:
+            if hidden is not None:
                 for i, h in zip(idx, states[0].split(batch.seq_lens), strict=True):
                     hid[i] = h
             wait = None  # every pending load was waited for, layer by layer
