@@ -149,7 +149,18 @@ def summarize(
         "bytes_whole_prefix_by_turn": [
             sum(pages(t.prompt_tokens, PAGE) for t in ts) * page_bytes for ts in by_turn
         ],
+        "new_token_share_by_turn": _share_by_turn(lens, turns),
     }
+
+
+def _share_by_turn(lens: list[list[int]], turns: int) -> list[float]:
+    """Per turn index: tokens new in that turn / its prompt tokens, over the sessions."""
+    out = []
+    for k in range(turns):
+        rows = [s for s in lens if len(s) > k]
+        new = sum(s[k] - (s[k - 1] if k else 0) for s in rows)
+        out.append(new / sum(s[k] for s in rows))
+    return out
 
 
 def _computed(t: Turn) -> int:
