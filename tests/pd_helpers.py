@@ -9,9 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import numpy as np
 
 from kvstrata.pd.transport import TRANSPORTS
-from kvstrata.pd.wire import Frames, header, pack_keys, read_header
+from kvstrata.pd.wire import (
+    Frames,
+    assemble,
+    header,
+    pack_keys,
+    pages_message,
+    read_header,
+    read_layer,
+)
 from tests.serve_helpers import TINY_ENGINE, Server
 
 PAGE = 8
@@ -71,8 +80,12 @@ def raw_handoff(
     hid: str = "raw",
     timeout_s: float = 30.0,
 ) -> tuple[dict[str, Any], Frames]:
-    """Ask a prefill worker for a hand-off as decode would; the first non-heartbeat reply."""
+    """Ask a prefill worker for a hand-off as decode would: its answer (a refusal, or the pages
+    with the logits row; pages sent layer by layer are put together and re-framed as one
+    `pages` message, whose header counts them in "layer_messages")."""
     ch = TRANSPORTS.create("zmq").connect(endpoint)
+    layers: dict[int, list] = {}
+    half = layout["page_bytes"] // layout["layers"]
     try:
         ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
         ch.send([header("handoff", hid, **ask)])
@@ -80,10 +93,21 @@ def raw_handoff(
             frames = ch.recv(timeout_s)
             assert frames is not None, f"no reply from {endpoint} within {timeout_s} s"
             head = read_header(frames)
-            if head["type"] != "heartbeat":
-                return head, frames
+            if head["type"] == "layer":
+                layers[head["layer"]] = read_layer(head, frames, half)
+            elif head["type"] != "heartbeat":
+                break
     finally:
         ch.close()
+    if head["type"] == "pages" and head.get("layers"):
+        n = len(next(iter(layers.values()), []))
+        pages = assemble(layers, layout["layers"], n)
+        row = np.frombuffer(frames[-1], dtype=np.float32)
+        frames = pages_message(
+            hid, head["first_page"], pages, row, computed_tokens=head["computed_tokens"]
+        )
+        head = {**read_header(frames), "layer_messages": len(layers)}
+    return head, frames
 
 
 class CuttableRelay:

@@ -1,7 +1,8 @@
 """P/D faults with real processes: prefill frozen then killed (kill -9) while decode waits for its
-pages, decode killed while prefill works for it, a prefill slower than the timeout but alive
-(heartbeats), a layout mismatch end to end. The client always gets a clear answer within the
-bound, every worker's pools pass the integrity check, and the next request succeeds."""
+pages, a prefill slower than the timeout but alive (heartbeats), a dropped link between two live
+workers (a TCP relay cut mid-hand-off: the channel reconnects), decode killed while prefill works
+for it, a layout mismatch end to end. The client always gets a clear answer within the bound,
+every worker's pools pass the integrity check, and the next request succeeds."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_prefill_killed_mid_handoff(run: dict, ckpt: Path) -> None:
 
 def test_restarted_prefill_slower_than_the_timeout_but_alive(run: dict, ckpt: Path) -> None:
     # 0.5 s per L3 page read: prefill needs > 2.5 s for X's prefix; heartbeats keep decode waiting
-    slow = ["--storage-emulate-read-s-per-page", "0.5"]
+    slow = ["--storage-emulate-read-s-per-page", "0.5", "--no-pd-layerwise"]  # whole pages
     (p2,) = start_all([(prefill_args(ckpt, run["store"], *slow), run["tmp"] / "p2.log")])
     run["servers"].append(p2)
     run["p2"] = p2

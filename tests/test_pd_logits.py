@@ -52,6 +52,7 @@ def test_first_token_logits_and_kv_pages_equal_recompute(
     hf = load_hf(ckpt)
     for i, prompt in enumerate(PROMPTS):
         head, frames = raw_handoff(pinfo["transfer_endpoint"], prompt, [], lay, hid=f"lg{i}")
+        assert head["layer_messages"] == 2  # one per layer, sent as each was computed
         got = read_pages(head, frames, lay["page_bytes"])
         ref = hf(torch.tensor([prompt]), use_cache=True)
         assert rel_err(torch.from_numpy(got.logits), ref.logits[0, -1].float()) <= 1e-4

@@ -15,11 +15,14 @@ from kvstrata.pd.transport import TRANSPORTS
 from kvstrata.pd.wire import (
     Layout,
     WireError,
+    assemble,
     checksum,
+    layer_message,
     layout_mismatch,
     pack_keys,
     pages_message,
     read_header,
+    read_layer,
     read_pages,
     unpack_keys,
 )
@@ -128,3 +131,21 @@ def test_multi_rank_pd_workers_are_refused_by_name(tmp_path: Path) -> None:
     ]:
         r = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert r.returncode == 2 and why in r.stderr, r.stderr
+
+
+def test_layered_pages_assemble_into_host_pages() -> None:
+    n_layers, n_pages = 2, 3
+    whole = pages(n_pages, seed=5)  # host layout: [layers, 2, ...] -> layer l is the l-th half
+    half = PAGE_BYTES // n_layers
+    msgs = [
+        layer_message("h", layer, 4, [p[layer * half : (layer + 1) * half] for p in whole])
+        for layer in (1, 0)  # any order
+    ]
+    layers = {read_header(m)["layer"]: read_layer(read_header(m), m, half) for m in msgs}
+    assert [bytes(p) for p in assemble(layers, n_layers, n_pages)] == [bytes(p) for p in whole]
+    with pytest.raises(WireError, match="incomplete"):
+        assemble({0: layers[0]}, n_layers, n_pages)
+    bad = [*msgs[0]]
+    bad[2] = np.array(bad[2]) ^ 1
+    with pytest.raises(WireError, match="page 1 failed"):
+        read_layer(read_header(bad), bad, half)

@@ -78,6 +78,9 @@ class Engine:
         self.step_hook: Callable[[Engine], list[Request]] | None = None
         """Called once per step after admission (P/D: starts and lands remote prefills); returns
         the requests it finished."""
+        self.layer_hook: Callable[[list[Request], int], None] | None = None
+        """Called after each target layer of a forward with the requests whose prompt it
+        completes (P/D prefill sends that layer's pages at once); not while speculating."""
 
     # ---- API ----------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -258,12 +261,36 @@ class Engine:
             batch = SeqBatch.build(
                 toks, [r.computed for r, _ in items], [r.page_table for r, _ in items]
             )
-            logits = self.model(batch, self.pool, before_layer=wait, last_only=last_only)
+            before, last = self._layers_done(items, wait)
+            logits = self.model(batch, self.pool, before_layer=before, last_only=last_only)
+            if last is not None:
+                last()
             parts = logits.split(1) if last_only else logits.split(batch.seq_lens)
             for i, part in zip(idx, parts, strict=True):
                 out[i] = part
             wait = None  # every pending load was waited for, layer by layer
         return out
+
+    def _layers_done(
+        self, items: list[tuple[Request, list[int]]], wait: Callable[[int], None] | None
+    ) -> tuple[Callable[[int], None] | None, Callable[[], None] | None]:
+        """`before_layer` that also reports each finished layer to layer_hook (layer i - 1 is
+        written when layer i starts), and the report of the last layer after the forward."""
+        hook = self.layer_hook
+        done = [
+            r for r, t in items if r.state is State.PREFILL and r.computed + len(t) == len(r.tokens)
+        ]
+        if hook is None or not done or self.spec is not None:
+            return wait, None
+
+        def before(i: int) -> None:
+            if wait is not None:
+                wait(i)
+            if i:
+                hook(done, i - 1)
+
+        last = self.model.spec.num_layers - 1
+        return before, lambda: hook(done, last)
 
     def _verify(self, req: Request, drafted: list[int], rows: torch.Tensor) -> bool:
         """Accept the longest agreeing prefix of `drafted` (rows: [n+1, vocab]); True if done."""

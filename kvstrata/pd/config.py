@@ -24,6 +24,9 @@ class PDConfig:
         10.0, "longest silence (no page, no heartbeat) before a hand-off fails"
     )
     pd_heartbeat_s: float = doc(0.5, "prefill: heartbeat interval while a hand-off computes")
+    pd_layerwise: bool = doc(
+        True, "prefill: send each layer's pages as soon as it is computed (off: all at the end)"
+    )
     pd_on_failure: str = doc(
         "error", "decode, failed hand-off: error (502/504) | local (prefill here)"
     )

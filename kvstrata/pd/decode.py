@@ -26,7 +26,17 @@ from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.transport import Transport
-from kvstrata.pd.wire import Layout, Received, WireError, header, pack_keys, read_header, read_pages
+from kvstrata.pd.wire import (
+    Layout,
+    Received,
+    WireError,
+    assemble,
+    header,
+    pack_keys,
+    read_header,
+    read_layer,
+    read_pages,
+)
 
 POLL_S = 0.05  # how often a waiting hand-off checks for a cancel
 IDLE_WAIT_S = 0.005  # nothing to step but hand-offs: the engine thread waits this long for one
@@ -81,6 +91,7 @@ class Handoff(threading.Thread):
         self.tokens, self.salt, self.held, self.n_pages = req.tokens, req.cache_salt, held, n_pages
         self.cancelled = threading.Event()
         self.endpoint = req.remote
+        self.layers: dict[int, list[memoryview]] = {}  # a layered hand-off's slices so far
 
     def run(self) -> None:
         side = self.side
@@ -126,10 +137,16 @@ class Handoff(threading.Thread):
             return None
         if head["type"] == "refused":
             return self._fail(502, f"refused: {head.get('message', '?')}")
+        lay = self.side.layout
+        if head["type"] == "layer":
+            self.layers[int(head["layer"])] = read_layer(head, frames, lay.page_bytes // lay.layers)
+            return None
         if head["type"] != "pages":
             raise WireError(f"unexpected message type {head['type']!r}")
-        got = read_pages(head, frames, self.side.layout.page_bytes)
+        got = read_pages(head, frames, lay.page_bytes)
         want = self.n_pages - len(self.held)
+        if head.get("layers"):  # the pages came layer by layer before this message
+            got = dataclasses.replace(got, pages=assemble(self.layers, lay.layers, want))
         if got.first_page != len(self.held) or len(got.pages) != want:
             raise WireError(
                 f"sent pages [{got.first_page}, {got.first_page + len(got.pages)}), "

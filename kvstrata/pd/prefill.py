@@ -28,6 +28,7 @@ from kvstrata.pd.wire import (
     Layout,
     WireError,
     header,
+    layer_message,
     layout_mismatch,
     pages_message,
     read_header,
@@ -46,6 +47,7 @@ class Sink:
         self.last_token_s: float | None = None
         self.last_sent_s = self.received_s  # the listener thread's last message to decode
         self.sent = False  # pages queued (engine thread)
+        self.layers_sent = 0  # layered: layers [0, layers_sent) queued (engine thread)
 
     def push(self, kind: str, value: Any) -> None:
         if kind == "token" and not self.sent:
@@ -60,18 +62,35 @@ class Sink:
     def hid(self) -> str:
         return self.req.rid.removeprefix("pd-")
 
-    def _pages(self) -> Frames:
-        """Pages [held, n) of the prompt, host layout, and the first-token logits row."""
+    def _ids(self) -> list[int]:
+        """Device pages of prompt pages [held, n): what decode lacks."""
         engine = self.side.loop.engine
-        pool, req = engine.pool, self.req
-        n = -(-len(req.tokens) // engine.page)
-        ids = req.page_table[self.held : n]
+        return self.req.page_table[self.held : -(-len(self.req.tokens) // engine.page)]
+
+    def on_layer(self, layer: int) -> None:
+        """Engine thread, mid-forward: layer `layer` of the prompt is final; queue its pages."""
+        if layer != self.layers_sent:
+            return  # a layer was missed (not expected): the pages go whole at the end
+        pool = self.side.loop.engine.pool
+        # [2, k, page, heads, dim] -> [k, 2, page, heads, dim]: each page's slice contiguous
+        part = pool.data[layer][:, pool.local_slot(self._ids())].transpose(0, 1).contiguous()
+        flat = part.cpu().reshape(part.shape[0], -1).view(torch.uint8).numpy()
+        self.side.outbox.put((self, layer_message(self.hid, layer, self.held, list(flat))))
+        self.layers_sent += 1
+
+    def _pages(self) -> Frames:
+        """Pages [held, n) of the prompt, host layout (unless they went layer by layer), and the
+        first-token logits row."""
+        engine = self.side.loop.engine
+        pool, req, ids = engine.pool, self.req, self._ids()
+        computed = len(req.tokens) - sum(req.hits.values()) * engine.page
+        self.side.metrics.sent(len(ids), len(ids) * pool.shape.page_nbytes)
+        row = req.logits[-1].float().cpu().numpy()
+        if self.layers_sent == pool.shape.num_layers:
+            return pages_message(self.hid, self.held, [], row, computed_tokens=computed, layers=1)
         # [layers, 2, k, page, heads, dim] -> page-first [k, layers, 2, page, heads, dim]
         block = pool.data[:, :, pool.local_slot(ids)].permute(2, 0, 1, 3, 4, 5).contiguous()
         flat = block.cpu().reshape(len(ids), -1).view(torch.uint8).numpy()
-        computed = len(req.tokens) - sum(req.hits.values()) * engine.page
-        self.side.metrics.sent(len(ids), int(flat.nbytes))
-        row = req.logits[-1].float().cpu().numpy()
         return pages_message(self.hid, self.held, list(flat), row, computed_tokens=computed)
 
 
@@ -87,9 +106,20 @@ class PrefillSide:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="pd-prefill", daemon=True)
 
-    def attach(self, loop: Any, layout: Layout) -> None:
+    def attach(self, loop: Any, engine: Any, layout: Layout) -> None:
+        """On the engine thread while it is built (loop.engine is not set yet)."""
         self.loop, self.layout = loop, layout
+        if self.cfg.pd_layerwise:
+            engine.layer_hook = self.on_layer
         self.thread.start()
+
+    def on_layer(self, reqs: list[Request], layer: int) -> None:
+        """Engine thread: `layer` of these prompts is computed; hand-offs among them send it."""
+        for req in reqs:
+            if req.rid.startswith("pd-"):
+                sink = self.flight.get(req.rid.removeprefix("pd-"))
+                if sink is not None and sink.req is req:
+                    sink.on_layer(layer)
 
     def close(self) -> None:
         self._stop.set()
@@ -165,7 +195,9 @@ class PrefillSide:
             if frames is None:
                 frames = [header("refused", hid, message="prefill ended the request (stopping)")]
             self.listener.send(sink.peer, frames)
-            del self.flight[hid]
+            sink.last_sent_s = time.monotonic()
+            if read_header(frames)["type"] != "layer":
+                del self.flight[hid]  # answered: pages (with the logits) or a refusal
 
     def _heartbeat(self) -> None:
         """Tell decode each hand-off still computing is alive (its timeout counts silence)."""

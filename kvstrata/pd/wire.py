@@ -137,3 +137,43 @@ def read_pages(head: dict[str, Any], frames: Frames, page_bytes: int) -> Receive
     skip = ("type", "id", "checksums", "page_bytes", "logits_checksum", "first_page")
     stats = {k: v for k, v in head.items() if k not in skip}
     return Received(int(head["first_page"]), pages, logits, stats)
+
+
+# ---- layer by layer ----------------------------------------------------------------------------
+# A layered hand-off sends one `layer` message per model layer as soon as that layer is computed:
+# one frame per page, that page's slice [2, page_size, kv_heads, head_dim] of the layer (each
+# checksummed), then a `pages` message with no page frames and `layers` set, and the logits row.
+
+
+def layer_message(hid: str, layer: int, first_page: int, pages: list[Any]) -> Frames:
+    sums = [checksum(p) for p in pages]
+    return [header("layer", hid, layer=layer, first_page=first_page, checksums=sums), *pages]
+
+
+def read_layer(head: dict[str, Any], frames: Frames, layer_bytes: int) -> list[memoryview]:
+    """One layer's page slices, each checked (size, checksum) before any is kept."""
+    sums = head.get("checksums")
+    if not isinstance(sums, list) or len(frames) != 1 + len(sums):
+        raise WireError(f"layer message: {len(frames) - 1} page frames for {sums!r} checksums")
+    out = [memoryview(f).cast("B") for f in frames[1:]]
+    for i, (part, want) in enumerate(zip(out, sums, strict=True)):
+        if part.nbytes != layer_bytes or checksum(part) != want:
+            raise WireError(f"layer {head.get('layer')} of page {i} failed its size or checksum")
+    return out
+
+
+def assemble(layers: dict[int, list[memoryview]], n_layers: int, n_pages: int) -> list[Any]:
+    """Whole host-layout pages [layers, 2, page, heads, dim] from every layer's slices."""
+    if sorted(layers) != list(range(n_layers)) or any(len(v) != n_pages for v in layers.values()):
+        got = {k: len(v) for k, v in sorted(layers.items())}
+        raise WireError(
+            f"layered hand-off incomplete: pages per layer {got}, want {n_pages} x {n_layers}"
+        )
+    if not n_pages:
+        return []
+    size = layers[0][0].nbytes
+    buf = np.empty((n_pages, n_layers, size), dtype=np.uint8)
+    for layer, parts in layers.items():
+        for p, part in enumerate(parts):
+            buf[p, layer] = np.frombuffer(part, dtype=np.uint8)
+    return [memoryview(buf[p].reshape(-1)) for p in range(n_pages)]

@@ -54,7 +54,7 @@ class PDWorker:
         """On the engine thread, once built: the layout, and the side's hooks/threads."""
         self.layout = layout_of(engine)
         if self.prefill is not None:
-            self.prefill.attach(loop, self.layout)
+            self.prefill.attach(loop, engine, self.layout)
         if self.decode is not None:
             self.decode.attach(engine, self.layout)
 
