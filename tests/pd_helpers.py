@@ -114,7 +114,10 @@ class CuttableRelay:
     """A TCP relay 127.0.0.1:port -> target that can drop every connection at once (`cut`):
     a dropped link between two live workers. Connections made after a cut relay again."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, corrupt: int = 0, at: int = 1000) -> None:
+        """`corrupt`: flip one bit at byte `at` of what the target sends on that many of the
+        first connections (deep inside the first page frame: the framing stays valid)."""
+        self.corrupt, self.at = corrupt, at
         host, port = target.removeprefix("tcp://").rsplit(":", 1)
         self.target = (host, int(port))
         self.srv = socket.create_server(("127.0.0.1", 0))
@@ -133,13 +136,20 @@ class CuttableRelay:
             up.settimeout(None)
             self.accepted += 1
             self.conns += [down, up]
-            for a, b in ((down, up), (up, down)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            flip = self.at if self.accepted <= self.corrupt else -1
+            for a, b, f in ((down, up, -1), (up, down, flip)):
+                threading.Thread(target=self._pipe, args=(a, b, f), daemon=True).start()
 
     @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
+    def _pipe(a: socket.socket, b: socket.socket, flip: int = -1) -> None:
+        seen = 0
         try:
             while data := a.recv(65536):
+                if 0 <= flip - seen < len(data):
+                    buf = bytearray(data)
+                    buf[flip - seen] ^= 0x10
+                    data = bytes(buf)
+                seen += len(data)
                 b.sendall(data)
         except OSError:
             pass

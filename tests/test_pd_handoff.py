@@ -17,7 +17,15 @@ import pytest
 
 from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.serve.codec import ByteCodec
-from tests.pd_helpers import PAGE, complete, info, raw_handoff, start_all, worker_args
+from tests.pd_helpers import (
+    PAGE,
+    CuttableRelay,
+    complete,
+    info,
+    raw_handoff,
+    start_all,
+    worker_args,
+)
 from tests.serve_helpers import Server, free_port
 from tests.tiny_models import hf_greedy, load_hf, make_llama
 
@@ -195,4 +203,36 @@ def test_failed_handoff_prefills_locally_when_asked(workers: dict[str, Server], 
         metrics(workers["d2"])['kvstrata:pd_handoffs_total{model_name="tiny",outcome="failed"}']
         == 1
     )
+    check_all(workers)
+
+
+def test_a_corrupted_page_is_never_used_the_handoff_is_asked_again(
+    workers: dict[str, Server], ckpt: Path
+) -> None:
+    endpoint = info(workers["p"])["transfer_endpoint"]
+    prompt = [(19 * i + 2) % 97 for i in range(41)]
+    relay = CuttableRelay(endpoint, corrupt=1)  # the first reply arrives with one bit flipped
+    try:
+        r = complete(workers["d1"], prompt, pd_prefill=relay.endpoint)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(
+            hf_greedy(load_hf(ckpt), prompt, 4)
+        )
+        pd = r.json()["usage"]["pd"]
+        assert pd["pages_received"] == 6  # all of them, once, intact
+        assert pd["prefill_computed_tokens"] == 1  # prefill cached the prompt on the first try
+        assert relay.accepted == 2
+    finally:
+        relay.close()
+    m = metrics(workers["d1"])
+    assert m['kvstrata:pd_handoffs_total{model_name="tiny",outcome="retried"}'] == 1
+    other = [(23 * i + 5) % 97 for i in range(41)]
+    relay = CuttableRelay(endpoint, corrupt=2)  # every try corrupted: a clear 502
+    try:
+        r = complete(workers["d1"], other, pd_prefill=relay.endpoint)
+    finally:
+        relay.close()
+    assert r.status_code == 502, r.text
+    msg = r.json()["error"]["message"]
+    assert relay.endpoint in msg and "checksum" in msg
     check_all(workers)

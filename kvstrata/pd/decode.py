@@ -39,6 +39,7 @@ from kvstrata.pd.wire import (
 )
 
 POLL_S = 0.05  # how often a waiting hand-off checks for a cancel
+WIRE_RETRIES = 1  # a reply that fails its checks (a checksum) is asked for again this often
 IDLE_WAIT_S = 0.005  # nothing to step but hand-offs: the engine thread waits this long for one
 
 
@@ -88,6 +89,7 @@ class Handoff(threading.Thread):
     def __init__(self, side: DecodeSide, req: Request, held: list[int], n_pages: int) -> None:
         super().__init__(name=f"pd-handoff-{req.rid}", daemon=True)
         self.side, self.rid, self.target = side, req.rid, req.remote
+        self.hid = req.rid  # the hand-off id on the wire: a new one per attempt
         self.tokens, self.salt, self.held, self.n_pages = req.tokens, req.cache_salt, held, n_pages
         self.cancelled = threading.Event()
         self.endpoint = req.remote
@@ -95,13 +97,20 @@ class Handoff(threading.Thread):
 
     def run(self) -> None:
         side = self.side
-        try:
-            self.endpoint = side.resolver.endpoint(self.target)
-            outcome = self._exchange(side.transport.connect(self.endpoint, self.rid))
-        except WireError as exc:
-            outcome = self._fail(502, f"bad hand-off reply: {exc}")
-        except (OSError, httpx.HTTPError, zmq.ZMQError, ValueError) as exc:
-            outcome = self._fail(502, f"unreachable: {type(exc).__name__}: {exc}")
+        for attempt in range(1 + WIRE_RETRIES):
+            # a retry is a new hand-off: prefill may still be working on the first one
+            self.layers, self.hid = {}, self.rid if not attempt else f"{self.rid}~{attempt}"
+            try:
+                self.endpoint = side.resolver.endpoint(self.target)
+                outcome = self._exchange(side.transport.connect(self.endpoint, self.hid))
+            except WireError as exc:  # corrupted or inconsistent: nothing of it was used
+                outcome = self._fail(502, f"bad hand-off reply: {exc}")
+                if attempt < WIRE_RETRIES and not self.cancelled.is_set():
+                    side.metrics.retried()
+                    continue  # the same hand-off again, on a fresh channel
+            except (OSError, httpx.HTTPError, zmq.ZMQError, ValueError) as exc:
+                outcome = self._fail(502, f"unreachable: {type(exc).__name__}: {exc}")
+            break
         if outcome.failure is not None:
             side.resolver.forget(self.target)
         side.outcomes.put(outcome)
@@ -114,7 +123,7 @@ class Handoff(threading.Thread):
         cfg = self.side.cfg
         try:
             ask = dict(tokens=self.tokens, salt=self.salt, keys=pack_keys(self.held))
-            ch.send([header("handoff", self.rid, layout=self.side.layout.as_dict(), **ask)])
+            ch.send([header("handoff", self.hid, layout=self.side.layout.as_dict(), **ask)])
             heard = time.monotonic()
             while not self.cancelled.is_set():
                 frames = ch.recv(min(POLL_S, cfg.pd_timeout_s))
@@ -123,17 +132,21 @@ class Handoff(threading.Thread):
                         return self._fail(504, f"no answer within pd_timeout_s={cfg.pd_timeout_s}")
                     continue
                 heard = time.monotonic()
-                done = self._on_message(frames)
+                try:
+                    done = self._on_message(frames)
+                except WireError:
+                    ch.send([header("cancel", self.hid)])  # prefill may stop what is left
+                    raise
                 if done is not None:
                     return done
-            ch.send([header("cancel", self.rid)])  # prefill may stop computing for us
+            ch.send([header("cancel", self.hid)])  # prefill may stop computing for us
             return self._fail(499, "cancelled")
         finally:
             ch.close()
 
     def _on_message(self, frames: list[Any]) -> Outcome | None:
         head = read_header(frames)
-        if head["id"] != self.rid or head["type"] == "heartbeat":
+        if head["id"] != self.hid or head["type"] == "heartbeat":
             return None
         if head["type"] == "refused":
             return self._fail(502, f"refused: {head.get('message', '?')}")

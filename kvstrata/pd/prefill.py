@@ -149,6 +149,8 @@ class PrefillSide:
                 self.loop.abort(sink.req.rid)  # its lease gives back every page
             return
         try:
+            if hid in self.flight:
+                raise WireError(f"hand-off {hid} is already in flight")
             req, held = self._admit(head)
         except (WireError, ValueError, KeyError, TypeError) as exc:
             self.metrics.failed()

@@ -40,6 +40,10 @@ class PDMetrics:
     def failed(self) -> None:
         self.handoffs.labels(self.name, "failed").inc()
 
+    def retried(self) -> None:
+        """A reply failed its checks (e.g. a page checksum) and the hand-off was asked again."""
+        self.handoffs.labels(self.name, "retried").inc()
+
 
 def add_routes(app: FastAPI, state: Any) -> None:
     """GET /v1/pd/info on every role (a single server answers role "single")."""
