@@ -42,6 +42,13 @@ def test_bench_pd_quick_sends_exactly_the_missing_pages(tmp_path: Path) -> None:
     new = sum(s[-1] for s in lens)  # each turn extends the last: the new tokens add up to it
     assert rep["new_token_share"] == new / sum(map(sum, lens))
     assert rep["prompt_tokens"] == sum(map(sum, lens)) and rep["requests"] == 6
+    first = [s[0] for s in lens]
+    assert rep["bytes_sent_by_turn"][0] == rep["bytes_whole_prefix_by_turn"][0]  # cold turn
+    assert (
+        rep["bytes_whole_prefix_by_turn"][0]
+        == sum(-(-n // PAGE) for n in first) * rep["page_bytes"]
+    )
+    assert rep["new_token_share_by_turn"][0] == 1.0
     # decode skipped every full page of the previous turn; prefill computed what nobody held
     assert rep["pages_skipped"] == sum(a // PAGE for s in lens for a in s[:-1])
     assert 0 < rep["prefill_tokens_computed_pd"] <= rep["prompt_tokens"]

@@ -1,8 +1,9 @@
 """`kvstrata bench pd`: agent sessions through router + 1 prefill + 1 decode (LocalPD) against the
 same load on one `kvstrata serve`, in one run.
 
-Both setups start together (model loads overlap) and are driven one after the other with the
-same token-id prompts (kvstrata/workloads/agent.py), greedy. Reported: KV bytes decode received
+Both setups start together (model loads overlap) and get the same token-id prompts
+(kvstrata/workloads/agent.py), greedy, interleaved by turn (turn k of every session on P/D, then
+on the single server, then turn k+1), so a change of machine load hits both alike. Reported: KV bytes decode received
 against the KV bytes of every prompt (`bytes_sent_ratio`; the goal: <= `new_token_share`, the
 share of prompt tokens that are new in their turn), per-turn bytes against sending the whole
 prefix, whether the pages sent equal the exact count (all pages when cold, then all but the
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvstrata.bench.pd_load import Prompts, Turn, drive, expected_pages, pages, percentile
+from kvstrata.bench.pd_load import Prompts, Turn, drive_rounds, expected_pages, pages, percentile
 from kvstrata.bench.registry import BENCHES
 from kvstrata.workloads.agent import WorkloadSpec, build_workload
 
@@ -81,8 +82,8 @@ def _run_both(
     single = _start_both(pd, single_args, out_dir / "bench-pd-logs" / "single.log")
     try:
         info = httpx.get(f"{pd.workers['prefill'].url}/v1/pd/info", timeout=30).json()
-        pd_turns = drive(pd.url, prompts, spec.max_new_tokens, conc)
-        single_turns = drive(single.url, prompts, spec.max_new_tokens, conc)
+        urls = [pd.url, single.url]
+        pd_turns, single_turns = drive_rounds(urls, prompts, spec.max_new_tokens, conc)
     finally:
         codes = pd.stop()
         codes["single"] = single.terminate()
@@ -149,7 +150,18 @@ def summarize(
         "bytes_whole_prefix_by_turn": [
             sum(pages(t.prompt_tokens, PAGE) for t in ts) * page_bytes for ts in by_turn
         ],
+        "new_token_share_by_turn": _share_by_turn(lens, turns),
     }
+
+
+def _share_by_turn(lens: list[list[int]], turns: int) -> list[float]:
+    """Per turn index: tokens new in that turn / its prompt tokens, over the sessions."""
+    out = []
+    for k in range(turns):
+        rows = [s for s in lens if len(s) > k]
+        new = sum(s[k] - (s[k - 1] if k else 0) for s in rows)
+        out.append(new / sum(s[k] for s in rows))
+    return out
 
 
 def _computed(t: Turn) -> int:

@@ -95,6 +95,31 @@ def drive(
     return sorted(out, key=lambda t: (t.session, t.turn))
 
 
+def drive_rounds(
+    urls: Sequence[str],
+    prompts: Prompts,
+    max_tokens: int,
+    concurrency: int,
+    timeout_s: float = 600.0,
+) -> list[list[Turn]]:
+    """The same turns on several servers, interleaved so machine-load drift hits them alike:
+    round k runs turn k of every session on the first server (`concurrency` at a time), then
+    on the next, and so on. Per server: its turns sorted by (session, turn)."""
+    out: list[list[Turn]] = [[] for _ in urls]
+    workers = max(1, min(concurrency, len(prompts)))
+    with ThreadPoolExecutor(workers) as pool:
+        for k in range(max(len(s) for s in prompts)):
+            live = [s for s in range(len(prompts)) if len(prompts[s]) > k]
+            for url, turns in zip(urls, out, strict=True):
+                futs = {s: pool.submit(stream_turn, url, prompts[s][k], max_tokens, timeout_s, {})
+                        for s in live}  # fmt: skip
+                for s, fut in futs.items():
+                    turn = fut.result()
+                    turn.session, turn.turn = s, k
+                    turns.append(turn)
+    return [sorted(t, key=lambda t: (t.session, t.turn)) for t in out]
+
+
 def pages(tokens: int, page: int) -> int:
     """KV pages of `tokens` positions, the partial last page included."""
     return -(-tokens // page)
