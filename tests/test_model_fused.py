@@ -15,10 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvstrata.memory.pool import DevicePool
-from kvstrata.model import attention
-from kvstrata.model.attention import MAX_RUNS, MIN_RUN_TOKENS, page_runs
+from kvstrata.model import page_runs as runs_mod
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM, SeqBatch
+from kvstrata.model.page_runs import MAX_RUNS, MIN_RUN_TOKENS, page_runs
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext, run_ranks
 from kvstrata.parallel.tp import shard_tp
@@ -158,7 +158,7 @@ def test_page_runs_exact(monkeypatch: pytest.MonkeyPatch) -> None:
         [(0, half), (40, half)],
         [(0, half // 2)],
     ]
-    monkeypatch.setattr(attention, "MIN_RUN_TOKENS", 1)  # the run structure itself
+    monkeypatch.setattr(runs_mod, "MIN_RUN_TOKENS", 1)  # the run structure itself
     tables = [t([3, 4, 5]), t([7, 2]), t([9]), t([5, 6, 1]), t([11, 0, 1, 2])]
     ctx = [12, 5, 1, 8, 13]  # the 4th uses 2 of its 3 pages
     assert page_runs(tables, ctx, 4) == [
@@ -191,7 +191,7 @@ def test_page_runs_are_read_in_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Decode and continued chunks read runs of consecutive pages in place, no gather."""
-    monkeypatch.setattr(attention, "MIN_RUN_TOKENS", min_run)  # tiny pages here
+    monkeypatch.setattr(runs_mod, "MIN_RUN_TOKENS", min_run)  # tiny pages here
     model, hf = load_model(ckpts[0]), load_hf(ckpts[0])
     n = 4 * len(table) - 1  # + 1 decoded: every page of the table used
     toks = tokens(n, seed=6)
