@@ -106,6 +106,11 @@ class EngineLoop:
         self._control.put(("abort", rid))
         self._wake.set()
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (their streams end with finish_reason "abort")."""
+        self._control.put(("abort_all", None))
+        self._wake.set()
+
     def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
         """Run fn(engine) on the engine thread between steps."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -186,12 +191,8 @@ class EngineLoop:
                 kind, arg = self._control.get_nowait()
             except queue.Empty:
                 return
-            if kind == "abort":
-                req = self.engine.abort(arg)
-                if req is not None:
-                    self._finish(req, time.monotonic())
-                    for obs in self.observers:
-                        obs.after_step(self.engine)
+            if kind in ("abort", "abort_all"):
+                self._abort(list(self._streams) if kind == "abort_all" else [arg])
             else:
                 fn, fut = arg
                 try:
@@ -200,6 +201,18 @@ class EngineLoop:
                     fut.set_exception(exc)
                 for obs in self.observers:  # a call may change the tree (a prefix-cache reset)
                     obs.after_step(self.engine)
+
+    def _abort(self, rids: list[str]) -> None:
+        """Abort these requests (pages released at once); their streams get "done"."""
+        aborted = False
+        for rid in rids:
+            req = self.engine.abort(rid)
+            if req is not None:
+                self._finish(req, time.monotonic())
+                aborted = True
+        if aborted:
+            for obs in self.observers:
+                obs.after_step(self.engine)
 
     def _on_token(self, req: Request, token: int) -> None:
         stream = self._streams.get(req.rid)
@@ -243,10 +256,7 @@ class EngineLoop:
         """Abort what is still in flight, wait for pending L3 backups, close the parts."""
         self._take_requests()
         self._commands()
-        for rid in list(self._streams):
-            req = self.engine.abort(rid)
-            if req is not None:
-                self._finish(req, time.monotonic())
+        self._abort(list(self._streams))
         while True:  # calls that raced the stop get an answer, not a hang
             try:
                 kind, arg = self._control.get_nowait()

@@ -269,6 +269,11 @@ class RankedLoop:
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (their streams end with finish_reason "abort")."""
+        for rid in list(self._streams):
+            self.abort(rid)
+
     def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
         """Run fn(engine) on every rank between steps (fn: a module-level function); the
         future gets rank 0's result, or an error naming the first rank whose call raised."""

@@ -1,8 +1,9 @@
 """Start the server: load the model, build the engine on its thread, run uvicorn until SIGTERM.
 
-On SIGTERM (or SIGINT) uvicorn stops accepting connections and gives in-flight requests
-`stop_timeout_s` to finish; then the lifespan shutdown stops the engine loop, which aborts what
-is left, drains pending L3 backups and closes the store. Exit 0 when all of that finished.
+On SIGTERM (or SIGINT) uvicorn stops accepting connections and in-flight requests get
+`stop_timeout_s` to finish; then they are aborted (their streams end cleanly, finish_reason
+"abort", pages released), and the lifespan shutdown stops the engine loop, which drains pending
+L3 backups and closes the store. Exit 0 when all of that finished.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -31,6 +33,8 @@ from kvstrata.serve.ranks import RankedLoop, torchrun_rank
 from kvstrata.serve.state import ServerState
 from kvstrata.storage.base import StorageConfig
 
+ABORT_GRACE_S = 5.0  # aborted streams' last frames reach the clients within this
+
 
 class _Server(uvicorn.Server):
     """uvicorn's server, telling /health that a stop signal arrived (503 from then on).
@@ -42,9 +46,15 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.kv_state = state
+        self.abort_timer: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.kv_state.stopping = True
+        if self.abort_timer is None:  # in-flight requests get stop_timeout_s, then are aborted
+            loop = self.kv_state.loop
+            self.abort_timer = threading.Timer(self.kv_state.cfg.stop_timeout_s, loop.abort_all)
+            self.abort_timer.daemon = True
+            self.abort_timer.start()
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
 
@@ -126,7 +136,9 @@ def serve(state: ServerState) -> int:
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
-        timeout_graceful_shutdown=int(cfg.stop_timeout_s),
+        # after stop_timeout_s our own abort ends every stream cleanly; uvicorn's cancel (which
+        # logs a traceback per connection) is only the backstop for a stream that still hangs
+        timeout_graceful_shutdown=int(cfg.stop_timeout_s + ABORT_GRACE_S),
         lifespan="on",
     )
     server = _Server(config, state)
