@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
-import traceback
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from kvstrata.pd.router_config import RouterConfig
 from kvstrata.pd.router_metrics import RouterMetrics
 from kvstrata.pd.upstream import Upstreams
 from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.protocol import ApiError
 from kvstrata.serve.responses import sse
 
@@ -67,15 +66,7 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        traceback.print_exc(file=sys.stderr)  # the operator sees it; the client gets one line
-        err = ApiError(500, f"internal error: {type(exc).__name__}")
-        return JSONResponse(err.body(), status_code=500)
+    add_error_handlers(app)
 
     _info_routes(app, state)
     _generate_routes(app, state)

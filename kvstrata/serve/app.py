@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import sys
 import time
-import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from kvstrata.cache.events import MEDIA, snapshot
 from kvstrata.engine.reset import RESET_DRAIN_S
 from kvstrata.pd.routes import add_routes as pd_routes
+from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.generate import Generation, complete, stream
 from kvstrata.serve.protocol import (
     ApiError,
@@ -72,15 +71,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        traceback.print_exc(file=sys.stderr)  # the operator sees it; the client gets one line
-        err = ApiError(500, f"internal error: {type(exc).__name__}")
-        return JSONResponse(err.body(), status_code=500)
+    add_error_handlers(app)
 
     _info_routes(app, state)
     _generate_routes(app, state)
