@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 
@@ -23,10 +24,13 @@ def resolve_dir(url: str, create: bool) -> Path:
 
 def _make_dir(url: str, create: bool) -> Path:
     root = parse_file_url(url)
-    if root.is_dir():
-        return root
-    if root.exists():
+    try:  # one stat: with is_dir() then exists(), a rank creating it between the two reads
+        # as "exists and is not a directory" (ranks open the same store at once)
+        if stat.S_ISDIR(root.stat().st_mode):
+            return root
         raise ValueError(f"storage url {url!r}: {root} exists and is not a directory")
+    except FileNotFoundError:
+        pass
     if not create:
         raise ValueError(
             f"storage url {url!r}: directory {root} does not exist (create_dir is off)"
@@ -35,7 +39,7 @@ def _make_dir(url: str, create: bool) -> Path:
         raise ValueError(
             f"storage url {url!r}: parent directory {root.parent} of {root} does not exist"
         )
-    root.mkdir(exist_ok=True)
+    root.mkdir(exist_ok=True)  # another rank may have made it meanwhile: fine
     return root
 
 
