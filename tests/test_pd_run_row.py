@@ -1,4 +1,4 @@
-"""`kvstrata run --quick --pd` on a tiny model: the pd row (router + prefill + decode as real
+"""`kvstrata run --quick` on a tiny model (the pd row is on by default with one rank): the pd row (router + prefill + decode as real
 processes) is in the table, the JSON report and the plot; its answers join the identical-outputs
 check; the KV bytes prefill sent decode are exactly the pages decode did not hold x page bytes."""
 
@@ -23,7 +23,7 @@ PAGE = 8
 def test_run_quick_pd_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = make_llama(tmp_path / "tiny", seed=4, max_position_embeddings=1024)
     out = tmp_path / "out"
-    args = ["run", "--quick", "--pd", "--model", str(ckpt), "--out", str(out)]
+    args = ["run", "--quick", "--model", str(ckpt), "--out", str(out)]  # no --pd: the default
     assert main([*args, "--page-size", str(PAGE), "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     assert (
@@ -44,6 +44,9 @@ def test_run_quick_pd_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     ref = {r["rid"]: r["output"] for r in rep["configs"]["none"]["requests"]}
     for r in row["requests"]:  # the byte codec: one printable character per token id
         assert r["text"] == "".join(chr(32 + i % 95) for i in ref[r["rid"]])
+    moved = row["bytes_moved"]  # both workers', from their /metrics
+    assert all(n % page_bytes == 0 for n in moved.values()) and moved["L1->L2"] > 0
+    assert moved["L2->L3"] == moved["L1->L2"]  # write-through: every page stored is backed up
     hits = sum(row["hit_rate_by_tier"].values())
     assert hits == pytest.approx(row["pd_pages_skipped"] / row["prompt_pages"])
 

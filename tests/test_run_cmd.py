@@ -27,7 +27,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_args(ckpt: Path, out: Path, *extra: str) -> list[str]:
-    return ["run", "--quick", "--model", str(ckpt), "--out", str(out), *TINY, *extra]
+    # --no-pd: the pd row's three processes are tested in test_pd_run_row.py
+    return ["run", "--quick", "--no-pd", "--model", str(ckpt), "--out", str(out), *TINY, *extra]
 
 
 PAGE = 8

@@ -13,7 +13,7 @@ from kvstrata.cli.main import main
 from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
-TINY = ["--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "128"]
+TINY = ["--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "128", "--no-pd"]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.decision_log import DecisionLog, config_digest, new_run_id
 from kvstrata.parallel.group import RankFailure
 from kvstrata.parallel.tp import check_layout
-from kvstrata.pd.run_row import PD, check_pd_args, run_pd_row
+from kvstrata.pd.run_row import PD, check_pd_args, pd_row_by_default, run_pd_row
 from kvstrata.serve.codec import open_codec
 from kvstrata.storage.base import StorageConfig, open_storage
 from kvstrata.workloads.agent import (
@@ -62,7 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--prompt", default=None, help="serve this one prompt instead of the workload")
     p.add_argument(
-        "--pd", action="store_true", help="one more row: router + prefill + decode processes"
+        "--pd",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one more row: router + prefill + decode processes (default: on with one rank)",
     )
     add_config_args(p, EngineConfig, exclude=("tiers",))  # run serves every tier set
     add_config_args(p, CacheConfig)
@@ -269,6 +272,8 @@ def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Di
     dist_cfg = config_from_args(DistConfig, args)
     validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
     validate.check_backend(dist_cfg.backend)
+    if args.pd is None:  # the main job's pd row, where its one-rank workers can serve the run
+        args.pd = pd_row_by_default(dist_cfg)
     if args.pd:
         check_pd_args(dist_cfg)
     validate.check_out_dir(args.out, "--out")

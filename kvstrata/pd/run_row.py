@@ -6,8 +6,9 @@ The workers answer in text, so the row joins the identical-outputs check by text
 answers must equal the reference configuration's tokens decoded by the checkpoint's codec (the
 same decoder the server uses). Requests set `ignore_eos`, as the in-process engine runs every
 request to max_new_tokens. The row's figures: hit rates and TTFT from the decode worker's
-usage (what it held, by tier) and the client's clock; `pd_bytes_sent`: KV bytes prefill sent
-decode, with pages sent and skipped.
+usage (what it held, by tier) and the client's clock; bytes moved between tiers: both workers'
+`kvstrata:kv_moved_bytes` read from /metrics before they stop; `pd_bytes_sent`: KV bytes prefill
+sent decode, with pages sent and skipped.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvstrata.bench.pd_load import Turn, drive
 from kvstrata.bench.run_report import TurnResult, config_report
+from kvstrata.cache.counters import DIRECTIONS
 from kvstrata.configtools import config_to_args
 from kvstrata.parallel.config import DistConfig
 
@@ -28,6 +33,11 @@ ENGINE_SKIP = ("model", "model_cache_dir", "tiers", "spec_draft", "spec_tokens")
 """Set by LocalPD (model, tiers with its shared store) or not used by the row (speculation: the
 tokens are the same without it)."""
 TIER_OF = {"device": "L1", "host": "L2", "storage": "L3"}
+
+
+def pd_row_by_default(dist_cfg: DistConfig) -> bool:
+    """`run` without --pd/--no-pd: the row is on wherever check_pd_args allows it."""
+    return dist_cfg.world_size == 1
 
 
 def check_pd_args(dist_cfg: DistConfig) -> None:
@@ -49,6 +59,10 @@ class PDRow:
 
     turns: list[Turn]
     page_size: int
+    bytes_moved: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(DIRECTIONS.values(), 0)
+    )
+    """Both workers' KV bytes moved between tiers, by direction (L2->L1, ...)."""
     results: list[TurnResult] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +80,7 @@ class PDRow:
 
     def report(self) -> dict[str, Any]:
         rep = config_report(self.results, None)
+        rep["bytes_moved"] = dict(self.bytes_moved)
         text = {f"s{t.session}t{t.turn}": t.text for t in self.turns}
         for req in rep["requests"]:  # the workers answer text, not token ids
             req.pop("output")
@@ -109,8 +124,22 @@ def run_pd_row(
     try:
         extra = {"ignore_eos": True}
         turns = drive(pd.url, prompts, max_new, len(prompts), tick, extra=extra)
+        moved = [moved_bytes(w.url) for w in pd.workers.values()]
     finally:
         codes = pd.stop()
     if any(codes.values()):
         raise RuntimeError(f"pd row: processes did not exit 0: {codes}; logs in {cfg.log_dir}")
-    return PDRow(turns, cfgs[1].page_size)
+    total = {d: sum(m.get(d, 0) for m in moved) for d in DIRECTIONS.values()}
+    return PDRow(turns, cfgs[1].page_size, total)
+
+
+def moved_bytes(url: str, timeout_s: float = 10.0) -> dict[str, int]:
+    """A worker's `kvstrata:kv_moved_bytes` by direction, from its /metrics."""
+    text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=timeout_s).raise_for_status().text
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvstrata:kv_moved_bytes":
+            for sample in family.samples:
+                if sample.name.endswith("_total") or sample.name == family.name:
+                    out[sample.labels["direction"]] = int(sample.value)
+    return out
