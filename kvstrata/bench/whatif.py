@@ -95,23 +95,29 @@ def whatif(
         "model": model.name,
         "topology": main.label,
         "time_scale": time_scale,
-        "capacity_tokens": {
-            "L1": base.cache.device_pages * base.page_size,
-            "L2": base.cache.host_pages * base.page_size,
-            "L3": "unbounded",
-        },
+        "capacity_tokens": _capacity(base),
         **summarize(main_timings),
         **_pd_figures(outcomes["L1+L2+L3"], main_cost, main_timings),
         "hit_rate": top["hit_rate"],
         "hit_rate_by_tier": top["hit_rate_by_tier"],
         "ceiling": top["ceiling"],
         "ablation": ablation,
-        "replays": {
-            r: {k: v[k] for k in ("hit_rate", "hit_rate_by_tier", "bytes_moved", "wall_s")}
-            for r, v in replays.items()
-        },
+        "replays": {r: {k: v[k] for k in REPLAY_KEYS} for r, v in replays.items()},
     }
     return report, main_timings
+
+
+REPLAY_KEYS = ("hit_rate", "hit_rate_by_tier", "bytes_moved", "wall_s")
+
+
+def _capacity(base: ReplayConfig) -> dict[str, Any]:
+    """Tokens each tier holds (L3: unbounded)."""
+    page = base.page_size
+    return {
+        "L1": base.cache.device_pages * page,
+        "L2": base.cache.host_pages * page,
+        "L3": "unbounded",
+    }
 
 
 def _replay_rows(

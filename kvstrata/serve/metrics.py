@@ -70,34 +70,25 @@ class ServeMetrics(LoopObserver):
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(f"kvstrata:{name}", doc, lbl, registry=reg, buckets=LATENCY_BUCKETS)
 
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(f"kvstrata:{name}", doc, [*lbl, *extra], registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvstrata:{name}", doc, lbl, registry=reg)
+
         self.ttft = hist("time_to_first_token_seconds", "HTTP arrival to first token")
         self.itl = hist("inter_token_latency_seconds", "time between two tokens of a request")
         self.e2e = hist("e2e_request_latency_seconds", "HTTP arrival to the last token")
         self.queue = hist("request_queue_time_seconds", "HTTP arrival to admission (pages given)")
-        self.queries = Counter(
-            "kvstrata:prefix_cache_queries", "prompt tokens looked up", lbl, registry=reg
+        self.queries = counter("prefix_cache_queries", "prompt tokens looked up")
+        self.hits = counter("prefix_cache_hits", "prompt tokens found in any tier")
+        self.by_source = counter(
+            "prompt_tokens_by_source", "prompt tokens by where their KV came from", "source"
         )
-        self.hits = Counter(
-            "kvstrata:prefix_cache_hits", "prompt tokens found in any tier", lbl, registry=reg
-        )
-        self.by_source = Counter(
-            "kvstrata:prompt_tokens_by_source",
-            "prompt tokens by where their KV came from",
-            [*lbl, "source"],
-            registry=reg,
-        )
-        self.generated = Counter(
-            "kvstrata:generation_tokens", "tokens generated", lbl, registry=reg
-        )
-        self.finished = Counter(
-            "kvstrata:request_success", "finished requests", [*lbl, "finished_reason"], registry=reg
-        )
-        self.running = Gauge(
-            "kvstrata:num_requests_running", "decoding or prefilling", lbl, registry=reg
-        )
-        self.waiting = Gauge(
-            "kvstrata:num_requests_waiting", "waiting for admission", lbl, registry=reg
-        )
+        self.generated = counter("generation_tokens", "tokens generated")
+        self.finished = counter("request_success", "finished requests", "finished_reason")
+        self.running = gauge("num_requests_running", "decoding or prefilling")
+        self.waiting = gauge("num_requests_waiting", "waiting for admission")
         self.consensus = Histogram(
             "kvstrata:step_consensus_seconds",
             "one step's cross-rank agreement on cache progress (several ranks)",
