@@ -29,6 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model", default="llama-3.1-8b", help=f"model spec: {', '.join(MODELS.names())}"
     )
+    _add_topology_args(p)
+    _add_cache_args(p)
+    p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
+    p.set_defaults(func=run)
+
+
+def _add_topology_args(p: argparse.ArgumentParser) -> None:
+    """The parallel layout being simulated, and the ablation's other layouts."""
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -43,6 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="topologies of the ablation columns, ';'-separated, e.g. 'tp1;tp4;tp4-cp2;tp4-pd'",
     )
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    """Arrivals, tier capacities and cache policies of the replay."""
     p.add_argument(
         "--time-scale",
         type=float,
@@ -67,8 +79,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="timeout",
         help="L3 -> L2 prefetch policy: best_effort, wait_complete, timeout",
     )
-    p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
-    p.set_defaults(func=run)
 
 
 def check_simulate(args: argparse.Namespace) -> None:
@@ -88,26 +98,26 @@ def check_simulate(args: argparse.Namespace) -> None:
     validate.check_out_file(args.json, "--json")
 
 
-def run(args: argparse.Namespace) -> int:
-    console = Console(stderr=True)
-    check_simulate(args)
-    hw, model = get_profile(args.hardware), get_model(args.model)
-    main = Topology(args.tp, args.cp, args.pp, args.pd)
-    cost = CostModel(
-        model, hw, main
-    )  # clear errors for a layout that does not fit, before any work
-    tops = [Topology.parse(t) for t in args.ablate.split(";")] if args.ablate else None
-    for t in tops or []:
-        t.check(model)
-    cache = CacheConfig(
+def _cache(args: argparse.Namespace) -> CacheConfig:
+    return CacheConfig(
         page_size=args.page_size,
         storage_url="mem://" if args.l3 == "mem" else args.l3,
         eviction=args.eviction,
         write_policy=args.write_policy,
         prefetch_policy=args.prefetch_policy,
     )
-    base = ReplayConfig(cache=cache)
-    base = with_capacities(base, cost, args.l1_tokens, args.l2_tokens)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    check_simulate(args)
+    hw, model = get_profile(args.hardware), get_model(args.model)
+    main = Topology(args.tp, args.cp, args.pp, args.pd)
+    cost = CostModel(model, hw, main)  # clear errors for a layout that does not fit, first
+    tops = [Topology.parse(t) for t in args.ablate.split(";")] if args.ablate else None
+    for t in tops or []:
+        t.check(model)
+    base = with_capacities(ReplayConfig(cache=_cache(args)), cost, args.l1_tokens, args.l2_tokens)
     trace = load_trace(args, console)
     with Progress(console=console, transient=True) as bar:
         tasks: dict[str, int] = {}

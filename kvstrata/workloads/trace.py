@@ -137,6 +137,16 @@ def _read_rows(
     return rows, errors
 
 
+def _malformed(errors: list[str]) -> str:
+    """Strict mode's refusal: the bad line, or the first 20 of them."""
+    if len(errors) == 1:
+        return f"{errors[0]} (use skip mode to drop it)"
+    shown = "\n  ".join(errors[:20]) + (
+        f"\n  ... {len(errors) - 20} more" if len(errors) > 20 else ""
+    )
+    return f"{len(errors)} malformed line(s) (use skip mode to drop them):\n  {shown}"
+
+
 def read_mooncake(
     path: str | Path,
     on_error: str = "strict",
@@ -157,15 +167,8 @@ def read_mooncake(
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
     rows, errors = _read_rows(path, max_requests, max_input_tokens)
-    if len(errors) == 1 and on_error == "strict":
-        raise TraceError(f"{errors[0]} (use skip mode to drop it)")
     if errors and on_error == "strict":
-        shown = "\n  ".join(errors[:20]) + (
-            f"\n  ... {len(errors) - 20} more" if len(errors) > 20 else ""
-        )
-        raise TraceError(
-            f"{len(errors)} malformed line(s) (use skip mode to drop them):\n  {shown}"
-        )
+        raise TraceError(_malformed(errors))
     if not rows:
         raise TraceError(
             f"{path}: no valid requests" + (f" ({len(errors)} malformed lines)" if errors else "")
