@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,14 +31,22 @@ def prompt(offset: int, n: int = 41) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_llama(
+        tmp_path_factory.mktemp("pdrouter") / "tiny", seed=1, max_position_embeddings=512
+    )
+
+
+def start_workers(ckpt: Path, roles: list[str], logs: Path) -> list[Server]:
+    args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "96", "--debug-endpoints"]
+    return start_all([([*args, "--role", r], logs / f"worker{i}.log") for i, r in enumerate(roles)])
+
+
+@pytest.fixture(scope="module")
+def workers(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
     """[prefill, decode 0, decode 1], real P/D workers; the prefill worker, asked directly,
     is also the single-server reference (its HTTP API serves like `--role single`)."""
-    tmp = tmp_path_factory.mktemp("pdrouter")
-    ckpt = make_llama(tmp / "tiny", seed=1, max_position_embeddings=512)
-    args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "96", "--debug-endpoints"]
-    roles = ["prefill", "decode", "decode"]
-    srvs = start_all([([*args, "--role", r], tmp / f"worker{i}.log") for i, r in enumerate(roles)])
+    srvs = start_workers(ckpt, ["prefill", "decode", "decode"], tmp_path_factory.mktemp("logs"))
     try:
         yield srvs
     finally:
@@ -186,3 +195,74 @@ def test_router_refuses_a_worker_listed_under_the_wrong_role(workers: list[Serve
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert f"worker {decode} listed as --prefill says role 'decode'" in out.stderr
+
+
+def router_errors(url: str, role: str, worker: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    # Prometheus prints labels sorted by name.
+    labels = f'kind="ConnectError",role="{role}",worker="{re.escape(worker)}"'
+    pattern = rf"^kvstrata:router_upstream_errors_total\{{{labels}\}} (\S+)$"
+    m = re.search(pattern, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def router_routed(url: str, role: str, worker: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    pattern = (
+        rf'^kvstrata:router_requests_total\{{role="{role}",worker="{re.escape(worker)}"\}} (\S+)$'
+    )
+    m = re.search(pattern, text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_down(url: str, names: set[str], timeout_s: float = 30.0) -> dict:
+    """The router's /health once it lists exactly `names` as down (its probe runs on its own)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(f"{url}/health", timeout=30)
+        if r.status_code == 200 and set(r.json()["down"]) == names:
+            return r.json()
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"router /health did not list {names} within {timeout_s} s: {r.text}"
+            )
+        time.sleep(0.1)
+
+
+def test_dead_workers_are_skipped_and_requests_still_succeed(ckpt: Path, tmp_path: Path) -> None:
+    """Two prefill and two decode workers, killed -9 one by one after the routers started.
+    A decode worker that refuses the connection is skipped at once (the request goes to the
+    other; one refusal counted), a prefill worker once the router's /health probe finds it dead;
+    every request still succeeds with the same tokens; /health stays 200 naming the dead, and
+    turns 503 (and requests 502, naming the worker) once a role has none left."""
+    p1, p2, d1, d2 = start_workers(ckpt, ["prefill", "prefill", "decode", "decode"], tmp_path)
+    cmd = ["--role", "router", "--prefill", f"{p1.url},{p2.url}", "--decode", f"{d1.url},{d2.url}"]
+    no_probe = ServerProcess([*cmd, "--router-health-interval-s", "3600"], tmp_path / "r1.log", 60)
+    probing = ServerProcess([*cmd, "--router-health-interval-s", "0.2"], tmp_path / "r2.log", 60)
+    ask = dict(model="tiny", prompt=prompt(3), max_tokens=3, temperature=0)
+    try:
+        want = client_of(no_probe.url).completions.create(**ask).choices[0].text  # on d1
+        d1.stop()  # kill -9
+        for _ in range(4):  # d2, then d1 refuses -> d2, then d1 is skipped
+            assert client_of(no_probe.url).completions.create(**ask).choices[0].text == want
+        assert router_errors(no_probe.url, "decode", d1.url) == 1.0
+        assert router_routed(no_probe.url, "decode", d2.url) == 4.0
+        p1.stop()
+        wait_down(
+            probing.url, {f"prefill {p1.url}: ConnectError", f"decode {d1.url}: ConnectError"}
+        )
+        for _ in range(4):
+            assert client_of(probing.url).completions.create(**ask).choices[0].text == want
+        assert router_routed(probing.url, "prefill", p2.url) == 4.0
+        assert router_routed(probing.url, "prefill", p1.url) == 0.0
+        assert d2.wait_idle()["ok"] and p2.wait_idle()["ok"]
+        d2.stop()
+        assert httpx.get(f"{probing.url}/health", timeout=30).status_code == 503
+        r = httpx.post(f"{probing.url}/v1/completions", json={"prompt": [1, 2]}, timeout=30)
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 502 and d1.url in msg and d2.url in msg, r.text
+    finally:
+        for router in (no_probe, probing):
+            assert router.terminate() == 0, router.log.read_text()
+        for s in (p1, p2, d1, d2):
+            s.stop()

@@ -4,8 +4,11 @@ The router loads no model. Each completion goes to the next decode worker (round
 is told the next prefill worker (upstream.py); the answer comes back as it is: a stream is
 relayed chunk by chunk as the bytes arrive (never buffered), a worker's error JSON keeps its
 status. A client that goes away closes the upstream connection, so the worker aborts the request.
-A worker that cannot be reached is a 502, one silent past read_timeout_s a 504, each naming the
-worker; the client never sees a traceback. /tokenize, /detokenize and /v1/models are answered by
+A decode worker that refuses the connection (nothing was sent) is skipped for down_s and the
+request goes to the next one; every worker's /health is probed each health_interval_s, and a
+worker that fails it is skipped until it passes again. With no worker of a role left, a request is
+a 502, one silent past read_timeout_s a 504, each naming the worker; the client never sees a
+traceback. /tokenize, /detokenize and /v1/models are answered by
 a decode worker (every worker serves the same model).
 """
 
@@ -61,8 +64,12 @@ def create_router_app(state: RouterState) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             state.client = client
-            yield
-            state.stopping = True
+            watch = asyncio.ensure_future(_watch_health(state))
+            try:
+                yield
+            finally:
+                state.stopping = True
+                watch.cancel()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
 
@@ -76,14 +83,16 @@ def create_router_app(state: RouterState) -> FastAPI:
 def _info_routes(app: FastAPI, state: RouterState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        """200 when every worker's /health is 200; else 503 naming the workers that are not."""
+        """200 while each role has a healthy worker (the body lists any that are down); else 503
+        naming the workers that are not healthy."""
         if state.stopping:
             return JSONResponse(ApiError(503, "router is stopping").body(), status_code=503)
-        bad = await _unhealthy(state)
-        if bad:
-            err = ApiError(503, "workers not healthy: " + "; ".join(bad))
+        bad = await _probe(state)
+        roles_left = {role for role, url in state.up.all() if url not in bad}
+        if roles_left != {"prefill", "decode"}:
+            err = ApiError(503, "workers not healthy: " + "; ".join(bad.values()))
             return JSONResponse(err.body(), status_code=503)
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok", "down": list(bad.values())})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -112,18 +121,33 @@ def _generate_routes(app: FastAPI, state: RouterState) -> None:
         return await _generate(state, request, "/v1/chat/completions")
 
 
-async def _unhealthy(state: RouterState) -> list[str]:
-    client, timeout = state.http(), state.up.cfg.info_timeout_s
+async def _probe(state: RouterState) -> dict[str, str]:
+    """GET /health of every worker at once; {url: why} of those that failed. A failed worker is
+    skipped for down_s, a healthy one taken back at once."""
+    client, rc = state.http(), state.up.cfg
 
     async def one(role: str, url: str) -> str | None:
         try:
-            r = await client.get(f"{url}/health", timeout=timeout)
+            r = await client.get(f"{url}/health", timeout=rc.info_timeout_s)
         except httpx.HTTPError as exc:
             return f"{role} {url}: {type(exc).__name__}"
         return None if r.status_code == 200 else f"{role} {url}: HTTP {r.status_code}"
 
-    found = await asyncio.gather(*(one(role, url) for role, url in state.up.all()))
-    return [b for b in found if b is not None]
+    workers = state.up.all()
+    found = await asyncio.gather(*(one(role, url) for role, url in workers))
+    for (role, url), why in zip(workers, found, strict=True):
+        if why is None:
+            state.up.pool(role).mark_up(url)
+        else:
+            state.up.pool(role).mark_down(url, rc.down_s)
+    return {url: why for (_, url), why in zip(workers, found, strict=True) if why is not None}
+
+
+async def _watch_health(state: RouterState) -> None:
+    """Probe every health_interval_s until the router stops (cancelled by the lifespan)."""
+    while not state.stopping:
+        await asyncio.sleep(state.up.cfg.health_interval_s)
+        await _probe(state)
 
 
 def _failure(role: str, url: str, exc: httpx.HTTPError, state: RouterState) -> ApiError:
@@ -179,19 +203,37 @@ def _decode_content(state: RouterState, raw: bytes, prefill_url: str) -> tuple[b
     return content, body.get("stream") is True
 
 
-async def _generate(state: RouterState, request: Request, path: str) -> Response:
-    prefill_url, decode_url = state.up.prefill.pick(), state.up.decode.pick()
-    content, streaming = _decode_content(state, await request.body(), prefill_url)
-    state.metrics.requests.labels(role="decode", worker=decode_url).inc()
-    state.metrics.requests.labels(role="prefill", worker=prefill_url).inc()
-    client, t0 = state.http(), time.perf_counter()
-    send = client.build_request("POST", f"{decode_url}{path}", content=content, headers=JSON)
-
-    async def open_and_answer() -> Response:
+async def _open(
+    state: RouterState, path: str, raw: bytes, prefill_url: str
+) -> tuple[httpx.Response, str, bool]:
+    """(decode's answer, opened as a stream; its worker; whether the client wants a stream). A
+    worker that refuses the connection got nothing, so the next one is tried (each at most once)."""
+    client = state.http()
+    content, streaming = _decode_content(state, raw, prefill_url)
+    refused: list[ApiError] = []
+    for decode_url in state.up.decode.order():
+        send = client.build_request("POST", f"{decode_url}{path}", content=content, headers=JSON)
         try:
             resp = await client.send(send, stream=True)
+        except httpx.ConnectError as exc:
+            refused.append(_failure("decode", decode_url, exc, state))
+            state.up.decode.mark_down(decode_url, state.up.cfg.down_s)
+            continue
         except httpx.HTTPError as exc:
             raise _failure("decode", decode_url, exc, state) from None
+        state.metrics.requests.labels(role="decode", worker=decode_url).inc()
+        state.metrics.requests.labels(role="prefill", worker=prefill_url).inc()
+        return resp, decode_url, streaming
+    if len(refused) == 1:
+        raise refused[0]
+    raise ApiError(502, "every decode worker refused: " + "; ".join(e.message for e in refused))
+
+
+async def _generate(state: RouterState, request: Request, path: str) -> Response:
+    prefill_url, raw, t0 = state.up.prefill.pick(), await request.body(), time.perf_counter()
+
+    async def open_and_answer() -> Response:
+        resp, decode_url, streaming = await _open(state, path, raw, prefill_url)
         if resp.status_code == 200 and streaming:
             relay = _relay(resp, decode_url, state, t0)
             return StreamingResponse(relay, media_type="text/event-stream")

@@ -30,6 +30,14 @@ class RouterConfig:
     read_timeout_s: float = doc(
         300.0, "longest wait for the next bytes of a worker's answer (a token, or the body)"
     )
+    down_s: float = doc(
+        10.0,
+        "a worker that refused a connection or failed its /health is skipped this long (or "
+        "until its /health answers 200 again)",
+    )
+    health_interval_s: float = doc(
+        2.0, "how often the router probes every worker's /health to skip or take back workers"
+    )
     require_info: bool = doc(
         True,
         "check each worker's GET /v1/pd/info role at start; --no-require-info accepts ordinary "

@@ -9,7 +9,6 @@ decode worker unchanged and the prefill list is only health-checked.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,18 +25,46 @@ transfer endpoint from /v1/pd/info, or its HTTP base URL, which decode then reso
 
 
 class RoundRobin:
-    """Worker URLs taken in turn (thread-safe: the launcher's tests pick from threads too)."""
+    """Worker URLs taken in turn, skipping workers marked down (thread-safe: the launcher's tests
+    pick from threads too). A mark lasts until its time or the worker's next good /health."""
 
     def __init__(self, role: str, urls: tuple[str, ...]) -> None:
         if not urls:
             raise ValueError(f"no {role} workers")
         self.role, self.urls = role, urls
-        self._next = itertools.cycle(range(len(urls)))
+        self._next = 0  # index of the worker whose turn is next
+        self._down: dict[str, float] = {}  # url -> time.monotonic() until which it is skipped
         self._lock = threading.Lock()
 
     def pick(self) -> str:
+        """The next worker not marked down; with every one down, the next in turn (the request
+        then fails naming it, rather than waiting)."""
+        return self.order()[0]
+
+    def order(self) -> list[str]:
+        """Every worker once, for one request's tries: from the next in turn, those not marked
+        down first, then the ones marked down (they may have come back)."""
+        n, now = len(self.urls), time.monotonic()
         with self._lock:
-            return self.urls[next(self._next)]
+            turn = [(self._next + i) % n for i in range(n)]
+            up = [i for i in turn if self._down.get(self.urls[i], 0.0) <= now]
+            first = up[0] if up else turn[0]
+            self._next = (first + 1) % n  # the next request starts after the one chosen now
+            return [self.urls[i] for i in up + [i for i in turn if i not in up]]
+
+    def mark_down(self, url: str, for_s: float) -> None:
+        with self._lock:
+            self._down[url] = time.monotonic() + for_s
+
+    def mark_up(self, url: str) -> None:
+        with self._lock:
+            self._down.pop(url, None)
+
+    def down(self) -> list[str]:
+        """Workers skipped now."""
+        with self._lock:
+            now = time.monotonic()
+            return [u for u in self.urls if self._down.get(u, 0.0) > now]
 
 
 @dataclass
@@ -57,6 +84,9 @@ class Upstreams:
     def all(self) -> list[tuple[str, str]]:
         """(role, url) of every worker."""
         return [("prefill", u) for u in self.cfg.prefill] + [("decode", u) for u in self.cfg.decode]
+
+    def pool(self, role: str) -> RoundRobin:
+        return self.prefill if role == "prefill" else self.decode
 
     def decode_body(self, body: dict[str, Any], prefill_url: str) -> dict[str, Any]:
         """What the decode worker is sent for one client request (the client's own fields kept)."""
