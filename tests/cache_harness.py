@@ -10,6 +10,7 @@ import random
 
 import numpy as np
 
+from kvstrata.cache.chain import PageChain
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.lease import Lease
 from kvstrata.cache.manager import HiCache
@@ -102,15 +103,19 @@ def content(key: int) -> int:
 
 
 def serve(
-    cache: HiCache, mover: ArrayMover, keys: list[int], max_steps: int = 1000
+    cache: HiCache, mover: ArrayMover, keys: list[int] | PageChain, max_steps: int = 1000
 ) -> tuple[int, int, int]:
     """One request through every tier through its lease; returns (L1, L2, L3) hit pages.
 
-    The request is `keys` full pages plus one token (so every page may hit). Checks that every
-    page the cache hands back holds that page's content.
+    The request is `keys` full pages (a key list, or a PageChain with token bytes) plus one
+    token (so every page may hit). Checks that every page the cache hands back holds that
+    page's content.
     """
     page = cache.config.page_size
-    lease = Lease(cache, keys, len(keys) * page + 1, len(keys), page)
+    chain = keys
+    if isinstance(keys, PageChain):  # its keys, hashed apart (the lease's chain stays lazy)
+        keys = PageChain(keys.seed, page, keys.data, []).keys_upto(keys.pages)
+    lease = Lease(cache, chain, len(keys) * page + 1, len(keys), page)
     for _ in range(max_steps):
         if lease.advance(0.0, can_schedule=False):
             break

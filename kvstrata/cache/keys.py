@@ -86,14 +86,19 @@ def page_keys(
     arr = as_token_array(tokens, vocab_size)
     page = namespace.page_size
     n_pages = arr.size // page
-    data = memoryview(arr[: n_pages * page]).cast("B")  # no copy; slices are cheap views
-    step = page * 4
     key = namespace.seed() if parent_key is None else parent_key
+    return chain_keys(memoryview(arr[: n_pages * page]).cast("B"), page * 4, key)
+
+
+def chain_keys(data: bytes | memoryview, page_bytes: int, key: int) -> list[int]:
+    """Keys of the whole pages in `data` (int32 token bytes), chained after `key` (the key of
+    the page before, or a namespace seed). The one place the chain step is spelled."""
+    view = memoryview(data).cast("B")  # no copy; slices are cheap views
     digest, mask = xxhash.xxh3_128_intdigest, _MASK64  # locals: this loop runs once per page
     keys: list[int] = []
     append = keys.append
-    for start in range(0, n_pages * step, step):
-        key = digest(data[start : start + step], key & mask)  # low 64 bits seed the next
+    for start in range(0, len(view) // page_bytes * page_bytes, page_bytes):
+        key = digest(view[start : start + page_bytes], key & mask)  # low 64 bits seed the next
         append(key)
     return keys
 

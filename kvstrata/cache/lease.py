@@ -14,7 +14,9 @@ Rules that live here, once:
 - the page holding the last prompt token is never a hit: its logits must be computed;
 - hits per tier come from the final match: L1 pages, L2 pages, and the L2 pages that this
   lease's own prefetch brought from L3 count as L3;
-- admission is all or nothing: a lease either owns every device page it needs or none.
+- admission is all or nothing: a lease either owns every device page it needs or none;
+- a page is hashed only when its key is needed (an L3 probe, an insert): the match walks the
+  request's token bytes, and the matched pages' keys come from the tree (cache/chain.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvstrata.cache.chain import PageChain
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import TransferOp
 from kvstrata.cache.radix import Match, Node
@@ -58,8 +61,9 @@ class Hits:
 class Lease:
     """A request's hold on cache pages, from first match to release.
 
-    `keys` are the chained keys of the request's full pages known so far (at least those the
-    prompt may hit; `extend_keys` adds pages of generated tokens). `pages_needed` is every device
+    `chain` holds the request's full pages known so far (at least those the prompt may hit;
+    `extend_tokens`/`extend_keys` add pages of generated tokens): a PageChain with token bytes,
+    hashed lazily, or a plain list of chained keys (a key-only chain). `pages_needed` is every device
     page the request will write or read. Without a cache (`cache is None`) the lease only
     allocates from `allocator` and never matches or inserts.
     """
@@ -67,7 +71,7 @@ class Lease:
     def __init__(
         self,
         cache: HiCache | None,
-        keys: list[int],
+        chain: PageChain | list[int],
         prompt_tokens: int,
         pages_needed: int,
         page_size: int,
@@ -77,8 +81,10 @@ class Lease:
             raise ValueError("a lease without a cache needs a page allocator")
         self.cache, self.allocator = cache, allocator
         self.page = page_size
-        self.keys = list(keys)
-        self.match_pages = min(len(self.keys), hittable_pages(prompt_tokens, page_size))
+        if not isinstance(chain, PageChain):
+            chain = PageChain.from_keys(chain, page_size)
+        self.chain = chain
+        self.match_pages = min(chain.pages, hittable_pages(prompt_tokens, page_size))
         self.pages_needed = pages_needed
         self.state = LeaseState.NEW
         self.match: Match | None = None
@@ -90,6 +96,11 @@ class Lease:
         self.inserted = 0  # leading pages of page_table that the tree owns
         self.from_storage = 0  # pages this lease's prefetch landed in L2
         self.hits = Hits()
+
+    @property
+    def keys(self) -> list[int]:
+        """Keys of the leading pages known so far (every matched and every committed page)."""
+        return self.chain.keys
 
     # ---- before admission ---------------------------------------------------------------------
     @property
@@ -104,7 +115,8 @@ class Lease:
                 self.state = LeaseState.READY
                 return True
             self._rematch()
-            self.probe = cache.start_probe(self._after_match())
+            # only a probe needs the keys of the pages past the match (hashed here, once)
+            self.probe = cache.start_probe(self._after_match()) if cache.has_storage else None
             self.state = LeaseState.PROBING if self.probe else LeaseState.READY
         if self.state is LeaseState.PROBING:
             if self.probe is None or self.probe.agreed is None:
@@ -124,20 +136,26 @@ class Lease:
 
     def _after_match(self) -> list[int]:
         assert self.match is not None
-        return self.keys[self.match.pages : self.match_pages]
+        return self.chain.keys_upto(self.match_pages)[self.match.pages :]
 
     def _start_prefetch(self, now_s: float) -> None:
         assert self.cache is not None and self.probe is not None and self.locked is not None
         n = self.probe.agreed or 0
         want = self._after_match()[:n]
-        self.prefetch = self.cache.start_prefetch(want, self.locked, now_s) if want else None
+        self.prefetch = None
+        if want:
+            at = self.match.pages  # type: ignore[union-attr]
+            tokens = self.chain.tokens(at, at + len(want))
+            self.prefetch = self.cache.start_prefetch(
+                want, self.locked, now_s, tokens, self.chain.seed
+            )
         self.state = LeaseState.PREFETCHING if self.prefetch else LeaseState.READY
 
     def _rematch(self) -> None:
         assert self.cache is not None
         if self.locked is not None:
             self.cache.unlock(self.locked)
-        self.match = self.cache.match(self.keys[: self.match_pages])
+        self.match = self.cache.match_chain(self.chain, self.match_pages)
         self.locked = self.match.last_node
         self.cache.lock(self.locked)  # type: ignore[arg-type]
 
@@ -197,16 +215,20 @@ class Lease:
 
     # ---- while running ------------------------------------------------------------------------
     def extend_keys(self, more: list[int]) -> None:
-        """Keys of further full pages (generated tokens), chained after `keys`."""
-        self.keys.extend(more)
+        """Keys of further full pages (generated tokens) of a key-only chain."""
+        self.chain.extend_keys(more)
+
+    def extend_tokens(self, tokens: object, vocab_size: int | None = None) -> None:
+        """Whole further pages of token ids (generated ones); hashed when committed."""
+        self.chain.extend_tokens(tokens, vocab_size)
 
     def commit(self, computed_tokens: int) -> None:
         """Hand the full pages among the first `computed_tokens` to the tree (shared from now)."""
-        n_full = min(computed_tokens // self.page, len(self.keys), len(self.page_table))
+        n_full = min(computed_tokens // self.page, self.chain.pages, len(self.page_table))
         if self.cache is None or n_full <= self.inserted:
             return
-        keys = self.keys[:n_full]
-        node = self.cache.insert(keys, self.page_table[:n_full])
+        node = self.cache.insert_chain(self.chain, n_full, self.page_table[:n_full])
+        keys = self.chain.keys[:n_full]
         self.cache.lock(node)
         if self.locked is not None:
             self.cache.unlock(self.locked)

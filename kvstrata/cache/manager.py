@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from kvstrata.cache import integrity
+from kvstrata.cache.chain import PageChain
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, OpQueues, PageMover, TransferOp
@@ -67,7 +68,14 @@ class HiCache:
     # ---- request path -------------------------------------------------------------------------
     def match(self, keys: list[int]) -> Match:
         """Longest cached prefix; backs up hot pages under write_through_selective."""
-        m = self.tree.match(keys)
+        return self._matched(self.tree.match(keys))
+
+    def match_chain(self, chain: PageChain, n_pages: int) -> Match:
+        """`match` of a chain's first n_pages, by token bytes: only pages the tree does not
+        hold may get hashed (see RadixTree.match_chain)."""
+        return self._matched(self.tree.match_chain(chain, n_pages))
+
+    def _matched(self, m: Match) -> Match:
         if self.write.hit_threshold and self.tiers.host is not None:
             # the host room a backup takes must not come from the path just matched
             self.tree.lock(m.last_node)  # type: ignore[arg-type]
@@ -120,9 +128,22 @@ class HiCache:
         self._submit(op)
         return op
 
-    def insert(self, keys: list[int], device_ids: list[int]) -> Node:
-        """Cache full pages the caller computed (or matched); ownership of the ids passes to the tree."""
-        node, spare = self.tree.insert(keys, device_ids)
+    def insert_chain(self, chain: PageChain, n_pages: int, device_ids: list[int]) -> Node:
+        """`insert` of a chain's first n_pages with their token bytes; hashes only the pages
+        whose keys the chain does not know yet (those past its match)."""
+        keys = chain.keys_upto(n_pages)
+        return self.insert(keys, device_ids, chain.tokens(0, n_pages), chain.seed)
+
+    def insert(
+        self,
+        keys: list[int],
+        device_ids: list[int],
+        tokens: bytes | None = None,
+        seed: int = 0,
+    ) -> Node:
+        """Cache full pages the caller computed (or matched); ownership of the ids passes to the
+        tree. tokens/seed: the pages' token bytes and namespace seed (RadixTree.insert)."""
+        node, spare = self.tree.insert(keys, device_ids, tokens, seed)
         self.owned.difference_update(device_ids)
         if spare:
             self.tiers.device.free(spare)
@@ -144,9 +165,15 @@ class HiCache:
         return op
 
     def start_prefetch(
-        self, keys: list[int], parent: Node, now_s: float = 0.0
+        self,
+        keys: list[int],
+        parent: Node,
+        now_s: float = 0.0,
+        tokens: bytes | None = None,
+        seed: int = 0,
     ) -> TransferOp | None:
-        """Read the leading pages of `keys` that storage has into L2, under `parent`."""
+        """Read the leading pages of `keys` that storage has into L2, under `parent`
+        (tokens/seed: their token bytes, which the landed pages take into the tree)."""
         if not self.has_storage or not keys:
             return None
         host_ids = self.tiers.alloc_host(len(keys))
@@ -154,6 +181,7 @@ class HiCache:
             return None
         parent.pins += 1
         op = TransferOp(PREFETCH, [], host_ids, keys=list(keys), node=parent, started_s=now_s)
+        op.tokens, op.seed = tokens, seed
         self._submit(op)
         return op
 
@@ -274,7 +302,13 @@ class HiCache:
         self.counters.prefetch["complete" if ok == op.pages else "partial" if ok else "empty"] += 1
         spare = list(op.dst[ok:])
         if ok:
-            for node, fresh in self.tree.insert_host(parent, op.keys[:ok], op.dst[:ok], spare):
+            tokens = op.tokens
+            if tokens is not None:
+                tokens = tokens[: ok * (len(tokens) // len(op.keys))]
+            walked = self.tree.insert_host(
+                parent, op.keys[:ok], op.dst[:ok], spare, tokens, op.seed
+            )
+            for node, fresh in walked:
                 if fresh:
                     self.tiers.touched(node)
         if spare:

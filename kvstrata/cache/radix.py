@@ -1,7 +1,13 @@
 """Paged radix tree over chained page keys (tensor-free).
 
 Each edge holds a run of page keys and, per tier, where those pages live: `device` (L1 logical page
-ids), `host` (L2 host page ids) and `in_storage` (written to L3). Tier invariants:
+ids), `host` (L2 host page ids) and `in_storage` (written to L3). An edge may also hold its pages'
+token bytes (int32): then it is found by them too, so a request's prompt is matched without
+hashing it (`match_chain`); the keys of the matched pages come from the nodes. Children are
+indexed twice: by first key (`children`, every node) and by the first page's token bytes
+(`tindex`, nodes with tokens; at the root one index per namespace seed, `RadixTree.top`). Token
+bytes are an in-memory index only: a page's identity stays its chained xxh3 key, and
+`check_integrity` rehashes every node's tokens to its keys. Tier invariants:
 - every node except the root is on the device, on the host, or both;
 - the device-resident nodes are closed under ancestors (eviction from L1 is leaf-first), so a
   match is an L1 prefix followed by host-only pages;
@@ -13,94 +19,22 @@ Time is a logical clock (one tick per match/insert), identical on every rank, ne
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import compress
-from operator import ne
+from typing import TYPE_CHECKING
 
+from kvstrata.cache.radix_node import (
+    Match,
+    Node,
+    _common_len,
+    _common_pages,
+    _duplicates,
+    _head,
+    _tail,
+)
 
-class Node:
-    """One edge of the tree: a run of pages sharing the same tier state."""
+if TYPE_CHECKING:
+    from kvstrata.cache.chain import PageChain
 
-    __slots__ = (
-        "parent",
-        "children",
-        "keys",
-        "device",
-        "host",
-        "in_storage",
-        "lock_ref",
-        "pins",
-        "hits",
-        "last_access",
-    )
-
-    def __init__(
-        self,
-        parent: Node | None,
-        keys: list[int],
-        device: list[int] | None,
-        host: list[int] | None = None,
-        clock: int = 0,
-    ) -> None:
-        self.parent = parent
-        self.children: dict[int, Node] = {}
-        self.keys = keys
-        self.device = device
-        self.host = host
-        self.in_storage = False
-        self.lock_ref = 0
-        self.pins = 0
-        self.hits = 0
-        self.last_access = clock
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __lt__(self, other: Node) -> bool:  # heap tie-break: deterministic by first key
-        return self.keys[0] < other.keys[0]
-
-    @property
-    def evictable(self) -> bool:
-        return self.lock_ref == 0 and self.pins == 0
-
-    def has_device_child(self) -> bool:
-        return any(c.device is not None for c in self.children.values())
-
-
-class Match:
-    """The longest cached prefix of a key chain, split by tier (a plain slotted class: one is
-    made per lookup, on the admission path).
-
-    - device_ids: L1 page ids of the leading pages resident on the device;
-    - host_nodes: nodes after the L1 prefix whose pages are only in host memory (L2), in order;
-    - device_node: deepest matched node that is on the device (root if none);
-    - last_node: deepest matched node (the end of the L1 + L2 prefix).
-    """
-
-    __slots__ = ("device_ids", "host_nodes", "device_node", "last_node")
-
-    def __init__(
-        self,
-        device_ids: list[int] | None = None,
-        host_nodes: list[Node] | None = None,
-        device_node: Node | None = None,
-        last_node: Node | None = None,
-    ) -> None:
-        self.device_ids: list[int] = [] if device_ids is None else device_ids
-        self.host_nodes: list[Node] = [] if host_nodes is None else host_nodes
-        self.device_node = device_node
-        self.last_node = last_node
-
-    @property
-    def device_pages(self) -> int:
-        return len(self.device_ids)
-
-    @property
-    def host_pages(self) -> int:
-        return sum(len(n) for n in self.host_nodes)
-
-    @property
-    def pages(self) -> int:
-        return self.device_pages + self.host_pages
+__all__ = ["Match", "Node", "RadixTree"]
 
 
 class RadixTree:
@@ -109,20 +43,34 @@ class RadixTree:
     def __init__(self) -> None:
         self.root = Node(None, [], device=[], host=[])
         self.clock = 0
+        # per namespace seed: the root's children with tokens, by their first page's bytes
+        self.top: dict[int, dict[bytes, Node]] = {}
 
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, keys: list[int], touch: bool = True) -> Match:
-        """Longest cached prefix of `keys`; splits a partially matched edge at the match end.
-
-        Hot path (every admission): one dict lookup and one C-level list comparison per node,
-        no per-key Python work unless the match ends inside an edge.
-        """
+        """Longest cached prefix of `keys`; splits a partially matched edge at the match end."""
         self.clock += 1
-        clock = self.clock
         device_ids: list[int] = []
         host_nodes: list[Node] = []
-        node = device_node = self.root
-        i, total = 0, len(keys)
+        node, device_node = self._key_walk(
+            self.root, self.root, keys, 0, touch, device_ids, host_nodes
+        )
+        return Match(device_ids, host_nodes, device_node, node)
+
+    def _key_walk(
+        self,
+        node: Node,
+        device_node: Node,
+        keys: list[int],
+        i: int,
+        touch: bool,
+        device_ids: list[int],
+        host_nodes: list[Node],
+    ) -> tuple[Node, Node]:
+        """Walk keys[i:] down from `node`, appending to the match lists; returns (last node,
+        deepest device node). Hot path: one dict lookup and one C-level list comparison per
+        node, no per-key Python work unless the match ends inside an edge."""
+        clock, total = self.clock, len(keys)
         while i < total:
             child = node.children.get(keys[i])
             if child is None:
@@ -146,7 +94,82 @@ class RadixTree:
             node, i = child, end
             if partial:
                 break  # the split-off lower part starts with a key that differs (or none left)
+        return node, device_node
+
+    def match_chain(self, chain: PageChain, n_pages: int, touch: bool = True) -> Match:
+        """Longest cached prefix of the chain's first n_pages, found by token bytes: no page is
+        hashed for the pages the tree holds; their keys, read from the nodes, go to
+        `chain.learn`. Where the walk stops at a node with children known only by key, the
+        rest of the chain is hashed and the walk goes on by key (same result as `match`)."""
+        if chain.data is None:
+            return self.match(chain.keys[:n_pages], touch)
+        self.clock += 1
+        clock, data, p = self.clock, chain.data, chain.page_bytes
+        limit = min(n_pages, chain.pages) * p
+        keys: list[int] = []
+        device_ids: list[int] = []
+        host_nodes: list[Node] = []
+        node = device_node = self.root
+        index, off, partial = self.top.get(chain.seed), 0, False
+        while off < limit and index:
+            child = index.get(data[off : off + p])
+            if child is None:
+                break
+            edge = child.tokens
+            end = off + len(edge)  # type: ignore[arg-type]
+            # one compare of the edge's bytes (a one-page edge matched by the lookup)
+            partial = end - off > p and (end > limit or data[off:end] != edge)
+            if partial:
+                n = _common_pages(edge, data, off, limit, p)  # type: ignore[arg-type]
+                child = self.split(child, n)
+                end = off + n * p
+            if touch:
+                child.last_access = clock
+                child.hits += 1
+            keys += child.keys
+            if child.device is not None:
+                device_ids += child.device
+                device_node = child
+            else:
+                host_nodes.append(child)
+            node, off = child, end
+            if partial:
+                break
+            index = child.tindex
+        chain.learn(keys)
+        if off < limit and not partial and self._has_key_only_child(node):
+            rest = chain.keys_upto(limit // p)
+            node, device_node = self._key_walk(
+                node, device_node, rest, off // p, touch, device_ids, host_nodes
+            )
         return Match(device_ids, host_nodes, device_node, node)
+
+    def _has_key_only_child(self, node: Node) -> bool:
+        if node is self.root:
+            return len(node.children) > sum(len(d) for d in self.top.values())
+        return len(node.children) > (len(node.tindex) if node.tindex else 0)
+
+    def _index_of(self, node: Node) -> dict[bytes, Node]:
+        """The token index `node` (which has tokens) is listed in: its parent's, or the root's
+        for its namespace."""
+        parent = node.parent
+        assert parent is not None
+        if parent is self.root:
+            assert node.seed is not None, "a child of the root with tokens has a seed"
+            return self.top.setdefault(node.seed, {})
+        if parent.tindex is None:
+            parent.tindex = {}
+        return parent.tindex
+
+    def _give_tokens(self, node: Node, tokens: bytes, seed: int) -> None:
+        """`node` learns its pages' token bytes and joins its parent's token index."""
+        p = len(tokens) // len(node.keys)
+        assert p * len(node.keys) == len(tokens), "token bytes misaligned with keys"
+        node.tokens = tokens
+        node.seed = seed if node.parent is self.root else None
+        index = self._index_of(node)
+        assert index.get(tokens[:p], node) is node, "two children with the same first page"
+        index[tokens[:p]] = node
 
     def split(self, node: Node, n: int) -> Node:
         """Cut `node` after its first n pages; returns the new upper node (which keeps the stats)."""
@@ -169,18 +192,34 @@ class RadixTree:
         )
         node.parent = upper
         upper.children[node.keys[0]] = node
+        tokens = node.tokens
+        if tokens is not None:  # the upper part takes the lower's place in the token index
+            p = len(tokens) // (n + len(node))
+            upper.tokens, node.tokens = tokens[: n * p], tokens[n * p :]
+            upper.seed, node.seed = node.seed, None
+            self._index_of(upper)[tokens[:p]] = upper
+            upper.tindex = {node.tokens[:p]: node}
         return upper
 
     # ---- update -------------------------------------------------------------------------------
-    def insert(self, keys: list[int], device_ids: list[int]) -> tuple[Node, list[int]]:
+    def insert(
+        self,
+        keys: list[int],
+        device_ids: list[int],
+        tokens: bytes | None = None,
+        seed: int = 0,
+    ) -> tuple[Node, list[int]]:
         """Cache `keys` with their L1 pages. Returns (last node, ids the caller must free).
 
         Pages already on the device keep their existing ids (the caller's duplicates come back
         to be freed); matched nodes that had left the device adopt the caller's ids. The tree
-        keeps its own copies of the id lists (slices), never the caller's list.
+        keeps its own copies of the id lists (slices), never the caller's list. `tokens`: the
+        pages' token bytes (and `seed`, their namespace's root key): new nodes, and walked
+        nodes without tokens, take theirs.
         """
         assert len(keys) == len(device_ids), "one device page per key"
         ids = device_ids if type(device_ids) is list else list(device_ids)
+        p = len(tokens) // len(keys) if tokens and keys else 0
         self.clock += 1
         clock = self.clock
         node, i, total = self.root, 0, len(keys)
@@ -190,6 +229,8 @@ class RadixTree:
             if child is None:
                 leaf = Node(node, keys[i:], ids[i:], None, clock)
                 node.children[keys[i]] = leaf
+                if tokens is not None:
+                    self._give_tokens(leaf, tokens[i * p :], seed)
                 node = leaf
                 break
             edge = child.keys
@@ -200,19 +241,29 @@ class RadixTree:
             child.last_access = clock
             if child.device is None:  # the node had left the device: it adopts the caller's ids
                 child.device = ids[i : i + n]
+            if tokens is not None and child.tokens is None:
+                self._give_tokens(child, tokens[i * p : (i + n) * p], seed)
             held += child.device
             node, i = child, i + n
         return node, _duplicates(ids, held)
 
     def insert_host(
-        self, parent: Node, keys: list[int], host_ids: list[int], spare: list[int]
+        self,
+        parent: Node,
+        keys: list[int],
+        host_ids: list[int],
+        spare: list[int],
+        tokens: bytes | None = None,
+        seed: int = 0,
     ) -> list[tuple[Node, bool]]:
         """Hang pages read from storage under `parent` as host pages marked stored.
 
         Returns the nodes walked, each with True where it got its host ids here; the ids of
         pages that already had a host copy are appended to `spare` for the caller to free.
+        `tokens`/`seed` as for `insert`.
         """
         assert len(keys) == len(host_ids), "one host page per key"
+        p = len(tokens) // len(keys) if tokens and keys else 0
         node, i, walked = parent, 0, []
         while i < len(keys):
             child = node.children.get(keys[i])
@@ -220,6 +271,8 @@ class RadixTree:
                 leaf = Node(node, keys[i:], None, list(host_ids[i:]), self.clock)
                 leaf.in_storage = True
                 node.children[keys[i]] = leaf
+                if tokens is not None:
+                    self._give_tokens(leaf, tokens[i * p :], seed)
                 walked.append((leaf, True))
                 return walked
             n = _common_len(child.keys, keys, i)
@@ -230,6 +283,8 @@ class RadixTree:
                 child.host = list(host_ids[i : i + n])
             else:
                 spare.extend(host_ids[i : i + n])
+            if tokens is not None and child.tokens is None:
+                self._give_tokens(child, tokens[i * p : (i + n) * p], seed)
             child.in_storage = True
             walked.append((child, fresh))
             node, i = child, i + n
@@ -238,6 +293,9 @@ class RadixTree:
     def remove_leaf(self, node: Node) -> None:
         """Unlink a leaf that has left every tier."""
         assert not node.children and node.parent is not None, "only leaves are removed"
+        if node.tokens is not None:
+            index = self._index_of(node)
+            del index[node.tokens[: len(node.tokens) // len(node.keys)]]
         del node.parent.children[node.keys[0]]
         node.parent = None
 
@@ -271,44 +329,8 @@ class RadixTree:
         return [k for part in reversed(parts) for k in part]
 
     def check_integrity(self) -> None:
-        """Structural and tier invariants; raises AssertionError on the first broken one."""
-        for node in self.nodes():
-            assert node.parent is not None and node.parent.children.get(node.keys[0]) is node
-            assert node.keys, "empty edge"
-            assert node.device is not None or node.host is not None, "node in no tier"
-            for ids in (node.device, node.host):
-                assert ids is None or len(ids) == len(node.keys), "tier ids misaligned with keys"
-            if node.device is not None and node.parent is not self.root:
-                assert node.parent.device is not None, "device set not ancestor-closed"
-            assert node.lock_ref >= 0 and node.pins >= 0
-            assert node.lock_ref <= node.parent.lock_ref or node.parent is self.root
-            for k, child in node.children.items():
-                assert child.keys[0] == k
+        """Structural, tier and token invariants; raises AssertionError on the first broken one
+        (radix_check.py: every node's tokens rehash to its keys, chained from its parent)."""
+        from kvstrata.cache.radix_check import check_tree
 
-
-def _duplicates(ids: list[int], held: list[int]) -> list[int]:
-    """The caller's ids of pages the tree holds under other ids (theirs to free), in order; one
-    C-level pass over the matched span instead of Python work per node."""
-    mine = ids[: len(held)]
-    if mine == held:  # the caller passed the ids it matched: nothing to free
-        return []
-    return list(compress(mine, map(ne, mine, held)))
-
-
-def _common_len(edge: list[int], keys: list[int], start: int) -> int:
-    """Length of the common prefix of `edge` and keys[start:] (edge[0] is known to match)."""
-    n = min(len(edge), len(keys) - start)
-    if edge[:n] == keys[start : start + n]:
-        return n
-    i = 1
-    while edge[i] == keys[start + i]:  # stops before n: the slices differ
-        i += 1
-    return i
-
-
-def _head(ids: list[int] | None, n: int) -> list[int] | None:
-    return None if ids is None else ids[:n]
-
-
-def _tail(ids: list[int] | None, n: int) -> list[int] | None:
-    return None if ids is None else ids[n:]
+        check_tree(self)

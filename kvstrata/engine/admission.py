@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvstrata.cache.chain import PageChain
 from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.cache.lease import Lease
 from kvstrata.cache.manager import HiCache
@@ -72,11 +73,13 @@ class Admission:
                 req.lease = None
 
     def _open(self, req: Request) -> Lease:
-        """The request's lease, keyed by the full pages of what it prefills (its prompt)."""
+        """The request's lease over the full pages of what it prefills (its prompt): their
+        token bytes, validated here; a page is hashed only once its key is needed (the lease's
+        L3 probe, its commit), so the pages the tree already holds never are."""
         seq = req.prefill_tokens
         req.lease = Lease(
             self.cache,
-            self.seq_keys(req, seq),
+            PageChain.from_tokens(seq, self._ns(req), self.vocab_size),
             len(seq),
             req.pages_needed(self.page),
             self.page,
@@ -107,10 +110,11 @@ class Admission:
         assert lease is not None, f"request {req.rid} was never admitted"
         ready = req.final_kv_tokens  # under speculation: target and draft KV both final
         n_full = ready // self.page
-        if self.cache is not None and n_full > len(lease.keys):
-            parent = lease.keys[-1] if lease.keys else None
-            more = req.all_tokens[len(lease.keys) * self.page : n_full * self.page]
-            lease.extend_keys(page_keys(more, self._ns(req), self.vocab_size, parent_key=parent))
+        have = lease.chain.pages
+        if self.cache is not None and n_full > have:
+            lease.extend_tokens(
+                req.all_tokens[have * self.page : n_full * self.page], self.vocab_size
+            )
         lease.commit(ready)
         if final:
             lease.release()
