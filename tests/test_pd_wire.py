@@ -30,7 +30,7 @@ from kvstrata.serve.process import ROOT
 from tests.tiny_models import make_llama
 
 PAGE_BYTES = 64
-LAYOUT = Layout(8, "float32", "fp", 2, 2, 16, page_bytes=PAGE_BYTES)
+LAYOUT = Layout(8, "float32", "fp", "", 2, 2, 16, page_bytes=PAGE_BYTES)
 
 
 def pages(n: int, seed: int = 0) -> list[np.ndarray]:

@@ -78,6 +78,7 @@ def test_usage_and_metrics_count_speculation(server: Server, ckpt: Path, tmp_pat
             "accepted": sum(r.spec_accepts),
             "acceptance_rate": r.acceptance_rate,
             "mean_accepted_length": r.accept_length,
+            "accepts": r.spec_accepts,
         }
         assert spec["proposed"] > 0 and spec["mean_accepted_length"] >= 1.0
     assert got[-1] == got[0]  # the prefix hit (draft KV restored with the page): same acceptance

@@ -153,9 +153,9 @@ def build_speculator(
         head = load_head(config.spec_draft, model)
         mtp = MTPSpeculator(head, target_layers, config.spec_tokens, shape.page_size)
         shape = dataclasses.replace(shape, num_layers=target_layers + 1)
-        return mtp, shape, f"{model.fingerprint}+mtp:{head.fingerprint}"
+        return mtp, shape, f"{model.fingerprint}+{mtp.fingerprint}"
     cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else default_cache_dir()
     draft = load_draft(config.spec_draft, model, cache_dir)
     shape = dataclasses.replace(shape, num_layers=target_layers + draft.spec.num_layers)
     spec = Speculator(draft, target_layers, config.spec_tokens)
-    return spec, shape, f"{model.fingerprint}+draft:{draft.fingerprint}"
+    return spec, shape, f"{model.fingerprint}+{spec.fingerprint}"

@@ -182,13 +182,16 @@ class Engine:
             self.cache.drain()
 
     # ---- remote prefill (P/D decode: another worker computes the prompt) --------------------
-    def finish_remote_prefill(self, req: Request, row: torch.Tensor) -> bool:
+    def finish_remote_prefill(
+        self, req: Request, row: torch.Tensor, state: torch.Tensor | None = None
+    ) -> bool:
         """The prompt's KV is in req's pages now (written between steps); `row` [vocab] is the
-        prompt's last logits: emit the first token as a local prefill would. True when done."""
+        prompt's last logits: emit the first token as a local prefill would. `state`: the prefill
+        worker's Speculator.handoff_state (speculating). True when done."""
         assert req.remote and req.state is State.PREFILL, f"{req.rid} is not a remote prefill"
         req.computed = len(req.tokens)
-        if req.draft_computed is not None:
-            req.draft_computed = req.computed  # the draft's layers came in the same pages
+        if self.spec is not None:
+            self.spec.resume(req, state)  # the draft's layers came in the same pages
         return self._emit(req, row)
 
     def fail_remote(self, req: Request, status: int, message: str) -> Request:

@@ -101,6 +101,21 @@ class MTPSpeculator(Speculator):
             r.draft_computed = r.computed + h.shape[0]
             r.draft_hidden = h[-1:]  # h_{s+m-1}: the input of the next entry
 
+    @property
+    def fingerprint(self) -> str:
+        return f"mtp:{self.draft.fingerprint}"
+
+    def handoff_state(self, req: Request) -> torch.Tensor | None:
+        """h_{L-1} [1, hidden] after the prompt's L tokens: the input of the first decode entry,
+        which only the worker that ran the target's prefill has."""
+        return req.draft_hidden
+
+    def resume(self, req: Request, state: torch.Tensor | None) -> None:
+        super().resume(req, state)
+        if state is None and req.computed % self.page:
+            raise ValueError(f"{req.rid}: MTP entry {req.computed} needs prefill's hidden state")
+        req.draft_hidden = state
+
     def settle(self, req: Request, c: int, n: int, a: int, hidden: torch.Tensor | None) -> None:
         assert hidden is not None and hidden.shape[0] == n + 1
         req.draft_computed = c + 1

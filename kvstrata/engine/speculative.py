@@ -126,6 +126,21 @@ class Speculator:
     wants_hidden = False
     """The draft needs the target's hidden states (an MTP head); a draft model does not."""
 
+    @property
+    def fingerprint(self) -> str:
+        """The draft's part of the namespace fingerprint (and of a P/D worker's layout)."""
+        return f"draft:{self.draft.fingerprint}"
+
+    def handoff_state(self, req: Request) -> torch.Tensor | None:
+        """What a P/D decode worker needs besides the pages to speculate on `req` once its prompt
+        is computed here: nothing for a draft model (its KV is in the pages' tail layers)."""
+        return None
+
+    def resume(self, req: Request, state: torch.Tensor | None) -> None:
+        """`req`'s prompt KV, the draft's tail layers included, was written by another worker
+        (P/D); `state` is that worker's handoff_state."""
+        req.draft_computed = req.computed
+
     def after_forward(
         self, prefills: list[tuple[Request, torch.Tensor]], pool: object, wait: Wait
     ) -> None:

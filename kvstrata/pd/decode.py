@@ -156,7 +156,7 @@ class Handoff(threading.Thread):
             return None
         if head["type"] != "pages":
             raise WireError(f"unexpected message type {head['type']!r}")
-        got = read_pages(head, frames, lay.page_bytes)
+        got = read_pages(head, frames, lay.page_bytes, want_state=self.side.wants_state)
         want = self.n_pages - len(self.held)
         if head.get("layers"):  # the pages came layer by layer before this message
             got = dataclasses.replace(got, pages=assemble(self.layers, lay.layers, want))
@@ -175,6 +175,7 @@ class DecodeSide:
         self.cfg, self.transport, self.metrics = cfg, transport, metrics
         self.resolver = Resolver(cfg.pd_timeout_s)
         self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
+        self.wants_state = False  # an MTP head: replies must carry prefill's hidden state
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self.active: dict[str, Handoff] = {}
         self._next = 0
@@ -182,6 +183,7 @@ class DecodeSide:
 
     def attach(self, engine: Engine, layout: Layout) -> None:
         self.layout = layout
+        self.wants_state = engine.spec is not None and engine.spec.wants_hidden
         engine.step_hook = self.hook
 
     def choose(self, wanted: str | None) -> str:
@@ -250,7 +252,10 @@ class DecodeSide:
             "prefill": out.endpoint,
         }
         self.metrics.received(req.transfer)
-        return engine.finish_remote_prefill(req, torch.from_numpy(got.logits))
+        state = None if got.state is None else torch.from_numpy(got.state)
+        if state is not None:  # float32 on the wire; exact back in the model's dtype
+            state = state.to(engine.pool.device, engine.pool.shape.torch_dtype)
+        return engine.finish_remote_prefill(req, torch.from_numpy(got.logits), state)
 
 
 def _only_handoffs(engine: Engine) -> bool:

@@ -79,19 +79,24 @@ class Sink:
         self.layers_sent += 1
 
     def _pages(self) -> Frames:
-        """Pages [held, n) of the prompt, host layout (unless they went layer by layer), and the
-        first-token logits row."""
+        """Pages [held, n) of the prompt, host layout (unless they went layer by layer): every
+        pool layer, so a speculator's tail layers travel in the same frame; the first-token
+        logits row; the speculator's state (an MTP head's last hidden state) if it has one."""
         engine = self.side.loop.engine
         pool, req, ids = engine.pool, self.req, self._ids()
         computed = len(req.tokens) - sum(req.hits.values()) * engine.page
         self.side.metrics.sent(len(ids), len(ids) * pool.shape.page_nbytes)
         row = req.logits[-1].float().cpu().numpy()
+        st = engine.spec.handoff_state(req) if engine.spec is not None else None
+        state = None if st is None else st.float().cpu().numpy()
         if self.layers_sent == pool.shape.num_layers:
-            return pages_message(self.hid, self.held, [], row, computed_tokens=computed, layers=1)
+            return pages_message(
+                self.hid, self.held, [], row, state, computed_tokens=computed, layers=1
+            )
         # [layers, 2, k, page, heads, dim] -> page-first [k, layers, 2, page, heads, dim]
         block = pool.data[:, :, pool.local_slot(ids)].permute(2, 0, 1, 3, 4, 5).contiguous()
         flat = block.cpu().reshape(len(ids), -1).view(torch.uint8).numpy()
-        return pages_message(self.hid, self.held, list(flat), row, computed_tokens=computed)
+        return pages_message(self.hid, self.held, list(flat), row, state, computed_tokens=computed)
 
 
 class PrefillSide:

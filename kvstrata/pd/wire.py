@@ -4,9 +4,11 @@ A message is a list of frames: frame 0 a msgpack header (a dict with "type" and 
 "id"), then raw payload frames. Decode -> prefill: `handoff` (prompt, cache_salt, the keys of the
 pages decode holds, decode's layout) and `cancel`. Prefill -> decode: `heartbeat` while it
 computes, `refused` (the reason, one line), or `pages`: one frame per page decode lacks (the host
-page layout [layers, 2, page_size, kv_heads, head_dim], page_bytes each), then the first-token
-logits row. Every page frame carries an xxh3-64 checksum in the header; a hand-off is all or
-nothing: one bad frame and none of its pages is used.
+page layout [layers, 2, page_size, kv_heads, head_dim], page_bytes each: the draft's tail layers
+too when speculating, so target and draft parts of a page cross as one frame with one checksum),
+then the first-token logits row, then (an MTP head only) the speculator's state: the target's
+hidden state at the last prompt token. Every frame carries an xxh3-64 checksum in the header; a
+hand-off is all or nothing: one bad frame and none of its pages is used.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class Layout:
 
     page_size: int
     dtype: str
-    model: str  # the namespace's model fingerprint (weights, and the draft when speculating)
-    layers: int
+    model: str  # the target model's fingerprint (its weights)
+    draft: str  # the speculator's fingerprint ("draft:<fp>", "mtp:<fp>"; "" when not speculating)
+    layers: int  # the target's layers + the draft's tail layers
     kv_heads: int
     head_dim: int
     tp: int = 1
@@ -86,10 +89,22 @@ def read_header(frames: Frames) -> dict[str, Any]:
 
 
 def pages_message(
-    hid: str, first_page: int, pages: list[Any], logits: np.ndarray, **stats: Any
+    hid: str,
+    first_page: int,
+    pages: list[Any],
+    logits: np.ndarray,
+    state: np.ndarray | None = None,
+    **stats: Any,
 ) -> Frames:
-    """`pages` reply: header + one frame per page (sent as they are, no copy) + the logits row."""
+    """`pages` reply: header + one frame per page (sent as they are, no copy) + the logits row
+    (+ the speculator's state, float32, when there is one)."""
     row = np.ascontiguousarray(logits, dtype=np.float32)
+    extra: dict[str, Any] = {}
+    tail = [row]
+    if state is not None:
+        st = np.ascontiguousarray(state, dtype=np.float32)
+        extra = {"state_checksum": checksum(st), "state_shape": list(st.shape)}
+        tail.append(st)
     head = header(
         "pages",
         hid,
@@ -98,9 +113,10 @@ def pages_message(
         checksums=[checksum(p) for p in pages],
         logits_checksum=checksum(row),
         vocab=int(row.shape[0]),
+        **extra,
         **stats,
     )
-    return [head, *pages, row]
+    return [head, *pages, *tail]
 
 
 @dataclass(frozen=True)
@@ -111,32 +127,50 @@ class Received:
     pages: list[memoryview]
     logits: np.ndarray  # [vocab] float32
     stats: dict[str, Any]
+    state: np.ndarray | None = None  # the speculator's state (MTP: [1, hidden] float32)
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pages)
 
 
-def read_pages(head: dict[str, Any], frames: Frames, page_bytes: int) -> Received:
-    """Check every frame (count, size, checksum) before any is used: all or nothing."""
+def read_pages(
+    head: dict[str, Any], frames: Frames, page_bytes: int, want_state: bool = False
+) -> Received:
+    """Check every frame (count, size, checksum) before any is used: all or nothing.
+    `want_state`: the reply must carry the speculator's state (decode runs an MTP head)."""
     sums, sizes = head.get("checksums"), head.get("page_bytes")
     if not isinstance(sums, list) or not isinstance(sizes, list) or len(sums) != len(sizes):
         raise WireError("pages header lacks matching checksums/page_bytes lists")
-    if len(frames) != 2 + len(sums):
-        raise WireError(f"expected {2 + len(sums)} frames, got {len(frames)}")
-    pages = [memoryview(f).cast("B") for f in frames[1:-1]]
+    has_state = "state_shape" in head
+    if want_state and not has_state:
+        raise WireError("the reply lacks the MTP head's hidden state (prefill's state frame)")
+    if len(frames) != 2 + len(sums) + has_state:
+        raise WireError(f"expected {2 + len(sums) + has_state} frames, got {len(frames)}")
+    pages = [memoryview(f).cast("B") for f in frames[1 : 1 + len(sums)]]
     for i, (page, size, want) in enumerate(zip(pages, sizes, sums, strict=True)):
         if size != page_bytes or page.nbytes != page_bytes:
             raise WireError(f"page {i}: {page.nbytes} bytes, expected {page_bytes}")
         if checksum(page) != want:
             raise WireError(f"page {i} (prompt page {head['first_page'] + i}) failed its checksum")
-    row = memoryview(frames[-1]).cast("B")
+    row = memoryview(frames[1 + len(sums)]).cast("B")
     if checksum(row) != head.get("logits_checksum") or row.nbytes != 4 * head.get("vocab", -1):
         raise WireError("the logits row failed its checksum or size")
     logits = np.frombuffer(row, dtype=np.float32).copy()
+    state = _read_state(head, frames[-1]) if has_state else None
     skip = ("type", "id", "checksums", "page_bytes", "logits_checksum", "first_page")
+    skip += ("state_checksum", "state_shape")
     stats = {k: v for k, v in head.items() if k not in skip}
-    return Received(int(head["first_page"]), pages, logits, stats)
+    return Received(int(head["first_page"]), pages, logits, stats, state)
+
+
+def _read_state(head: dict[str, Any], frame: Any) -> np.ndarray:
+    """The speculator's state frame, checked against its checksum and shape."""
+    raw = memoryview(frame).cast("B")
+    shape = [int(n) for n in head["state_shape"]]
+    if checksum(raw) != head.get("state_checksum") or raw.nbytes != 4 * int(np.prod(shape)):
+        raise WireError("the speculator's state failed its checksum or size")
+    return np.frombuffer(raw, dtype=np.float32).reshape(shape).copy()
 
 
 # ---- layer by layer ----------------------------------------------------------------------------

@@ -15,11 +15,12 @@ from kvstrata.pd.wire import Layout
 
 def layout_of(engine: Engine, tp: int = 1, cp: int = 1, pp: int = 1) -> Layout:
     """The layout a peer must share: page shape, dtype, model (and draft) fingerprint, ranks."""
-    s = engine.pool.shape
+    s, spec = engine.pool.shape, engine.spec
     return Layout(
         page_size=s.page_size,
         dtype=s.dtype,
-        model=engine.admission.ns.model_fingerprint,
+        model=engine.model.fingerprint,
+        draft=spec.fingerprint if spec is not None else "",
         layers=s.num_layers,
         kv_heads=s.num_kv_heads,
         head_dim=s.head_dim,

@@ -81,7 +81,8 @@ def usage(
 def spec_usage(req: Request) -> dict[str, Any]:
     """One request's speculation: verify steps, drafted and accepted tokens, acceptance rate
     (accepted / proposed) and mean accepted length (tokens per verify step, the target's own
-    included: 1 + accepted / verify_steps; 0.0 before any verify step)."""
+    included: 1 + accepted / verify_steps; 0.0 before any verify step), and `accepts`: the
+    accepted drafts of each verify step in order (equal after any restore or P/D transfer)."""
     accepted = sum(req.spec_accepts)
     return {
         "verify_steps": len(req.spec_accepts),
@@ -89,6 +90,7 @@ def spec_usage(req: Request) -> dict[str, Any]:
         "accepted": accepted,
         "acceptance_rate": req.acceptance_rate,
         "mean_accepted_length": req.accept_length,
+        "accepts": list(req.spec_accepts),
     }
 
 
