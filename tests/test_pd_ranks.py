@@ -23,7 +23,7 @@ from tests.pd_helpers import PAGE, complete, info, raw_handoff, start_all, worke
 from tests.serve_helpers import Server
 from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
 
-pytestmark = pytest.mark.slow  # five servers, nine processes: minutes on a shared box
+pytestmark = pytest.mark.slow  # five servers, nine processes (48 s here, more on a loaded box)
 
 LAYOUTS = {"tp": ["--tp", "2"], "pp": ["--pp", "2"]}
 PROMPT = [(5 * i + 1) % 97 for i in range(41)]
