@@ -79,13 +79,16 @@ def raw_handoff(
     salt: str = "",
     hid: str = "raw",
     timeout_s: float = 30.0,
+    part: tuple[int, int] | None = None,
 ) -> tuple[dict[str, Any], Frames]:
     """Ask a prefill worker for a hand-off as decode would: its answer (a refusal, or the pages
     with the logits row; pages sent layer by layer are put together and re-framed as one
-    `pages` message, whose header counts them in "layer_messages")."""
+    `pages` message, whose header counts them in "layer_messages"). part: (layers, page bytes)
+    of the rank asked, when the worker runs on several ranks (else the whole page)."""
     ch = TRANSPORTS.create("zmq").connect(endpoint)
     layers: dict[int, list] = {}
-    half = layout["page_bytes"] // layout["layers"]
+    n_layers, page_bytes = part or (layout["layers"], layout["page_bytes"])
+    half = page_bytes // n_layers
     try:
         ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
         ch.send([header("handoff", hid, **ask)])
@@ -101,7 +104,7 @@ def raw_handoff(
         ch.close()
     if head["type"] == "pages" and head.get("layers"):
         n = len(next(iter(layers.values()), []))
-        pages = assemble(layers, layout["layers"], n)
+        pages = assemble(layers, n_layers, n)
         row = np.frombuffer(frames[-1], dtype=np.float32)
         frames = pages_message(
             hid, head["first_page"], pages, row, computed_tokens=head["computed_tokens"]

@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     """One server; under torchrun (RANK / WORLD_SIZE set) rank 0 serves HTTP and steps with
     the other ranks, which only step (`torchrun --nproc-per-node 2 -m kvstrata.cli.main serve
     --tp 2 ...`, world size = tp x cp x pp)."""
-    from kvstrata.serve.ranks import serve_follower, torchrun_rank
     from kvstrata.serve.server import make_state, serve  # fastapi/uvicorn only when serving
+    from kvstrata.serve.torchrun import serve_follower, torchrun_rank
 
     cfg = config_from_args(ServeConfig, args)
     if cfg.role == "router":  # no model: the workers have it
@@ -63,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(path, dtype=cfgs[0].dtype)  # ValueError: not a checkpoint
     dist_cfg = config_from_args(DistConfig, args)
     pd_cfg = config_from_args(PDConfig, args)
-    if cfg.role in ("prefill", "decode") and dist_cfg.world_size > 1:
+    if cfg.role in ("prefill", "decode") and dist_cfg.cp > 1:
         raise ValueError(
-            f"--role {cfg.role} runs on one rank for now: P/D workers with --tp/--cp/--pp > 1 "
-            "are not supported yet"
+            f"--role {cfg.role} runs with --tp and --pp ranks, not --cp > 1 yet (a cp rank "
+            "holds whole pages of its own: no rank-r-to-rank-r part of every page)"
         )
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     if cfgs[1].device_pages % dist_cfg.cp:
@@ -74,5 +74,5 @@ def run(args: argparse.Namespace) -> int:
     rank = torchrun_rank(dist_cfg.world_size)  # ValueError: a world size other than tp*cp*pp
     if rank:
         engine_cfg = dataclasses.replace(cfgs[0], model=str(path))
-        return serve_follower((engine_cfg, cfgs[1], cfgs[2]), dist_cfg, cfg)
+        return serve_follower((engine_cfg, cfgs[1], cfgs[2]), dist_cfg, cfg, pd_cfg)
     return serve(make_state(cfg, model, path, cfgs, dist_cfg, pd_cfg))

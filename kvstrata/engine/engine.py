@@ -323,7 +323,7 @@ class Engine:
             if i:
                 hook(done, i - 1)
 
-        last = self.model.spec.num_layers - 1
+        last = self.pool.shape.num_layers - 1  # this rank's layers (a pp stage has a part)
         return before, lambda: hook(done, last)
 
     def _verify(

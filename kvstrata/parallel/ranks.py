@@ -119,8 +119,11 @@ class RankEngine:
         cache_cfg: CacheConfig,
         storage_cfg: StorageConfig | None,
         options: RankOptions,
+        extra: Any = None,
     ) -> None:
-        self.ctx, self.options = ctx, options
+        """extra: more fields of the step's one collective (P/D decode's landing decision,
+        kvstrata.pd.ranks.HandoffGate: min_fields, max_fields, local(), agreed(values))."""
+        self.ctx, self.options, self.extra = ctx, options, extra
         self.now = 0.0
         full = load_model(engine_cfg.model, dtype=engine_cfg.dtype)
         cache_cfg = tiers_of(cache_cfg, engine_cfg.tiers)
@@ -156,7 +159,10 @@ class RankEngine:
         if self.cache is not None:
             n = len(self.cache.local_progress())
             self.fields = [f"p{i}" for i in range(n)]
-            self.consensus = StepConsensus(self.fields, live_check=ctx.config.live_check)
+            more = (list(extra.min_fields), list(extra.max_fields)) if extra else ([], [])
+            self.consensus = StepConsensus(
+                self.fields + more[0], more[1], live_check=ctx.config.live_check
+            )
 
     def clock(self) -> float:
         """The agreed clock: rank 0's time, broadcast with each step's inputs."""
@@ -190,7 +196,11 @@ class RankEngine:
         """The Engine's hook: ONE all_reduce(MIN) (+ step / live digest checks) per call."""
         assert self.consensus is not None
         counts = dict(zip(self.fields, local, strict=True))
+        if self.extra is not None:
+            counts.update(self.extra.local())
         agreed = self.consensus.agree(self.calls, counts, self.log)
+        if self.extra is not None:
+            self.extra.agreed(agreed.values)
         self.calls += 1  # same count on every rank: engine steps and agreed drains alike
         return [agreed[f] for f in self.fields]
 

@@ -58,12 +58,22 @@ class Resolver:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._known: dict[str, str] = {}
+        self._known: dict[str, list[str]] = {}
         self._lock = threading.Lock()
 
-    def endpoint(self, target: str) -> str:
+    def endpoint(self, target: str, rank: int = 0) -> str:
+        """The transfer endpoint of `target`'s rank `rank` (a multi-rank prefill worker has one
+        per rank; a tcp:// target lists them comma-separated, rank order)."""
+        eps = self._endpoints(target)
+        if rank >= len(eps):
+            raise OSError(
+                f"{target} has {len(eps)} rank(s): none pairs with rank {rank} of this decode worker"
+            )
+        return eps[rank]
+
+    def _endpoints(self, target: str) -> list[str]:
         if target.startswith("tcp://"):
-            return target
+            return target.split(",")
         with self._lock:
             if target in self._known:
                 return self._known[target]
@@ -73,9 +83,10 @@ class Resolver:
         body = info.json()
         if body.get("role") != "prefill" or not body.get("transfer_endpoint"):
             raise OSError(f"{target} is not a prefill worker (role {body.get('role')!r})")
+        eps = list(body.get("transfer_endpoints") or [body["transfer_endpoint"]])
         with self._lock:
-            self._known[target] = body["transfer_endpoint"]
-        return body["transfer_endpoint"]
+            self._known[target] = eps
+        return eps
 
     def forget(self, target: str) -> None:
         """After a failure: the worker may come back on another port."""
@@ -101,7 +112,7 @@ class Handoff(threading.Thread):
             # a retry is a new hand-off: prefill may still be working on the first one
             self.layers, self.hid = {}, self.rid if not attempt else f"{self.rid}~{attempt}"
             try:
-                self.endpoint = side.resolver.endpoint(self.target)
+                self.endpoint = side.resolver.endpoint(self.target, side.layout.rank)
                 outcome = self._exchange(side.transport.connect(self.endpoint, self.hid))
             except WireError as exc:  # corrupted or inconsistent: nothing of it was used
                 outcome = self._fail(502, f"bad hand-off reply: {exc}")
@@ -150,16 +161,16 @@ class Handoff(threading.Thread):
             return None
         if head["type"] == "refused":
             return self._fail(502, f"refused: {head.get('message', '?')}")
-        lay = self.side.layout
+        layers, page_bytes = self.side.part  # this rank's part of a page
         if head["type"] == "layer":
-            self.layers[int(head["layer"])] = read_layer(head, frames, lay.page_bytes // lay.layers)
+            self.layers[int(head["layer"])] = read_layer(head, frames, page_bytes // layers)
             return None
         if head["type"] != "pages":
             raise WireError(f"unexpected message type {head['type']!r}")
-        got = read_pages(head, frames, lay.page_bytes, want_state=self.side.wants_state)
+        got = read_pages(head, frames, page_bytes, want_state=self.side.wants_state)
         want = self.n_pages - len(self.held)
         if head.get("layers"):  # the pages came layer by layer before this message
-            got = dataclasses.replace(got, pages=assemble(self.layers, lay.layers, want))
+            got = dataclasses.replace(got, pages=assemble(self.layers, layers, want))
         if got.first_page != len(self.held) or len(got.pages) != want:
             raise WireError(
                 f"sent pages [{got.first_page}, {got.first_page + len(got.pages)}), "
@@ -169,20 +180,29 @@ class Handoff(threading.Thread):
 
 
 class DecodeSide:
-    """Starts and lands hand-offs; `hook` runs on the engine thread once per step."""
+    """Starts and lands hand-offs; `hook` runs on the engine thread once per step.
 
-    def __init__(self, cfg: PDConfig, transport: Transport, metrics: Any) -> None:
+    One rank lands an outcome as soon as it arrives. Under several ranks (`gate`, see
+    kvstrata/pd/ranks.py) each rank only records what arrived; the step's consensus says which
+    hand-offs every rank has (land them) or any rank failed (fail them), so every rank lands the
+    same hand-offs at the same step, whatever the arrival times."""
+
+    def __init__(self, cfg: PDConfig, transport: Transport | None, metrics: Any) -> None:
         self.cfg, self.transport, self.metrics = cfg, transport, metrics
         self.resolver = Resolver(cfg.pd_timeout_s)
         self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
         self.wants_state = False  # an MTP head: replies must carry prefill's hidden state
+        self.part = (0, 0)  # (layers, page bytes) of this rank's part of a page
+        self.gate: Any = None  # kvstrata.pd.ranks.HandoffGate under several ranks
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self.active: dict[str, Handoff] = {}
+        self.ready: dict[str, Outcome] = {}  # arrived here, not landed yet
         self._next = 0
         self._lock = threading.Lock()
 
-    def attach(self, engine: Engine, layout: Layout) -> None:
-        self.layout = layout
+    def attach(self, engine: Engine, layout: Layout, gate: Any = None) -> None:
+        self.layout, self.gate = layout, gate
+        self.part = (engine.pool.shape.num_layers, engine.pool.shape.page_nbytes)
         self.wants_state = engine.spec is not None and engine.spec.wants_hidden
         engine.step_hook = self.hook
 
@@ -205,22 +225,37 @@ class DecodeSide:
             if rid not in running:  # aborted (client gone): stop waiting for prefill
                 h.cancelled.set()
                 del self.active[rid]
+                self.ready.pop(rid, None)
         for req in running.values():
             if req.remote and req.state is State.PREFILL and req.rid not in self.active:
                 self._start(engine, req)
+        self._collect(IDLE_WAIT_S if _only_handoffs(engine) else 0.0)
+        gate = self.gate
+        landing = gate.landable(self.ready) if gate else [(r, None) for r in self.ready]
         finished: list[Request] = []
-        wait = IDLE_WAIT_S if _only_handoffs(engine) else 0.0
-        while True:
-            try:  # block briefly instead of spinning steps while only hand-offs are in flight
-                out = self.outcomes.get(timeout=wait) if wait else self.outcomes.get_nowait()
-            except queue.Empty:
-                return finished
-            wait = 0.0
-            req = running.get(out.rid)
-            if req is None or self.active.pop(out.rid, None) is None:
+        for rid, failure in landing:
+            req, h = running.get(rid), self.active.pop(rid, None)
+            if req is None or h is None:
                 continue  # ended meanwhile; its pages are already back
+            out = self.ready.pop(rid, None)
+            if failure is not None and (out is None or out.failure is None):  # another rank's
+                h.cancelled.set()
+                out = Outcome(rid, h.endpoint, failure=failure)
+            assert out is not None
             if self._land(engine, req, out):
                 finished.append(req)
+        return finished
+
+    def _collect(self, wait: float) -> None:
+        """Outcomes that arrived (blocks up to `wait` for the first: only hand-offs to wait on)."""
+        while True:
+            try:
+                out = self.outcomes.get(timeout=wait) if wait else self.outcomes.get_nowait()
+            except queue.Empty:
+                return
+            wait = 0.0
+            if out.rid in self.active:
+                self.ready[out.rid] = out
 
     def _start(self, engine: Engine, req: Request) -> None:
         lease = req.lease
@@ -245,13 +280,14 @@ class DecodeSide:
         hits = req.lease.hits
         req.transfer = {
             "pages_received": len(got.pages),
-            "bytes_received": got.nbytes,
+            # whole pages: every rank landed its verified part (equal to got.nbytes on one rank)
+            "bytes_received": len(got.pages) * self.layout.page_bytes,
             "pages_skipped": hits.pages,
             "pages_from_storage": hits.storage,
             "prefill_computed_tokens": int(got.stats.get("computed_tokens", 0)),
             "prefill": out.endpoint,
         }
-        self.metrics.received(req.transfer)
+        self.metrics.received(req.transfer, got.nbytes)
         state = None if got.state is None else torch.from_numpy(got.state)
         if state is not None:  # float32 on the wire; exact back in the model's dtype
             state = state.to(engine.pool.device, engine.pool.shape.torch_dtype)

@@ -166,28 +166,8 @@ class PrefillSide:
         self.loop.submit(req, sink)
 
     def _admit(self, head: dict[str, Any]) -> tuple[Request, int]:
-        """The engine request of a checked hand-off, and how many leading pages decode holds."""
         assert self.layout is not None
-        bad = layout_mismatch(self.layout, head["layout"], "decode")
-        if bad:
-            raise WireError(bad)
-        tokens, salt = [int(t) for t in head["tokens"]], str(head["salt"])
-        req = Request(f"pd-{head['id']}", tokens, 1, keep_logits=True, cache_salt=salt)
-        held = unpack_keys(head["keys"])
-        page = self.layout.page_size
-        most = hittable_pages(len(tokens), page)
-        if len(held) > most:
-            raise WireError(
-                f"decode claims {len(held)} pages of a {len(tokens)}-token prompt; at most {most} "
-                "(the page of the last prompt token is always computed)"
-            )
-        mine = self.loop.engine.admission.prompt_keys(req)[: len(held)]
-        for i, (a, b) in enumerate(zip(held, mine, strict=True)):
-            if a != b:
-                raise WireError(
-                    f"page {i}: decode's key does not match the prompt (namespace/salt)"
-                )
-        return req, len(held)
+        return check_handoff(self.layout, head, self.loop.engine.admission)
 
     def _flush(self) -> None:
         """Send what the engine thread queued (pages, refusals); each hand-off is answered once."""
@@ -213,3 +193,29 @@ class PrefillSide:
             if now - sink.last_sent_s >= self.cfg.pd_heartbeat_s:
                 self.listener.send(sink.peer, [header("heartbeat", hid)])
                 sink.last_sent_s = now
+
+
+def check_handoff(layout: Layout, head: dict[str, Any], admission: Any) -> tuple[Request, int]:
+    """The engine request of a checked hand-off, and how many leading pages decode holds.
+
+    Checks, in order: decode's layout (the first differing field named), then decode's key
+    chain against the prompt under the request's namespace (cache_salt), then the rule that the
+    page of the last prompt token is never held. WireError (or a KeyError / TypeError of a
+    malformed header) when one fails."""
+    bad = layout_mismatch(layout, head["layout"], "decode")
+    if bad:
+        raise WireError(bad)
+    tokens, salt = [int(t) for t in head["tokens"]], str(head["salt"])
+    req = Request(f"pd-{head['id']}", tokens, 1, keep_logits=True, cache_salt=salt)
+    held = unpack_keys(head["keys"])
+    most = hittable_pages(len(tokens), layout.page_size)
+    if len(held) > most:
+        raise WireError(
+            f"decode claims {len(held)} pages of a {len(tokens)}-token prompt; at most {most} "
+            "(the page of the last prompt token is always computed)"
+        )
+    mine = admission.prompt_keys(req)[: len(held)]
+    for i, (a, b) in enumerate(zip(held, mine, strict=True)):
+        if a != b:
+            raise WireError(f"page {i}: decode's key does not match the prompt (namespace/salt)")
+    return req, len(held)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,7 +30,8 @@ class PDMetrics:
         self.bytes.labels(self.name, "sent").inc(nbytes)
         self.handoffs.labels(self.name, "ok").inc()
 
-    def received(self, usage: dict[str, Any]) -> None:
+    def received(self, usage: dict[str, Any], part_bytes: int = 0) -> None:
+        """usage: the request's usage.pd (whole pages); part_bytes: this rank's bytes (unused)."""
         self.pages.labels(self.name, "received").inc(usage["pages_received"])
         self.bytes.labels(self.name, "received").inc(usage["bytes_received"])
         self.skipped.labels(self.name).inc(usage["pages_skipped"])
@@ -60,6 +62,19 @@ def add_routes(app: FastAPI, state: Any) -> None:
             "role": "single",
             "transport": "",
             "transfer_endpoint": "",
+            "transfer_endpoints": [],
             "prefill": [],
             "layout": layout_of(engine).as_dict() if engine is not None else None,
         }
+
+    @app.get("/v1/pd/ranks")
+    async def pd_ranks() -> dict[str, Any]:
+        """A P/D worker on several ranks: each rank's part of a page and its own counters
+        (measured on that rank: pages and bytes it sent or received). [] on one rank."""
+        state.check_ready()
+        if state.pd is None or not state.pd.ranked:
+            return {"ranks": []}
+        from kvstrata.pd.ranks import rank_stats
+
+        fut = state.loop.call(rank_stats, every_rank=True)
+        return {"ranks": await asyncio.wait_for(asyncio.wrap_future(fut), 60.0)}

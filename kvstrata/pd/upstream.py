@@ -92,7 +92,11 @@ class Upstreams:
         """What the decode worker is sent for one client request (the client's own fields kept)."""
         if not self.cfg.require_info:
             return body
-        endpoint = self.info.get(prefill_url, {}).get("transfer_endpoint") or prefill_url
+        info = self.info.get(prefill_url, {})
+        # a prefill worker on several ranks: every rank's endpoint, rank order (decode rank r
+        # talks to the r-th)
+        endpoints = ",".join(info.get("transfer_endpoints") or [])
+        endpoint = endpoints or info.get("transfer_endpoint") or prefill_url
         return {**body, PD_FIELD: endpoint}
 
     def check_roles(self) -> None:

@@ -42,7 +42,8 @@ class Layout:
     tp: int = 1
     cp: int = 1
     pp: int = 1
-    page_bytes: int = 0
+    page_bytes: int = 0  # the whole page (every rank's part together)
+    rank: int = 0  # this worker's rank that speaks: rank r talks to rank r of the other worker
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,9 +13,12 @@ from kvstrata.pd.transport import TRANSPORTS
 from kvstrata.pd.wire import Layout
 
 
-def layout_of(engine: Engine, tp: int = 1, cp: int = 1, pp: int = 1) -> Layout:
-    """The layout a peer must share: page shape, dtype, model (and draft) fingerprint, ranks."""
-    s, spec = engine.pool.shape, engine.spec
+def layout_of(
+    engine: Engine, tp: int = 1, cp: int = 1, pp: int = 1, shape: Any = None, rank: int = 0
+) -> Layout:
+    """The layout a peer must share: page shape, dtype, model (and draft) fingerprint, ranks.
+    shape: the whole page (a rank's pool holds only its part); rank: the rank that speaks."""
+    s, spec = shape if shape is not None else engine.pool.shape, engine.spec
     return Layout(
         page_size=s.page_size,
         dtype=s.dtype,
@@ -28,28 +31,41 @@ def layout_of(engine: Engine, tp: int = 1, cp: int = 1, pp: int = 1) -> Layout:
         cp=cp,
         pp=pp,
         page_bytes=s.page_nbytes,
+        rank=rank,
     )
 
 
 class PDWorker:
-    """role "prefill" (listens) or "decode" (asks); `attach` runs once the engine is built."""
+    """role "prefill" (listens) or "decode" (asks); `attach` runs once the engine is built.
 
-    def __init__(self, role: str, cfg: PDConfig, metrics: PDMetrics) -> None:
+    ranked: the worker runs on several ranks (kvstrata/pd/ranks.py): each rank has its own
+    side and channel; this object (HTTP process) only picks prefill workers, serves
+    /v1/pd/info (`ranked_ready`) and counts what rank 0 reports."""
+
+    def __init__(self, role: str, cfg: PDConfig, metrics: PDMetrics, ranked: bool = False) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"a P/D worker is a prefill or a decode, not {role!r}")
-        self.role, self.cfg, self.metrics = role, cfg, metrics
-        transport = TRANSPORTS.create(cfg.pd_transport)
+        self.role, self.cfg, self.metrics, self.ranked = role, cfg, metrics, ranked
+        transport = None if ranked else TRANSPORTS.create(cfg.pd_transport)
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
-        if role == "prefill":  # bound now: the address is known before the engine is up
+        if role == "prefill" and transport is not None:  # bound now: known before the engine
             self.prefill = PrefillSide(cfg, transport.listen(cfg.pd_transfer_endpoint), metrics)
-        else:
-            self.decode = DecodeSide(cfg, transport, metrics)
+        elif role == "decode":
+            self.decode = DecodeSide(cfg, transport, metrics)  # ranked: only `choose` is used
         self.layout: Layout | None = None
+        self.endpoints: list[str] = []  # ranked prefill: every rank's transfer endpoint
 
     @property
     def transfer_endpoint(self) -> str:
+        if self.endpoints:
+            return self.endpoints[0]
         return self.prefill.listener.endpoint if self.prefill is not None else ""
+
+    def ranked_ready(self, layout: dict[str, Any], endpoints: list[str]) -> None:
+        """Rank 0's report once every rank is up: the worker's layout and ranks' endpoints."""
+        self.layout = Layout(**layout)
+        self.endpoints = list(endpoints) if self.role == "prefill" else []
 
     def attach(self, loop: Any, engine: Engine) -> None:
         """On the engine thread, once built: the layout, and the side's hooks/threads."""
@@ -64,6 +80,9 @@ class PDWorker:
             "role": self.role,
             "transport": self.cfg.pd_transport,
             "transfer_endpoint": self.transfer_endpoint,
+            # one per rank (rank order); rank r of a decode worker talks to rank r
+            "transfer_endpoints": list(self.endpoints)
+            or [e for e in [self.transfer_endpoint] if e],
             "prefill": self.cfg.prefill_urls if self.role == "decode" else [],
             "layout": self.layout.as_dict() if self.layout is not None else None,
         }

@@ -144,3 +144,13 @@ class KVEventPublisher(LoopObserver):
 
 
 __all__ = ["MEDIA", "KVEventPublisher", "block_hash", "encode_change"]
+
+
+def rank0_events(
+    serve_cfg: ServeConfig | None, page_size: int, eng: Engine
+) -> KVEventPublisher | None:
+    """Rank 0's KV event stream under several ranks (one per server: the tree is the same on
+    every rank); None when the server publishes none."""
+    if serve_cfg is None or not serve_cfg.kv_events_endpoint or eng.cache is None:
+        return None
+    return KVEventPublisher(serve_cfg, page_size)

@@ -11,19 +11,15 @@ a dispatcher thread in the HTTP process hands them to the requests' streams.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import queue
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from kvstrata.serve.events import KVEventPublisher
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
@@ -33,6 +29,7 @@ from kvstrata.engine.sampling import Sampler
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext
 from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.events import KVEventPublisher, rank0_events
 from kvstrata.serve.loop import IDLE_WAIT_S, LoopObserver, QueueFull, Stream
 from kvstrata.serve.metrics import PoolStats, ServeMetrics, engine_stats
 from kvstrata.storage.base import StorageConfig
@@ -88,23 +85,22 @@ def _run_calls(eng: Engine, calls: list[Any], out: Any | None) -> None:
             out.put(("call", call_id, gathered))
 
 
-def _submit(eng: Engine, spec: tuple, outbox: Any | None) -> None:
-    rid, tokens, max_new, params, salt = spec
-    req = Request(rid, tokens, max_new, sampler=Sampler(params, rid), cache_salt=salt)
+def _submit(eng: Engine, spec: tuple, outbox: Any | None, pd: Any = None) -> None:
+    """spec: (rid, tokens, max_new, sampling params or None (greedy), salt, extra); extra:
+    {"remote": prefill} (P/D decode) or {"pd_held": pages} (a P/D prefill hand-off)."""
+    rid, tokens, max_new, params, salt, extra = spec
+    sampler = Sampler(params, rid) if params is not None else None
+    req = Request(rid, tokens, max_new, sampler=sampler, cache_salt=salt)
+    req.remote, req.keep_logits = extra.get("remote", ""), "pd_held" in extra
+    if pd is not None:
+        pd.submitted(req, extra)
     try:
         eng.submit(req)  # the same inputs on every rank: the same outcome
     except (ValueError, TypeError) as exc:
+        if pd is not None:
+            pd.ended(req, str(exc))
         if outbox is not None:
             outbox.put(("error", rid, str(exc)))
-
-
-def _events(serve_cfg: ServeConfig | None, page_size: int, eng: Engine) -> KVEventPublisher | None:
-    """Rank 0's KV event stream (one per server: the tree is the same on every rank)."""
-    if serve_cfg is None or not serve_cfg.kv_events_endpoint or eng.cache is None:
-        return None
-    from kvstrata.serve.events import KVEventPublisher
-
-    return KVEventPublisher(serve_cfg, page_size)
 
 
 def serve_rank_loop(
@@ -115,31 +111,65 @@ def serve_rank_loop(
     inbox: Any,
     outbox: Any,
     serve_cfg: ServeConfig | None = None,
+    pd_cfg: Any = None,
 ) -> dict[str, Any]:
     from kvstrata.parallel.ranks import RankEngine, RankOptions
 
     if threading.current_thread() is threading.main_thread():  # (torchrun's rank 0: a thread)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when ranks stop
-    re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, RankOptions())
-    eng, rank0 = re.engine, ctx.rank == 0
-    out = outbox if rank0 else None
-    events = _events(serve_cfg, cache_cfg.page_size, eng) if rank0 else None
+    out = outbox if ctx.rank == 0 else None
+    pd = None
+    if serve_cfg is not None and serve_cfg.role in ("prefill", "decode"):
+        from kvstrata.pd.ranks import RankPD  # this rank's side of a P/D worker
+
+        pd = RankPD(serve_cfg.role, pd_cfg, ctx.rank, engine_cfg.max_running, inbox, out)
+    gate = pd.gate if pd is not None else None
+    re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, RankOptions(), extra=gate)
+    eng = re.engine
+    events = rank0_events(serve_cfg, cache_cfg.page_size, eng) if out is not None else None
     try:
-        _serve_steps(re, inbox, out, events)
+        if pd is not None:
+            pd.attach(re)
+        _serve_steps(re, inbox, out, events, pd)
     finally:
         if events is not None:
             events.close()
+        if pd is not None:
+            pd.close()
     return {"rank": ctx.rank, "steps": eng.steps}
 
 
-def _serve_steps(re: Any, inbox: Any, out: Any | None, events: KVEventPublisher | None) -> None:
+def _ended(req: Request, out: Any | None, pd: Any) -> None:
+    """A request ended on this rank: its P/D sink hears it; rank 0 reports it."""
+    if pd is not None:
+        pd.ended(req)
+    if out is None:
+        return
+    if req.failure is not None:  # a P/D hand-off failed: (status, message)
+        out.put(("error", req.rid, req.failure))
+    else:
+        out.put(("done", req.rid, req.finish_reason, dict(req.hits), req.transfer))
+
+
+def _on_token(out: Any | None, pd: Any) -> Callable[[Request, int], None]:
+    def on_token(req: Request, tok: int) -> None:
+        if pd is not None:
+            pd.on_token(req, tok)  # a P/D prefill sends its pages at the first token
+        if out is not None:
+            out.put(("token", req.rid, tok, dict(req.hits) if len(req.output) == 1 else None))
+
+    return on_token
+
+
+def _serve_steps(
+    re: Any, inbox: Any, out: Any | None, events: KVEventPublisher | None, pd: Any = None
+) -> None:
     """Every rank: the same requests, aborts and steps, as rank 0 broadcasts them."""
     eng, rank0 = re.engine, out is not None
     timings: list[float] = []
+    if out is not None or pd is not None:
+        eng.on_token = _on_token(out, pd)
     if out is not None:
-        eng.on_token = lambda req, tok: out.put(
-            ("token", req.rid, tok, dict(req.hits) if len(req.output) == 1 else None)
-        )
         eng.agree = _timed(eng.agree, timings)
         out.put(("ready",))
     last_stats = 0.0
@@ -152,16 +182,15 @@ def _serve_steps(re: Any, inbox: Any, out: Any | None, events: KVEventPublisher 
             aborts = [r.rid for r in [*eng.waiting, *eng.running]]
         for rid in aborts:
             req = eng.abort(rid)
-            if out is not None and req is not None:
-                out.put(("done", rid, "abort", dict(req.hits)))
+            if req is not None:
+                _ended(req, out, pd)
         if stop:
             break
         for spec in new:
-            _submit(eng, spec, out)
+            _submit(eng, spec, out, pd)
         if step:
             for req in eng.step():
-                if out is not None:
-                    out.put(("done", req.rid, req.finish_reason, dict(req.hits)))
+                _ended(req, out, pd)
                 if events is not None:
                     events.record(req)
         if events is not None and (step or aborts or calls):  # a call may reset the cache
@@ -179,41 +208,6 @@ def _serve_steps(re: Any, inbox: Any, out: Any | None, events: KVEventPublisher 
         events.after_step(eng)  # the drained state (new L3 copies) is reported too
 
 
-def torchrun_rank(world_size: int | None = None) -> int | None:
-    """This process's global rank when torchrun (or any env:// launcher) started more than one,
-    else None. Read when called (never at import): RANK and WORLD_SIZE are what torchrun sets.
-    world_size: tp x cp x pp, which must be the launched world size."""
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    launched = int(os.environ["WORLD_SIZE"])
-    if world_size is not None and launched != world_size:
-        raise ValueError(
-            f"torchrun started {launched} ranks but --tp x --cp x --pp is {world_size}"
-        )
-    return int(os.environ["RANK"])
-
-
-def serve_follower(
-    configs: tuple[EngineConfig, CacheConfig, StorageConfig],
-    dist_cfg: DistConfig,
-    serve_cfg: ServeConfig,
-) -> int:
-    """A torchrun rank other than 0: no HTTP, the steps rank 0 broadcasts until it says stop.
-
-    Signals are ignored (torchrun passes SIGTERM to every rank; rank 0 stops them all, in step);
-    a rank 0 that died is noticed by the next collective, within dist_cfg.timeout_s."""
-    from kvstrata.parallel.group import init_ranks, teardown
-
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    ctx = init_ranks(dist_cfg)  # env:// (torchrun's MASTER_ADDR / MASTER_PORT / RANK)
-    try:
-        serve_rank_loop(ctx, *configs, None, None, serve_cfg)
-    finally:
-        teardown()
-    return 0
-
-
 class RankedLoop:
     """The EngineLoop interface over ranks in child processes (see the module docstring), or,
     under torchrun (torchrun=True), over this process as rank 0, stepping in a thread of it."""
@@ -225,7 +219,10 @@ class RankedLoop:
         max_pending: int,
         serve_cfg: ServeConfig | None = None,
         torchrun: bool = False,
+        pd: Any = None,
     ) -> None:
+        """pd: the HTTP side of a P/D worker (kvstrata.pd.worker.PDWorker, ranked), which rank 0
+        tells its layout and endpoints and forwards its hand-off counters to."""
         import torch.multiprocessing as tmp
 
         self.torchrun = torchrun
@@ -236,7 +233,7 @@ class RankedLoop:
             mp = tmp.get_context("fork")
             self.inbox, self.outbox = mp.Queue(), mp.Queue()
         self.configs, self.dist_cfg, self.max_pending = configs, dist_cfg, max_pending
-        self.serve_cfg = serve_cfg
+        self.serve_cfg, self.pd = serve_cfg, pd
         self.observers: list[LoopObserver] = []
         self.failed: str | None = None
         self.stats: PoolStats | None = None  # rank 0's latest report
@@ -247,6 +244,7 @@ class RankedLoop:
         self.pending = 0
         self._calls = 0
         self._futures: dict[int, concurrent.futures.Future[Any]] = {}
+        self._every: dict[int, bool] = {}
         self.thread = threading.Thread(target=self._run, name="kvstrata-ranks", daemon=True)
         self._dispatch = threading.Thread(
             target=self._dispatcher, name="kvstrata-dispatch", daemon=True
@@ -263,7 +261,8 @@ class RankedLoop:
             self.pending += 1
             self._streams[req.rid] = (req, stream)
         assert req.sampler is not None
-        spec = (req.rid, req.tokens, req.max_new_tokens, req.sampler.params, req.cache_salt)
+        extra = {"remote": req.remote} if req.remote else {}
+        spec = (req.rid, req.tokens, req.max_new_tokens, req.sampler.params, req.cache_salt, extra)
         self.inbox.put(("request", spec))
 
     def abort(self, rid: str) -> None:
@@ -274,14 +273,18 @@ class RankedLoop:
         for rid in list(self._streams):
             self.abort(rid)
 
-    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
+    def call(
+        self, fn: Callable[[Engine], Any], every_rank: bool = False
+    ) -> concurrent.futures.Future[Any]:
         """Run fn(engine) on every rank between steps (fn: a module-level function); the
-        future gets rank 0's result, or an error naming the first rank whose call raised."""
+        future gets rank 0's result (every_rank: the list of every rank's, rank order), or an
+        error naming the first rank whose call raised."""
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             self._calls += 1
             call_id = self._calls
             self._futures[call_id] = fut
+            self._every[call_id] = every_rank
         self.inbox.put(("call", call_id, fn))
         return fut
 
@@ -296,7 +299,8 @@ class RankedLoop:
     def _run(self) -> None:
         from kvstrata.parallel.group import init_ranks, run_ranks, teardown
 
-        args = (*self.configs, self.inbox, self.outbox, self.serve_cfg)
+        pd_cfg = self.pd.cfg if self.pd is not None else None
+        args = (*self.configs, self.inbox, self.outbox, self.serve_cfg, pd_cfg)
         try:
             if self.torchrun:
                 ctx = init_ranks(self.dist_cfg)  # env://: the other ranks are serve_follower
@@ -331,6 +335,12 @@ class RankedLoop:
         if msg[0] == "call":
             self._called(msg[1], msg[2])
             return
+        if msg[0] in ("pd", "pd_ready"):  # a P/D worker's counters, or its layout once up
+            if msg[0] == "pd":
+                getattr(self.pd.metrics, msg[1])(*msg[2])
+            else:
+                self.pd.ranked_ready(msg[1], msg[2])
+            return
         if msg[0] == "stats":
             self.stats = msg[1]
             for obs in self.observers:
@@ -356,7 +366,7 @@ class RankedLoop:
         if msg[0] == "error":
             stream.push("error", msg[2])
             return
-        req.finish_reason, req.hits = msg[2], msg[3]
+        req.finish_reason, req.hits, req.transfer = msg[2], msg[3], msg[4]
         for obs in self.observers:
             obs.on_finished(req, stream, now)
         stream.push("done", req)
@@ -364,13 +374,14 @@ class RankedLoop:
     def _called(self, call_id: int, results: list[tuple[bool, Any]]) -> None:
         with self._lock:
             fut = self._futures.pop(call_id, None)
+            every = self._every.pop(call_id, False)
         if fut is None:
             return
         failed = [(r, v) for r, (ok, v) in enumerate(results) if not ok]
         if failed:
             fut.set_exception(AssertionError(f"rank {failed[0][0]}: {failed[0][1]}"))
         else:
-            fut.set_result(results[0][1])
+            fut.set_result([v for _, v in results] if every else results[0][1])
 
     def _end(self, rid: str) -> None:
         with self._lock:

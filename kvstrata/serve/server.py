@@ -29,8 +29,9 @@ from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import EngineLoop
 from kvstrata.serve.metrics import ServeMetrics, engine_stats
 from kvstrata.serve.protocol import Limits
-from kvstrata.serve.ranks import RankedLoop, torchrun_rank
+from kvstrata.serve.ranks import RankedLoop
 from kvstrata.serve.state import ServerState
+from kvstrata.serve.torchrun import torchrun_rank
 from kvstrata.storage.base import StorageConfig
 
 ABORT_GRACE_S = 5.0  # aborted streams' last frames reach the clients within this
@@ -71,15 +72,17 @@ def make_state(
     engine_cfg, cache_cfg, storage_cfg = configs
     name = cfg.served_model_name or model_path.name
     metrics = ServeMetrics(name)
-    pd = _pd_worker(cfg, pd_cfg, metrics, name)
+    ranked = dist_cfg is not None and dist_cfg.world_size > 1
+    pd = _pd_worker(cfg, pd_cfg, metrics, name, ranked)
     loop: EngineLoop | RankedLoop
-    if dist_cfg is not None and dist_cfg.world_size > 1:
+    if ranked:
+        assert dist_cfg is not None
         if engine_cfg.spec_draft:
             raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
         under_torchrun = torchrun_rank() is not None  # this process is rank 0 of torchrun's
         loop = RankedLoop(
-            (engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg, under_torchrun
+            (engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg, under_torchrun, pd
         )
         loop.observers.append(metrics)
         metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
@@ -96,15 +99,18 @@ def make_state(
     return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics, spec, pd=pd)
 
 
-def _pd_worker(cfg: ServeConfig, pd_cfg: Any, metrics: ServeMetrics, name: str) -> Any:
-    """The P/D side of a prefill or decode worker (None for single and router)."""
+def _pd_worker(
+    cfg: ServeConfig, pd_cfg: Any, metrics: ServeMetrics, name: str, ranked: bool = False
+) -> Any:
+    """The P/D side of a prefill or decode worker (None for single and router); ranked: its
+    ranks hold their own sides (kvstrata/pd/ranks.py), this one is the HTTP process's."""
     if cfg.role not in ("prefill", "decode"):
         return None
     from kvstrata.pd.config import PDConfig
     from kvstrata.pd.routes import PDMetrics
     from kvstrata.pd.worker import PDWorker
 
-    return PDWorker(cfg.role, pd_cfg or PDConfig(), PDMetrics(metrics.registry, name))
+    return PDWorker(cfg.role, pd_cfg or PDConfig(), PDMetrics(metrics.registry, name), ranked)
 
 
 def _build(
