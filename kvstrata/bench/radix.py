@@ -62,9 +62,18 @@ def time_insert_match(seqs: list[np.ndarray]) -> dict[str, float]:
     (every sequence again): `match_s` = chain + token walk + the keys an L3 probe would ask for
     past the match (none here: all pages are held), `match_tree_s` = the walk alone.
     """
-    tree, next_id, n_pages = RadixTree(), 0, [len(s) // PAGE for s in seqs]
+    tree, n_pages = RadixTree(), [len(s) // PAGE for s in seqs]
     t = dict.fromkeys(("admit_s", "hash_s", "insert_s", "match_s", "match_tree_s"), 0.0)
-    clock = time.perf_counter
+    _time_inserts(tree, seqs, n_pages, t)
+    _time_matches(tree, seqs, n_pages, t)
+    tree.check_integrity()
+    return t
+
+
+def _time_inserts(
+    tree: RadixTree, seqs: list[np.ndarray], n_pages: list[int], t: dict[str, float]
+) -> None:
+    clock, next_id = time.perf_counter, 0
     for seq, n in zip(seqs, n_pages, strict=True):
         t0 = clock()
         chain = PageChain.from_tokens(seq, NS)
@@ -80,7 +89,12 @@ def time_insert_match(seqs: list[np.ndarray]) -> dict[str, float]:
         t["admit_s"] += t1 - t0
         t["hash_s"] += t2 - t1
         t["insert_s"] += t3 - t2
-    matched = 0
+
+
+def _time_matches(
+    tree: RadixTree, seqs: list[np.ndarray], n_pages: list[int], t: dict[str, float]
+) -> None:
+    clock, matched = time.perf_counter, 0
     for seq, n in zip(seqs, n_pages, strict=True):
         t0 = clock()
         chain = PageChain.from_tokens(seq, NS)
@@ -92,8 +106,6 @@ def time_insert_match(seqs: list[np.ndarray]) -> dict[str, float]:
         t["match_s"] += t3 - t0
         t["match_tree_s"] += t2 - t1
     assert matched == sum(n_pages), "every inserted page must match again"
-    tree.check_integrity()
-    return t
 
 
 def time_key_match(seqs: list[np.ndarray]) -> dict[str, float]:

@@ -104,11 +104,28 @@ class RadixTree:
         if chain.data is None:
             return self.match(chain.keys[:n_pages], touch)
         self.clock += 1
-        clock, data, p = self.clock, chain.data, chain.page_bytes
-        limit = min(n_pages, chain.pages) * p
-        keys: list[int] = []
+        limit = min(n_pages, chain.pages) * chain.page_bytes
         device_ids: list[int] = []
         host_nodes: list[Node] = []
+        node, device_node, off, partial = self._token_walk(
+            chain, limit, touch, device_ids, host_nodes
+        )
+        if off < limit and not partial and self._has_key_only_child(node):
+            rest = chain.keys_upto(limit // chain.page_bytes)
+            node, device_node = self._key_walk(
+                node, device_node, rest, off // chain.page_bytes, touch, device_ids, host_nodes
+            )
+        return Match(device_ids, host_nodes, device_node, node)
+
+    def _token_walk(
+        self, chain: PageChain, limit: int, touch: bool, device_ids: list[int], host: list[Node]
+    ) -> tuple[Node, Node, int, bool]:
+        """match_chain's walk by token bytes up to byte `limit` (splitting a partly matched
+        edge): (last node, last device node, bytes matched, stopped inside an edge). The keys
+        of the walked nodes go to `chain.learn`."""
+        clock, data, p = self.clock, chain.data, chain.page_bytes
+        assert data is not None
+        keys: list[int] = []
         node = device_node = self.root
         index, off, partial = self.top.get(chain.seed), 0, False
         while off < limit and index:
@@ -131,18 +148,13 @@ class RadixTree:
                 device_ids += child.device
                 device_node = child
             else:
-                host_nodes.append(child)
+                host.append(child)
             node, off = child, end
             if partial:
                 break
             index = child.tindex
         chain.learn(keys)
-        if off < limit and not partial and self._has_key_only_child(node):
-            rest = chain.keys_upto(limit // p)
-            node, device_node = self._key_walk(
-                node, device_node, rest, off // p, touch, device_ids, host_nodes
-            )
-        return Match(device_ids, host_nodes, device_node, node)
+        return node, device_node, off, partial
 
     def _has_key_only_child(self, node: Node) -> bool:
         if node is self.root:
@@ -227,11 +239,7 @@ class RadixTree:
         while i < total:
             child = node.children.get(keys[i])
             if child is None:
-                leaf = Node(node, keys[i:], ids[i:], None, clock)
-                node.children[keys[i]] = leaf
-                if tokens is not None:
-                    self._give_tokens(leaf, tokens[i * p :], seed)
-                node = leaf
+                node = self._add_leaf(node, keys[i:], ids[i:], None, (tokens, i * p, seed))
                 break
             edge = child.keys
             n = len(edge)
@@ -247,6 +255,23 @@ class RadixTree:
             node, i = child, i + n
         return node, _duplicates(ids, held)
 
+    def _add_leaf(
+        self,
+        parent: Node,
+        keys: list[int],
+        device: list[int] | None,
+        host: list[int] | None,
+        tokens_from: tuple[bytes | None, int, int],
+    ) -> Node:
+        """A new leaf under `parent`, keeping the id lists given (callers pass fresh slices);
+        tokens_from: (the request's token bytes or None, this leaf's first byte, the seed)."""
+        leaf = Node(parent, keys, device, host, self.clock)
+        parent.children[keys[0]] = leaf
+        tokens, at, seed = tokens_from
+        if tokens is not None:
+            self._give_tokens(leaf, tokens[at:], seed)
+        return leaf
+
     def insert_host(
         self,
         parent: Node,
@@ -256,11 +281,9 @@ class RadixTree:
         tokens: bytes | None = None,
         seed: int = 0,
     ) -> list[tuple[Node, bool]]:
-        """Hang pages read from storage under `parent` as host pages marked stored.
-
-        Returns the nodes walked, each with True where it got its host ids here; the ids of
-        pages that already had a host copy are appended to `spare` for the caller to free.
-        `tokens`/`seed` as for `insert`.
+        """Hang pages read from storage under `parent` as host pages marked stored. Returns the
+        nodes walked, each with True where it got its host ids here; the ids of pages that
+        already had a host copy go to `spare` for the caller to free. `tokens`/`seed`: `insert`'s.
         """
         assert len(keys) == len(host_ids), "one host page per key"
         p = len(tokens) // len(keys) if tokens and keys else 0
@@ -268,11 +291,10 @@ class RadixTree:
         while i < len(keys):
             child = node.children.get(keys[i])
             if child is None:
-                leaf = Node(node, keys[i:], None, list(host_ids[i:]), self.clock)
+                leaf = self._add_leaf(
+                    node, keys[i:], None, list(host_ids[i:]), (tokens, i * p, seed)
+                )
                 leaf.in_storage = True
-                node.children[keys[i]] = leaf
-                if tokens is not None:
-                    self._give_tokens(leaf, tokens[i * p :], seed)
                 walked.append((leaf, True))
                 return walked
             n = _common_len(child.keys, keys, i)

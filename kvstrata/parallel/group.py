@@ -1,4 +1,5 @@
-"""torch.distributed process groups: rank layout (tp x cp x pp), init/teardown, local spawning.
+"""torch.distributed process groups: rank layout (tp x cp x pp), init/teardown, local spawning
+(what a failed rank reports, and how the parent watches them: parallel/rank_failures.py).
 
 Rank order puts tensor parallel fastest, then context parallel, then pipeline stage:
 rank = (pp_idx * cp + cp_idx) * tp + tp_idx. The tp group of a rank is the ranks that share its
@@ -9,11 +10,9 @@ rank builds the same subgroups in the same order (torch requires new_group to be
 from __future__ import annotations
 
 import dataclasses
-import queue as queue_mod
 import signal
 import socket
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +24,15 @@ import torch.multiprocessing as tmp
 
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.decision_log import new_run_id
+from kvstrata.parallel.rank_failures import (
+    RankFailure,
+    collect_reports,
+    describe_exception,
+    first_failure,
+    reap,
+)
+
+__all__ = ["RankFailure"]  # raised by run_ranks; importers take it from here
 
 
 @dataclass(frozen=True)
@@ -115,56 +123,6 @@ def heartbeat() -> None:
     if _HEARTBEAT is not None:  # 0.0 until a rank's first beat: only beating ranks are watched
         beats, rank = _HEARTBEAT
         beats[rank] = time.monotonic()  # CLOCK_MONOTONIC is system-wide: comparable across ranks
-
-
-class RankFailure(RuntimeError):
-    """A spawned rank raised, died or hung; the message names the rank and why, one line per
-    failed rank. `traces` holds the tracebacks of ranks that raised a real error (a bug)."""
-
-    def __init__(self, message: str, traces: dict[int, str] | None = None) -> None:
-        super().__init__(message)
-        self.traces = traces or {}
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """Why one rank failed. kind: report (a divergence), raised (an error, traceback kept),
-    lost (its peers went away: a consequence, never the cause), died, hung."""
-
-    kind: str
-    line: str
-    trace: str = ""
-
-
-_BLAME_ORDER = ("died", "report", "raised", "hung", "lost")
-_COMM_HINTS = ("gloo", "connection closed", "connection reset", "timed out", "broken pipe")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    if line.startswith("[") and "] " in line:  # gloo's "[../third_party/gloo/...cc:534] msg"
-        line = line.split("] ", 1)[1]
-    return line
-
-
-def describe_exception(exc: BaseException, timeout_s: float) -> RankReport:
-    """One line for what a rank hit; the traceback only for a real error. timeout_s: how long a
-    collective waits (named in the message of a timed-out one)."""
-    if getattr(exc, "is_report", False):
-        return RankReport("report", str(exc))
-    if isinstance(exc, KeyboardInterrupt):
-        return RankReport("lost", "stopped by a signal")
-    dist_error = getattr(dist, "DistError", ())
-    line = _first_line(exc)
-    if isinstance(exc, dist_error) or (
-        isinstance(exc, RuntimeError) and any(h in line.lower() for h in _COMM_HINTS)
-    ):
-        line = line.split(". ")[0]  # gloo appends a paragraph of hints
-        if "timed out" in line.lower() or "timeout" in line.lower():
-            return RankReport("lost", f"no answer from a peer within {timeout_s:g} s ({line})")
-        return RankReport("lost", f"lost its peers ({line})")
-    return RankReport("raised", f"{type(exc).__name__}: {line}", traceback.format_exc())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -275,76 +233,6 @@ def _rank_main(
         teardown()
 
 
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            return f"died (killed by {signal.Signals(-code).name})"
-        except ValueError:
-            return f"died (killed by signal {-code})"
-    return f"died (exit code {code}) without a result"
-
-
-def _collect(
-    procs: list[Any], q: Any, deadline: float, beats: Any, hang_s: float, grace: float
-) -> dict[int, tuple[bool, Any]]:
-    """Gather one report per rank. Once any rank has failed or exited without a report, the
-    rest get a short grace (they may be stuck in a collective with it), then count as hung; a
-    rank whose heartbeat is older than hang_s counts as hung too."""
-    reports: dict[int, tuple[bool, Any]] = {}
-    while len(reports) < len(procs):
-        try:
-            rank, ok, value = q.get(timeout=0.1)
-            reports[rank] = (ok, value)
-            if not ok:
-                deadline = min(deadline, time.monotonic() + grace)
-            continue
-        except queue_mod.Empty:
-            pass
-        now = time.monotonic()
-        if any(r not in reports and p.exitcode is not None for r, p in enumerate(procs)):
-            # A report may still be in the pipe just after an exit: the grace covers that.
-            deadline = min(deadline, now + grace)
-        silent = [r for r in range(len(procs)) if r not in reports and 0 < beats[r] < now - hang_s]
-        if silent:
-            deadline = min(deadline, now)
-        if now >= deadline:
-            for rank, p in enumerate(procs):
-                if p.exitcode is not None:
-                    report = RankReport("died", _exit_reason(p.exitcode))
-                elif beats[rank]:
-                    quiet = now - beats[rank]
-                    report = RankReport("hung", f"no answer for {quiet:.0f} s (hung)")
-                else:
-                    report = RankReport("hung", "did not finish before the timeout (hung)")
-                reports.setdefault(rank, (False, report))
-    return reports
-
-
-def _failure(reports: dict[int, tuple[bool, Any]]) -> RankFailure | None:
-    """The rank to blame first (died, then diverged or raised, then hung; ranks that only lost
-    their peers last), then one line per other failed rank."""
-    failed = {r: v for r, (ok, v) in sorted(reports.items()) if not ok}
-    if not failed:
-        return None
-    order = sorted(failed, key=lambda r: (_BLAME_ORDER.index(failed[r].kind), r))
-    lines, seen = [], set()
-    for r in order:
-        rep = failed[r]
-        if rep.kind == "report" and rep.line in seen:
-            continue  # every rank raises the same divergence report: once is enough
-        seen.add(rep.line)
-        if rep.kind == "report":  # the report names the ranks itself, the same on every rank
-            lines.append(rep.line)
-        else:
-            lines.append(f"rank {r} {'failed' if rep.kind != 'lost' else 'stopped'}: {rep.line}")
-    if all(v.kind == "lost" for v in failed.values()):
-        lines.insert(
-            0, "no rank failed by itself: every rank gave up waiting on a peer (ranks out of step)"
-        )
-    traces = {r: v.trace for r, v in failed.items() if v.trace}
-    return RankFailure("\n".join(lines), traces)
-
-
 def run_ranks(
     fn: Callable[..., Any],
     config: DistConfig,
@@ -375,30 +263,10 @@ def run_ranks(
     hang_s = COLLECTIVE_FRACTION * config.timeout_s + grace  # its peers time out first
     reports: dict[int, tuple[bool, Any]] = {}
     try:
-        reports = _collect(procs, q, time.monotonic() + timeout_s, beats, hang_s, grace)
-    except BaseException:  # Ctrl-C / SIGTERM in the parent: stop the ranks, then reap them
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        raise
-    finally:
-        _reap(procs, patient=bool(reports) and all(ok for ok, _ in reports.values()))
-    failure = _failure(reports)
+        reports = collect_reports(procs, q, time.monotonic() + timeout_s, beats, hang_s, grace)
+    finally:  # also on Ctrl-C / SIGTERM in the parent (no reports): the ranks are stopped
+        reap(procs, patient=bool(reports) and all(ok for ok, _ in reports.values()))
+    failure = first_failure(reports)
     if failure is not None:
         raise failure
     return [reports[r][1] for r in range(config.world_size)]
-
-
-def _reap(procs: list[Any], patient: bool) -> None:
-    """Join every rank; never leave one behind. After a failure the survivors are only stuck
-    waiting (or stopped): they are terminated at once and killed if still there after 0.5 s."""
-    if not patient:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    end = time.monotonic() + (5.0 if patient else 0.5)
-    for p in procs:
-        p.join(timeout=max(0.0, end - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
