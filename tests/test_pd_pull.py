@@ -20,7 +20,16 @@ import torch
 from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.pd.wire import Frames, pulled_message, read_pages
 from kvstrata.serve.codec import ByteCodec
-from tests.pd_helpers import PAGE, complete, info, metrics, raw_handoff, start_all, worker_args
+from tests.pd_helpers import (
+    PAGE,
+    CuttableRelay,
+    complete,
+    info,
+    metrics,
+    raw_handoff,
+    start_all,
+    worker_args,
+)
 from tests.serve_helpers import Server
 from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
 
@@ -118,6 +127,38 @@ def test_turn_two_on_a_fresh_prefill_pulls_exactly_what_decode_holds(
     assert pd["prefill_computed_tokens"] == len(turn3) - 9 * PAGE
     assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(hf_greedy(hf, turn3, 4))
     assert pulled(p2, "pull_received") == (held + 1, (held + 1) * page_bytes)
+    check_all(workers)
+
+
+def test_a_pulled_page_corrupted_on_the_link_is_recomputed(
+    workers: dict[str, Server], ckpt: Path
+) -> None:
+    p1, p2, d = workers["p1"], workers["p2"], workers["d"]
+    hf, page_bytes = load_hf(ckpt), info(p2)["layout"]["page_bytes"]
+    prompt = [(37 * i + 8) % 97 for i in range(41)]
+    out = hf_greedy(hf, prompt, 8)
+    assert pd_of(complete(d, prompt, max_tokens=8, pd_prefill=p1.url))["pages_pulled"] == 0
+    turn2 = prompt + out + [(3 * i + 2) % 97 for i in range(20)]  # 69 tokens, 6 pages held
+    before = pulled(p2, "pull_received")
+    # decode -> prefill on this link: greeting + hand-off (537 bytes), the pulled reply's
+    # header, then 6 frames of page_bytes + 9: byte 10900 lies deep inside the third page
+    assert page_bytes == 4096
+    relay = CuttableRelay(info(p2)["transfer_endpoint"], corrupt=1, at=10900, upward=True)
+    try:
+        r = complete(d, turn2, max_tokens=6, pd_prefill=relay.endpoint)
+    finally:
+        relay.close()
+    pd = pd_of(r)
+    assert (pd["pages_pulled"], pd["bytes_pulled"]) == (6, 6 * page_bytes)  # all sent
+    assert pd["prefill_computed_tokens"] == len(turn2) - 2 * PAGE  # page 2 on: computed
+    out2 = hf_greedy(hf, turn2, 6)
+    assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(out2)
+    got = pulled(p2, "pull_received")
+    assert (got[0] - before[0], got[1] - before[1]) == (2, 2 * page_bytes)  # 2 intact, used
+    check_all(workers)
+    r = complete(d, turn2, max_tokens=6, pd_prefill=p2.url)  # its own cache now
+    assert pd_of(r)["pages_pulled"] == 0 and pd_of(r)["prefill_computed_tokens"] == 5
+    assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(out2)
     check_all(workers)
 
 
