@@ -88,6 +88,28 @@ def no_pages(head: dict[str, Any]) -> Frames:
     return pulled_message(head["id"], head["first_page"], [])
 
 
+def _answer(
+    ch: Any, endpoint: str, timeout_s: float, layer_bytes: int, pull: Callable
+) -> tuple[dict[str, Any], Frames, dict[int, list], list[list[int]]]:
+    """Receive until prefill's answer: (its header, its frames, layers so far, pulls asked);
+    each `pull` is answered with `pull(head)` (None: not answered)."""
+    layers: dict[int, list] = {}
+    pulls: list[list[int]] = []
+    while True:
+        frames = ch.recv(timeout_s)
+        assert frames is not None, f"no reply from {endpoint} within {timeout_s} s"
+        head = read_header(frames)
+        if head["type"] == "layer":
+            layers[head["layer"]] = read_layer(head, frames, layer_bytes)
+        elif head["type"] == "pull":
+            pulls.append([head["first_page"], head["end_page"]])
+            reply = pull(head)
+            if reply is not None:
+                ch.send(reply)
+        elif head["type"] != "heartbeat":
+            return head, frames, layers, pulls
+
+
 def raw_handoff(
     endpoint: str,
     tokens: list[int],
@@ -105,27 +127,12 @@ def raw_handoff(
     of the rank asked, when the worker runs on several ranks (else the whole page).
     pull: the reply to each of prefill's `pull` headers (None: stay silent, as a dead decode
     would). The header returned lists the pulls asked: "pulls": [[first_page, end_page], ...]."""
-    ch = TRANSPORTS.create("zmq").connect(endpoint)
-    layers: dict[int, list] = {}
     n_layers, page_bytes = part or (layout["layers"], layout["page_bytes"])
-    half = page_bytes // n_layers
-    pulls: list[list[int]] = []
+    ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
+    ch = TRANSPORTS.create("zmq").connect(endpoint)
     try:
-        ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
         ch.send([header("handoff", hid, **ask)])
-        while True:
-            frames = ch.recv(timeout_s)
-            assert frames is not None, f"no reply from {endpoint} within {timeout_s} s"
-            head = read_header(frames)
-            if head["type"] == "layer":
-                layers[head["layer"]] = read_layer(head, frames, half)
-            elif head["type"] == "pull":
-                pulls.append([head["first_page"], head["end_page"]])
-                reply = pull(head)
-                if reply is not None:
-                    ch.send(reply)
-            elif head["type"] != "heartbeat":
-                break
+        head, frames, layers, pulls = _answer(ch, endpoint, timeout_s, page_bytes // n_layers, pull)
     finally:
         ch.close()
     if head["type"] == "pages" and head.get("layers"):
