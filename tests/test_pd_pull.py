@@ -106,6 +106,7 @@ def test_turn_two_on_a_fresh_prefill_pulls_exactly_what_decode_holds(
     r = complete(d, turn2, max_tokens=6, pd_prefill=p2.url)  # worker 2 never saw turn 1
     pd = pd_of(r)
     assert (pd["pages_pulled"], pd["bytes_pulled"]) == (held, held * page_bytes)
+    assert pd["pages_pulled_kept"] == held
     assert pd["pages_skipped"] == held and pd["pages_received"] == math.ceil(69 / PAGE) - held
     assert pd["prefill_computed_tokens"] == len(turn2) - held * PAGE  # only the new tokens
     out2 = hf_greedy(hf, turn2, 6)
@@ -150,6 +151,7 @@ def test_a_pulled_page_corrupted_on_the_link_is_recomputed(
         relay.close()
     pd = pd_of(r)
     assert (pd["pages_pulled"], pd["bytes_pulled"]) == (6, 6 * page_bytes)  # all sent
+    assert pd["pages_pulled_kept"] == 2  # the third failed its checksum: never used
     assert pd["prefill_computed_tokens"] == len(turn2) - 2 * PAGE  # page 2 on: computed
     out2 = hf_greedy(hf, turn2, 6)
     assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(out2)

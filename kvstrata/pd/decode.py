@@ -336,6 +336,8 @@ class DecodeSide:
             "prefill_computed_tokens": int(got.stats.get("computed_tokens", 0)),
             "pages_pulled": out.pulled,  # held pages prefill pulled from here
             "bytes_pulled": out.pulled * self.layout.page_bytes,
+            # of those, the pages that passed prefill's checks (a failed one is computed)
+            "pages_pulled_kept": int(got.stats.get("pulled_kept", 0)),
             "prefill": out.endpoint,
         }
         self.metrics.received(req.transfer, got.nbytes)

@@ -96,16 +96,15 @@ class Sink:
         engine = self.side.loop.engine
         pool, req, ids = engine.pool, self.req, self._ids()
         computed = len(req.tokens) - (sum(req.hits.values()) + self.pulled) * engine.page
+        stats = {"computed_tokens": computed, "pulled_kept": self.pulled}
         self.side.metrics.sent(len(ids), len(ids) * pool.shape.page_nbytes)
         row = req.logits[-1].float().cpu().numpy()
         st = engine.spec.handoff_state(req) if engine.spec is not None else None
         state = None if st is None else st.float().cpu().numpy()
         if self.layers_sent == pool.shape.num_layers:
-            return pages_message(
-                self.hid, self.held, [], row, state, computed_tokens=computed, layers=1
-            )
+            return pages_message(self.hid, self.held, [], row, state, layers=1, **stats)
         pages = host_pages(pool, ids)
-        return pages_message(self.hid, self.held, pages, row, state, computed_tokens=computed)
+        return pages_message(self.hid, self.held, pages, row, state, **stats)
 
 
 class PrefillSide:

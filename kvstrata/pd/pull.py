@@ -15,6 +15,7 @@ pd_timeout_s (decode died mid-pull): the request fails, its lease gives back eve
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from typing import Any
@@ -82,7 +83,10 @@ class Puller:
             self.send(sink, pull_message(sink.hid, have, sink.held))
             return None
         if sink.reply is not None:
-            self._land(engine, sink, sink.reply[0])
+            pages, why = sink.reply
+            if why:  # not a failure: those pages are computed; said once, where it happened
+                print(f"kvstrata pd: {sink.hid}: {why}; prefill computes them", file=sys.stderr)
+            self._land(engine, sink, pages)
             return None
         if time.monotonic() - sink.asked_s <= self.cfg.pd_timeout_s:
             return None
