@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvstrata.pd.wire import (
     header,
     pack_keys,
     pages_message,
+    pulled_message,
     read_header,
     read_layer,
 )
@@ -71,6 +73,43 @@ def complete(
     return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
 
 
+def metrics(server: Server) -> dict[str, float]:
+    """Every sample of /metrics, by its name and labels."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def no_pages(head: dict[str, Any]) -> Frames:
+    """A `pulled` reply with no page: a raw client holds no KV (prefill computes them)."""
+    return pulled_message(head["id"], head["first_page"], [])
+
+
+def _answer(
+    ch: Any, endpoint: str, timeout_s: float, layer_bytes: int, pull: Callable
+) -> tuple[dict[str, Any], Frames, dict[int, list], list[list[int]]]:
+    """Receive until prefill's answer: (its header, its frames, layers so far, pulls asked);
+    each `pull` is answered with `pull(head)` (None: not answered)."""
+    layers: dict[int, list] = {}
+    pulls: list[list[int]] = []
+    while True:
+        frames = ch.recv(timeout_s)
+        assert frames is not None, f"no reply from {endpoint} within {timeout_s} s"
+        head = read_header(frames)
+        if head["type"] == "layer":
+            layers[head["layer"]] = read_layer(head, frames, layer_bytes)
+        elif head["type"] == "pull":
+            pulls.append([head["first_page"], head["end_page"]])
+            reply = pull(head)
+            if reply is not None:
+                ch.send(reply)
+        elif head["type"] != "heartbeat":
+            return head, frames, layers, pulls
+
+
 def raw_handoff(
     endpoint: str,
     tokens: list[int],
@@ -80,26 +119,20 @@ def raw_handoff(
     hid: str = "raw",
     timeout_s: float = 30.0,
     part: tuple[int, int] | None = None,
+    pull: Callable[[dict[str, Any]], Frames | None] = no_pages,
 ) -> tuple[dict[str, Any], Frames]:
     """Ask a prefill worker for a hand-off as decode would: its answer (a refusal, or the pages
     with the logits row; pages sent layer by layer are put together and re-framed as one
     `pages` message, whose header counts them in "layer_messages"). part: (layers, page bytes)
-    of the rank asked, when the worker runs on several ranks (else the whole page)."""
-    ch = TRANSPORTS.create("zmq").connect(endpoint)
-    layers: dict[int, list] = {}
+    of the rank asked, when the worker runs on several ranks (else the whole page).
+    pull: the reply to each of prefill's `pull` headers (None: stay silent, as a dead decode
+    would). The header returned lists the pulls asked: "pulls": [[first_page, end_page], ...]."""
     n_layers, page_bytes = part or (layout["layers"], layout["page_bytes"])
-    half = page_bytes // n_layers
+    ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
+    ch = TRANSPORTS.create("zmq").connect(endpoint)
     try:
-        ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
         ch.send([header("handoff", hid, **ask)])
-        while True:
-            frames = ch.recv(timeout_s)
-            assert frames is not None, f"no reply from {endpoint} within {timeout_s} s"
-            head = read_header(frames)
-            if head["type"] == "layer":
-                layers[head["layer"]] = read_layer(head, frames, half)
-            elif head["type"] != "heartbeat":
-                break
+        head, frames, layers, pulls = _answer(ch, endpoint, timeout_s, page_bytes // n_layers, pull)
     finally:
         ch.close()
     if head["type"] == "pages" and head.get("layers"):
@@ -110,17 +143,18 @@ def raw_handoff(
             hid, head["first_page"], pages, row, computed_tokens=head["computed_tokens"]
         )
         head = {**read_header(frames), "layer_messages": len(layers)}
-    return head, frames
+    return {**head, "pulls": pulls}, frames
 
 
 class CuttableRelay:
     """A TCP relay 127.0.0.1:port -> target that can drop every connection at once (`cut`):
     a dropped link between two live workers. Connections made after a cut relay again."""
 
-    def __init__(self, target: str, corrupt: int = 0, at: int = 1000) -> None:
+    def __init__(self, target: str, corrupt: int = 0, at: int = 1000, upward: bool = False) -> None:
         """`corrupt`: flip one bit at byte `at` of what the target sends on that many of the
-        first connections (deep inside the first page frame: the framing stays valid)."""
-        self.corrupt, self.at = corrupt, at
+        first connections (deep inside the first page frame: the framing stays valid);
+        `upward`: of what the client sends the target instead (decode's pulled pages)."""
+        self.corrupt, self.at, self.upward = corrupt, at, upward
         host, port = target.removeprefix("tcp://").rsplit(":", 1)
         self.target = (host, int(port))
         self.srv = socket.create_server(("127.0.0.1", 0))
@@ -140,7 +174,8 @@ class CuttableRelay:
             self.accepted += 1
             self.conns += [down, up]
             flip = self.at if self.accepted <= self.corrupt else -1
-            for a, b, f in ((down, up, -1), (up, down, flip)):
+            flips = (flip, -1) if self.upward else (-1, flip)
+            for a, b, f in ((down, up, flips[0]), (up, down, flips[1])):
                 threading.Thread(target=self._pipe, args=(a, b, f), daemon=True).start()
 
     @staticmethod

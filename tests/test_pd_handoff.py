@@ -22,6 +22,7 @@ from tests.pd_helpers import (
     CuttableRelay,
     complete,
     info,
+    metrics,
     raw_handoff,
     start_all,
     worker_args,
@@ -64,16 +65,6 @@ def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
 def pd_usage(r: httpx.Response) -> dict:
     assert r.status_code == 200, r.text
     return r.json()["usage"]
-
-
-def metrics(server: Server) -> dict[str, float]:
-    """Every sample of /metrics, by its name and labels."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
 
 
 def check_all(workers: dict[str, Server]) -> None:
@@ -168,7 +159,8 @@ def test_prefill_checks_layout_keys_and_the_last_page(workers: dict[str, Server]
     assert head["type"] == "refused" and "page 0" in head["message"]  # other namespace
     salted = _keys(lay, PROMPT_A, salt="tenant-b")
     head, _ = raw_handoff(ep, PROMPT_A, salted[:2], lay, salt="tenant-b", hid="salt-ok")
-    assert head["type"] == "pages"
+    assert head["type"] == "pages" and head["pulls"] == [[0, 2]]  # answered with no page
+    assert head["computed_tokens"] == 41  # so prefill computed them
     whole = PROMPT_A[:40] + [9] * 8  # 48 tokens: 6 full pages, the 6th holds the last token
     head, _ = raw_handoff(ep, whole, _keys(lay, whole), lay, hid="last")
     assert head["type"] == "refused" and "at most 5" in head["message"]

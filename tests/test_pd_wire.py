@@ -21,9 +21,12 @@ from kvstrata.pd.wire import (
     layout_mismatch,
     pack_keys,
     pages_message,
+    pull_message,
+    pulled_message,
     read_header,
     read_layer,
     read_pages,
+    read_pulled,
     unpack_keys,
 )
 from kvstrata.serve.process import ROOT
@@ -149,3 +152,28 @@ def test_layered_pages_assemble_into_host_pages() -> None:
     bad[2] = np.array(bad[2]) ^ 1
     with pytest.raises(WireError, match="page 1 failed"):
         read_layer(read_header(bad), bad, half)
+
+
+def test_pulled_pages_keep_the_leading_good_ones() -> None:
+    """A pull is not all or nothing: the pages before the first bad one are used, the rest are
+    misses (computed by prefill); a reply that does not answer the pull uses none."""
+    assert read_header(pull_message("h", 2, 5)) == {
+        "type": "pull", "id": "h", "first_page": 2, "end_page": 5
+    }  # fmt: skip
+    ps = pages(3, seed=3)
+    msg = pulled_message("h", 2, ps)
+    good, why = read_pulled(read_header(msg), msg, PAGE_BYTES, 2, 5)
+    assert [bytes(g) for g in good] == [p.tobytes() for p in ps] and why == ""
+    bad = list(msg)
+    page = bytearray(msg[2])
+    page[7] ^= 1
+    bad[2] = bytes(page)  # page 3 of the prompt flipped
+    good, why = read_pulled(read_header(bad), bad, PAGE_BYTES, 2, 5)
+    assert len(good) == 1 and why == "pulled page 3 failed its size or checksum"
+    short = pulled_message("h", 2, ps[:1])
+    good, why = read_pulled(read_header(short), short, PAGE_BYTES, 2, 5)
+    assert len(good) == 1 and why == "decode sent 1 of 3 pages"
+    assert read_pulled(read_header(msg), msg, PAGE_BYTES, 1, 5)[0] == []  # not what was asked
+    assert read_pulled(read_header(msg), msg, PAGE_BYTES, 2, 4)[0] == []  # more than asked
+    assert read_pulled(read_header(msg), msg[:-1], PAGE_BYTES, 2, 5)[0] == []  # a frame lost
+    assert read_pulled(read_header(msg), msg, PAGE_BYTES * 2, 2, 5)[0] == []  # wrong size

@@ -7,6 +7,8 @@ decode holds and waits (bounded by pd_timeout_s of silence) for exactly the miss
 the first-token logits row. The engine thread (the step hook) writes them into the request's
 own pages and emits the first token; or, on any failure, releases the request's pages and ends
 it with 502/504 naming the prefill endpoint (or, with pd_on_failure=local, prefills it here).
+Meanwhile prefill may `pull` held pages it lacks: the engine thread copies them out of the
+request's own (locked) pages and the hand-off thread sends them on the same channel.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import time
 from typing import Any
 
 import httpx2 as httpx
-import numpy as np
 import torch
 import zmq
 
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
+from kvstrata.pd.pages import host_pages, write_pages
 from kvstrata.pd.transport import Transport
 from kvstrata.pd.wire import (
     Layout,
@@ -33,6 +35,7 @@ from kvstrata.pd.wire import (
     assemble,
     header,
     pack_keys,
+    pulled_message,
     read_header,
     read_layer,
     read_pages,
@@ -51,6 +54,7 @@ class Outcome:
     endpoint: str
     received: Received | None = None
     failure: tuple[int, str] | None = None
+    pulled: int = 0  # held pages prefill pulled from here (every try)
 
 
 class Resolver:
@@ -105,6 +109,8 @@ class Handoff(threading.Thread):
         self.cancelled = threading.Event()
         self.endpoint = req.remote
         self.layers: dict[int, list[memoryview]] = {}  # a layered hand-off's slices so far
+        self.ch: Any = None  # this try's channel (the thread's own)
+        self.pulled = 0  # held pages sent to prefill on its `pull`, every try
 
     def run(self) -> None:
         side = self.side
@@ -131,7 +137,7 @@ class Handoff(threading.Thread):
         return Outcome(self.rid, self.endpoint, failure=(status, msg))
 
     def _exchange(self, ch: Any) -> Outcome:
-        cfg = self.side.cfg
+        cfg, self.ch = self.side.cfg, ch
         try:
             ask = dict(tokens=self.tokens, salt=self.salt, keys=pack_keys(self.held))
             ch.send([header("handoff", self.hid, layout=self.side.layout.as_dict(), **ask)])
@@ -161,6 +167,8 @@ class Handoff(threading.Thread):
             return None
         if head["type"] == "refused":
             return self._fail(502, f"refused: {head.get('message', '?')}")
+        if head["type"] == "pull":
+            return self._answer_pull(int(head["first_page"]), int(head["end_page"]))
         layers, page_bytes = self.side.part  # this rank's part of a page
         if head["type"] == "layer":
             self.layers[int(head["layer"])] = read_layer(head, frames, page_bytes // layers)
@@ -176,7 +184,27 @@ class Handoff(threading.Thread):
                 f"sent pages [{got.first_page}, {got.first_page + len(got.pages)}), "
                 f"expected [{len(self.held)}, {self.n_pages})"
             )
-        return Outcome(self.rid, self.endpoint, received=got)
+        return Outcome(self.rid, self.endpoint, received=got, pulled=self.pulled)
+
+    def _answer_pull(self, first: int, end: int) -> Outcome | None:
+        """Send prefill held pages [first, end), copied by the engine thread (bounded wait)."""
+        if not 0 <= first < end <= len(self.held):
+            raise WireError(f"prefill pulls pages [{first}, {end}); decode holds {len(self.held)}")
+        reply: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+        self.side.pulls.put((self.rid, first, end, reply))
+        limit = self.side.cfg.pd_timeout_s
+        try:
+            pages = reply.get(timeout=limit)
+        except queue.Empty:
+            self.ch.send([header("cancel", self.hid)])
+            why = f"the engine thread did not copy held pages [{first}, {end}) within {limit} s"
+            return self._fail(504, why)
+        if pages is None:
+            return None  # the request ended meanwhile: the hook cancels this hand-off
+        self.ch.send(pulled_message(self.hid, first, pages))
+        self.pulled += len(pages)
+        self.side.metrics.pulled("pull_sent", len(pages), sum(p.nbytes for p in pages))
+        return None
 
 
 class DecodeSide:
@@ -195,6 +223,8 @@ class DecodeSide:
         self.part = (0, 0)  # (layers, page bytes) of this rank's part of a page
         self.gate: Any = None  # kvstrata.pd.ranks.HandoffGate under several ranks
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        # prefill's pulls: (rid, first page, end page, reply queue) for the engine thread
+        self.pulls: queue.SimpleQueue[tuple[str, int, int, Any]] = queue.SimpleQueue()
         self.active: dict[str, Handoff] = {}
         self.ready: dict[str, Outcome] = {}  # arrived here, not landed yet
         self._next = 0
@@ -230,6 +260,7 @@ class DecodeSide:
             if req.remote and req.state is State.PREFILL and req.rid not in self.active:
                 self._start(engine, req)
         self._collect(IDLE_WAIT_S if _only_handoffs(engine) else 0.0)
+        self._serve_pulls(engine, running)
         gate = self.gate
         landing = gate.landable(self.ready) if gate else [(r, None) for r in self.ready]
         finished: list[Request] = []
@@ -257,6 +288,23 @@ class DecodeSide:
             if out.rid in self.active:
                 self.ready[out.rid] = out
 
+    def _serve_pulls(self, engine: Engine, running: dict[str, Request]) -> None:
+        """Engine thread: copy out the held pages prefill pulls (locked by the request's lease,
+        so nothing writes them; an L2 -> L1 load of some is waited for first)."""
+        while True:
+            try:
+                rid, first, end, reply = self.pulls.get_nowait()
+            except queue.Empty:
+                return
+            req = running.get(rid)
+            if req is None or req.lease is None:
+                reply.put(None)
+                continue
+            load = req.lease.load
+            if load is not None and load.handle is not None:
+                load.handle.wait(self.cfg.pd_timeout_s)
+            reply.put(host_pages(engine.pool, req.page_table[first:end]))
+
     def _start(self, engine: Engine, req: Request) -> None:
         lease = req.lease
         assert lease is not None
@@ -276,7 +324,8 @@ class DecodeSide:
             return True
         got = out.received
         assert got is not None and req.lease is not None
-        write_pages(engine, req.page_table[got.first_page : got.first_page + len(got.pages)], got)
+        at = got.first_page
+        write_pages(engine.pool, req.page_table[at : at + len(got.pages)], got.pages)
         hits = req.lease.hits
         req.transfer = {
             "pages_received": len(got.pages),
@@ -285,6 +334,10 @@ class DecodeSide:
             "pages_skipped": hits.pages,
             "pages_from_storage": hits.storage,
             "prefill_computed_tokens": int(got.stats.get("computed_tokens", 0)),
+            "pages_pulled": out.pulled,  # held pages prefill pulled from here
+            "bytes_pulled": out.pulled * self.layout.page_bytes,
+            # of those, the pages that passed prefill's checks (a failed one is computed)
+            "pages_pulled_kept": int(got.stats.get("pulled_kept", 0)),
             "prefill": out.endpoint,
         }
         self.metrics.received(req.transfer, got.nbytes)
@@ -299,14 +352,3 @@ def _only_handoffs(engine: Engine) -> bool:
     if engine.waiting or (engine.cache is not None and len(engine.cache.queues)):
         return False
     return all(r.remote and r.state is State.PREFILL for r in engine.running)
-
-
-def write_pages(engine: Engine, ids: list[int], got: Received) -> None:
-    """Host-layout pages [n, layers, 2, page, heads, dim] into device pages `ids` (layer-first)."""
-    if not ids:
-        return
-    pool = engine.pool
-    s = pool.shape
-    raw = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in got.pages])
-    pages = torch.from_numpy(raw).view(s.torch_dtype).view(len(ids), *s.host_shape(1)[1:])
-    pool.data[:, :, pool.local_slot(ids)] = pages.permute(1, 2, 0, 3, 4, 5).to(pool.device)

@@ -7,7 +7,8 @@ A good one runs as an ordinary engine request (max 1 token, logits kept), so its
 serves what prefill's L1/L2/L3 hold and only the rest is computed. When its first token is
 produced (on the engine thread, before the request's pages are released) the pages decode lacks
 are copied out to host memory and queued; the listener thread sends them with the logits row,
-and heartbeats each hand-off that is still computing every pd_heartbeat_s.
+and heartbeats each hand-off that is still computing every pd_heartbeat_s. Held pages that
+prefill's own tiers lack are pulled from decode first (kvstrata/pd/pull.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from kvstrata.cache.lease import hittable_pages
 from kvstrata.engine.request import Request
 from kvstrata.pd.config import PDConfig
+from kvstrata.pd.pages import host_pages
+from kvstrata.pd.pull import Puller
 from kvstrata.pd.transport import Listener
 from kvstrata.pd.wire import (
     Frames,
@@ -32,6 +35,7 @@ from kvstrata.pd.wire import (
     layout_mismatch,
     pages_message,
     read_header,
+    read_pulled,
     unpack_keys,
 )
 
@@ -48,13 +52,20 @@ class Sink:
         self.last_sent_s = self.received_s  # the listener thread's last message to decode
         self.sent = False  # pages queued (engine thread)
         self.layers_sent = 0  # layered: layers [0, layers_sent) queued (engine thread)
+        # a pull (kvstrata/pd/pull.py): pages [asked, held) asked of decode (engine thread),
+        # the verified reply (listener thread) and how many of its pages were used
+        self.asked: int | None = None
+        self.asked_s = 0.0
+        self.reply: tuple[list[memoryview], str] | None = None
+        self.pulled = 0
 
     def push(self, kind: str, value: Any) -> None:
         if kind == "token" and not self.sent:
             self.sent = True
             self.side.outbox.put((self, self._pages()))
         elif kind == "error":
-            self.side.outbox.put((self, [header("refused", self.hid, message=str(value))]))
+            why = value[1] if isinstance(value, tuple) else value  # (status, message): a failure
+            self.side.outbox.put((self, [header("refused", self.hid, message=str(why))]))
         elif kind == "done":
             self.side.outbox.put((self, None))
 
@@ -84,19 +95,16 @@ class Sink:
         logits row; the speculator's state (an MTP head's last hidden state) if it has one."""
         engine = self.side.loop.engine
         pool, req, ids = engine.pool, self.req, self._ids()
-        computed = len(req.tokens) - sum(req.hits.values()) * engine.page
+        computed = len(req.tokens) - (sum(req.hits.values()) + self.pulled) * engine.page
+        stats = {"computed_tokens": computed, "pulled_kept": self.pulled}
         self.side.metrics.sent(len(ids), len(ids) * pool.shape.page_nbytes)
         row = req.logits[-1].float().cpu().numpy()
         st = engine.spec.handoff_state(req) if engine.spec is not None else None
         state = None if st is None else st.float().cpu().numpy()
         if self.layers_sent == pool.shape.num_layers:
-            return pages_message(
-                self.hid, self.held, [], row, state, computed_tokens=computed, layers=1
-            )
-        # [layers, 2, k, page, heads, dim] -> page-first [k, layers, 2, page, heads, dim]
-        block = pool.data[:, :, pool.local_slot(ids)].permute(2, 0, 1, 3, 4, 5).contiguous()
-        flat = block.cpu().reshape(len(ids), -1).view(torch.uint8).numpy()
-        return pages_message(self.hid, self.held, list(flat), row, state, computed_tokens=computed)
+            return pages_message(self.hid, self.held, [], row, state, layers=1, **stats)
+        pages = host_pages(pool, ids)
+        return pages_message(self.hid, self.held, pages, row, state, **stats)
 
 
 class PrefillSide:
@@ -108,6 +116,7 @@ class PrefillSide:
         self.layout: Layout | None = None
         self.outbox: queue.SimpleQueue[tuple[Sink, Frames | None]] = queue.SimpleQueue()
         self.flight: dict[str, Sink] = {}  # hand-off id -> its sink, until sent or failed
+        self.puller = Puller(cfg, metrics, lambda sink, frames: self.outbox.put((sink, frames)))
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="pd-prefill", daemon=True)
 
@@ -116,6 +125,7 @@ class PrefillSide:
         self.loop, self.layout = loop, layout
         if self.cfg.pd_layerwise:
             engine.layer_hook = self.on_layer
+        engine.step_hook = self.puller.step
         self.thread.start()
 
     def on_layer(self, reqs: list[Request], layer: int) -> None:
@@ -153,6 +163,9 @@ class PrefillSide:
             if sink is not None:
                 self.loop.abort(sink.req.rid)  # its lease gives back every page
             return
+        if head["type"] == "pulled":
+            self._on_pulled(peer, hid, head, frames)
+            return
         try:
             if hid in self.flight:
                 raise WireError(f"hand-off {hid} is already in flight")
@@ -163,7 +176,18 @@ class PrefillSide:
             return
         sink = Sink(self, peer, req, held)
         self.flight[hid] = sink
+        if held:
+            self.puller.add(sink)  # decode holds pages prefill may lack: it may pull them
         self.loop.submit(req, sink)
+
+    def _on_pulled(self, peer: bytes, hid: str, head: dict[str, Any], frames: Frames) -> None:
+        """Decode's reply to a pull: its leading verified pages go to the engine thread."""
+        sink = self.flight.get(hid)
+        if sink is None or sink.peer != peer or sink.asked is None or sink.reply is not None:
+            return  # cancelled, answered, or not asked: nothing of it is used
+        page_bytes = self.loop.engine.pool.shape.page_nbytes
+        sink.reply = read_pulled(head, frames, page_bytes, sink.asked, sink.held)
+        self.puller.arrived.set()
 
     def _admit(self, head: dict[str, Any]) -> tuple[Request, int]:
         assert self.layout is not None
@@ -183,7 +207,7 @@ class PrefillSide:
                 frames = [header("refused", hid, message="prefill ended the request (stopping)")]
             self.listener.send(sink.peer, frames)
             sink.last_sent_s = time.monotonic()
-            if read_header(frames)["type"] != "layer":
+            if read_header(frames)["type"] not in ("layer", "pull"):
                 del self.flight[hid]  # answered: pages (with the logits) or a refusal
 
     def _heartbeat(self) -> None:

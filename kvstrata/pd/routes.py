@@ -39,6 +39,12 @@ class PDMetrics:
         self.computed.labels(self.name).inc(usage["prefill_computed_tokens"])
         self.handoffs.labels(self.name, "ok").inc()
 
+    def pulled(self, direction: str, pages: int, nbytes: int) -> None:
+        """Held pages prefill pulled from decode: "pull_sent" on decode (every page it sent),
+        "pull_received" on prefill (the pages that passed their checksums and were used)."""
+        self.pages.labels(self.name, direction).inc(pages)
+        self.bytes.labels(self.name, direction).inc(nbytes)
+
     def failed(self) -> None:
         self.handoffs.labels(self.name, "failed").inc()
 

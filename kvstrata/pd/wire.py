@@ -2,13 +2,14 @@
 
 A message is a list of frames: frame 0 a msgpack header (a dict with "type" and the hand-off
 "id"), then raw payload frames. Decode -> prefill: `handoff` (prompt, cache_salt, the keys of the
-pages decode holds, decode's layout) and `cancel`. Prefill -> decode: `heartbeat` while it
-computes, `refused` (the reason, one line), or `pages`: one frame per page decode lacks (the host
-page layout [layers, 2, page_size, kv_heads, head_dim], page_bytes each: the draft's tail layers
-too when speculating, so target and draft parts of a page cross as one frame with one checksum),
-then the first-token logits row, then (an MTP head only) the speculator's state: the target's
-hidden state at the last prompt token. Every frame carries an xxh3-64 checksum in the header; a
-hand-off is all or nothing: one bad frame and none of its pages is used.
+pages decode holds, decode's layout), `cancel` and `pulled` (below). Prefill -> decode: `pull`
+(below), `heartbeat` while it computes, `refused` (the reason, one line), or `pages`: one frame
+per page decode lacks (the host page layout [layers, 2, page_size, kv_heads, head_dim],
+page_bytes each: the draft's tail layers too when speculating, so target and draft parts of a
+page cross as one frame with one checksum), then the first-token logits row, then (an MTP head
+only) the speculator's state: the target's hidden state at the last prompt token. Every frame
+carries an xxh3-64 checksum in the header; a hand-off is all or nothing: one bad frame and none
+of its pages is used.
 """
 
 from __future__ import annotations
@@ -212,3 +213,40 @@ def assemble(layers: dict[int, list[memoryview]], n_layers: int, n_pages: int) -
         for p, part in enumerate(parts):
             buf[p, layer] = np.frombuffer(part, dtype=np.uint8)
     return [memoryview(buf[p].reshape(-1)) for p in range(n_pages)]
+
+
+# ---- pulls: prefill asks decode for held pages it lacks ----------------------------------------
+# Prefill -> decode: `pull` (pages [first_page, end_page) of those decode said it holds). Decode ->
+# prefill: `pulled`: one frame per page in the host page layout, each with its own checksum. Unlike
+# a hand-off's reply a pull is not all or nothing: the leading pages that pass their checks are
+# used, the first that fails and every one after it are misses that prefill computes.
+
+
+def pull_message(hid: str, first_page: int, end_page: int) -> Frames:
+    return [header("pull", hid, first_page=first_page, end_page=end_page)]
+
+
+def pulled_message(hid: str, first_page: int, pages: list[Any]) -> Frames:
+    """`pulled` reply: header + one frame per page (sent as it is, no copy)."""
+    sums = [checksum(p) for p in pages]
+    return [header("pulled", hid, first_page=first_page, checksums=sums), *pages]
+
+
+def read_pulled(
+    head: dict[str, Any], frames: Frames, page_bytes: int, first_page: int, end_page: int
+) -> tuple[list[memoryview], str]:
+    """The leading pulled pages of [first_page, end_page) that pass their size and checksum,
+    and why the rest were dropped ("" when none was)."""
+    sums = head.get("checksums")
+    if head.get("first_page") != first_page or not isinstance(sums, list):
+        return [], f"pulled reply starts at page {head.get('first_page')}, asked {first_page}"
+    if len(frames) != 1 + len(sums) or len(sums) > end_page - first_page:
+        return [], f"pulled reply: {len(frames) - 1} frames, {len(sums)} checksums"
+    good: list[memoryview] = []
+    for i, (frame, want) in enumerate(zip(frames[1:], sums, strict=True)):
+        page = memoryview(frame).cast("B")
+        if page.nbytes != page_bytes or checksum(page) != want:
+            return good, f"pulled page {first_page + i} failed its size or checksum"
+        good.append(page)
+    short = len(good) < end_page - first_page
+    return good, f"decode sent {len(good)} of {end_page - first_page} pages" if short else ""
