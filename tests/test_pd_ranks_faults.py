@@ -15,13 +15,13 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from tests.pd_helpers import complete, start_all, worker_args
+from tests import test_pd_faults as faults
+from tests.pd_helpers import complete, start_all
 from tests.serve_helpers import Server
-from tests.test_pd_faults import idle_ok, in_thread, want
+from tests.test_pd_faults import TIMEOUT_S, idle_ok, in_thread, want
 from tests.tiny_models import make_llama
 
 pytestmark = pytest.mark.slow  # four two-rank workers (twelve processes)
-TIMEOUT_S = 2.0
 TP = ["--tp", "2"]
 X = [(5 * i + 1) % 97 for i in range(41)]
 Y = [(3 * i + 2) % 97 for i in range(33)]
@@ -36,13 +36,11 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def prefill_args(ckpt: Path, store: Path, *extra: str) -> list[str]:
-    beat = ["--pd-heartbeat-s", "0.2", "--pd-timeout-s", str(TIMEOUT_S)]
-    return worker_args(ckpt, "--role", "prefill", *TP, *beat, *extra, store=store)
+    return faults.prefill_args(ckpt, store, *TP, *extra)
 
 
 def decode_args(ckpt: Path, prefill_url: str) -> list[str]:
-    pd = ["--pd-prefill", prefill_url, "--pd-timeout-s", str(TIMEOUT_S)]
-    return worker_args(ckpt, "--role", "decode", *TP, *pd)
+    return faults.decode_args(ckpt, prefill_url, *TP)
 
 
 @pytest.fixture(scope="module")
