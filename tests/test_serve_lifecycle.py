@@ -4,6 +4,10 @@ through the replay socket) and finds them equal to the cache's own."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +22,7 @@ from tests.serve_helpers import TINY_ENGINE, Server, apply_events, free_port
 from tests.tiny_models import make_llama
 
 PAGE = 8
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +208,54 @@ def test_not_a_checkpoint_exits_2(tmp_path: Path, capsys) -> None:  # noqa: ANN0
 
     assert main(["serve", "--model", str(tmp_path)]) == 2
     assert "kvstrata serve: error:" in capsys.readouterr().err
+
+
+def test_a_parent_pid_that_is_not_our_parent_exits_2(capsys) -> None:  # noqa: ANN001
+    from kvstrata.cli.main import main
+
+    assert main(["serve", "--parent-pid", str(os.getpid())]) == 2  # never our own parent
+    assert "is not this process's parent" in capsys.readouterr().err
+
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from kvstrata.serve.process import ServerProcess
+srv = ServerProcess(sys.argv[2:], Path(sys.argv[1]))
+print(srv.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_server_ends_when_its_launcher_is_killed(ckpt: Path, tmp_path: Path) -> None:
+    """kill -9 of what started a server (`kvstrata run`'s P/D row, a benchmark): the server,
+    in its own session so no signal of the launcher's group reaches it, stops by itself."""
+    args = [str(tmp_path / "s.log"), "--model", str(ckpt), *TINY_ENGINE]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, *args], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        line = launcher.stdout.readline()  # type: ignore[union-attr]  # bounded: start timeout
+        assert line.strip().isdigit(), f"no server started: {(tmp_path / 's.log').read_text()}"
+        pid = int(line)
+        assert _alive(pid)
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+    deadline = time.monotonic() + 30  # PARENT_POLL_S + a graceful stop, with room on a busy box
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    outlived = _alive(pid)
+    if outlived:
+        os.kill(pid, signal.SIGKILL)  # a failing run leaves no server behind either
+    assert not outlived, "the server outlived its launcher"

@@ -14,10 +14,14 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.tp import check_layout
+from kvstrata.parent_watch import exit_with_parent
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.router_config import add_router_args, router_config_from_args
 from kvstrata.serve.config import ServeConfig
 from kvstrata.storage.base import StorageConfig
+
+PARENT_GONE_GRACE_S = 10.0
+"""Past stop_timeout_s, how long a server whose launcher died may take to stop by itself."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.serve.torchrun import serve_follower, torchrun_rank
 
     cfg = config_from_args(ServeConfig, args)
+    if cfg.parent_pid:  # before the model loads: a launcher killed meanwhile leaves nothing
+        exit_with_parent(cfg.parent_pid, cfg.stop_timeout_s + PARENT_GONE_GRACE_S)
     if cfg.role == "router":  # no model: the workers have it
         from kvstrata.pd.router import serve_router
 

@@ -10,10 +10,8 @@ rank builds the same subgroups in the same order (torch requires new_group to be
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from kvstrata.parallel.rank_failures import (
     first_failure,
     reap,
 )
+from kvstrata.parent_watch import exit_with_parent
 
 __all__ = ["RankFailure"]  # raised by run_ranks; importers take it from here
 
@@ -214,24 +213,8 @@ def _stop_rank(signum: int, frame: Any) -> None:
     raise RankStopped()
 
 
-PARENT_POLL_S = 0.5
-"""How often a spawned rank checks that the process that spawned it is still there."""
 ORPHAN_GRACE_S = 5.0
 """An orphaned rank unwinds (SIGTERM) and is ended this long after if it did not."""
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A rank whose parent died without stopping it (kill -9 of `serve --tp 2`) must not live
-    on holding memory, ports and transfer endpoints: a watcher thread stops it."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)  # unwinds like a stop (temp files are removed)
-        time.sleep(ORPHAN_GRACE_S)
-        os._exit(1)  # still here: blocked in a collective with ranks that are gone too
-
-    threading.Thread(target=watch, name="kvstrata-parent-watch", daemon=True).start()
 
 
 def _rank_main(
@@ -242,7 +225,8 @@ def _rank_main(
     _HEARTBEAT = (beats, rank)
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _stop_rank)  # while working: unwind, so no temp file is left
-    _exit_with_parent(tmp.parent_process().pid)  # type: ignore[union-attr]
+    # a rank whose parent died without stopping it (kill -9 of `serve --tp 2`) stops itself
+    exit_with_parent(tmp.parent_process().pid, ORPHAN_GRACE_S)  # type: ignore[union-attr]
     try:
         ctx = init_ranks(config, rank)
         result = fn(ctx, *args)

@@ -26,6 +26,11 @@ class ServeConfig:
     kv_events_buffer: int = doc(10000, "event batches kept for replay")
     debug_endpoints: bool = doc(False, "expose GET /debug/integrity (tests, operators)")
     log_level: str = doc("warning", "uvicorn log level")
+    parent_pid: int = doc(
+        0,
+        "stop (as on SIGTERM) once the process with this pid, our parent, is gone: set by "
+        "launchers (`kvstrata run`, benchmarks) so a kill -9 of them leaves no server; 0 = never",
+    )
     role: str = doc(
         "single",
         "single (one server does it all) | prefill | decode (P/D workers) | router (front of P/D)",
@@ -37,6 +42,8 @@ class ServeConfig:
         for name in ("max_pending", "default_max_tokens", "kv_events_buffer"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.parent_pid < 0:
+            raise ValueError(f"parent_pid must be >= 0, got {self.parent_pid}")
         for name in ("request_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -39,6 +39,8 @@ class ServerProcess:
         # launcher: what runs `-m kvstrata.cli.main` (default this Python; or torchrun's)
         head = launcher or [sys.executable]
         cmd = [*head, "-m", "kvstrata.cli.main", "serve", "--port", str(self.port)]
+        if launcher is None:  # our direct child: it stops by itself if we die (kill -9)
+            cmd += ["--parent-pid", str(os.getpid())]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.out = log.open("w")
         # its own process group: stop() also kills what a launcher (torchrun) started, which a
