@@ -50,6 +50,10 @@ class Namespace:
         return self._seed
 
 
+_UNSIGNED = {4: np.uint32, 8: np.uint64}
+"""The unsigned view of an int32/int64 id array (parsing a dtype string costs ~1 us a call)."""
+
+
 def as_token_array(tokens: object, vocab_size: int | None = None) -> np.ndarray:
     """Validate token ids and return them as contiguous int32; clear errors for bad input."""
     arr = np.asarray(tokens)
@@ -66,7 +70,7 @@ def as_token_array(tokens: object, vocab_size: int | None = None) -> np.ndarray:
         # one reduction checks both ends: viewed as unsigned, a negative id is >= 2**(bits-1),
         # which is >= limit for 32- and 64-bit ids (narrower ones are widened first)
         wide = arr if arr.dtype.itemsize >= 4 else arr.astype(np.int32)
-        unsigned = wide.view(wide.dtype.str.replace("i", "u"))
+        unsigned = wide.view(_UNSIGNED[wide.dtype.itemsize])  # a type, not a dtype string
     if int(unsigned.max()) >= limit:
         lo, hi = int(arr.min()), int(arr.max())
         raise ValueError(f"tokens out of range [0, {limit}): min {lo}, max {hi}")
