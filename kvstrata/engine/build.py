@@ -87,13 +87,7 @@ def build_engine(
     ns = Namespace(fingerprint, shape.dtype, tenant_salt=tenant, page_size=cache_cfg.page_size)
     parts = CacheParts(pool)
     if config.tiers != "none":
-        host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
-        storage = None
-        if cache_cfg.storage_url:
-            # the topology-free unit layout that every parallel layout reads and writes too
-            part = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
-            storage = open_unit_storage(cache_cfg.storage_url, part, storage_cfg or StorageConfig())
-        parts = CacheParts(pool, host, TensorMover(pool, host, storage), storage is not None)
+        parts = _tiered_parts(pool, cache_cfg, storage_cfg or StorageConfig())
     engine = assemble(
         config,
         cache_cfg,
@@ -105,6 +99,20 @@ def build_engine(
         ),
     )
     return Built(engine, parts.mover)  # type: ignore[arg-type]
+
+
+def _tiered_parts(
+    pool: DevicePool, cache_cfg: CacheConfig, storage_cfg: StorageConfig
+) -> CacheParts:
+    """A single rank's L1 pool with its L2 pool (if any) and L3 store (if any), and their mover."""
+    shape = pool.shape
+    host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
+    storage = None
+    if cache_cfg.storage_url:
+        # the topology-free unit layout that every parallel layout reads and writes too
+        part = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
+        storage = open_unit_storage(cache_cfg.storage_url, part, storage_cfg)
+    return CacheParts(pool, host, TensorMover(pool, host, storage), storage is not None)
 
 
 @dataclass(frozen=True)
