@@ -1,6 +1,6 @@
 """Prefill on two real gloo ranks pulls the held pages it lacks from decode's two ranks: rank r
-of prefill asks rank r of decode for its own part of each page (its KV head under --tp 2) over
-the pair's channel. Turn 2 of a session on a prefill worker that never saw turn 1 pulls exactly
+of prefill asks rank r of decode for its own part of each page (its KV head under --tp 2, its
+stage's layer under --pp 2) over the pair's channel. Turn 2 of a session on a prefill worker that never saw turn 1 pulls exactly
 decode's pages (per rank: pages x its part's bytes) and computes only the new tokens on every
 rank; greedy tokens equal a single server's; asked again it pulls nothing. Raw decode-side
 clients check the first-token logits after a pull against recompute (fp32, <= 1e-4), a page
@@ -36,7 +36,7 @@ from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
 
 pytestmark = pytest.mark.slow  # three workers on two ranks each + a single server
 
-LAYOUTS = {"tp": ["--tp", "2"]}
+LAYOUTS = {"tp": ["--tp", "2"], "pp": ["--pp", "2"]}
 TIMEOUT_S = 3.0  # prefill worker b's pd_timeout_s (a silent decode rank ends its wait)
 
 
