@@ -26,6 +26,7 @@ from tests.pd_helpers import (
     complete,
     info,
     keys_of,
+    metrics,
     ranks,
     ranks_parts,
     start_all,
@@ -124,6 +125,12 @@ def test_turn_two_on_a_fresh_prefill_pulls_each_ranks_part(
     assert rise(d0, counts(d, "pages_pull_sent", "bytes_pull_sent")) == [
         (held, held * part) for part in parts
     ]
+    # /metrics (rank 0 forwards whole pages): what prefill used, what decode sent
+    for server, direction in ((pb, "pull_received"), (d, "pull_sent")):
+        lbl = f'{{direction="{direction}",model_name="tiny"}}'
+        m = metrics(server)
+        got = (m[f"kvstrata:pd_pages_total{lbl}"], m[f"kvstrata:pd_bytes_total{lbl}"])
+        assert got == (held, held * lay["page_bytes"])
     check_all(workers)
     pb1 = counts(pb, *PULLED_IN)
     r = complete(d, turn2, max_tokens=6, pd_prefill=pb.url)  # asked again: its own cache
