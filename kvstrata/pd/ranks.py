@@ -212,6 +212,7 @@ class RankPD:
 
     def ended(self, req: Request, error: str | None = None) -> None:
         """Its peer hears why a failed hand-off failed (a pull's wait ran out: req.failure)."""
+        req.state = State.DONE  # also one the engine refused at submit: its pull sink goes
         if self.prefill is not None:
             sink = self.prefill.sinks.pop(req.rid, None)
             why = error or req.failure
