@@ -12,9 +12,11 @@ from typing import Any
 import httpx2 as httpx
 import numpy as np
 
+from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.pd.transport import TRANSPORTS
 from kvstrata.pd.wire import (
     Frames,
+    Received,
     assemble,
     header,
     pack_keys,
@@ -22,6 +24,7 @@ from kvstrata.pd.wire import (
     pulled_message,
     read_header,
     read_layer,
+    read_pages,
 )
 from tests.serve_helpers import TINY_ENGINE, Server
 
@@ -144,6 +147,61 @@ def raw_handoff(
         )
         head = {**read_header(frames), "layer_messages": len(layers)}
     return {**head, "pulls": pulls}, frames
+
+
+def keys_of(layout: dict[str, Any], tokens: list[int]) -> list[int]:
+    """Keys of the prompt's first hittable pages, as decode computes them (no salt)."""
+    ns = Namespace(layout["model"], layout["dtype"], page_size=layout["page_size"])
+    full = (len(tokens) - 1) // PAGE * PAGE
+    return page_keys(tokens[:full], ns, 97)
+
+
+def ranks(server: Server) -> list[dict[str, Any]]:
+    """GET /v1/pd/ranks: each rank's part of a page and its own measured counters."""
+    r = httpx.get(f"{server.url}/v1/pd/ranks", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["ranks"]
+
+
+def ranks_parts(pinfo: dict[str, Any]) -> list[tuple[int, int]]:
+    """(layers, page bytes) of each rank's part: half the heads (tp) or half the layers (pp)."""
+    lay = pinfo["layout"]
+    layers = lay["layers"] // lay["pp"]
+    return [(layers, lay["page_bytes"] // (lay["tp"] * lay["pp"]))] * 2
+
+
+def both_ranks(
+    pinfo: dict[str, Any],
+    prompt: list[int],
+    hid: str,
+    keys: list[int] | None = None,
+    pulls: list[Callable] | None = None,
+) -> list[tuple[dict[str, Any], Frames]]:
+    """A hand-off asked of both ranks of a prefill worker at once, as decode's two ranks would:
+    each rank's (header, frames) (see raw_handoff). keys: what decode holds; pulls: rank r's
+    answer to its peer's `pull` (default: no page)."""
+    lay, parts = pinfo["layout"], ranks_parts(pinfo)
+    got: list[Any] = [None, None]
+
+    def one(r: int) -> None:
+        got[r] = raw_handoff(
+            pinfo["transfer_endpoints"][r], prompt, keys or [], {**lay, "rank": r},
+            hid=hid, part=parts[r], pull=pulls[r] if pulls else no_pages,
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got
+
+
+def both_parts(pinfo: dict[str, Any], prompt: list[int], hid: str) -> list[Received]:
+    """Every page of `prompt` as each rank of a prefill worker computes its part (cold)."""
+    parts = ranks_parts(pinfo)
+    got = both_ranks(pinfo, prompt, hid)
+    return [read_pages(head, frames, parts[r][1]) for r, (head, frames) in enumerate(got)]
 
 
 class CuttableRelay:

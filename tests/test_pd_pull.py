@@ -17,7 +17,6 @@ import httpx2 as httpx
 import pytest
 import torch
 
-from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.pd.wire import Frames, pulled_message, read_pages
 from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import (
@@ -25,6 +24,7 @@ from tests.pd_helpers import (
     CuttableRelay,
     complete,
     info,
+    keys_of,
     metrics,
     raw_handoff,
     start_all,
@@ -81,13 +81,6 @@ def pulled(server: Server, direction: str) -> tuple[float, float]:
     return m.get(f"kvstrata:pd_pages_total{{{lbl}}}", 0.0), m.get(
         f"kvstrata:pd_bytes_total{{{lbl}}}", 0.0
     )
-
-
-def keys_of(layout: dict[str, Any], tokens: list[int]) -> list[int]:
-    """Keys of the prompt's first hittable pages, as decode computes them (no salt)."""
-    ns = Namespace(layout["model"], layout["dtype"], page_size=layout["page_size"])
-    full = (len(tokens) - 1) // PAGE * PAGE
-    return page_keys(tokens[:full], ns, 97)
 
 
 def test_turn_two_on_a_fresh_prefill_pulls_exactly_what_decode_holds(

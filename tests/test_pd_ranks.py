@@ -7,19 +7,24 @@ turn 2: only the new ones); a layout mismatch (tp, pp, rank) is refused naming t
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx2 as httpx
 import numpy as np
 import pytest
 import torch
 
-from kvstrata.pd.wire import read_pages
 from kvstrata.serve.codec import ByteCodec
-from tests.pd_helpers import PAGE, complete, info, raw_handoff, start_all, worker_args
+from tests.pd_helpers import (
+    PAGE,
+    both_parts,
+    complete,
+    info,
+    ranks,
+    raw_handoff,
+    start_all,
+    worker_args,
+)
 from tests.serve_helpers import Server
 from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
 
@@ -60,37 +65,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
         s.stop()
 
 
-def ranks(server: Server) -> list[dict[str, Any]]:
-    r = httpx.get(f"{server.url}/v1/pd/ranks", timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["ranks"]
-
-
-def both_ranks(pinfo: dict[str, Any], prompt: list[int], hid: str) -> list[Any]:
-    """A hand-off asked of both prefill ranks at once, as decode's two ranks would."""
-    lay, parts = pinfo["layout"], ranks_parts(pinfo)
-    got: list[Any] = [None, None]
-
-    def one(r: int) -> None:
-        got[r] = raw_handoff(
-            pinfo["transfer_endpoints"][r], prompt, [], {**lay, "rank": r}, hid=hid, part=parts[r]
-        )
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return [read_pages(head, frames, parts[r][1]) for r, (head, frames) in enumerate(got)]
-
-
-def ranks_parts(pinfo: dict[str, Any]) -> list[tuple[int, int]]:
-    """(layers, page bytes) of each rank's part: half the heads (tp) or half the layers (pp)."""
-    lay = pinfo["layout"]
-    layers = lay["layers"] // lay["pp"]
-    return [(layers, lay["page_bytes"] // (lay["tp"] * lay["pp"]))] * 2
-
-
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 @torch.no_grad()
 def test_every_ranks_logits_and_kv_part_equal_recompute(
@@ -100,7 +74,7 @@ def test_every_ranks_logits_and_kv_part_equal_recompute(
     assert len(pinfo["transfer_endpoints"]) == 2 and pinfo["layout"][kind] == 2
     ref = load_hf(ckpt)(torch.tensor([PROMPT]), use_cache=True)
     n, pages = len(PROMPT), -(-len(PROMPT) // PAGE)
-    for r, got in enumerate(both_ranks(pinfo, PROMPT, f"lg-{kind}")):
+    for r, got in enumerate(both_parts(pinfo, PROMPT, f"lg-{kind}")):
         assert rel_err(torch.from_numpy(got.logits), ref.logits[0, -1].float()) <= 1e-4
         assert len(got.pages) == pages
         layers, heads = (2, 1) if kind == "tp" else (1, HEADS)

@@ -74,6 +74,7 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.steps = 0
+        self.prompt_tokens = 0  # prompt tokens this engine's forwards computed (not hits/pulls)
         self.on_token: Callable[[Request, int], None] | None = None
         """Called with each token as it is produced (the server streams from it)."""
         self.step_hook: Callable[[Engine], list[Request]] | None = None
@@ -253,6 +254,8 @@ class Engine:
                 if self._verify(req, drafts[req.rid], row, h):
                     finished.append(req)
                 continue
+            if req.state is State.PREFILL:
+                self.prompt_tokens += len(toks)
             req.computed += len(toks)
             if req.state is State.PREFILL and (req.output or req.computed < len(req.tokens)):
                 if req.output and req.computed == len(req.prefill_tokens):  # preempted, caught up

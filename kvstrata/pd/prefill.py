@@ -35,7 +35,6 @@ from kvstrata.pd.wire import (
     layout_mismatch,
     pages_message,
     read_header,
-    read_pulled,
     unpack_keys,
 )
 
@@ -183,11 +182,8 @@ class PrefillSide:
     def _on_pulled(self, peer: bytes, hid: str, head: dict[str, Any], frames: Frames) -> None:
         """Decode's reply to a pull: its leading verified pages go to the engine thread."""
         sink = self.flight.get(hid)
-        if sink is None or sink.peer != peer or sink.asked is None or sink.reply is not None:
-            return  # cancelled, answered, or not asked: nothing of it is used
-        page_bytes = self.loop.engine.pool.shape.page_nbytes
-        sink.reply = read_pulled(head, frames, page_bytes, sink.asked, sink.held)
-        self.puller.arrived.set()
+        if sink is not None and sink.peer == peer:  # only from the hand-off's own decode
+            self.puller.receive(sink, head, frames, self.loop.engine.pool.shape.page_nbytes)
 
     def _admit(self, head: dict[str, Any]) -> tuple[Request, int]:
         assert self.layout is not None

@@ -14,6 +14,10 @@ adds two fields per running remote request to the consensus vector, "arrived her
 rank has its part) and "failed here" (MAX: any rank failed, with its status). So every rank
 writes its pages and samples the first token at the same step, never on one rank's word or on
 arrival time.
+
+Prefill's pulls (held pages its tiers lack, kvstrata/pd/pull.py): every rank asks its own peer
+for its part at the same step; what they keep is agreed the same way (PullGate: pages kept by
+MIN, a silent peer by MAX), so every rank lands the same pages at the same step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.prefill import Sink, check_handoff
+from kvstrata.pd.pull import Puller, PullGate
 from kvstrata.pd.transport import TRANSPORTS, Listener
 from kvstrata.pd.wire import Frames, Layout, WireError, header, layout_mismatch, read_header
 from kvstrata.pd.worker import layout_of
@@ -46,7 +51,8 @@ class RankMetrics:
     def __init__(self, out: Any) -> None:
         self.out = out
         self.page_bytes = 0  # a whole page (every rank's part), set once the layout is known
-        self.counts = dict.fromkeys((*self.NAMES, "retried"), 0)
+        pulls = [f"{x}_pull_{d}" for d in ("sent", "received") for x in ("pages", "bytes")]
+        self.counts = dict.fromkeys((*self.NAMES, "retried", *pulls), 0)
 
     def _forward(self, name: str, *args: Any) -> None:
         if self.out is not None:
@@ -66,6 +72,13 @@ class RankMetrics:
         self.counts["pages_received"] += usage["pages_received"]
         self.counts["bytes_received"] += part_bytes
         self._forward("received", usage)
+
+    def pulled(self, direction: str, pages: int, nbytes: int) -> None:
+        """Held pages pulled (pull_sent on decode, pull_received on prefill): this rank's part
+        bytes here, whole pages forwarded (as usage.pd counts them)."""
+        self.counts[f"pages_{direction}"] += pages
+        self.counts[f"bytes_{direction}"] += nbytes
+        self._forward("pulled", direction, pages, pages * self.page_bytes)
 
     def failed(self) -> None:
         self.counts["failed"] += 1
@@ -150,7 +163,12 @@ class RankPD:
         self.role, self.cfg, self.rank, self.out = role, cfg, rank, out
         self.metrics = RankMetrics(out)
         transport = TRANSPORTS.create(cfg.pd_transport)
-        self.gate = HandoffGate(slots, rank) if role == "decode" else None
+        # fields of the step's one collective: decode's landings, or prefill's pulls
+        self.gate: HandoffGate | PullGate = (
+            HandoffGate(slots, rank)
+            if role == "decode"
+            else PullGate(slots, rank, cfg.pd_timeout_s)
+        )
         self.decode = DecodeSide(cfg, transport, self.metrics) if role == "decode" else None
         self.prefill: RankPrefill | None = None
         if role == "prefill":
@@ -171,11 +189,11 @@ class RankPD:
         self.metrics.page_bytes = layout.page_bytes
         self.engine = eng
         _SIDES[id(eng)] = self
-        if self.decode is not None and self.gate is not None:
+        if self.decode is not None and isinstance(self.gate, HandoffGate):
             self.decode.attach(eng, layout, self.gate)
             self.gate.engine, self.gate.side = eng, self.decode
-        if self.prefill is not None:
-            self.prefill.attach(eng, layout)
+        if self.prefill is not None and isinstance(self.gate, PullGate):
+            self.prefill.attach(eng, layout, self.gate)
         mine = self.prefill.listener.endpoint if self.prefill is not None else ""
         endpoints: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(endpoints, mine)
@@ -193,10 +211,13 @@ class RankPD:
                 sink.push("token", token)
 
     def ended(self, req: Request, error: str | None = None) -> None:
+        """Its peer hears why a failed hand-off failed (a pull's wait ran out: req.failure)."""
+        req.state = State.DONE  # also one the engine refused at submit: its pull sink goes
         if self.prefill is not None:
             sink = self.prefill.sinks.pop(req.rid, None)
+            why = error or req.failure
             if sink is not None:
-                sink.push("error", error) if error else sink.push("done", req)
+                sink.push("error", why) if why else sink.push("done", req)
 
     def stats(self) -> dict[str, Any]:
         shape = self.engine.pool.shape
@@ -205,6 +226,7 @@ class RankPD:
             "rank": self.rank,
             **part,
             "part_page_bytes": shape.page_nbytes,
+            "prompt_tokens_computed": self.engine.prompt_tokens,  # what this rank's forwards ran
             **self.metrics.counts,
         }
 
@@ -236,20 +258,27 @@ class RankPrefill:
         self.flight: dict[str, Sink] = {}  # hand-off id -> sink, until answered
         self.peers: dict[str, tuple[bytes, float]] = {}  # hand-off id -> (decode peer, since)
         self.queued: dict[str, list[Frames]] = {}  # answers waiting for their peer
+        self.puller = Puller(cfg, metrics, lambda sink, f: self.outbox.put((sink, f)), rank=rank)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="pd-prefill-rank", daemon=True)
 
     # ---- engine thread -------------------------------------------------------------------------
-    def attach(self, engine: Any, layout: Layout) -> None:
+    def attach(self, engine: Any, layout: Layout, gate: PullGate) -> None:
         self.loop.engine, self.layout = engine, layout
         if self.cfg.pd_layerwise:
             engine.layer_hook = self.on_layer
+        if engine.cache is not None:  # the agreement rides in the cache's step consensus
+            self.puller.gate, gate.engine, gate.puller = gate, engine, self.puller
+            engine.step_hook = self.puller.step
         self.thread.start()
 
     def submitted(self, req: Request, held: int) -> None:
+        """Every rank, at the same step: the hand-off's request, before the engine has it."""
         sink = Sink(self, b"", req, held)  # type: ignore[arg-type]  # duck-typed side
         self.sinks[req.rid] = sink
         self.outbox.put((sink, "new"))
+        if held and self.puller.gate is not None:
+            self.puller.add(sink)  # it may pull held pages its tiers lack (every rank alike)
 
     def on_layer(self, reqs: list[Request], layer: int) -> None:
         for req in reqs:
@@ -285,6 +314,11 @@ class RankPrefill:
             self.flight.pop(hid, None)
             if self.rank == 0:  # every rank aborts it at the same step (broadcast)
                 self.inbox.put(("abort", f"pd-{hid}"))
+            return
+        if head["type"] == "pulled":  # only from this hand-off's own peer
+            if self.peers.get(hid, (None,))[0] == peer:
+                part = self.loop.engine.pool.shape.page_nbytes  # this rank's part of a page
+                self.puller.receive(self.flight.get(hid), head, frames, part)
             return
         if head["type"] != "handoff":
             return
@@ -338,7 +372,7 @@ class RankPrefill:
         kind = read_header(frames)["type"]
         payload = frames[1:] if kind == "layer" else frames[1:-1] if kind == "pages" else []
         self.metrics.wire(sum(memoryview(f).nbytes for f in payload))
-        if kind != "layer":  # answered: the pages (with the logits) or a refusal
+        if kind not in ("layer", "pull"):  # answered: the pages (with the logits) or a refusal
             del self.flight[hid]
             self.peers.pop(hid, None)
 
