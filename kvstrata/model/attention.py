@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kvstrata.model.layers import Fused, apply_rotary
-from kvstrata.model.page_runs import page_runs
+from kvstrata.model.page_runs import page_runs, write_plan
 
 sdpa = nn.functional.scaled_dot_product_attention
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, lse); CPU
@@ -51,6 +51,11 @@ class AttnMeta:
     # per sequence: its context's pages as runs [(first page id, pages)] of consecutive ids,
     # each read in place as one slice of the pool; None = too fragmented, gathered (page_runs)
     runs: list[list[tuple[int, int]] | None] = field(default_factory=list)
+    # new rows written as slices (first flat slot, first row, rows) of the pool (write_plan);
+    # none: every row by one index_copy_; else the rows no span holds [R] go to rest_slots [R]
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    rest_rows: torch.Tensor | None = None
+    rest_slots: torch.Tensor | None = None
     _slots: list[torch.Tensor] = field(default_factory=list, repr=False)
     _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
 
@@ -103,7 +108,34 @@ def build_meta(
     wrong.index_add_(0, seq_of, (positions != expected).long())
     tail = (wrong == 0).tolist()
     runs = page_runs(page_tables, ctx_lens, page_size)
-    return AttnMeta(slots, list(seq_lens), list(ctx_lens), tables, page_size, tail, positions, runs)
+    plan = write_plan(page_tables, seq_lens, ctx_lens, tail, page_size)
+    rest = None if plan.rest is None else plan.rest.to(device)
+    return AttnMeta(
+        slots,
+        list(seq_lens),
+        list(ctx_lens),
+        tables,
+        page_size,
+        tail,
+        positions,
+        runs,
+        spans=plan.spans,
+        rest_rows=rest,
+        rest_slots=None if rest is None else slots[rest],
+    )
+
+
+def write_rows(flat: torch.Tensor, new: torch.Tensor, meta: AttnMeta) -> None:
+    """Write a forward's new K or V rows `new` [T, kv_heads, dim] (any strides, any dtype)
+    into the flat pool [capacity * page, kv_heads, dim] at meta.slots: one slice copy per span
+    of consecutive slots, one index_copy_ for the rows outside them (see write_plan)."""
+    if not meta.spans:
+        flat.index_copy_(0, meta.slots, new.to(flat.dtype))
+        return
+    for dst, src, n in meta.spans:
+        flat[dst : dst + n].copy_(new[src : src + n])  # converts to the pool's dtype as .to()
+    if meta.rest_rows is not None and meta.rest_slots is not None:
+        flat.index_copy_(0, meta.rest_slots, new.index_select(0, meta.rest_rows).to(flat.dtype))
 
 
 def merge_by_lse(
@@ -186,8 +218,8 @@ class PagedAttention(nn.Module):
         # .view (not reshape) so a non-contiguous pool fails loudly instead of writing a copy.
         k_flat = k_pool.view(-1, self.kv_heads, self.head_dim)  # [capacity * page, kv_heads, dim]
         v_flat = v_pool.view(-1, self.kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slots, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slots, v.to(v_flat.dtype))
+        write_rows(k_flat, k, meta)
+        write_rows(v_flat, v, meta)
         if k_flat.dtype != q.dtype:  # attend to the K/V as stored, as a cached read would
             k, v = k.to(k_flat.dtype).to(q.dtype), v.to(v_flat.dtype).to(q.dtype)
         if len(meta.seq_lens) == 1:  # one sequence: no per-sequence slicing or copy back
