@@ -113,7 +113,7 @@ class MTPSpeculator(Speculator):
 
     @property
     def fingerprint(self) -> str:
-        return f"mtp:{self.draft.fingerprint}"
+        return f"mtp:{self.draft_fingerprint}"
 
     def handoff_state(self, req: Request) -> torch.Tensor | None:
         """h_{L-1} [1, hidden] after the prompt's L tokens: the input of the first decode entry,

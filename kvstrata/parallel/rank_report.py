@@ -14,8 +14,9 @@ from kvstrata.memory.pool import DevicePool
 
 class PageWatch:
     """This rank's part of every page a request restored from the cache (its hit pages, read
-    once its first forward waited for their loads) and cached (read when it finishes): key ->
-    uint8 bytes [layers, 2, page, kv_heads, head_dim] of the pages this rank owns."""
+    once its first forward waited for their loads) and cached (read when the first request
+    holding it finishes): key -> uint8 bytes [layers, 2, page, kv_heads, head_dim] of the
+    pages this rank owns."""
 
     def __init__(self, pool: DevicePool) -> None:
         self.pool = pool
@@ -34,7 +35,9 @@ class PageWatch:
             lease = req.lease
             if lease is not None:
                 n = lease.inserted
-                self.cached.update(self._owned(lease.keys[:n], lease.page_table[:n]))
+                for key, page in self._owned(lease.keys[:n], lease.page_table[:n]).items():
+                    self.cached.setdefault(key, page)  # as first cached: a later hit's copy
+                    # (restored, then cached again) must not stand in for the cold bytes
 
     def _owned(self, keys: list[int], ids: list[int]) -> dict[int, np.ndarray]:
         pool = self.pool
@@ -74,7 +77,9 @@ def rank_result(re: Any, done: list[Request]) -> dict[str, Any]:
         "peak_scratch": getattr(re.engine, "peak_scratch", None),
         "collectives_per_step": re.consensus.collectives_per_step if re.consensus else 0.0,
         "spec_accepts": {r.rid: list(r.spec_accepts) for r in done},
+        "spec_proposed": {r.rid: r.spec_proposed for r in done},
         "spec": re.engine.spec_stats(),
+        "spec_fingerprint": re.engine.spec.fingerprint if re.engine.spec is not None else "",
         "part": (re.part.layers, re.part.heads),
         **(re.pages.report() if re.pages is not None else {}),
         **host,

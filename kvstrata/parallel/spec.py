@@ -53,7 +53,9 @@ class StageDraft:
     """The draft as one pipeline stage sees it: the last stage runs it (it holds the draft's
     layers) and broadcasts the logits over the pp group; the others receive them. An MTP head
     also returns its outputs g [T, hidden]: real on the last stage, zeros elsewhere (there they
-    only feed the next call, whose inputs the other stages never read)."""
+    only feed the next call, whose inputs the other stages never read). `inner` is None on
+    the other stages: they hold no draft weights once placed (build_speculator loads them on
+    every rank, as the page shape needs the draft's layer count)."""
 
     def __init__(self, inner: Any, stage: PipelineStage, mtp: bool, hidden_size: int) -> None:
         self.inner, self.stage, self.mtp, self.hidden_size = inner, stage, mtp, hidden_size
@@ -63,6 +65,7 @@ class StageDraft:
         device = st.embed.weight.device
         g = None
         if st.is_last:
+            assert self.inner is not None
             out = self.inner(batch, *args, last_only=last_only, **kw)
             logits, g = out if self.mtp else (out, None)
         else:
@@ -120,6 +123,11 @@ def place_speculator(
     spec.offset = target_layers
     draft: Any = spec.draft
     hidden_size = draft.eh_proj.out_features if mtp else draft.spec.hidden_size
+    if stage is not None and not stage.is_last:
+        # a stage before the last never runs the draft: it keeps no draft weights (its tp and
+        # cp peers are on the same stage, so they skip the same wrapping)
+        spec.draft = StageDraft(None, stage, mtp, hidden_size)
+        return
     if not mtp:
         draft = shard_tp(draft, cfg.tp, ctx.tp_rank, ctx.tp_group)
     if cfg.cp > 1:
