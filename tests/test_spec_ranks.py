@@ -135,7 +135,15 @@ def cold_bytes(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> lis
     return out
 
 
-LAYOUTS = [("tp", "self"), ("pp", "self"), ("cp", "self"), ("pp", "mtp"), ("cp", "mtp")]
+LAYOUTS = [
+    ("tp", "self"),
+    ("pp", "self"),
+    ("cp", "self"),
+    ("pp", "mtp"),
+    ("cp", "mtp"),
+    pytest.param("tp+pp+cp", "self", marks=pytest.mark.slow),  # 8 ranks
+    ("pp+cp", "mtp"),
+]
 
 
 @pytest.mark.parametrize(("layout", "kind"), LAYOUTS)
