@@ -1,5 +1,6 @@
-"""Speculative decoding on real gloo ranks (TP=2, PP=2, CP=2), a draft model (self:2) and an MTP
-head, each layout run twice on one store (the second run: fresh processes, an L3 hit):
+"""Speculative decoding on real gloo ranks (TP=2, PP=2, CP=2), a draft model (self:3: its
+acceptance here changes when restores drop the draft part; self:2's does not) and an MTP head,
+each layout run twice on one store (the second run: fresh processes, an L3 hit):
 
 - greedy tokens on every rank equal one rank's without speculation;
 - every request's acceptance sequence, on every rank, equals one rank's speculative run on a
@@ -46,13 +47,13 @@ def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp: Path) -> Path:
-    # 2 K/V heads (one per tp rank), 4 layers (two per pp stage); self:2 = the first two
+    # 2 K/V heads (one per tp rank), 4 layers (two per pp stage); self:3 = the first three
     return make_llama(tmp / "ckpt", seed=5, num_hidden_layers=TARGET_LAYERS)
 
 
 @pytest.fixture(scope="module")
 def drafts(ckpt: Path, tmp: Path) -> dict[str, str]:
-    return {"self": "self:2", "mtp": save_echo_head(ckpt, tmp / "echo.safetensors")}
+    return {"self": "self:3", "mtp": save_echo_head(ckpt, tmp / "echo.safetensors")}
 
 
 def engine_cfg(ckpt: Path, draft: str, tiers: str) -> EngineConfig:
