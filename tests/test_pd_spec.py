@@ -32,13 +32,11 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
-from kvstrata.model.checkpoint import load_model
-from kvstrata.model.mtp import load_head, save_head
 from kvstrata.pd.wire import WireError, pages_message, read_header, read_pages
 from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import PAGE, info, raw_handoff, start_all, worker_args
 from tests.serve_helpers import Server
-from tests.tiny_models import make_llama
+from tests.tiny_models import make_llama, save_echo_head
 
 torch.set_num_threads(1)
 TARGET_LAYERS = 3
@@ -71,18 +69,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def drafts(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """--spec-draft of each kind: self:2, and the echoing MTP head (a safetensors file)."""
-    model = load_model(ckpt)
-    head = load_head("mtp:random", model)
-    hidden = model.spec.hidden_size
-    with torch.no_grad():  # eh_proj([enorm(e); hnorm(h)]) = hnorm(h); the layer nearly identity
-        head.eh_proj.weight.zero_()
-        head.eh_proj.weight[:, hidden:] = torch.eye(hidden)
-        head.norm.weight.copy_(model.model.norm.weight)
-        head.layer.self_attn.o_proj.weight.mul_(0.1)
-        head.layer.mlp.down_proj.weight.mul_(0.1)
     path = tmp_path_factory.mktemp("mtp") / "echo.safetensors"
-    save_head(head, path)
-    return {"self": "self:2", "mtp": f"mtp:{path}"}
+    return {"self": "self:2", "mtp": save_echo_head(ckpt, path)}
 
 
 def engine_of(ckpt: Path, cache_dir: Path, draft: str, tiers: str = "l1_l2") -> Any:

@@ -26,35 +26,65 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def test_run_with_self_draft(ckpt: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    out = tmp_path / "out"
-    spec = ["--spec-draft", "self:1", "--spec-tokens", "3", "--model-cache-dir", str(tmp_path)]
-    args = ["run", "--quick", "--model", str(ckpt), "--out", str(out), *TINY, *spec]
+def run_report(ckpt: Path, tmp: Path, *extra: str) -> dict:
+    """`kvstrata run --spec-draft self:1` (plus `extra`): its report.json."""
+    out = tmp / "out"
+    spec = ["--spec-draft", "self:1", "--spec-tokens", "3", "--model-cache-dir", str(tmp)]
+    args = ["run", "--quick", "--model", str(ckpt), "--out", str(out), *TINY, *spec, *extra]
     assert main([*args, "--max-new-tokens", "12"]) == 0
-    printed = capsys.readouterr().out
-    assert "acc len" in printed and "identical" in printed
-    report = json.loads((out / "report.json").read_text())
+    return json.loads((out / "report.json").read_text())
+
+
+def accepts_of(report: dict) -> dict[str, dict[str, list[int]]]:
+    """Each speculative configuration's per-request acceptance sequences."""
+    cfg = report["configs"]
+    names = ("none", "l1", "l1_l2", "l1_l2_l3")
+    return {n: {r["rid"]: r["spec"]["accepts"] for r in cfg[n]["requests"]} for n in names}
+
+
+@pytest.fixture(scope="module")
+def one_rank(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_report(ckpt, tmp_path_factory.mktemp("one"))
+
+
+def test_run_with_self_draft(one_rank: dict, capsys) -> None:  # noqa: ANN001
+    report = one_rank
     assert report["outputs_identical"] is True
     cfg = report["configs"]
     assert set(cfg) == {"none", "l1", "l1_l2", "l1_l2_l3", "plain"}
     assert cfg["plain"]["spec"] is None
-    accepts = {}
     for name in ("none", "l1", "l1_l2", "l1_l2_l3"):
         fig = cfg[name]["spec"]
         assert fig["proposed"] > 0 and 0.0 <= fig["acceptance_rate"] <= 1.0
         assert fig["accept_length"] == (fig["accepted"] + fig["verify_steps"]) / fig["verify_steps"]
-        accepts[name] = {r["rid"]: r["spec"]["accepts"] for r in cfg[name]["requests"]}
+    accepts = accepts_of(report)
     # restores from every tier leave each request's acceptance sequence as on a cold cache
     assert all(a == accepts["none"] for a in accepts.values())
     assert cfg["l1_l2_l3"]["hit_rate"] > 0 and cfg["l1_l2"]["hit_rate_by_tier"]["L2"] > 0
 
 
-def test_spec_draft_refused_with_ranks(ckpt: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_run_on_tp2_ranks_reports_the_same_acceptance(
+    ckpt: Path,
+    one_rank: dict,
+    tmp_path: Path,
+    capsys,  # noqa: ANN001
+) -> None:
+    report = run_report(ckpt, tmp_path, "--tp", "2")
+    printed = capsys.readouterr().out
+    assert "acc len" in printed and "identical" in printed
+    assert report["outputs_identical"] is True
+    assert accepts_of(report) == accepts_of(one_rank)  # every request, every configuration
+    for name in ("none", "l1", "l1_l2", "l1_l2_l3"):
+        assert report["configs"][name]["spec"] == one_rank["configs"][name]["spec"]
+    assert sum(sum(a) for a in accepts_of(report)["none"].values()) > 0
+
+
+def test_spec_draft_refused_where_it_cannot_run(ckpt: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     args = ["run", "--quick", "--model", str(ckpt), "--out", str(tmp_path / "o"), *TINY]
     args += ["--model-cache-dir", str(tmp_path)]
-    assert main([*args, "--spec-draft", "self:1", "--tp", "2"]) == 2
+    assert main([*args, "--spec-draft", "mtp:random", "--tp", "2"]) == 2  # before any rank
     err = capsys.readouterr().err.strip()
-    assert "--spec-draft" in err and len(err.splitlines()) == 1
+    assert "mtp:" in err and "--tp > 1" in err and len(err.splitlines()) == 1
     assert main([*args, "--spec-draft", "self:9"]) == 2
     assert "self:K" in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and not (tmp_path / "drafts").exists()

@@ -1,9 +1,11 @@
 """`kvstrata serve --spec-draft self:K` through the openai client: each request's usage.spec and
 the /metrics spec_decode_* counters equal what the engine counted in-process for the same
-requests, greedy tokens equal plain decoding, and a prefix hit leaves acceptance unchanged."""
+requests, greedy tokens equal plain decoding, and a prefix hit leaves acceptance unchanged; the
+same with --tp 2 (two gloo ranks behind the server); an MTP head with --tp 2 is refused."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
+from kvstrata.serve.codec import ByteCodec
 from tests.serve_helpers import TINY_ENGINE, Server
 from tests.tiny_models import make_llama
 
@@ -56,34 +59,21 @@ def in_process(ckpt: Path, tmp: Path, draft: str) -> list[Request]:
     return reqs
 
 
-def test_usage_and_metrics_count_speculation(server: Server, ckpt: Path, tmp_path: Path) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-    ref = in_process(ckpt, tmp_path, "self:2")
-    plain = in_process(ckpt, tmp_path, "")
-    got = []
-    for i, p in enumerate([*PROMPTS, PROMPTS[0]]):  # the last one: its prefix is an L1 hit
-        kw = {"model": "tiny", "prompt": p, "max_tokens": NEW, "temperature": 0}
-        if i == 1:  # streamed: the final usage chunk carries spec too
-            chunks = list(
-                client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
-            )
-            got.append(chunks[-1].usage.model_extra["spec"])
-        else:
-            got.append(client.completions.create(**kw).usage.model_extra["spec"])
-    assert all(r.output == q.output for r, q in zip(ref, plain, strict=True))
-    for spec, r in zip(got, ref, strict=True):
-        assert spec == {
-            "verify_steps": len(r.spec_accepts),
-            "proposed": r.spec_proposed,
-            "accepted": sum(r.spec_accepts),
-            "acceptance_rate": r.acceptance_rate,
-            "mean_accepted_length": r.accept_length,
-            "accepts": r.spec_accepts,
-        }
-        assert spec["proposed"] > 0 and spec["mean_accepted_length"] >= 1.0
-    assert got[-1] == got[0]  # the prefix hit (draft KV restored with the page): same acceptance
-    server.wait_idle()
-    text = httpx.get(f"{server.url}/metrics").text
+def expected_spec(r: Request) -> dict:
+    """usage.spec of a request the engine ran as `r`."""
+    return {
+        "verify_steps": len(r.spec_accepts),
+        "proposed": r.spec_proposed,
+        "accepted": sum(r.spec_accepts),
+        "acceptance_rate": r.acceptance_rate,
+        "mean_accepted_length": r.accept_length,
+        "accepts": r.spec_accepts,
+    }
+
+
+def check_metrics(srv: Server, ref: list[Request]) -> None:
+    """/metrics spec_decode_* counters equal the in-process engine's counts over `ref`."""
+    text = httpx.get(f"{srv.url}/metrics").text
     values = {
         line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -106,6 +96,49 @@ def test_usage_and_metrics_count_speculation(server: Server, ckpt: Path, tmp_pat
     assert sum(per_pos) == accepted and per_pos[2] > 0  # every position counted at least once
 
 
-def test_spec_draft_refused_with_ranks(ckpt: Path, tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="--spec-draft"):
-        Server(["--model", str(ckpt), *TINY_ENGINE, *SPEC, "--tp", "2"], tmp_path / "log")
+def test_usage_and_metrics_count_speculation(server: Server, ckpt: Path, tmp_path: Path) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    ref = in_process(ckpt, tmp_path, "self:2")
+    plain = in_process(ckpt, tmp_path, "")
+    got = []
+    for i, p in enumerate([*PROMPTS, PROMPTS[0]]):  # the last one: its prefix is an L1 hit
+        kw = {"model": "tiny", "prompt": p, "max_tokens": NEW, "temperature": 0}
+        if i == 1:  # streamed: the final usage chunk carries spec too
+            chunks = list(
+                client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+            )
+            got.append(chunks[-1].usage.model_extra["spec"])
+        else:
+            got.append(client.completions.create(**kw).usage.model_extra["spec"])
+    assert all(r.output == q.output for r, q in zip(ref, plain, strict=True))
+    for spec, r in zip(got, ref, strict=True):
+        assert spec == expected_spec(r)
+        assert spec["proposed"] > 0 and spec["mean_accepted_length"] >= 1.0
+    assert got[-1] == got[0]  # the prefix hit (draft KV restored with the page): same acceptance
+    server.wait_idle()
+    check_metrics(server, ref)
+
+
+def test_tp2_server_speculates_like_one_rank(ckpt: Path, tmp_path: Path) -> None:
+    """`serve --tp 2 --spec-draft self:2`: the text, usage.spec and /metrics of one rank."""
+    args = ["--model", str(ckpt), *TINY_ENGINE, *POOLS, *SPEC, "--model-cache-dir", str(tmp_path)]
+    srv = Server([*args, "--tp", "2", "--debug-endpoints"], tmp_path / "two.log")
+    try:
+        ref = in_process(ckpt, tmp_path, "self:2")
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        for p, r in zip([*PROMPTS, PROMPTS[0]], ref, strict=True):
+            out = client.completions.create(model="tiny", prompt=p, max_tokens=NEW, temperature=0)
+            assert out.choices[0].text == ByteCodec(97).decode(r.output)
+            assert out.usage.model_extra["spec"] == expected_spec(r)
+        assert sum(map(sum, (r.spec_accepts for r in ref))) > 0
+        srv.wait_idle()
+        time.sleep(1.0)  # rank 0 reports its counters every 0.5 s
+        check_metrics(srv, ref)
+    finally:
+        assert srv.terminate(timeout_s=120) == 0, (tmp_path / "two.log").read_text()
+
+
+def test_mtp_refused_with_tp(ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="--tp > 1"):
+        Server(["--model", str(ckpt), *TINY_ENGINE, "--spec-draft", "mtp:random", "--tp", "2"],
+               tmp_path / "log")  # fmt: skip

@@ -96,3 +96,23 @@ def hf_greedy(hf: Any, tokens: list[int], steps: int) -> list[int]:
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref|."""
     return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def save_echo_head(ckpt: Path, path: Path) -> str:
+    """An MTP head (`mtp:random`'s fixed weights) set to echo the target's prediction at the
+    previous position, saved at `path`; its --spec-draft. A random head accepts nothing on these
+    tiny models, which would make acceptance checks vacuous."""
+    from kvstrata.model.checkpoint import load_model
+    from kvstrata.model.mtp import load_head, save_head
+
+    model = load_model(ckpt)
+    head = load_head("mtp:random", model)
+    hidden = model.spec.hidden_size
+    with torch.no_grad():  # eh_proj([enorm(e); hnorm(h)]) = hnorm(h); the layer nearly identity
+        head.eh_proj.weight.zero_()
+        head.eh_proj.weight[:, hidden:] = torch.eye(hidden)
+        head.norm.weight.copy_(model.model.norm.weight)
+        head.layer.self_attn.o_proj.weight.mul_(0.1)
+        head.layer.mlp.down_proj.weight.mul_(0.1)
+    save_head(head, path)
+    return f"mtp:{path}"

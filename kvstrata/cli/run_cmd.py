@@ -30,6 +30,7 @@ from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.decision_log import DecisionLog, config_digest, new_run_id
 from kvstrata.parallel.group import RankFailure
+from kvstrata.parallel.spec import check_spec_layout
 from kvstrata.parallel.tp import check_layout
 from kvstrata.pd.run_row import PD, check_pd_args, pd_row_by_default, run_pd_row
 from kvstrata.serve.codec import open_codec
@@ -182,7 +183,7 @@ def run_config_ranks(
     prompts: Prompts,
     max_new: int,
 ) -> tuple[list[TurnResult], dict[str, Any] | None]:
-    """The same workload on tp x cp x pp local ranks; every rank must produce the same tokens."""
+    """The same workload on tp x cp x pp local ranks: every rank's tokens and accepts agree."""
     from kvstrata.parallel.ranks import run_distributed  # spawns processes: import only when used
 
     engine_cfg, cache_cfg, storage_cfg = cfgs
@@ -190,15 +191,16 @@ def run_config_ranks(
     reports = run_distributed(
         ecfg, cache_cfg, dist_cfg, SessionTurns(prompts, max_new), storage_cfg
     )
-    if any(r["outputs"] != reports[0]["outputs"] for r in reports):
-        raise RuntimeError(f"{tiers}: ranks generated different tokens")
+    for key in ("outputs", "spec_accepts"):
+        if any(r[key] != reports[0][key] for r in reports):
+            raise RuntimeError(f"{tiers}: ranks differ in {key}")
     rank0, results = reports[0], []
     for rid, output in rank0["outputs"].items():
         s, k = session_of(rid), turn_of(rid)
         hits, ttft = rank0["hits"][rid], rank0["ttft"][rid]
-        results.append(
-            TurnResult(s, k, rid, len(prompts[s][k]), output, hits, ttft, cache_cfg.page_size)
-        )
+        spec = (tuple(rank0["spec_accepts"][rid]), rank0["spec_proposed"][rid])
+        row = (s, k, rid, len(prompts[s][k]), output, hits, ttft, cache_cfg.page_size)
+        results.append(TurnResult(*row, *spec))
     return results, rank0["counters"]
 
 
@@ -311,8 +313,7 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     prompts = _prompts(args, spec, model_path, model)
     cfgs = _configs(args, prompts, spec)
     shape = model.kv_shape(cfgs[1].page_size)
-    if engine_cfg.spec_draft and dist_cfg.world_size > 1:
-        raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
+    check_spec_layout(engine_cfg, dist_cfg)  # an MTP head with --tp > 1: refused here
     if engine_cfg.spec_draft:  # a bad draft fails here, before --out; pages carry its layers
         shape = build_speculator(engine_cfg, model, shape)[1]
     _check_memory(model, cfgs[1], dist_cfg, shape.page_nbytes)

@@ -13,6 +13,7 @@ from kvstrata.engine.build import resolve_model_path
 from kvstrata.engine.config import EngineConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.spec import check_spec_layout
 from kvstrata.parallel.tp import check_layout
 from kvstrata.parent_watch import exit_with_parent
 from kvstrata.pd.config import PDConfig
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             "holds whole pages of its own: no rank-r-to-rank-r part of every page)"
         )
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
+    check_spec_layout(cfgs[0], dist_cfg)  # on every torchrun rank, before any serves
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
     rank = torchrun_rank(dist_cfg.world_size)  # ValueError: a world size other than tp*cp*pp

@@ -292,7 +292,7 @@ class Engine:
             )
             before, last = self._layers_done(items, wait)
             states: list[torch.Tensor] = []
-            # hidden_out only when asked: the PP / CP model wrappers take no such argument
+            # hidden_out only when asked (an MTP head): the TP / PP / CP forwards all take it
             extra = {"hidden_out": states} if hidden is not None else {}
             logits = self.model(batch, self.pool, before_layer=before, last_only=last_only, **extra)
             if last is not None:
@@ -336,6 +336,8 @@ class Engine:
         assert self.spec is not None and req.draft_computed is not None
         a, emit = self.spec.verify(req, drafted, rows)
         c = req.computed
+        if self.decisions is not None:  # under ranks the step consensus compares these
+            self.decisions.record("spec", rid=req.rid, drafted=drafted, accepted=a, emit=emit)
         self.spec.record(req, len(drafted), a)
         self.spec.settle(req, c, len(drafted), a, hidden)
         for j, tok in enumerate(emit):

@@ -16,6 +16,8 @@ from any tier then hold what a cold run writes, and a hit needs no hidden state 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvstrata.engine.request import Request, State
@@ -32,23 +34,30 @@ class MTPSpeculator(Speculator):
 
     def __init__(self, head: MTPHead, layer_offset: int, spec_tokens: int, page: int) -> None:
         super().__init__(head, layer_offset, spec_tokens)  # type: ignore[arg-type]
-        self.head, self.page = head, page
+        # self.draft runs the head: the head itself, or a parallel rank's wrapper of it
+        self.page, self.hidden_size = page, head.eh_proj.out_features
 
     def _inputs(self, hidden: torch.Tensor | None, first: int, n: int) -> torch.Tensor:
         """Target states [n, hidden] for entries first .. first+n-1: zero at page starts."""
         if hidden is None:  # nothing before `first` (position 0, or a hit's page boundary)
             assert first % self.page == 0, f"MTP entry {first} has no hidden state"
-            hidden = torch.zeros(n, self.head.eh_proj.out_features)
+            hidden = torch.zeros(n, self.hidden_size)
         assert hidden.shape[0] == n, (hidden.shape, n)
         at = torch.arange(first, first + n)
         return torch.where((at % self.page == 0)[:, None], torch.zeros_like(hidden), hidden)
 
     def _head(
-        self, reqs: list[Request], toks: list[list[int]], starts: list[int], hs: list, kv: DraftKV
+        self,
+        reqs: list[Request],
+        toks: list[list[int]],
+        starts: list[int],
+        hs: list,
+        kv: DraftKV,
+        before: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(last rows' logits [seqs, vocab], head outputs of each sequence's last entry)."""
         batch = SeqBatch.build(toks, starts, [r.page_table for r in reqs])
-        logits, g = self.head(batch, torch.cat(hs), kv, last_only=True)
+        logits, g = self.draft(batch, torch.cat(hs), kv, last_only=True, before_layer=before)
         return logits, g[torch.tensor(batch.seq_lens).cumsum(0) - 1]
 
     def propose(self, work: Work, pool: object, wait: Wait) -> Proposals:
@@ -84,8 +93,6 @@ class MTPSpeculator(Speculator):
     ) -> None:
         if not prefills:
             return
-        if wait is not None:
-            wait(self.offset)  # pending L2 -> L1 loads carry the head's layer too
         reqs = [r for r, _ in prefills]
         toks = [r.tokens[r.computed : r.computed + h.shape[0]] for r, h in prefills]
         hs = []
@@ -96,14 +103,17 @@ class MTPSpeculator(Speculator):
                 assert r.computed % self.page == 0, f"{r.rid}: no hidden state before a chunk"
                 prev = torch.zeros_like(h[:1])
             hs.append(self._inputs(torch.cat([prev, h[:-1]]), r.computed, h.shape[0]))
-        self._head(reqs, toks, [r.computed for r in reqs], hs, DraftKV(pool, self.offset))
+        # pending L2 -> L1 loads carry the head's layer too: wait for it before it is read
+        before = None if wait is None else (lambda i: wait(self.offset + i))
+        kv = DraftKV(pool, self.offset)
+        self._head(reqs, toks, [r.computed for r in reqs], hs, kv, before)
         for r, h in prefills:
             r.draft_computed = r.computed + h.shape[0]
             r.draft_hidden = h[-1:]  # h_{s+m-1}: the input of the next entry
 
     @property
     def fingerprint(self) -> str:
-        return f"mtp:{self.draft.fingerprint}"
+        return f"mtp:{self.draft_fingerprint}"
 
     def handoff_state(self, req: Request) -> torch.Tensor | None:
         """h_{L-1} [1, hidden] after the prompt's L tokens: the input of the first decode entry,

@@ -67,6 +67,9 @@ class Speculator:
 
     def __init__(self, draft: DecoderLM, layer_offset: int, spec_tokens: int) -> None:
         self.draft, self.offset, self.n = draft, layer_offset, spec_tokens
+        # kept apart from self.draft, which a parallel rank swaps for a wrapper of it
+        # (kvstrata.parallel.spec.place_speculator) that has no fingerprint of its own
+        self.draft_fingerprint: str = draft.fingerprint
         self.stats = SpecStats(accepted_per_pos=[0] * spec_tokens)
         self.draft_probs: dict[str, list[torch.Tensor]] = {}
         """This step's q_j [vocab] per sampling request (rid -> one per draft), for verify."""
@@ -129,7 +132,7 @@ class Speculator:
     @property
     def fingerprint(self) -> str:
         """The draft's part of the namespace fingerprint (and of a P/D worker's layout)."""
-        return f"draft:{self.draft.fingerprint}"
+        return f"draft:{self.draft_fingerprint}"
 
     def handoff_state(self, req: Request) -> torch.Tensor | None:
         """What a P/D decode worker needs besides the pages to speculate on `req` once its prompt

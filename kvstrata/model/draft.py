@@ -12,6 +12,7 @@ its own under the model cache dir (so it has its own fingerprint and loads like 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -29,10 +30,24 @@ SELF_PREFIX = "self:"
 
 
 class DraftKV:
-    """The draft's layers of a pool: layer i of the draft is layer `offset + i` of the pool."""
+    """The draft's layers of a pool: layer i of the draft is layer `offset + i` of the pool.
+
+    Also a DevicePool look-alike over those layers (shape, data, shards), so the
+    context-parallel forward (kvstrata.parallel.cp.CPModel) runs a draft over them unchanged."""
 
     def __init__(self, pool: Any, offset: int) -> None:
         self.pool, self.offset = pool, offset
+        self.capacity, self.device = pool.capacity, pool.device
+        self.n_shards, self.rank = getattr(pool, "n_shards", 1), getattr(pool, "rank", 0)
+
+    @property
+    def shape(self) -> Any:  # KVShape of the draft's layers only
+        s = self.pool.shape
+        return dataclasses.replace(s, num_layers=s.num_layers - self.offset)
+
+    @property
+    def data(self) -> torch.Tensor:  # [draft layers, 2, capacity_local, page, kv_heads, head_dim]
+        return self.pool.data[self.offset :]
 
     def k(self, layer: int) -> torch.Tensor:  # [capacity, page_size, kv_heads, head_dim]
         return self.pool.k(self.offset + layer)

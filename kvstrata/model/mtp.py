@@ -22,6 +22,7 @@ file of this module's state dict (save_head writes one).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,11 +57,19 @@ class MTPHead(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, batch: SeqBatch, hidden: torch.Tensor, kv: KVPool, last_only: bool
+        self,
+        batch: SeqBatch,
+        hidden: torch.Tensor,
+        kv: KVPool,
+        last_only: bool,
+        before_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits fp32 [T or num_seqs, vocab], g [T, hidden]) for entries batch.positions with
-        target states `hidden` [T, hidden] (row i: h at position positions[i] - 1, or zeros)."""
+        target states `hidden` [T, hidden] (row i: h at position positions[i] - 1, or zeros).
+        `before_layer(0)` runs before the head's one layer reads its KV (pending loads)."""
         target = self.target[0]
+        if before_layer is not None:
+            before_layer(0)
         capacity, page_size = kv.k(0).shape[:2]
         batch.validate(page_size, capacity)
         meta = build_meta(

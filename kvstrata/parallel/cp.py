@@ -110,6 +110,7 @@ class CPModel:
         self.spec, self.fingerprint = model.spec, model.fingerprint
         self.stage = stage
         self.layers = list(stage.layers if stage is not None else model.model.layers)
+        self.norm = model.model.norm  # before the LM head (an MTP head has its own)
         self._gather: CPGather | None = None
         self.tokens_computed = 0  # new tokens this rank ran through the layers (balance checks)
 
@@ -127,7 +128,9 @@ class CPModel:
             raise ValueError(
                 f"kv: pool shards {kv.n_shards}/rank {kv.rank} != cp {self.own.cp}/{self.rank}"
             )
-        if self._gather is None or self._gather.kv is not kv.data:
+        # by storage, not object: a draft's pool view (DraftKV.data) is a new slice per call
+        g = self._gather
+        if g is None or (g.kv.data_ptr(), g.kv.shape) != (kv.data.data_ptr(), kv.data.shape):
             self._gather = CPGather(self.own, kv.data, self.rank, self.group)
         return self._gather
 
@@ -175,8 +178,10 @@ class CPModel:
         kv: DevicePool,
         before_layer: Callable[[int], None] | None = None,
         last_only: bool = False,
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits fp32 [T or num_seqs, vocab], identical on every cp rank."""
+        """Logits fp32 [T or num_seqs, vocab], identical on every cp rank; `hidden_out` gets
+        the last layer's output [T, hidden] (before the norm; see full_rows)."""
         page_size, m = kv.shape.page_size, self.model
         batch.validate(page_size, kv.capacity)
         gather = self._gatherer(kv)
@@ -200,7 +205,20 @@ class CPModel:
             local = kv.data[i].view(2, -1, *scratch.shape[3:])  # [2, cap_local * page, ...]
             flat = scratch.view(2, -1, *scratch.shape[3:])
             local.index_copy_(1, p.keep_dst, flat.index_select(1, p.keep_src))  # owned only
+        if hidden_out is not None:
+            hidden_out.append(self.full_rows(x, batch, p))
         return self._output(x, batch, p, last_only)
+
+    def full_rows(self, x: torch.Tensor, batch: SeqBatch, p: CPPlan) -> torch.Tensor:
+        """Every token's row of x [t, hidden] from its owner  # [T, hidden]: zeros elsewhere and
+        one all_reduce(SUM) over cp (exact). On a pipeline stage before the last: zeros (an MTP
+        head runs on the last stage; the others never read them)."""
+        full = x.new_zeros((batch.input_ids.shape[0], x.shape[1]))
+        if self.stage is not None and not self.stage.is_last:
+            return full
+        full[p.mine] = x
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+        return full
 
     def _input(self, batch: SeqBatch, p: CPPlan) -> torch.Tensor:
         """This rank's tokens embedded, or their hidden states from the previous stage."""
@@ -239,7 +257,7 @@ class CPModel:
         weight = m.model.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
         out = torch.zeros(len(want), m.vocab_size, dtype=torch.float32)
         if have.numel():
-            out[have] = nn.functional.linear(m.model.norm(x[local[have]]), weight).float()
+            out[have] = nn.functional.linear(self.norm(x[local[have]]), weight).float()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 

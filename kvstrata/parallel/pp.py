@@ -74,8 +74,11 @@ class PipelineStage:
         kv: KVPool,
         before_layer: Callable[[int], None] | None = None,
         last_only: bool = False,
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits fp32 [T or num_seqs, vocab], identical on every stage."""
+        """Logits fp32 [T or num_seqs, vocab], identical on every stage. `hidden_out` gets the
+        last layer's output [T, hidden] on the last stage (an MTP head's input: the head runs
+        there), zeros on the others (never read: they only receive the head's logits)."""
         capacity, page_size = kv.k(0).shape[:2]
         batch.validate(page_size, capacity)
         device = self.embed.weight.device
@@ -96,7 +99,11 @@ class PipelineStage:
         logits = torch.empty(n_out, self.vocab_size, dtype=torch.float32, device=device)
         if not self.is_last:
             dist.send(x.contiguous(), dst=self.ranks[self.stage + 1])
+            if hidden_out is not None:
+                hidden_out.append(torch.zeros_like(x))
         else:
+            if hidden_out is not None:
+                hidden_out.append(x)
             if last_only:
                 x = x[torch.tensor(batch.seq_lens, device=device).cumsum(0) - 1]
             weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

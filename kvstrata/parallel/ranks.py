@@ -27,10 +27,17 @@ from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Node
 from kvstrata.configtools import doc
 from kvstrata.engine.admission import Admission
-from kvstrata.engine.build import CacheParts, assemble, resolve_model_path, tiers_of
+from kvstrata.engine.build import (
+    CacheParts,
+    assemble,
+    build_speculator,
+    resolve_model_path,
+    tiers_of,
+)
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
+from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.model.checkpoint import load_model
 from kvstrata.parallel.config import DistConfig
@@ -47,6 +54,8 @@ from kvstrata.parallel.group import (
 )
 from kvstrata.parallel.parts import DistMover, PagePart
 from kvstrata.parallel.pp import PipelineStage, stage_bounds
+from kvstrata.parallel.rank_report import PageWatch, rank_result
+from kvstrata.parallel.spec import place_speculator
 from kvstrata.parallel.tp import head_range, shard_tp
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.units import open_unit_storage
@@ -63,6 +72,7 @@ class RankOptions:
     tree_digests: bool = doc(False, "digest the radix tree every step (returned and logged)")
     cp_scratch_bytes: int = doc(0, "cp: most bytes both gather buffer pairs may take; 0 = any")
     report_host_pages: bool = doc(False, "testing: report each owned cached L2 page's bytes")
+    report_pages: bool = doc(False, "testing: report owned restored and cached L1 page bytes")
     crash_rank: int = doc(-1, "testing: this global rank dies mid-backup (see crash_after_units)")
     crash_after_units: int = doc(0, "testing: crash_rank exits after writing this many L3 units")
 
@@ -88,25 +98,30 @@ def tree_digest(cache: HiCache) -> int:
 class RankParts:
     model: Any  # DecoderLM | PipelineStage | CPModel: forward-compatible with the Engine
     part: PagePart
+    stage: PipelineStage | None = None
+    target_layers: int = 0  # the target's layers in this rank's pools (a draft's follow them)
 
 
-def model_part(ctx: RankContext, full: Any, page_size: int) -> RankParts:
-    """This rank's slice of the model and which part of every page it holds."""
+def model_part(ctx: RankContext, full: Any, shape: KVShape) -> RankParts:
+    """This rank's slice of the model and which part of every page (`shape`: the whole page,
+    a draft's tail layers included) it holds: the last stage holds the draft's layers."""
     cfg = ctx.config
     spec = full.spec
     tp_model = shard_tp(full, cfg.tp, ctx.tp_rank, ctx.tp_group)
     model: Any = tp_model
-    layers = (0, spec.num_layers)
+    layers = (0, shape.num_layers)
     stage = None
     if cfg.pp > 1:
         bounds = stage_bounds(spec.num_layers, cfg.pp)
-        layers = (bounds[ctx.pp_rank], bounds[ctx.pp_rank + 1])
+        last = ctx.pp_rank == cfg.pp - 1
+        layers = (bounds[ctx.pp_rank], shape.num_layers if last else bounds[ctx.pp_rank + 1])
         ranks = next(g for g in ctx.layout.groups("pp") if ctx.rank in g)
         model = stage = PipelineStage(tp_model, cfg.pp, ctx.pp_rank, ranks, ctx.pp_group)
     if cfg.cp > 1:
         model = CPModel(tp_model, cfg.cp, ctx.cp_rank, ctx.cp_group, stage)
     heads = head_range(spec.num_kv_heads, cfg.tp, ctx.tp_rank)
-    return RankParts(model, PagePart(full.kv_shape(page_size), layers, heads))
+    n = stage.end - stage.first if stage is not None else spec.num_layers
+    return RankParts(model, PagePart(shape, layers, heads), stage, n)
 
 
 class RankEngine:
@@ -132,25 +147,30 @@ class RankEngine:
         for local_only in ("model", "model_cache_dir", "threads"):
             check.pop(local_only)
         verify_same("config", {**check, "fingerprint": full.fingerprint})
-        rp = model_part(ctx, full, cache_cfg.page_size)
+        shape, spec, fp = full.kv_shape(cache_cfg.page_size), None, full.fingerprint
+        if engine_cfg.spec_draft:  # the same draft and namespace as one rank's (engine.build)
+            spec, shape, fp = build_speculator(engine_cfg, full, shape)
+        rp = model_part(ctx, full, shape)
+        if spec is not None:
+            place_speculator(spec, ctx, rp.stage, rp.target_layers)
         self.part = rp.part
         shape = rp.part.shape
         cp = ctx.config.cp
         self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
-        ns = Namespace(full.fingerprint, shape.dtype, page_size=cache_cfg.page_size)
+        ns = Namespace(fp, shape.dtype, page_size=cache_cfg.page_size)
         parts = self._parts(engine_cfg, cache_cfg, storage_cfg, rp.part)
         self.mover: DistMover | None = parts.mover  # type: ignore[assignment]
         self.log = DecisionLog.from_config(ctx.config, ctx.rank, ctx.run_id, config_digest(check))
         self.calls = 0
         self.digests: list[int] = []
+        self.pages = PageWatch(self.pool) if options.report_pages else None
 
         def make_engine(cache: HiCache | None, admission: Admission) -> Engine:
             args = (rp.model, self.pool, cache, admission, engine_cfg, self.agree)
+            kw = {"decisions": self, "speculator": spec}
             if cp > 1:
-                return CPEngine(
-                    *args, self.clock, decisions=self, scratch_bytes=options.cp_scratch_bytes
-                )
-            return Engine(*args, self.clock, decisions=self)
+                return CPEngine(*args, self.clock, scratch_bytes=options.cp_scratch_bytes, **kw)
+            return Engine(*args, self.clock, **kw)  # type: ignore[arg-type]
 
         # the rank engine adds only the step agreement and the decision log to what build makes
         self.engine = assemble(engine_cfg, cache_cfg, parts, ns, full.vocab_size, make_engine)
@@ -255,35 +275,6 @@ class RankEngine:
                 self.mover.storage.close()
 
 
-def _result(re: RankEngine, done: list[Request]) -> dict[str, Any]:
-    """What a rank reports back: outputs, logits, hits, digests, its share of the cached pages."""
-    cache, ctx = re.cache, re.ctx
-    owned = total = 0
-    host: dict[str, Any] = {}
-    if cache is not None:
-        ids = [d for n in cache.tree.nodes() if n.device is not None for d in n.device]
-        total, owned = len(ids), sum(1 for d in ids if re.pool.owns(d))
-        host = _host_report(re)
-    return {
-        "rank": ctx.rank,
-        "outputs": {r.rid: list(r.output) for r in done},
-        # numpy, not tensors: torch's queue would pass tensors as shared memory of a dying process
-        "logits": {r.rid: [x.numpy().copy() for x in r.logits] for r in done if r.keep_logits},
-        "hits": {r.rid: dict(r.hits) for r in done},
-        "ttft": {r.rid: r.ttft_s for r in done},
-        "counters": re.cache.counters.as_dict() if re.cache is not None else None,
-        "digests": list(re.digests),
-        "cached_device_pages": total,
-        "owned_device_pages": owned,
-        "pool_slots": re.pool.capacity_local,
-        "steps": re.engine.steps,
-        "tokens_computed": getattr(re.engine.model, "tokens_computed", None),
-        "peak_scratch": getattr(re.engine, "peak_scratch", None),
-        "collectives_per_step": re.consensus.collectives_per_step if re.consensus else 0.0,
-        **host,
-    }
-
-
 class AgreedFeed:
     """Rank 0's workload, broadcast each step with rank 0's clock: every rank gets the same new
     requests at the same agreed time (the clock prefetch budgets read)."""
@@ -298,30 +289,6 @@ class AgreedFeed:
         dist.broadcast_object_list(msg, src=0)
         self.engine.now = msg[1]
         return msg[0]
-
-
-def _host_report(re: RankEngine) -> dict[str, Any]:
-    """This rank's L2: cached host pages it owns (by id), its slots and bytes; mover counts."""
-    assert re.cache is not None and re.mover is not None
-    pool = re.mover.host
-    ids = [h for n in re.cache.tree.nodes() if n.host is not None for h in n.host]
-    out: dict[str, Any] = {"mover": re.mover.stats(), "cached_host_pages": len(ids)}
-    out["part"] = (re.part.layers, re.part.heads)
-    if re.mover.units is not None:
-        out["storage"] = re.mover.units.stats()
-    if pool is not None:
-        out["owned_host_pages"] = sum(1 for h in ids if pool.owns(h))
-        out["host_slots"] = pool.capacity_local
-        out["host_bytes"] = pool.data.numel() * pool.data.element_size()
-        if re.options.report_host_pages:
-            pairs = [
-                (k, h)
-                for n in re.cache.tree.nodes()
-                if n.host
-                for k, h in zip(n.keys, n.host, strict=True)
-            ]
-            out["host_pages"] = {k: pool.page_bytes(h).copy() for k, h in pairs if pool.owns(h)}
-    return out
 
 
 def rank_loop(
@@ -346,13 +313,15 @@ def rank_loop(
     try:
         for just in drive(eng, AgreedFeed(workload, ctx.rank, re), before_step):
             done += just
+            if re.pages is not None:
+                re.pages.after_step(eng.running, just)
             if options.tree_digests:
                 eng.check_integrity()
     except BaseException:
         re.close(drain=False)  # no collectives: the other ranks may be elsewhere
         raise
     re.close()
-    return _result(re, done)
+    return rank_result(re, done)
 
 
 def run_distributed(

@@ -148,7 +148,8 @@ def _ended(req: Request, out: Any | None, pd: Any) -> None:
     if req.failure is not None:  # a P/D hand-off failed: (status, message)
         out.put(("error", req.rid, req.failure))
     else:
-        out.put(("done", req.rid, req.finish_reason, dict(req.hits), req.transfer))
+        spec = (list(req.spec_accepts), req.spec_proposed)  # usage.spec on the HTTP side
+        out.put(("done", req.rid, req.finish_reason, dict(req.hits), req.transfer, spec))
 
 
 def _on_token(out: Any | None, pd: Any) -> Callable[[Request, int], None]:
@@ -367,6 +368,7 @@ class RankedLoop:
             stream.push("error", msg[2])
             return
         req.finish_reason, req.hits, req.transfer = msg[2], msg[3], msg[4]
+        req.spec_accepts, req.spec_proposed = msg[5]
         for obs in self.observers:
             obs.on_finished(req, stream, now)
         stream.push("done", req)

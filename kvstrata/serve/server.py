@@ -23,6 +23,7 @@ from kvstrata.engine.build import Built, build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.spec import check_spec_layout
 from kvstrata.serve.app import create_app
 from kvstrata.serve.codec import open_codec
 from kvstrata.serve.config import ServeConfig
@@ -77,8 +78,7 @@ def make_state(
     loop: EngineLoop | RankedLoop
     if ranked:
         assert dist_cfg is not None
-        if engine_cfg.spec_draft:
-            raise ValueError("--spec-draft runs on one rank only (not with --tp/--cp/--pp > 1)")
+        check_spec_layout(engine_cfg, dist_cfg)  # before any rank starts
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
         under_torchrun = torchrun_rank() is not None  # this process is rank 0 of torchrun's
         loop = RankedLoop(
