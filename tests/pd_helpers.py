@@ -123,15 +123,17 @@ def raw_handoff(
     timeout_s: float = 30.0,
     part: tuple[int, int] | None = None,
     pull: Callable[[dict[str, Any]], Frames | None] = no_pages,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Frames]:
     """Ask a prefill worker for a hand-off as decode would: its answer (a refusal, or the pages
     with the logits row; pages sent layer by layer are put together and re-framed as one
     `pages` message, whose header counts them in "layer_messages"). part: (layers, page bytes)
     of the rank asked, when the worker runs on several ranks (else the whole page).
     pull: the reply to each of prefill's `pull` headers (None: stay silent, as a dead decode
-    would). The header returned lists the pulls asked: "pulls": [[first_page, end_page], ...]."""
+    would). The header returned lists the pulls asked: "pulls": [[first_page, end_page], ...].
+    extra: more hand-off fields (under cp: "owners")."""
     n_layers, page_bytes = part or (layout["layers"], layout["page_bytes"])
-    ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout)
+    ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout, **(extra or {}))
     ch = TRANSPORTS.create("zmq").connect(endpoint)
     try:
         ch.send([header("handoff", hid, **ask)])

@@ -70,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(path, dtype=cfgs[0].dtype)  # ValueError: not a checkpoint
     dist_cfg = config_from_args(DistConfig, args)
     pd_cfg = config_from_args(PDConfig, args)
-    if cfg.role in ("prefill", "decode") and dist_cfg.cp > 1:
+    if cfg.role in ("prefill", "decode") and dist_cfg.cp > 1 and dist_cfg.tp * dist_cfg.pp > 1:
         raise ValueError(
-            f"--role {cfg.role} runs with --tp and --pp ranks, not --cp > 1 yet (a cp rank "
-            "holds whole pages of its own: no rank-r-to-rank-r part of every page)"
+            f"--role {cfg.role} runs with --tp and --pp ranks, or with --cp alone; not --cp "
+            "together with --tp/--pp yet"
         )
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     check_spec_layout(cfgs[0], dist_cfg)  # on every torchrun rank, before any serves

@@ -26,6 +26,7 @@ import zmq
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
+from kvstrata.pd.cp_pages import mine, owners_of, received_pages
 from kvstrata.pd.pages import host_pages, write_pages
 from kvstrata.pd.transport import Transport
 from kvstrata.pd.wire import (
@@ -111,6 +112,10 @@ class Handoff(threading.Thread):
         self.layers: dict[int, list[memoryview]] = {}  # a layered hand-off's slices so far
         self.ch: Any = None  # this try's channel (the thread's own)
         self.pulled = 0  # held pages sent to prefill on its `pull`, every try
+        # under cp (kvstrata/pd/cp_pages.py): decode's owner of each page it lacks, and the
+        # prompt pages this rank owns (all it receives); None: every page of [held, n)
+        self.owners: list[int] | None = None
+        self.expect: list[int] | None = None
 
     def run(self) -> None:
         side = self.side
@@ -140,6 +145,8 @@ class Handoff(threading.Thread):
         cfg, self.ch = self.side.cfg, ch
         try:
             ask = dict(tokens=self.tokens, salt=self.salt, keys=pack_keys(self.held))
+            if self.owners is not None:
+                ask["owners"] = self.owners
             ch.send([header("handoff", self.hid, layout=self.side.layout.as_dict(), **ask)])
             heard = time.monotonic()
             while not self.cancelled.is_set():
@@ -176,7 +183,7 @@ class Handoff(threading.Thread):
         if head["type"] != "pages":
             raise WireError(f"unexpected message type {head['type']!r}")
         got = read_pages(head, frames, page_bytes, want_state=self.side.wants_state)
-        want = self.n_pages - len(self.held)
+        want = self.n_pages - len(self.held) if self.expect is None else len(self.expect)
         if head.get("layers"):  # the pages came layer by layer before this message
             got = dataclasses.replace(got, pages=assemble(self.layers, layers, want))
         if got.first_page != len(self.held) or len(got.pages) != want:
@@ -184,10 +191,13 @@ class Handoff(threading.Thread):
                 f"sent pages [{got.first_page}, {got.first_page + len(got.pages)}), "
                 f"expected [{len(self.held)}, {self.n_pages})"
             )
+        received_pages(got, self.expect)  # under cp: exactly the pages this rank owns
         return Outcome(self.rid, self.endpoint, received=got, pulled=self.pulled)
 
     def _answer_pull(self, first: int, end: int) -> Outcome | None:
         """Send prefill held pages [first, end), copied by the engine thread (bounded wait)."""
+        if self.owners is not None:  # a cp rank holds other pages than its peer would need
+            raise WireError("prefill pulls held pages; not under cp > 1")
         if not 0 <= first < end <= len(self.held):
             raise WireError(f"prefill pulls pages [{first}, {end}); decode holds {len(self.held)}")
         reply: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
@@ -221,6 +231,7 @@ class DecodeSide:
         self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
         self.wants_state = False  # an MTP head: replies must carry prefill's hidden state
         self.part = (0, 0)  # (layers, page bytes) of this rank's part of a page
+        self.cp_rank = 0  # this rank's place in its cp group (set by RankPD)
         self.gate: Any = None  # kvstrata.pd.ranks.HandoffGate under several ranks
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         # prefill's pulls: (rid, first page, end page, reply queue) for the engine thread
@@ -309,7 +320,11 @@ class DecodeSide:
         lease = req.lease
         assert lease is not None
         held = lease.keys[: lease.hits.pages]  # every tier: L1, L2 (and what L3 brought)
-        h = Handoff(self, req, held, -(-len(req.tokens) // engine.page))
+        n = -(-len(req.tokens) // engine.page)
+        h = Handoff(self, req, held, n)
+        if self.layout.cp > 1:  # the same page tables on every cp rank: the same owners
+            h.owners = owners_of(req.page_table, len(held), n, self.layout.cp)
+            h.expect = mine(h.owners, len(held), self.cp_rank)
         self.active[req.rid] = h
         h.start()
 
@@ -324,13 +339,14 @@ class DecodeSide:
             return True
         got = out.received
         assert got is not None and req.lease is not None
-        at = got.first_page
-        write_pages(engine.pool, req.page_table[at : at + len(got.pages)], got.pages)
+        at, n = got.first_page, -(-len(req.tokens) // engine.page)
+        ids = [req.page_table[i] for i in received_pages(got, None)]  # this rank's pages
+        write_pages(engine.pool, ids, got.pages)
         hits = req.lease.hits
         req.transfer = {
-            "pages_received": len(got.pages),
+            "pages_received": n - at,  # every page decode lacked, over all its ranks
             # whole pages: every rank landed its verified part (equal to got.nbytes on one rank)
-            "bytes_received": len(got.pages) * self.layout.page_bytes,
+            "bytes_received": (n - at) * self.layout.page_bytes,
             "pages_skipped": hits.pages,
             "pages_from_storage": hits.storage,
             "prefill_computed_tokens": int(got.stats.get("computed_tokens", 0)),

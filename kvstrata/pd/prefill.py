@@ -102,8 +102,13 @@ class Sink:
         state = None if st is None else st.float().cpu().numpy()
         if self.layers_sent == pool.shape.num_layers:
             return pages_message(self.hid, self.held, [], row, state, layers=1, **stats)
-        pages = host_pages(pool, ids)
-        return pages_message(self.hid, self.held, pages, row, state, **stats)
+        pages, where = self._host(pool, ids)
+        return pages_message(self.hid, self.held, pages, row, state, **stats, **where)
+
+    def _host(self, pool: Any, ids: list[int]) -> tuple[list[Any], dict[str, Any]]:
+        """The frames of device pages `ids` this side sends, and header fields naming them
+        (none: all of [held, n); a cp rank sends its peer's share, kvstrata/pd/cp_pages.py)."""
+        return host_pages(pool, ids), {}
 
 
 class PrefillSide:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
+from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
 from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.prefill import Sink, check_handoff
 from kvstrata.pd.pull import Puller, PullGate
@@ -50,7 +51,7 @@ class RankMetrics:
 
     def __init__(self, out: Any) -> None:
         self.out = out
-        self.page_bytes = 0  # a whole page (every rank's part), set once the layout is known
+        self.page_bytes = self.part_bytes = 0  # a whole page / this rank's part (attach)
         pulls = [f"{x}_pull_{d}" for d in ("sent", "received") for x in ("pages", "bytes")]
         self.counts = dict.fromkeys((*self.NAMES, "retried", *pulls), 0)
 
@@ -69,7 +70,7 @@ class RankMetrics:
 
     def received(self, usage: dict[str, Any], part_bytes: int) -> None:
         self.counts["ok"] += 1
-        self.counts["pages_received"] += usage["pages_received"]
+        self.counts["pages_received"] += part_bytes // self.part_bytes  # this rank's pages
         self.counts["bytes_received"] += part_bytes
         self._forward("received", usage)
 
@@ -187,12 +188,15 @@ class RankPD:
         c = ctx.config
         layout = layout_of(eng, c.tp, c.cp, c.pp, shape=re.part.full, rank=ctx.rank)
         self.metrics.page_bytes = layout.page_bytes
+        self.metrics.part_bytes = eng.pool.shape.page_nbytes
         self.engine = eng
         _SIDES[id(eng)] = self
         if self.decode is not None and isinstance(self.gate, HandoffGate):
             self.decode.attach(eng, layout, self.gate)
+            self.decode.cp_rank = ctx.cp_rank
             self.gate.engine, self.gate.side = eng, self.decode
         if self.prefill is not None and isinstance(self.gate, PullGate):
+            self.prefill.cp = (ctx.cp_rank, ctx.cp_group)
             self.prefill.attach(eng, layout, self.gate)
         mine = self.prefill.listener.endpoint if self.prefill is not None else ""
         endpoints: list[Any] = [None] * dist.get_world_size()
@@ -202,7 +206,7 @@ class RankPD:
 
     def submitted(self, req: Request, extra: dict[str, Any]) -> None:
         if self.prefill is not None and "pd_held" in extra:
-            self.prefill.submitted(req, int(extra["pd_held"]))
+            self.prefill.submitted(req, extra)
 
     def on_token(self, req: Request, token: int) -> None:
         if self.prefill is not None:
@@ -253,6 +257,7 @@ class RankPrefill:
         )  # fmt: skip
         self.loop = SimpleNamespace(engine=None)  # what Sink reads: loop.engine
         self.layout: Layout | None = None
+        self.cp: tuple[int, Any] = (0, None)  # (cp rank, cp group): a CPSink's gather
         self.outbox: queue.SimpleQueue[tuple[Sink, Any]] = queue.SimpleQueue()
         self.sinks: dict[str, Sink] = {}  # engine thread: rid -> sink, until the request ends
         self.flight: dict[str, Sink] = {}  # hand-off id -> sink, until answered
@@ -265,19 +270,19 @@ class RankPrefill:
     # ---- engine thread -------------------------------------------------------------------------
     def attach(self, engine: Any, layout: Layout, gate: PullGate) -> None:
         self.loop.engine, self.layout = engine, layout
-        if self.cfg.pd_layerwise:
+        if self.cfg.pd_layerwise and layout.cp == 1:  # cp: whole pages (pd/cp_pages.py)
             engine.layer_hook = self.on_layer
         if engine.cache is not None:  # the agreement rides in the cache's step consensus
             self.puller.gate, gate.engine, gate.puller = gate, engine, self.puller
             engine.step_hook = self.puller.step
         self.thread.start()
 
-    def submitted(self, req: Request, held: int) -> None:
+    def submitted(self, req: Request, extra: dict[str, Any]) -> None:
         """Every rank, at the same step: the hand-off's request, before the engine has it."""
-        sink = Sink(self, b"", req, held)  # type: ignore[arg-type]  # duck-typed side
+        sink = rank_sink(self, req, extra)
         self.sinks[req.rid] = sink
         self.outbox.put((sink, "new"))
-        if held and self.puller.gate is not None:
+        if sink.held and self.puller.gate is not None and not isinstance(sink, CPSink):
             self.puller.add(sink)  # it may pull held pages its tiers lack (every rank alike)
 
     def on_layer(self, reqs: list[Request], layer: int) -> None:
@@ -342,7 +347,8 @@ class RankPrefill:
                 raise WireError(bad)
             return
         req, held = check_handoff(self.layout, head, self.loop.engine.admission)
-        spec = (req.rid, req.tokens, 1, None, req.cache_salt, {"pd_held": held})
+        extra = {"pd_held": held, **check_owners(self.layout, head, held)}
+        spec = (req.rid, req.tokens, 1, None, req.cache_salt, extra)
         self.inbox.put(("request", spec))
 
     def _flush(self) -> None:
