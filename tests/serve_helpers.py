@@ -12,7 +12,7 @@ from kvstrata.serve.process import ServerProcess, free_port
 TINY_ENGINE = [
     "--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "256", "--threads", "1",
 ]  # fmt: skip
-__all__ = ["TINY_ENGINE", "Server", "apply_events", "free_port"]
+__all__ = ["TINY_ENGINE", "Server", "alive", "apply_events", "free_port"]
 
 
 class Server(ServerProcess):
@@ -54,3 +54,12 @@ def apply_events(batch: bytes, held: dict[str, set[int]], page: int = 8) -> None
             assert ev == ["AllBlocksCleared"]
             for s in held.values():
                 s.clear()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -18,7 +18,7 @@ import openai
 import pytest
 import zmq
 
-from tests.serve_helpers import TINY_ENGINE, Server, apply_events, free_port
+from tests.serve_helpers import TINY_ENGINE, Server, alive, apply_events, free_port
 from tests.tiny_models import make_llama
 
 PAGE = 8
@@ -74,7 +74,7 @@ def test_sigterm_under_load_exits_0_and_restart_hits_the_store(ckpt: Path, tmp_p
         assert srv.terminate(timeout_s=90) == 0, (tmp_path / "a.log").read_text()
         for t in threads:
             t.join(30)
-            assert not t.is_alive()  # no client hangs on a stopped server
+            assert not t.isalive()  # no client hangs on a stopped server
         assert len(results) == 6
     finally:
         srv.stop()
@@ -227,15 +227,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for init to reap it has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_server_ends_when_its_launcher_is_killed(ckpt: Path, tmp_path: Path) -> None:
     """kill -9 of what started a server (`kvstrata run`'s P/D row, a benchmark): the server,
     in its own session so no signal of the launcher's group reaches it, stops by itself."""
@@ -248,14 +239,14 @@ def test_a_server_ends_when_its_launcher_is_killed(ckpt: Path, tmp_path: Path) -
         line = launcher.stdout.readline()  # type: ignore[union-attr]  # bounded: start timeout
         assert line.strip().isdigit(), f"no server started: {(tmp_path / 's.log').read_text()}"
         pid = int(line)
-        assert _alive(pid)
+        assert alive(pid)
     finally:
         launcher.kill()
         launcher.wait(10)
     deadline = time.monotonic() + 30  # PARENT_POLL_S + a graceful stop, with room on a busy box
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    outlived = _alive(pid)
+    outlived = alive(pid)
     if outlived:
         os.kill(pid, signal.SIGKILL)  # a failing run leaves no server behind either
     assert not outlived, "the server outlived its launcher"

@@ -13,7 +13,7 @@ import openai
 import pytest
 import zmq
 
-from tests.serve_helpers import TINY_ENGINE, Server, apply_events, free_port
+from tests.serve_helpers import TINY_ENGINE, Server, alive, apply_events, free_port
 from tests.tiny_models import make_llama
 
 PROMPTS = [[(11 * i + k) % 97 for i in range(33 + 8 * k)] for k in range(3)]
@@ -108,25 +108,16 @@ def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
     assert "Traceback" not in (tmp_path / "two.log").read_text()
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for init to reap it has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_ranks_end_when_their_server_is_killed(ckpt: Path, tmp_path: Path) -> None:
     """kill -9 of `serve --tp 2`'s HTTP process: its rank processes stop by themselves (they
     would otherwise hold memory, ports and P/D endpoints forever)."""
     srv = Server(["--model", str(ckpt), *TINY_ENGINE, "--tp", "2"], tmp_path / "s.log")
     tasks = Path(f"/proc/{srv.proc.pid}/task").glob("*/children")  # forked by a thread
     kids = [int(c) for t in tasks for c in t.read_text().split()]
-    assert len(kids) == 2 and all(_alive(k) for k in kids)
+    assert len(kids) == 2 and all(alive(k) for k in kids)
     srv.proc.kill()
     srv.proc.wait(10)
     deadline = time.monotonic() + 20  # PARENT_POLL_S + ORPHAN_GRACE_S, with room on a busy box
-    while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [k for k in kids if _alive(k)], "rank processes outlived their server"
+    assert not [k for k in kids if alive(k)], "rank processes outlived their server"
