@@ -74,7 +74,7 @@ def test_sigterm_under_load_exits_0_and_restart_hits_the_store(ckpt: Path, tmp_p
         assert srv.terminate(timeout_s=90) == 0, (tmp_path / "a.log").read_text()
         for t in threads:
             t.join(30)
-            assert not t.isalive()  # no client hangs on a stopped server
+            assert not t.is_alive()  # no client hangs on a stopped server
         assert len(results) == 6
     finally:
         srv.stop()
