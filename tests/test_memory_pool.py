@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from kvstrata.memory.config import MemoryConfig
+from kvstrata.memory.hugepages import advise_huge, zeros_huge
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 
@@ -119,3 +122,15 @@ def test_check_integrity_detects_a_replaced_tensor() -> None:
         dev.check_integrity()
     with pytest.raises(AssertionError):
         host.check_integrity()
+
+
+def test_pools_are_zeroed_and_huge_page_advice_is_only_a_hint() -> None:
+    # a tensor too small to hold a whole OS page pair is never advised; a large one may be
+    assert advise_huge(torch.zeros(3)) is False
+    t = zeros_huge((4, 1 << 20), torch.float16)  # 8 MiB: spans whole huge pages
+    assert t.shape == (4, 1 << 20) and t.dtype == torch.float16 and not t.any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert advise_huge(t)  # the kernel takes the hint when THP is on at all
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float32")
+    assert not DevicePool(shape, 8).data.any() and not HostPool(shape, 8).data.any()

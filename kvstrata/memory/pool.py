@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvstrata.memory.allocator import PageAllocator
+from kvstrata.memory.hugepages import zeros_huge
 from kvstrata.memory.layout import KVShape
 
 IdsLike = Sequence[int] | np.ndarray | torch.Tensor
@@ -77,9 +78,11 @@ class DevicePool:
         self.capacity_local = capacity // n_shards
         self.device = torch.device(device)
         # [num_layers, 2, capacity_local, page_size, kv_heads, head_dim]
-        self.data = torch.zeros(
-            shape.device_shape(self.capacity_local), dtype=shape.torch_dtype, device=self.device
-        )
+        dims = shape.device_shape(self.capacity_local)
+        if self.device.type == "cpu":
+            self.data = zeros_huge(dims, shape.torch_dtype)
+        else:
+            self.data = torch.zeros(dims, dtype=shape.torch_dtype, device=self.device)
 
     def k(self, layer: int) -> torch.Tensor:
         """[capacity_local, page_size, kv_heads, head_dim] view of layer `layer`'s keys."""
@@ -151,9 +154,11 @@ class HostPool:
         self.allocator = PageAllocator(capacity, n_shards)  # raises unless capacity % n_shards == 0
         self.capacity_local = capacity // n_shards
         # [capacity_local, num_layers, 2, page_size, kv_heads, head_dim]
-        self.data = torch.zeros(
-            shape.host_shape(self.capacity_local), dtype=shape.torch_dtype, pin_memory=self.pinned
-        )
+        dims = shape.host_shape(self.capacity_local)
+        if self.pinned:  # page-locked for CUDA's async copies; THP does not apply
+            self.data = torch.zeros(dims, dtype=shape.torch_dtype, pin_memory=True)
+        else:
+            self.data = zeros_huge(dims, shape.torch_dtype)
         # [capacity_local, page_nbytes] uint8 view sharing memory with data (works for bfloat16)
         self._bytes: np.ndarray = self.data.view(self.capacity_local, -1).view(torch.uint8).numpy()
 
