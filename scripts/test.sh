@@ -11,4 +11,5 @@ fi
 # the house checks over every file (no folder skipped), before the tests
 .venv/bin/ruff check --no-cache .
 .venv/bin/ruff format --check --no-cache .
-exec .venv/bin/python -m pytest -n 2 -p no:cacheprovider "$@"
+# loadfile: a file's tests run in order in one worker (some share servers a test before started)
+exec .venv/bin/python -m pytest -n 2 --dist loadfile -p no:cacheprovider "$@"

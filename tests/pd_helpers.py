@@ -210,11 +210,21 @@ class CuttableRelay:
     """A TCP relay 127.0.0.1:port -> target that can drop every connection at once (`cut`):
     a dropped link between two live workers. Connections made after a cut relay again."""
 
-    def __init__(self, target: str, corrupt: int = 0, at: int = 1000, upward: bool = False) -> None:
+    def __init__(
+        self,
+        target: str,
+        corrupt: int = 0,
+        at: int = 1000,
+        upward: bool = False,
+        stall_after: int = -1,
+    ) -> None:
         """`corrupt`: flip one bit at byte `at` of what the target sends on that many of the
         first connections (deep inside the first page frame: the framing stays valid);
-        `upward`: of what the client sends the target instead (decode's pulled pages)."""
+        `upward`: of what the client sends the target instead (decode's pulled pages);
+        `stall_after`: pass on only that many bytes of what the target sends, then read and
+        drop the rest (`withheld` counts it): a transfer cut off part way."""
         self.corrupt, self.at, self.upward = corrupt, at, upward
+        self.stall_after, self.withheld = stall_after, 0
         host, port = target.removeprefix("tcp://").rsplit(":", 1)
         self.target = (host, int(port))
         self.srv = socket.create_server(("127.0.0.1", 0))
@@ -235,11 +245,10 @@ class CuttableRelay:
             self.conns += [down, up]
             flip = self.at if self.accepted <= self.corrupt else -1
             flips = (flip, -1) if self.upward else (-1, flip)
-            for a, b, f in ((down, up, flips[0]), (up, down, flips[1])):
-                threading.Thread(target=self._pipe, args=(a, b, f), daemon=True).start()
+            for a, b, f, cap in ((down, up, flips[0], -1), (up, down, flips[1], self.stall_after)):
+                threading.Thread(target=self._pipe, args=(a, b, f, cap), daemon=True).start()
 
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket, flip: int = -1) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket, flip: int = -1, cap: int = -1) -> None:
         seen = 0
         try:
             while data := a.recv(65536):
@@ -247,6 +256,9 @@ class CuttableRelay:
                     buf = bytearray(data)
                     buf[flip - seen] ^= 0x10
                     data = bytes(buf)
+                if cap >= 0 and seen + len(data) > cap:  # past the cap: hold the rest back
+                    self.withheld += seen + len(data) - max(seen, cap)
+                    data = data[: max(0, cap - seen)]
                 seen += len(data)
                 b.sendall(data)
         except OSError:

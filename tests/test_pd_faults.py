@@ -21,6 +21,8 @@ from tests.pd_helpers import CuttableRelay, complete, info, start_all, worker_ar
 from tests.serve_helpers import Server
 from tests.tiny_models import hf_greedy, load_hf, make_llama
 
+# the tests run in order in one process (scripts/test.sh: --dist loadfile): later ones use the
+# workers earlier ones started
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 2.0
 X = [(5 * i + 1) % 97 for i in range(41)]
@@ -183,3 +185,45 @@ def test_decode_killed_while_prefill_works_for_it(run: dict, ckpt: Path) -> None
     assert "Traceback" not in log, log
     m = httpx.get(f"{p2.url}/metrics").text
     assert 'kvstrata:pd_handoffs_total{model_name="tiny",outcome="failed"} 1.0' in m
+
+
+def test_prefill_killed_mid_transfer(run: dict, ckpt: Path) -> None:
+    """kill -9 of prefill while its pages stream to decode: a relay passes on the first half of
+    the KV bytes prefill sends (some layers of every page have crossed), holds the rest back,
+    and prefill dies. Decode uses nothing of the half transfer: a clear 504 within the bound,
+    its pages back, and the same prompt then succeeds through another prefill."""
+    d, tmp = run["d"], run["tmp"]
+    doomed, spare = start_all(
+        [
+            (prefill_args(ckpt, tmp / "store-doomed"), tmp / "doomed.log"),
+            (prefill_args(ckpt, tmp / "store-spare"), tmp / "spare.log"),
+        ]
+    )
+    run["servers"] += [doomed, spare]
+    prompt = [(13 * i + 3) % 97 for i in range(65)]  # new to decode: all 9 pages must cross
+    half = 9 * info(doomed)["layout"]["page_bytes"] // 2
+    relay = CuttableRelay(info(doomed)["transfer_endpoint"], stall_after=half)
+    free = idle_ok(d)["device_free"]
+    try:
+        t, out = in_thread(complete, d, prompt, pd_prefill=relay.endpoint)
+        deadline = time.monotonic() + 30
+        while relay.withheld == 0:  # prefill has sent more than half its pages' bytes
+            assert time.monotonic() < deadline, "prefill never got past half its pages"
+            time.sleep(0.01)
+        os.kill(doomed.proc.pid, signal.SIGKILL)
+        doomed.proc.wait(10)
+        killed = time.monotonic()
+        t.join(30)
+    finally:
+        relay.close()
+    r, t1 = out[0]
+    assert r.status_code == 504, r.text
+    msg = r.json()["error"]["message"]
+    assert relay.endpoint in msg and f"pd_timeout_s={TIMEOUT_S}" in msg
+    assert t1 - killed < TIMEOUT_S + 5
+    assert idle_ok(d)["device_free"] == free  # nothing of the half transfer stayed, no leak
+    r = complete(d, prompt, pd_prefill=spare.url)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want(ckpt, prompt)
+    assert r.json()["usage"]["pd"]["pages_received"] == 9  # the half transfer was not kept
+    idle_ok(d)
+    idle_ok(spare)

@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.cache.keys import Namespace, key_hex, page_keys
+from kvstrata.memory.layout import KVShape
 from kvstrata.serve.codec import ByteCodec
+from kvstrata.storage.units import UnitLayout
 from tests.pd_helpers import (
     PAGE,
     CuttableRelay,
@@ -42,9 +44,14 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict[str, Server]]:
-    tmp = tmp_path_factory.mktemp("pd")
-    store = tmp / "store"
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The L3 directory every worker shares."""
+    return tmp_path_factory.mktemp("pd") / "store"
+
+
+@pytest.fixture(scope="module")
+def workers(store: Path, ckpt: Path) -> Iterator[dict[str, Server]]:
+    tmp = store.parent
     p = (worker_args(ckpt, "--role", "prefill", store=store), tmp / "p.log")
     servers = start_all([p])
     prefill = servers[0]
@@ -131,6 +138,31 @@ def test_prefix_in_shared_storage_is_not_sent(workers: dict[str, Server]) -> Non
     assert use["pd"]["pages_from_storage"] == 5 and use["pd"]["pages_skipped"] == 5
     assert use["pd"]["pages_received"] == 1 and use["pd"]["bytes_received"] == page_bytes
     assert use["prompt_tokens_details"]["cached_tokens_by_tier"]["storage"] == 40
+    check_all(workers)
+
+
+def test_a_page_decode_fails_to_read_from_shared_storage_is_sent_by_prefill(
+    workers: dict[str, Server], ckpt: Path, store: Path
+) -> None:
+    """Decode claims only the pages its own L3 read verified: with page 2 of a stored prefix
+    damaged on disk, decode takes pages 0-1 from storage and prefill sends pages 2-5."""
+    lay = info(workers["p"])["layout"]
+    prompt = [(9 * i + 2) % 97 for i in range(41)]  # 5 full pages + 1 token
+    assert pd_usage(complete(workers["d1"], prompt))["pd"]["pages_received"] == 6
+    check_all(workers)  # idle: every L3 backup of the prompt is committed
+    shape = KVShape(lay["layers"], lay["kv_heads"], lay["head_dim"], PAGE, lay["dtype"])
+    unit = UnitLayout(shape).unit_key(_keys(lay, prompt)[2], ((0, 1), (0, 1)))
+    path = store / key_hex(unit)[:2] / f"{key_hex(unit)}.kvp"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # one bit of the payload: the checksum fails, the file is a miss
+    path.write_bytes(bytes(data))
+    r = complete(workers["d2"], prompt)  # d2 never saw it: only the shared L3 (and prefill) has it
+    use = pd_usage(r)
+    assert use["pd"]["pages_from_storage"] == 2 and use["pd"]["pages_skipped"] == 2
+    assert use["pd"]["pages_received"] == 4  # pages 2..5, from prefill's own cache
+    assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(
+        hf_greedy(load_hf(ckpt), prompt, 4)
+    )
     check_all(workers)
 
 

@@ -21,7 +21,9 @@ from tests.serve_helpers import Server
 from tests.test_pd_faults import TIMEOUT_S, idle_ok, in_thread, want
 from tests.tiny_models import make_llama
 
-pytestmark = pytest.mark.slow  # four two-rank workers (twelve processes)
+# four two-rank workers (twelve processes); in order in one process (--dist loadfile): later
+# tests use the workers earlier ones started
+pytestmark = pytest.mark.slow
 TP = ["--tp", "2"]
 X = [(5 * i + 1) % 97 for i in range(41)]
 Y = [(3 * i + 2) % 97 for i in range(33)]

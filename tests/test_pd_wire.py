@@ -129,6 +129,7 @@ def test_multi_rank_pd_workers_are_refused_by_name(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "kvstrata.cli.main", "serve", "--model", str(ckpt)]
     for extra, why in [
         (["--role", "prefill", "--cp", "2", "--tp", "2"], "not --cp together with --tp/--pp"),
+        (["--role", "decode", "--tp", "2", "--spec-draft", "self:1"], "runs on one rank"),
         (["--role", "decode", "--pd-prefill", "localhost:1"], "is not an http(s):// or tcp://"),
         (["--role", "prefill", "--pd-timeout-s", "0.1"], "must be below pd_timeout_s"),
     ]:

@@ -62,11 +62,18 @@ def tier_hits(rep: dict, tier: str | None = None) -> list[int]:
 
 
 def check_bytes_follow_hits(rep: dict) -> None:
-    """Every L2 or L3 hit page crossed L2->L1 once; every L3 hit page crossed L3->L2 once."""
+    """Every L2 or L3 hit page crossed L2->L1 once; every L3 hit page crossed L3->L2 once.
+
+    A page read from L3 may count as an L2 hit: a waiting request whose lease stepped back
+    (engine/admission.py: `_step_back`, when the request ahead does not fit) matches anew,
+    and the pages its first lease's prefetch landed are then L2 pages to the new lease. Whether
+    that happens depends on when the storage reads finish (seen once under a loaded suite:
+    84 pages read, 74 counted as L3 hits), so that bound is a range; the exact totals are the
+    caller's (L3->L2 bytes == what the first run stored)."""
     moved = rep["bytes_moved"]
     l2, l3 = sum(tier_hits(rep, "L2")), sum(tier_hits(rep, "L3"))
     assert moved["L2->L1"] == (l2 + l3) * PAGE_BYTES
-    assert moved["L3->L2"] == l3 * PAGE_BYTES
+    assert l3 * PAGE_BYTES <= moved["L3->L2"] <= (l2 + l3) * PAGE_BYTES
 
 
 def test_workload_is_deterministic_and_grows() -> None:
@@ -107,6 +114,7 @@ def test_run_all_configs_then_l3_hits_in_second_run(ckpt: Path, tmp_path: Path, 
         assert tier_hits(cfg[name]) == best
         assert sum(tier_hits(cfg[name], "L2")) == sum(best) - sum(tier_hits(cfg[name], "L1")) > 0
         check_bytes_follow_hits(cfg[name])
+        assert cfg[name]["bytes_moved"]["L3->L2"] == 0  # the store starts empty
     stored = cfg["l1_l2"]["bytes_moved"]["L1->L2"]
     assert stored % PAGE_BYTES == 0 and cfg["l1_l2_l3"]["bytes_moved"]["L2->L3"] == stored
     assert (out / "ttft.png").stat().st_size > 1000

@@ -25,6 +25,21 @@ PARENT_GONE_GRACE_S = 10.0
 """Past stop_timeout_s, how long a server whose launcher died may take to stop by itself."""
 
 
+def check_pd_ranks(role: str, dist_cfg: DistConfig, engine_cfg: EngineConfig) -> None:
+    """What P/D workers on several ranks do not do yet, refused before any rank starts."""
+    if role not in ("prefill", "decode") or dist_cfg.world_size == 1:
+        return
+    if dist_cfg.cp > 1 and dist_cfg.tp * dist_cfg.pp > 1:
+        raise ValueError(
+            f"--role {role} runs with --tp and --pp ranks, or with --cp alone; not --cp "
+            "together with --tp/--pp yet"
+        )
+    if engine_cfg.spec_draft:  # one-rank P/D workers speculate (tests/test_pd_spec.py)
+        raise ValueError(
+            f"--role {role} with --spec-draft runs on one rank; not with --tp/--cp/--pp > 1 yet"
+        )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the cached engine")
     add_config_args(p, ServeConfig)
@@ -70,11 +85,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(path, dtype=cfgs[0].dtype)  # ValueError: not a checkpoint
     dist_cfg = config_from_args(DistConfig, args)
     pd_cfg = config_from_args(PDConfig, args)
-    if cfg.role in ("prefill", "decode") and dist_cfg.cp > 1 and dist_cfg.tp * dist_cfg.pp > 1:
-        raise ValueError(
-            f"--role {cfg.role} runs with --tp and --pp ranks, or with --cp alone; not --cp "
-            "together with --tp/--pp yet"
-        )
+    check_pd_ranks(cfg.role, dist_cfg, cfgs[0])
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     check_spec_layout(cfgs[0], dist_cfg)  # on every torchrun rank, before any serves
     if cfgs[1].device_pages % dist_cfg.cp:
