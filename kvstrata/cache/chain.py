@@ -71,8 +71,7 @@ class PageChain:
             p = self.page_bytes
             n = min(n, self.pages)
             parent = self.keys[-1] if have else self.seed
-            view = memoryview(self.data)[have * p : n * p]
-            self.keys += chain_keys(view, p, parent)
+            self.keys += chain_keys(self.data, p, parent, have * p, n * p)
         return self.keys[:n]
 
     def tokens(self, start: int, end: int) -> bytes | None:

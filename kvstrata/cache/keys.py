@@ -95,15 +95,20 @@ def page_keys(
     return chain_keys(memoryview(arr[: n_pages * page]).cast("B"), page * 4, key)
 
 
-def chain_keys(data: bytes | memoryview, page_bytes: int, key: int) -> list[int]:
-    """Keys of the whole pages in `data` (int32 token bytes), chained after `key` (the key of
-    the page before, or a namespace seed). The one place the chain step is spelled."""
-    view = memoryview(data).cast("B")  # no copy; slices are cheap views
+def chain_keys(
+    data: bytes | memoryview, page_bytes: int, key: int, start: int = 0, stop: int | None = None
+) -> list[int]:
+    """Keys of the whole pages in data[start:stop] (int32 token bytes), chained after `key` (the
+    key of the page before, or a namespace seed). The one place the chain step is spelled."""
+    if type(data) is not bytes:
+        data = memoryview(data).cast("B")  # no copy; slices are cheap views
+    # bytes itself is sliced as is: a 256-byte copy costs less than making a memoryview slice
+    stop = len(data) if stop is None else stop
     digest, mask = xxhash.xxh3_128_intdigest, _MASK64  # locals: this loop runs once per page
     keys: list[int] = []
     append = keys.append
-    for start in range(0, len(view) // page_bytes * page_bytes, page_bytes):
-        key = digest(view[start : start + page_bytes], key & mask)  # low 64 bits seed the next
+    for at in range(start, stop - (stop - start) % page_bytes, page_bytes):
+        key = digest(data[at : at + page_bytes], key & mask)  # low 64 bits seed the next
         append(key)
     return keys
 
