@@ -34,7 +34,9 @@ class PageChain:
         """Validated token ids; a trailing partial page is dropped (it has no key)."""
         arr = as_token_array(tokens, vocab_size)
         page = namespace.page_size
-        return cls(namespace.seed(), page, arr[: arr.size // page * page].tobytes(), [])
+        full = arr.size // page * page
+        # no view to slice when the prompt is whole pages
+        return cls(namespace.seed(), page, (arr if full == arr.size else arr[:full]).tobytes(), [])
 
     @classmethod
     def from_keys(cls, keys: list[int], page_size: int) -> PageChain:
