@@ -95,7 +95,8 @@ class Match:
 
     @property
     def host_pages(self) -> int:
-        return sum(len(n) for n in self.host_nodes)
+        # most matches have no host-only nodes: skip making a generator (read per admission)
+        return sum([len(n.keys) for n in self.host_nodes]) if self.host_nodes else 0
 
     @property
     def pages(self) -> int:
