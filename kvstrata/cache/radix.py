@@ -179,9 +179,9 @@ class RadixTree:
         assert p * len(node.keys) == len(tokens), "token bytes misaligned with keys"
         node.tokens = tokens
         node.seed = seed if node.parent is self.root else None
-        index = self._index_of(node)
-        assert index.get(tokens[:p], node) is node, "two children with the same first page"
-        index[tokens[:p]] = node
+        index, first = self._index_of(node), tokens[:p]  # one slice: its hash is kept
+        assert index.get(first, node) is node, "two children with the same first page"
+        index[first] = node
 
     def split(self, node: Node, n: int) -> Node:
         """Cut `node` after its first n pages; returns the new upper node (which keeps the stats)."""
