@@ -133,13 +133,11 @@ class RadixTree:
             if child is None:
                 break
             edge = child.tokens
-            end = off + len(edge)  # type: ignore[arg-type]
-            # one compare of the edge's bytes (a one-page edge matched by the lookup)
-            partial = end - off > p and (end > limit or data[off:end] != edge)
-            if partial:
-                n = _common_pages(edge, data, off, limit, p)  # type: ignore[arg-type]
-                child = self.split(child, n)
-                end = off + n * p
+            n = len(edge)  # type: ignore[arg-type]
+            # one compare of the edge's bytes, in place (a one-page edge matched by the lookup)
+            if n > p and (off + n > limit or not data.startswith(edge, off)):  # type: ignore[arg-type]
+                pages = _common_pages(edge, data, off, limit, p)  # type: ignore[arg-type]
+                child, n, partial = self.split(child, pages), pages * p, True
             if touch:
                 child.last_access = clock
                 child.hits += 1
@@ -149,7 +147,8 @@ class RadixTree:
                 device_node = child
             else:
                 host.append(child)
-            node, off = child, end
+            node = child
+            off += n
             if partial:
                 break
             index = child.tindex
