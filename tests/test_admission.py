@@ -74,3 +74,29 @@ def test_ready_requests_pass_one_waiting_on_storage(
     else:  # the L1 hits behind it run at once and are done before the prefetch lands
         assert done_while_head_waits == ["again0", "again1", "again2"]
         assert finished == ["again0", "again1", "again2", "long"]
+
+
+@pytest.mark.parametrize(("cap", "first_step"), [(0, [64, 0]), (32, [32, 32])])
+def test_the_first_prefill_takes_the_whole_step_budget_unless_capped(
+    ckpt: Path, cap: int, first_step: list[int]
+) -> None:
+    """Two cold prompts of 96 tokens, a 64-token step budget: uncapped (the default), the first
+    takes all 64 and finishes a step sooner (its TTFT), the second gets the rest; with a cap of
+    32 both advance 32 a step and both finish at step 3."""
+    ecfg = EngineConfig(model=str(ckpt), tiers="none", max_batch_tokens=64, chunk_tokens=cap)
+    built = build_engine(ecfg, CacheConfig(page_size=PAGE, device_pages=32), model=load_model(ckpt))
+    eng = built.engine
+    rng = random.Random(2)
+    reqs = [Request(f"r{i}", [rng.randrange(97) for _ in range(96)], 1) for i in range(2)]
+    for req in reqs:
+        eng.submit(req)
+    finished_at: dict[str, int] = {}
+    steps: list[list[int]] = []
+    while eng.has_work():
+        done = eng.step()
+        steps.append([r.computed for r in reqs])
+        finished_at.update({r.rid: len(steps) for r in done})
+        eng.check_integrity()
+    assert steps[0] == first_step
+    assert finished_at == ({"r0": 2, "r1": 3} if cap == 0 else {"r0": 3, "r1": 3})
+    built.close()

@@ -225,7 +225,8 @@ class Engine:
         for req in self.running:
             if req.state is State.PREFILL and budget and not req.remote:
                 seq = req.prefill_tokens
-                n = min(self.config.chunk_tokens, len(seq) - req.computed, budget)
+                cap = self.config.chunk_tokens or budget  # 0: no cap but the budget
+                n = min(cap, len(seq) - req.computed, budget)
                 work.append((req, seq[req.computed : req.computed + n]))
                 budget -= n
         return work
