@@ -2,8 +2,9 @@
 
 The baseline moves the same number of bytes with a single `dst.copy_(src)` between two
 contiguous tensors: the best case for a memory copy (its buffers get huge pages, as the pools
-do). Ours moves shuffled, non-contiguous pages between the page-first host pool and the layer-first device pool, layer by layer, through the
-async engine (submit + wait). ratio = baseline_seconds / our_seconds (goal >= 0.8).
+do). Ours moves shuffled, non-contiguous pages between the page-first host pool and the
+layer-first device pool, layer by layer, through the async engine (submit + wait).
+ratio = baseline_seconds / our_seconds (goal >= 0.8).
 """
 
 from __future__ import annotations
