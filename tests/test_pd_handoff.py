@@ -29,7 +29,7 @@ from tests.pd_helpers import (
     start_all,
     worker_args,
 )
-from tests.serve_helpers import Server, free_port
+from tests.serve_helpers import Server, refused_port
 from tests.tiny_models import hf_greedy, load_hf, make_llama
 
 PROMPT_A = [(5 * i + 1) % 97 for i in range(41)]  # 41 tokens: 5 full pages + 1 token
@@ -201,10 +201,11 @@ def test_prefill_checks_layout_keys_and_the_last_page(workers: dict[str, Server]
 
 def test_unreachable_prefill_is_a_504_naming_it(workers: dict[str, Server]) -> None:
     before = workers["d1"].wait_idle()["device_free"]
-    dead = f"tcp://127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
-    r = complete(workers["d1"], [(11 * i) % 97 for i in range(30)], pd_prefill=dead)
-    took = time.monotonic() - t0
+    with refused_port() as port:
+        dead = f"tcp://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        r = complete(workers["d1"], [(11 * i) % 97 for i in range(30)], pd_prefill=dead)
+        took = time.monotonic() - t0
     assert r.status_code == 504, r.text
     err = r.json()["error"]
     assert dead in err["message"] and "pd_timeout_s=3.0" in err["message"]
@@ -216,8 +217,8 @@ def test_unreachable_prefill_is_a_504_naming_it(workers: dict[str, Server]) -> N
 
 def test_failed_handoff_prefills_locally_when_asked(workers: dict[str, Server], ckpt: Path) -> None:
     prompt = [(17 * i + 3) % 97 for i in range(30)]
-    dead = f"tcp://127.0.0.1:{free_port()}"
-    r = complete(workers["d2"], prompt, pd_prefill=dead)  # d2: --pd-on-failure local
+    with refused_port() as port:
+        r = complete(workers["d2"], prompt, pd_prefill=f"tcp://127.0.0.1:{port}")  # local fallback
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == ByteCodec(97).decode(
         hf_greedy(load_hf(ckpt), prompt, 4)

@@ -18,7 +18,7 @@ import pytest
 
 from kvstrata.serve.process import ServerProcess, free_port
 from tests.pd_helpers import start_all
-from tests.serve_helpers import TINY_ENGINE, Server
+from tests.serve_helpers import TINY_ENGINE, Server, refused_port
 from tests.tiny_models import make_llama
 
 pytestmark = pytest.mark.slow  # several real server processes (minutes on a loaded box)
@@ -165,8 +165,14 @@ def test_client_disconnect_aborts_the_worker_request(router: str, workers: list[
         assert rep["ok"] and rep["accounting"]["device"]["locked"] == 0
 
 
-def test_dead_worker_is_a_clear_502(tmp_path: Path, workers: list[Server]) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+@pytest.fixture
+def dead_url() -> Iterator[str]:
+    with refused_port() as port:
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_dead_worker_is_a_clear_502(tmp_path: Path, workers: list[Server], dead_url: str) -> None:
+    dead = dead_url
     args = ["--role", "router", "--prefill", workers[0].url, "--decode", dead, *NO_INFO]
     proc = ServerProcess(args, tmp_path / "router.log", 60, ready_path="/metrics")
     try:
