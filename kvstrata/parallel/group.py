@@ -208,7 +208,14 @@ class RankStopped(KeyboardInterrupt):
     """SIGTERM in a working rank: unwinds it like Ctrl-C (its finally blocks clean up)."""
 
 
+_REPORTED = False
+"""Set just before a rank puts its result (or failure) in the queue: a SIGTERM from then on
+(the parent ending ranks that are done) must not unwind the report or the teardown."""
+
+
 def _stop_rank(signum: int, frame: Any) -> None:
+    if _REPORTED:  # a stop that raced the report: the rank is ending by itself anyway
+        return
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise RankStopped()
 
@@ -221,7 +228,7 @@ def _rank_main(
     rank: int, config: DistConfig, fn: Callable[..., Any], args: tuple, q: Any, beats: Any
 ) -> None:
     """Body of one spawned rank: init, run fn(ctx, *args), report through the queue."""
-    global _HEARTBEAT
+    global _HEARTBEAT, _REPORTED
     _HEARTBEAT = (beats, rank)
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, _stop_rank)  # while working: unwind, so no temp file is left
@@ -230,8 +237,10 @@ def _rank_main(
     try:
         ctx = init_ranks(config, rank)
         result = fn(ctx, *args)
+        _REPORTED = True
         q.put((rank, True, result))
     except BaseException as exc:  # report everything: the parent names the rank
+        _REPORTED = True
         q.put((rank, False, describe_exception(exc, COLLECTIVE_FRACTION * config.timeout_s)))
     finally:
         # Reported: from here a terminate() from the parent just ends the process, quietly.
