@@ -49,8 +49,16 @@ def advise_huge(t: torch.Tensor) -> bool:
     return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
 
 
-def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on the CPU, advised for huge pages before its first touch."""
+def zeros_huge(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    pin_memory: bool = False,
+) -> torch.Tensor:
+    """torch.zeros(shape, dtype, device, pin_memory); a pageable CPU tensor is advised for huge
+    pages before its first touch (pinned memory is page-locked for CUDA copies: left as is)."""
+    if torch.device(device).type != "cpu" or pin_memory:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     t = torch.empty(shape, dtype=dtype)
     advise_huge(t)
     return t.zero_()

@@ -78,11 +78,9 @@ class DevicePool:
         self.capacity_local = capacity // n_shards
         self.device = torch.device(device)
         # [num_layers, 2, capacity_local, page_size, kv_heads, head_dim]
-        dims = shape.device_shape(self.capacity_local)
-        if self.device.type == "cpu":
-            self.data = zeros_huge(dims, shape.torch_dtype)
-        else:
-            self.data = torch.zeros(dims, dtype=shape.torch_dtype, device=self.device)
+        self.data = zeros_huge(
+            shape.device_shape(self.capacity_local), shape.torch_dtype, self.device
+        )
 
     def k(self, layer: int) -> torch.Tensor:
         """[capacity_local, page_size, kv_heads, head_dim] view of layer `layer`'s keys."""
@@ -154,11 +152,9 @@ class HostPool:
         self.allocator = PageAllocator(capacity, n_shards)  # raises unless capacity % n_shards == 0
         self.capacity_local = capacity // n_shards
         # [capacity_local, num_layers, 2, page_size, kv_heads, head_dim]
-        dims = shape.host_shape(self.capacity_local)
-        if self.pinned:  # page-locked for CUDA's async copies; THP does not apply
-            self.data = torch.zeros(dims, dtype=shape.torch_dtype, pin_memory=True)
-        else:
-            self.data = zeros_huge(dims, shape.torch_dtype)
+        self.data = zeros_huge(
+            shape.host_shape(self.capacity_local), shape.torch_dtype, pin_memory=self.pinned
+        )
         # [capacity_local, page_nbytes] uint8 view sharing memory with data (works for bfloat16)
         self._bytes: np.ndarray = self.data.view(self.capacity_local, -1).view(torch.uint8).numpy()
 
