@@ -138,6 +138,36 @@ def test_last_only_returns_each_sequences_last_row(models: tuple[DecoderLM, Any]
     assert torch.allclose(last, full[[5, 8]], rtol=0, atol=1e-6)
 
 
+def test_last_only_runs_the_last_layer_on_the_last_rows_alone(
+    models: tuple[DecoderLM, Any],
+) -> None:
+    """A mixed batch (decode, fresh prefill, continued chunk) with last_only: the last layer's
+    MLP sees one row per sequence, its logits equal the full forward's last rows, and every
+    row's K/V of every layer is cached exactly as a full forward caches it."""
+    ours, _ = models
+    a, b, c = tokens(10, seed=14), tokens(12, seed=15), tokens(9, seed=16)
+    seen: list[tuple[int, ...]] = []
+    hook = ours.model.layers[-1].mlp.register_forward_hook(
+        lambda _m, args, _o: seen.append(tuple(args[0].shape))
+    )
+    try:
+        out, data = [], []
+        for last_only in (False, True):
+            pool = new_pool(ours)
+            ta, tb, tc = pages(pool, 10), pages(pool, 12), pages(pool, 9)
+            ours(SeqBatch.build([a[:9], c[:4]], [0, 0], [ta, tc]), pool)
+            batch = SeqBatch.build([a[9:], b, c[4:]], [9, 0, 4], [ta, tb, tc])
+            out.append(ours(batch, pool, last_only=last_only))
+            data.append(pool.data.clone())
+            pool.check_integrity()
+    finally:
+        hook.remove()
+    hidden = ours.spec.hidden_size
+    assert seen == [(13, hidden), (18, hidden), (13, hidden), (3, hidden)]
+    assert rel_err(out[1], out[0][[0, 12, 17]]) <= TOL
+    assert torch.allclose(data[1], data[0], rtol=0, atol=1e-6)
+
+
 def test_before_layer_runs_before_the_layer_touches_the_pool(
     models: tuple[DecoderLM, Any],
 ) -> None:

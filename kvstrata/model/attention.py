@@ -59,6 +59,17 @@ class AttnMeta:
     _slots: list[torch.Tensor] = field(default_factory=list, repr=False)
     _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
 
+    def last_rows(self, rows: torch.Tensor) -> AttnMeta:
+        """The queries of `rows` [num_seqs] alone, each its sequence's last token (every
+        sequence `tail`): one new token per sequence against its whole context, which the
+        forward has already written to the pool."""
+        assert all(self.tail) and rows.numel() == len(self.seq_lens), "one last row per sequence"
+        ones = [1] * len(self.seq_lens)
+        return AttnMeta(
+            self.slots[rows], ones, self.ctx_lens, self.page_tables, self.page_size,
+            [True] * len(ones), self.positions[rows], self.runs,
+        )  # fmt: skip
+
     @property
     def ctx_slots(self) -> list[torch.Tensor]:
         """Per sequence [ctx] flat slots of its whole context, in order (built on first use)."""
@@ -212,14 +223,17 @@ class PagedAttention(nn.Module):
         k_pool: torch.Tensor,  # [capacity, page_size, kv_heads, head_dim] (a view into the pool)
         v_pool: torch.Tensor,
         meta: AttnMeta,
-    ) -> torch.Tensor:
-        t = x.shape[0]
+        rows: torch.Tensor | None = None,  # [num_seqs] each sequence's last row, or None (all)
+    ) -> torch.Tensor:  # [T or num_seqs, hidden]
         q, k, v = self.qkv(x, cos, sin)  # [T, heads | kv_heads, dim] (views, not contiguous)
         # .view (not reshape) so a non-contiguous pool fails loudly instead of writing a copy.
         k_flat = k_pool.view(-1, self.kv_heads, self.head_dim)  # [capacity * page, kv_heads, dim]
         v_flat = v_pool.view(-1, self.kv_heads, self.head_dim)
-        write_rows(k_flat, k, meta)
+        write_rows(k_flat, k, meta)  # every row's K/V is cached, whichever rows go on
         write_rows(v_flat, v, meta)
+        if rows is not None:  # only these queries: each reads its whole context from the pool
+            q, k, v, meta = q[rows], k[rows], v[rows], meta.last_rows(rows)
+        t = q.shape[0]
         if k_flat.dtype != q.dtype:  # attend to the K/V as stored, as a cached read would
             k, v = k.to(k_flat.dtype).to(q.dtype), v.to(v_flat.dtype).to(q.dtype)
         if len(meta.seq_lens) == 1:  # one sequence: no per-sequence slicing or copy back

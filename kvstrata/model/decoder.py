@@ -129,9 +129,13 @@ class DecoderLayer(nn.Module):
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         meta: AttnMeta,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *rope, k_pool, v_pool, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """[T, hidden], or [len(rows), hidden]: only `rows` go on past attention (every row's
+        K/V is still written; see PagedAttention.forward)."""
+        h = self.self_attn(self.input_layernorm(x), *rope, k_pool, v_pool, meta, rows)
+        x = (x if rows is None else x[rows]) + h  # a new tensor: the caller's x is not written
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class _Backbone(nn.Module):
@@ -201,14 +205,18 @@ class DecoderLM(nn.Module):
         meta = build_meta(positions, batch.seq_lens, batch.ctx_lens, batch.page_tables, page_size)
         x = self.model.embed_tokens(ids)  # [T, hidden]
         rope = self.rotary.tables(positions, x.dtype)
+        ends = torch.tensor(batch.seq_lens, device=device).cumsum(0) - 1  # [num_seqs] last rows
+        # Only the last rows' states leave the last layer: it writes every row's K/V, then runs
+        # attention and the MLP for those rows alone (one layer's work fewer per prompt token).
+        last = len(self.model.layers) - 1
+        prune = last_only and hidden_out is None and all(meta.tail) and last >= 0
         for i, layer in enumerate(self.model.layers):
             if before_layer is not None:
                 before_layer(i)  # e.g. wait until layer i's pages arrived from the host pool
-            x = layer(x, rope, kv.k(i), kv.v(i), meta)
+            x = layer(x, rope, kv.k(i), kv.v(i), meta, ends if prune and i == last else None)
         if hidden_out is not None:
             hidden_out.append(x)  # an MTP draft head's input
-        if last_only:
-            ends = torch.tensor(batch.seq_lens, device=device).cumsum(0) - 1  # [num_seqs]
+        if last_only and not prune:
             x = x[ends]
         x = self.model.norm(x)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

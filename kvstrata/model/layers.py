@@ -102,8 +102,10 @@ class SwiGLU(nn.Module):
         f = self.fused
         if f is not None and f.holds([self.gate_proj, self.up_proj]):
             gate, up = f(x).chunk(2, dim=-1)  # [T, inter] each (views)
-            return self.down_proj(nn.functional.silu(gate) * up)
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        # in place: gate and up are this call's own temporaries, [T, inter] each
+        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
