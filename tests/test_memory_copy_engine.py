@@ -34,8 +34,10 @@ def _device_page_bytes(dev: DevicePool, slot: int) -> bytes:
 
 @pytest.fixture
 def pools() -> Iterator[tuple[DevicePool, HostPool, CopyEngine]]:
+    """One copy call per layer (tiny pages would group every layer): faults per layer."""
     dev, host = DevicePool(SHAPE, 16), _random_host(SHAPE, 24, seed=1)
     engine = CopyEngine(dev, host, MemoryConfig(copy_threads=1))
+    engine._copier.group = 1  # type: ignore[union-attr]
     yield dev, host, engine
     engine.close()
 
@@ -48,7 +50,8 @@ def test_page_runs_groups_pages_consecutive_on_both_sides() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_round_trip_host_device_host_is_bit_exact(dtype: str, threads: int) -> None:
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_round_trip_host_device_host_is_bit_exact(dtype: str, threads: int, group: int) -> None:
     shape = KVShape(3, 2, 4, 4, dtype)
     dev, host = DevicePool(shape, 20), _random_host(shape, 40, seed=2)
     # shuffled pages with one run consecutive on both sides (30..33 -> 4..7) and one consecutive
@@ -58,6 +61,7 @@ def test_round_trip_host_device_host_is_bit_exact(dtype: str, threads: int) -> N
     back = np.array([1, 2, 4, 6, 7, 8, 9, 13, 14, 15, 16])  # disjoint from src
     expected = [host.page_bytes(int(h)).tobytes() for h in src]
     with CopyEngine(dev, host, MemoryConfig(copy_threads=threads)) as engine:
+        engine._copier.group = group  # type: ignore[union-attr]  # 3 layers: 1+1+1, 2+1, 3
         engine.load(src.tolist(), torch.from_numpy(dev_ids)).wait()
         assert [_device_page_bytes(dev, int(d)) for d in dev_ids] == expected
         engine.store(dev_ids, back).wait()
@@ -80,6 +84,34 @@ def test_every_layer_is_correct_once_wait_layer_returns(pools: tuple) -> None:
     assert handle.is_done()
     with pytest.raises(ValueError, match="layer"):
         handle.wait_layer(SHAPE.num_layers)
+
+
+def test_layers_are_copied_in_groups_of_at_least_layer_group_bytes_per_page() -> None:
+    """Per copy call at least LAYER_GROUP_BYTES of a page (whole layers, never past the last);
+    a failed group fails from its first layer, the groups before it stay usable."""
+    big = KVShape(num_layers=24, num_kv_heads=8, head_dim=64, page_size=64, dtype="float16")
+    with CopyEngine(DevicePool(big, 2), HostPool(big, 2, pin_memory=False)) as engine:
+        assert engine._copier.group == 4  # type: ignore[union-attr]  # 128 KiB a layer
+    dev, host = DevicePool(SHAPE, 16), _random_host(SHAPE, 24, seed=6)
+    with CopyEngine(dev, host, MemoryConfig(copy_threads=1)) as engine:
+        assert engine._copier.group == SHAPE.num_layers  # type: ignore[union-attr]
+        engine._copier.group = 3  # type: ignore[union-attr]  # layers 0-2, then 3
+        calls: list[range] = []
+        real = engine._copier.copy_layers
+
+        def failing_second_group(kind: str, layers: range, runs: list) -> None:
+            calls.append(layers)
+            if 3 in layers:
+                raise OSError("injected")
+            real(kind, layers, runs)
+
+        engine._copier.copy_layers = failing_second_group  # type: ignore[method-assign]
+        handle = engine.load([5, 6], [1, 2])
+        with pytest.raises(RuntimeError, match="failed at layer 3"):
+            handle.wait(timeout=10)
+        assert calls == [range(0, 3), range(3, 4)]
+        handle.wait_layer(2)
+        assert torch.equal(dev.data[:3, :, 1], host.data[5, :3])
 
 
 def test_completed_count_is_a_prefix_in_submission_order(pools: tuple) -> None:
@@ -105,13 +137,13 @@ def test_completed_count_is_a_prefix_in_submission_order(pools: tuple) -> None:
 def test_a_blocked_op_is_not_counted_and_later_ops_wait_behind_it(pools: tuple) -> None:
     dev, host, engine = pools
     release = threading.Event()
-    real = engine._copier.copy_layer
+    real = engine._copier.copy_layers
 
-    def slow_copy_layer(kind: str, layer: int, runs: list) -> None:
+    def slow_copy_layer(kind: str, layers: range, runs: list) -> None:
         release.wait(10)  # fault injection: a copy that takes long
-        real(kind, layer, runs)
+        real(kind, layers, runs)
 
-    engine._copier.copy_layer = slow_copy_layer  # type: ignore[method-assign]
+    engine._copier.copy_layers = slow_copy_layer  # type: ignore[method-assign]
     first, second = engine.load([1], [1]), engine.load([2], [2])
     with pytest.raises(TimeoutError):
         first.wait(timeout=0.05)
@@ -123,14 +155,14 @@ def test_a_blocked_op_is_not_counted_and_later_ops_wait_behind_it(pools: tuple) 
 
 def test_a_worker_error_surfaces_in_wait_and_the_engine_keeps_working(pools: tuple) -> None:
     dev, host, engine = pools
-    real = engine._copier.copy_layer
+    real = engine._copier.copy_layers
 
-    def failing_copy_layer(kind: str, layer: int, runs: list) -> None:
-        if layer == 2:
+    def failing_copy_layer(kind: str, layers: range, runs: list) -> None:
+        if 2 in layers:
             raise OSError("injected copy failure")
-        real(kind, layer, runs)
+        real(kind, layers, runs)
 
-    engine._copier.copy_layer = failing_copy_layer  # type: ignore[method-assign]
+    engine._copier.copy_layers = failing_copy_layer  # type: ignore[method-assign]
     handle = engine.load([5], [6])
     with pytest.raises(RuntimeError, match="failed at layer 2") as info:
         handle.wait(timeout=10)
@@ -140,7 +172,7 @@ def test_a_worker_error_surfaces_in_wait_and_the_engine_keeps_working(pools: tup
         handle.wait_layer(3, timeout=10)
     assert handle.is_done() and isinstance(handle.error, OSError)
     assert engine.completed_count() == 1 and engine.stats()["failed_ops"] == 1
-    engine._copier.copy_layer = real  # type: ignore[method-assign]
+    engine._copier.copy_layers = real  # type: ignore[method-assign]
     engine.load([5], [6]).wait(timeout=10)
     assert _device_page_bytes(dev, 6) == host.page_bytes(5).tobytes()
 
@@ -193,14 +225,15 @@ def test_pools_of_different_shapes_are_rejected() -> None:
 def test_a_failure_in_one_copy_thread_fails_the_op_without_hanging() -> None:
     dev, host = DevicePool(SHAPE, 16), _random_host(SHAPE, 16, seed=5)
     with CopyEngine(dev, host, MemoryConfig(copy_threads=2)) as engine:
-        real = engine._copier.copy_layer
+        engine._copier.group = 1  # type: ignore[union-attr]
+        real = engine._copier.copy_layers
 
-        def failing_copy_layer(kind: str, layer: int, runs: list) -> None:
-            if layer == 2 and any(s == 15 for s, _, _ in runs):
+        def failing_copy_layer(kind: str, layers: range, runs: list) -> None:
+            if 2 in layers and any(s == 15 for s, _, _ in runs):
                 raise OSError("injected")
-            real(kind, layer, runs)
+            real(kind, layers, runs)
 
-        engine._copier.copy_layer = failing_copy_layer  # type: ignore[method-assign]
+        engine._copier.copy_layers = failing_copy_layer  # type: ignore[method-assign]
         src, dst = list(range(8, 16)), [0, 2, 4, 6, 8, 10, 12, 14]  # 8 runs: two threads share them
         handle = engine.load(src, dst)
         with pytest.raises(RuntimeError, match="failed at layer") as info:
@@ -214,7 +247,7 @@ def test_a_failure_in_one_copy_thread_fails_the_op_without_hanging() -> None:
                 assert torch.equal(
                     dev.data[layer, :, d].view(torch.int16), host.data[s, layer].view(torch.int16)
                 )
-        engine._copier.copy_layer = real  # type: ignore[method-assign]
+        engine._copier.copy_layers = real  # type: ignore[method-assign]
         engine.load(src, dst).wait(timeout=10)
         assert [_device_page_bytes(dev, d) for d in dst] == [
             host.page_bytes(s).tobytes() for s in src
