@@ -178,3 +178,34 @@ def test_pages_from_storage_take_their_tokens() -> None:
     fresh.check_integrity()
     again = PageChain.from_tokens(toks, ns)
     assert fresh.tree.match_chain(again, 8).pages == 8 and len(again.keys) == 8
+
+
+def test_two_leases_of_one_prompt_commit_in_chunks_below_their_locked_nodes() -> None:
+    """Both admitted before either commits (no hit for the second); each commits chunk by
+    chunk below its locked node. The second's chunks find the first's pages: its own ids are
+    freed and its page table takes the tree's, and nothing stays locked after release."""
+    ns = NAMESPACES[0]
+    toks = np.arange(9 * PAGE, dtype=np.int32)
+    cache, _ = make_cache(device=32, host=0, storage=False)
+    leases = []
+    for _ in range(2):
+        chain = PageChain.from_tokens(toks, ns)
+        lease = Lease(cache, chain, len(toks), chain.pages + 1, PAGE)
+        assert lease.advance(0.0, can_schedule=True) and lease.admit()
+        leases.append(lease)
+    first, second = leases
+    assert first.hits.device == second.hits.device == 0
+    free_before = cache.tiers.device.num_free
+    for tokens in (3 * PAGE, 5 * PAGE, len(toks)):  # chunks of 3, 2 and 4 pages
+        first.commit(tokens)
+        second.commit(tokens)
+        cache.check_integrity()
+        n = tokens // PAGE
+        assert second.page_table[:n] == first.page_table[:n]
+        assert second.locked is first.locked and cache.tree.depth(first.locked) == n
+    assert cache.tiers.device.num_free == free_before + 9  # the second's 9 duplicates
+    assert cache.match_chain(PageChain.from_tokens(toks, ns), 9).device_ids == first.page_table[:9]
+    for lease in leases:
+        lease.release()
+    assert all(node.lock_ref == 0 for node in cache.tree.nodes())
+    cache.check_integrity()

@@ -227,14 +227,18 @@ class Lease:
         n_full = min(computed_tokens // self.page, self.chain.pages, len(self.page_table))
         if self.cache is None or n_full <= self.inserted:
             return
-        node = self.cache.insert_chain(self.chain, n_full, self.page_table[:n_full])
-        keys = self.chain.keys[:n_full]
+        # the first `inserted` pages end at the locked node (matched, or committed before)
+        below = self.cache.tree.root if self.locked is None else self.locked
+        start = self.inserted
+        node, ids = self.cache.insert_chain(
+            self.chain, below, start, n_full, self.page_table[start:n_full]
+        )
         self.cache.lock(node)
         if self.locked is not None:
             self.cache.unlock(self.locked)
         self.locked = node
         # a page another request cached first was freed by insert: use the tree's copy
-        self.page_table[:n_full] = self.cache.tree.match(keys, touch=False).device_ids
+        self.page_table[start:n_full] = ids
         self.inserted = n_full
 
     def release(self) -> None:

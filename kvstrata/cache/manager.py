@@ -128,11 +128,22 @@ class HiCache:
         self._submit(op)
         return op
 
-    def insert_chain(self, chain: PageChain, n_pages: int, device_ids: list[int]) -> Node:
-        """`insert` of a chain's first n_pages with their token bytes; hashes only the pages
-        whose keys the chain does not know yet (those past its match)."""
-        keys = chain.keys_upto(n_pages)
-        return self.insert(keys, device_ids, chain.tokens(0, n_pages), chain.seed)
+    def insert_chain(
+        self, chain: PageChain, below: Node, start: int, stop: int, device_ids: list[int]
+    ) -> tuple[Node, list[int]]:
+        """`insert` of a chain's pages [start, stop) with their token bytes, below `below` (the
+        locked node that ends the chain's first `start` pages); hashes only the pages whose
+        keys the chain does not know yet. Returns (last node, the tree's device ids of those
+        pages: the caller's, except where another request cached a page first)."""
+        assert self.tree.depth(below) == start, "`below` must end the chain's first pages"
+        keys = chain.keys_upto(stop)[start:]
+        node = self.insert(keys, device_ids, chain.tokens(start, stop), chain.seed, below)
+        parts, walk = [], node
+        while walk is not below:  # the nodes under `below` the insert walked (one or a few)
+            assert walk is not None and walk.device is not None
+            parts.append(walk.device)
+            walk = walk.parent
+        return node, [i for part in reversed(parts) for i in part]
 
     def insert(
         self,
@@ -140,10 +151,11 @@ class HiCache:
         device_ids: list[int],
         tokens: bytes | None = None,
         seed: int = 0,
+        below: Node | None = None,
     ) -> Node:
         """Cache full pages the caller computed (or matched); ownership of the ids passes to the
-        tree. tokens/seed: the pages' token bytes and namespace seed (RadixTree.insert)."""
-        node, spare = self.tree.insert(keys, device_ids, tokens, seed)
+        tree. tokens/seed/below: as RadixTree.insert takes them."""
+        node, spare = self.tree.insert(keys, device_ids, tokens, seed, below)
         self.owned.difference_update(device_ids)
         if spare:
             self.tiers.device.free(spare)

@@ -219,6 +219,7 @@ class RadixTree:
         device_ids: list[int],
         tokens: bytes | None = None,
         seed: int = 0,
+        below: Node | None = None,
     ) -> tuple[Node, list[int]]:
         """Cache `keys` with their L1 pages. Returns (last node, ids the caller must free).
 
@@ -226,14 +227,16 @@ class RadixTree:
         to be freed); matched nodes that had left the device adopt the caller's ids. The tree
         keeps its own copies of the id lists (slices), never the caller's list. `tokens`: the
         pages' token bytes (and `seed`, their namespace's root key): new nodes, and walked
-        nodes without tokens, take theirs.
+        nodes without tokens, take theirs. `below`: the keys continue the path to this node
+        (the root if None), which the caller holds locked, so the walk starts there.
         """
         assert len(keys) == len(device_ids), "one device page per key"
         ids = device_ids if type(device_ids) is list else list(device_ids)
         p = len(tokens) // len(keys) if tokens and keys else 0
         self.clock += 1
         clock = self.clock
-        node, i, total = self.root, 0, len(keys)
+        node, i, total = below or self.root, 0, len(keys)
+        assert node is self.root or node.parent is not None, "insert below a removed node"
         held: list[int] = []  # the tree's ids of keys[:i] (after adoption), compared at the end
         while i < total:
             child = node.children.get(keys[i])
@@ -340,6 +343,14 @@ class RadixTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def depth(self, node: Node) -> int:
+        """Pages from the root down to and including `node`."""
+        pages = 0
+        while node is not self.root:
+            pages += len(node.keys)
+            node = node.parent  # type: ignore[assignment]
+        return pages
 
     def path_keys(self, node: Node) -> list[int]:
         """All keys from the root down to and including `node`."""
