@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 # Runs of consecutive pages read in place, one kernel each, merged by LSE: at most MAX_RUNS
-# of them and at least MIN_RUN_TOKENS per run on average (one run always). Measured on CPU
-# (notes/decode.md): a merged piece costs a kernel call, a gather a copy that grows with the
-# context; 2 runs of 160 tokens tie with a gather, 4 of 80 lose, 4-8 of 512+ win.
+# of them and at least MIN_RUN_TOKENS per run on average (one run always). Measured on CPU:
+# a merged piece costs a kernel call, a gather a copy that grows with the context; 2 runs of
+# 160 tokens tie with a gather, 4 of 80 lose, 4-8 of 512+ win.
 MAX_RUNS, MIN_RUN_TOKENS = 8, 512
 
 
@@ -66,7 +66,7 @@ def page_runs(
 
 # A forward's new K/V rows go to the pool as one slice copy per span of consecutive flat slots
 # of at least MIN_SPAN_ROWS rows (at most MAX_SPANS spans); the rest (decode tokens, scattered
-# pages) by one index_copy_. Measured on CPU (notes/prefill2.md): index_copy_ of [1024, 3, 64]
+# pages) by one index_copy_. Measured on CPU (2 cores, SmolLM2 shapes): index_copy_ of [1024, 3, 64]
 # fp32 from a strided view 0.26-0.31 ms on one thread, the slice copy 0.08-0.09 ms; with two
 # contended threads 4.4-4.8 ms against 0.03-0.63 ms.
 MIN_SPAN_ROWS, MAX_SPANS = 16, 16
