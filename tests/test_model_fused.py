@@ -31,7 +31,8 @@ UNFUSED_MM = 7 * LAYERS + 1  # q, k, v, o, gate, up, down per layer; the LM head
 
 
 class Ops(TorchDispatchMode):
-    """Counts the aten ops a forward runs; every matmul (linear, mm, addmm) as "mm"."""
+    """Counts the aten ops a forward runs; every matmul (linear, mm, addmm, oneDNN's
+    prepacked linear) as "mm", the prepacked ones also as "packed"."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,7 +40,9 @@ class Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
-        self.n["mm" if name in ("linear", "mm", "addmm") else name] += 1
+        if name == "_linear_pointwise":
+            self.n["packed"] += 1
+        self.n["mm" if name in ("linear", "mm", "addmm", "_linear_pointwise") else name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -86,13 +89,23 @@ def test_fused_equals_unfused_and_hf(ckpts: tuple[Path, Path]) -> None:
     got, ops = prefill_then_decode(fused, toks, table)
     want, plain_ops = prefill_then_decode(plain, toks, table)
     assert (ops["mm"], plain_ops["mm"]) == (FUSED_MM, UNFUSED_MM)
+    assert (ops["packed"], plain_ops["packed"]) == (FUSED_MM, 0)  # every matmul prepacked
     ref = hf_logits(hf, [*toks, int(got[len(toks) - 1].argmax())])
     assert rel_err(got, ref) <= TOL and rel_err(want, ref) <= TOL
     assert rel_err(got, want) <= TOL
 
 
+def test_prepack_off_runs_the_fused_matmuls_of_torch(ckpts: tuple[Path, Path]) -> None:
+    model = load_model(ckpts[0], prepack=False)
+    got, ops = prefill_then_decode(model, tokens(15, seed=3), [2, 3, 4, 5, 6])
+    assert ops["mm"] == FUSED_MM and ops["packed"] == 0
+    packed, _ = prefill_then_decode(load_model(ckpts[0]), tokens(15, seed=3), [2, 3, 4, 5, 6])
+    assert rel_err(packed, got) <= TOL
+
+
 def test_weights_replaced_after_fuse_are_used(ckpts: tuple[Path, Path]) -> None:
-    """Assigned weights (new tensors) fall back to the parts; copied-in weights stay fused."""
+    """Assigned weights (new tensors) fall back to the parts; copied-in weights stay fused.
+    Either way no prepacked copy of the old weights runs, until fuse() packs the new ones."""
     other, hf = load_model(ckpts[1]), load_hf(ckpts[1])
     toks, table = tokens(15, seed=4), [7, 8, 9, 10, 11]
     ref = hf_logits(hf, toks)
@@ -101,8 +114,11 @@ def test_weights_replaced_after_fuse_are_used(ckpts: tuple[Path, Path]) -> None:
         state = {k: v.clone() for k, v in other.state_dict().items()}
         model.load_state_dict(state, assign=assign)
         got, ops = prefill_then_decode(model, toks, table)
-        assert ops["mm"] == mm
+        assert ops["mm"] == mm and ops["packed"] == 0
         assert rel_err(got[: len(toks)], ref) <= TOL
+    model.fuse()  # the copied-in weights packed anew
+    got, ops = prefill_then_decode(model, toks, table)
+    assert ops["packed"] == FUSED_MM and rel_err(got[: len(toks)], ref) <= TOL
     mlp = model.model.layers[1].mlp
     mlp.up_proj = torch.nn.Linear(64, 112, bias=mlp.gate_proj.bias is not None)
     _, ops = prefill_then_decode(model, toks, table)
@@ -131,6 +147,8 @@ def _tp_logits(ctx: RankContext, path: Path, toks: list[int]) -> tuple[list, int
     assert attn.fused is not None
     same = torch.equal(attn.fused.weight, torch.cat(parts))  # this rank's slices, fused
     logits, ops = prefill_then_decode(local, toks, [0, 1, 2, 3, 4])
+    # o_proj and down_proj are all-reduce wrappers there: their own forward, not prepacked
+    assert ops["packed"] == 2 * LAYERS + 1
     return logits.tolist(), ops["mm"], same
 
 

@@ -77,7 +77,9 @@ def build_engine(
     if config.threads:
         torch.set_num_threads(config.threads)
     if model is None:
-        model = load_model(resolve_model_path(config), dtype=config.dtype)
+        model = load_model(
+            resolve_model_path(config), dtype=config.dtype, prepack=config.prepack_weights
+        )
     cache_cfg = tiers_of(cache_cfg, config.tiers)
     shape = model.kv_shape(cache_cfg.page_size)
     spec, fingerprint = None, model.fingerprint

@@ -36,6 +36,11 @@ class EngineConfig:
         4, "waiting requests whose leases match, probe and prefetch at once (no head-of-line wait)"
     )
     threads: int = doc(0, "torch CPU threads; 0 = torch's default")
+    prepack_weights: bool = doc(
+        True,
+        "CPU fp32: linear weights also kept in oneDNN's blocked layout (faster matmuls, one "
+        "more copy of those weights in memory)",
+    )
     spec_draft: str = doc(
         "",
         "speculative decoding draft: empty = off, self:K = the target's first K layers + its "

@@ -31,6 +31,7 @@ from torch import nn
 
 from kvstrata.model.layers import Fused, apply_rotary
 from kvstrata.model.page_runs import page_runs, write_plan
+from kvstrata.model.prepack import Prepacked, prepack_module, run_linear
 
 sdpa = nn.functional.scaled_dot_product_attention
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, lse); CPU
@@ -196,10 +197,12 @@ class PagedAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, dtype=dtype)
         self.fused: Fused | None = None  # q, k, v in one matmul, once fuse() ran
+        self.o_packed: Prepacked | None = None
 
-    def fuse(self) -> None:
-        """q_proj, k_proj and v_proj as one matmul (see Fused)."""
-        self.fused = Fused.build([self.q_proj, self.k_proj, self.v_proj])
+    def fuse(self, prepack: bool = False) -> None:
+        """q_proj, k_proj and v_proj as one matmul (see Fused); `prepack`: oneDNN layouts too."""
+        self.fused = Fused.build([self.q_proj, self.k_proj, self.v_proj], prepack)
+        self.o_packed = prepack_module(self.o_proj) if prepack else None
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -239,7 +242,7 @@ class PagedAttention(nn.Module):
         if len(meta.seq_lens) == 1:  # one sequence: no per-sequence slicing or copy back
             out = self._attend(q, k, v, k_pool, v_pool, meta, 0)  # [1, heads, T, dim]
             out = out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim)
-            return self.o_proj(out)
+            return run_linear(self.o_proj, self.o_packed, out)
         out = torch.empty_like(q)  # [T, heads, head_dim]
         start = 0
         for s, n in enumerate(meta.seq_lens):
@@ -247,7 +250,7 @@ class PagedAttention(nn.Module):
             o = self._attend(q[rows], k[rows], v[rows], k_pool, v_pool, meta, s)
             out[rows] = o[0].transpose(0, 1)
             start += n
-        return self.o_proj(out.view(t, self.heads * self.head_dim))
+        return run_linear(self.o_proj, self.o_packed, out.view(t, self.heads * self.head_dim))
 
     def _attend(
         self,

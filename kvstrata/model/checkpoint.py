@@ -151,8 +151,11 @@ def _state_dict(path: Path, spec: ModelSpec, dtype: torch.dtype) -> dict[str, to
     return {k: v.to(dtype) for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") -> DecoderLM:
-    """DecoderLM with the checkpoint's weights, in `dtype`, on `device`, in eval mode."""
+def load_model(
+    path: str | Path, dtype: str = "float32", device: str = "cpu", prepack: bool = True
+) -> DecoderLM:
+    """DecoderLM with the checkpoint's weights, in `dtype`, on `device`, in eval mode;
+    `prepack`: CPU fp32 linears also in oneDNN's layout (DecoderLM.fuse)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     root = Path(path)
@@ -169,4 +172,5 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
         )
     model.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)  # was on meta
     model.fingerprint = fingerprint(root)
-    return model.to(device).eval().fuse()  # fused on the device: views of the moved weights
+    # fused on the device: views of the moved weights
+    return model.to(device).eval().fuse(prepack)

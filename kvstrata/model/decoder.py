@@ -17,6 +17,7 @@ from torch import nn
 from kvstrata.memory.layout import DTYPES, KVShape
 from kvstrata.model.attention import AttnMeta, PagedAttention, build_meta
 from kvstrata.model.layers import RMSNorm, Rotary, SwiGLU
+from kvstrata.model.prepack import Prepacked
 
 
 class KVPool(Protocol):
@@ -162,6 +163,7 @@ class DecoderLM(nn.Module):
         self.model = _Backbone(spec, tdtype)
         self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)
         self.lm_head: nn.Linear | None = None
+        self.head_packed: Prepacked | None = None  # the LM head in oneDNN's layout (fuse)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=tdtype)
         self.requires_grad_(False)  # inference only: pool writes must never join a graph
@@ -170,13 +172,18 @@ class DecoderLM(nn.Module):
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def fuse(self) -> DecoderLM:
+    def fuse(self, prepack: bool = True) -> DecoderLM:
         """q/k/v and gate/up of every layer as one matmul each (call after the weights are
-        loaded; the state dict keeps its Hugging Face names). Returns self."""
+        loaded; the state dict keeps its Hugging Face names); `prepack`: every linear also in
+        oneDNN's layout where it can be used (model/prepack.py). Returns self."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.fuse(prepack)
+            layer.mlp.fuse(prepack)
+        self.head_packed = Prepacked.build(self._head_weight(), None) if prepack else None
         return self
+
+    def _head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def kv_shape(self, page_size: int, dtype: str | None = None) -> KVShape:
         """Shape of this model's paged KV cache (K/V dtype defaults to the model dtype)."""
@@ -219,5 +226,7 @@ class DecoderLM(nn.Module):
         if last_only and not prune:
             x = x[ends]
         x = self.model.norm(x)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(x, weight).float()  # [T or num_seqs, vocab]
+        weight, packed = self._head_weight(), self.head_packed
+        if packed is not None and packed.holds(weight, None):
+            return packed(x).float()  # [T or num_seqs, vocab]
+        return nn.functional.linear(x, weight).float()

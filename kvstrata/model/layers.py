@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvstrata.model.prepack import Prepacked, prepack_module, run_linear
+
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), normalised in fp32 whatever the model dtype."""
@@ -46,12 +48,13 @@ class Fused:
     """
 
     @classmethod
-    def build(cls, parts: Sequence[nn.Linear]) -> Fused | None:
-        """The parts fused; None (use them as they are) if only some have a bias."""
+    def build(cls, parts: Sequence[nn.Linear], prepack: bool = False) -> Fused | None:
+        """The parts fused (and prepacked: see model/prepack.py); None (use them as they are)
+        if only some have a bias."""
         with_bias = {p.bias is not None for p in parts}
-        return cls(parts) if len(with_bias) == 1 else None
+        return cls(parts, prepack) if len(with_bias) == 1 else None
 
-    def __init__(self, parts: Sequence[nn.Linear]) -> None:
+    def __init__(self, parts: Sequence[nn.Linear], prepack: bool = False) -> None:
         self.weight = torch.cat([p.weight.detach() for p in parts])  # [sum(out), in]
         biases = [p.bias for p in parts]
         if any(b is None for b in biases) and not all(b is None for b in biases):
@@ -65,6 +68,8 @@ class Fused:
                 p.bias = nn.Parameter(self.bias[rows], requires_grad=False)
             start = rows.stop
         self._views = [(p.weight, p.weight.data_ptr(), p.bias, _address(p.bias)) for p in parts]
+        # an in-place load into a part bumps the fused tensor's version too (views share it)
+        self.packed = Prepacked.build(self.weight, self.bias) if prepack else None
 
     def holds(self, parts: Sequence[nn.Module]) -> bool:
         """True if `parts` are still the fused linears, each holding its view (a few us)."""
@@ -77,6 +82,9 @@ class Fused:
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(out)]
+        packed = self.packed
+        if packed is not None and packed.holds(self.weight, self.bias):
+            return packed(x)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -93,10 +101,12 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
         self.fused: Fused | None = None  # gate and up in one matmul, once fuse() ran
+        self.down_packed: Prepacked | None = None
 
-    def fuse(self) -> None:
-        """gate_proj and up_proj as one matmul (see Fused)."""
-        self.fused = Fused.build([self.gate_proj, self.up_proj])
+    def fuse(self, prepack: bool = False) -> None:
+        """gate_proj and up_proj as one matmul (see Fused); `prepack`: oneDNN layouts too."""
+        self.fused = Fused.build([self.gate_proj, self.up_proj], prepack)
+        self.down_packed = prepack_module(self.down_proj) if prepack else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         f = self.fused
@@ -105,7 +115,8 @@ class SwiGLU(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         # in place: gate and up are this call's own temporaries, [T, inter] each
-        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
+        act = nn.functional.silu(gate, inplace=True).mul_(up)
+        return run_linear(self.down_proj, self.down_packed, act)
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
