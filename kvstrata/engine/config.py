@@ -38,8 +38,8 @@ class EngineConfig:
     threads: int = doc(0, "torch CPU threads; 0 = torch's default")
     prepack_weights: bool = doc(
         True,
-        "CPU fp32: linear weights also kept in oneDNN's blocked layout (faster matmuls, one "
-        "more copy of those weights in memory)",
+        "CPU fp32: linear weights also kept in oneDNN's blocked layout (faster matmuls; one "
+        "more copy of those weights: SmolLM2's RSS 618 -> 1380 MiB)",
     )
     spec_draft: str = doc(
         "",
