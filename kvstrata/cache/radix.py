@@ -235,7 +235,7 @@ class RadixTree:
         p = len(tokens) // len(keys) if tokens and keys else 0
         self.clock += 1
         clock = self.clock
-        node, i, total = below or self.root, 0, len(keys)
+        node, i, total = self.root if below is None else below, 0, len(keys)
         assert node is self.root or node.parent is not None, "insert below a removed node"
         held: list[int] = []  # the tree's ids of keys[:i] (after adoption), compared at the end
         while i < total:

@@ -68,6 +68,7 @@ def prepack_module(linear: nn.Module) -> Prepacked | None:
 
 def run_linear(linear: nn.Module, packed: Prepacked | None, x: torch.Tensor) -> torch.Tensor:
     """`linear(x)`, through `packed` while it still holds the module's weights."""
-    if packed is not None and packed.holds(getattr(linear, "weight", None), linear.bias):  # type: ignore[arg-type]
+    weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
+    if packed is not None and packed.holds(weight, bias):  # type: ignore[arg-type]
         return packed(x)
     return linear(x)
