@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.model.attention import build_meta
+from kvstrata.model.attn_meta import build_meta
 from kvstrata.parallel.cp_attn import attend_owned, chunk_bias
 
 

@@ -9,7 +9,7 @@ import torch
 
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model import page_runs as runs_mod
-from kvstrata.model.attention import build_meta
+from kvstrata.model.attn_meta import build_meta
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.model.page_runs import MIN_SPAN_ROWS, write_plan

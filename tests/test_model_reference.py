@@ -191,7 +191,8 @@ def test_before_layer_runs_before_the_layer_touches_the_pool(
 def test_every_attention_route_matches_hf(tmp_path: Path) -> None:
     """Long first chunk (causal), a continuing chunk split by log-sum-exp and its masked
     variant, decode, and positions that are not the last tokens (general mask): all = HF."""
-    from kvstrata.model.attention import build_meta, route
+    from kvstrata.model.attention import route
+    from kvstrata.model.attn_meta import build_meta
 
     path = make_llama(tmp_path / "long", seed=7, max_position_embeddings=1024)
     ours, hf = load_model(path), load_hf(path)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from kvstrata.memory.layout import DTYPES, KVShape
-from kvstrata.model.attention import AttnMeta, PagedAttention, build_meta
+from kvstrata.model.attention import PagedAttention
+from kvstrata.model.attn_meta import AttnMeta, build_meta
 from kvstrata.model.layers import RMSNorm, Rotary, SwiGLU
 from kvstrata.model.prepack import Prepacked
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvstrata.memory.layout import DTYPES
-from kvstrata.model.attention import build_meta
+from kvstrata.model.attn_meta import build_meta
 from kvstrata.model.decoder import DecoderLayer, DecoderLM, KVPool, SeqBatch
 from kvstrata.model.layers import RMSNorm
 

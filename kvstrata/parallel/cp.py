@@ -31,7 +31,7 @@ from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
-from kvstrata.model.attention import AttnMeta, build_meta
+from kvstrata.model.attn_meta import AttnMeta, build_meta
 from kvstrata.model.decoder import DecoderLayer, DecoderLM, SeqBatch
 from kvstrata.parallel.cp_attn import attend_owned
 from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes

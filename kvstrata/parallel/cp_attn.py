@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvstrata.model.attention import AttnMeta, merge_by_lse
+from kvstrata.model.attention import merge_by_lse
+from kvstrata.model.attn_meta import AttnMeta
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvstrata.memory.layout import KVShape
-from kvstrata.model.attention import build_meta
+from kvstrata.model.attn_meta import build_meta
 from kvstrata.model.decoder import DecoderLM, KVPool, SeqBatch
 
 
