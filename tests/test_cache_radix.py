@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xxhash
 
-from kvstrata.cache.keys import Namespace, as_token_array, key_hex, page_keys
+from kvstrata.cache.keys import Namespace, as_token_array, chain_keys, key_hex, page_keys
+from kvstrata.cache.native import token_walk
 from kvstrata.cache.radix import RadixTree
 from tests.cache_harness import make_cache
 
@@ -35,6 +37,52 @@ def test_keys_are_chained_deterministic_and_namespaced() -> None:
     assert key_hex(page_keys([1, 2, 3, 4], NS)[0]) == key_hex(
         page_keys(np.array([1, 2, 3, 4], np.int32), NS)[0]
     )
+
+
+def test_native_chain_equals_the_xxh3_spec_and_reads_only_its_span() -> None:
+    """keys.py's rule, step by step in Python: page i's key is xxh3-128 of its int32 bytes
+    seeded by the low 64 bits of key i-1; the native chain must give exactly those ints."""
+    rng = np.random.default_rng(5)
+    toks = rng.integers(0, 2**31, 4 * 300, dtype=np.int64).astype(np.int32)  # 300 pages of 4
+    data, want, key = toks.tobytes(), [], NS.seed()
+    for at in range(0, len(data), 16):
+        key = xxhash.xxh3_128_intdigest(data[at : at + 16], key & (2**64 - 1))
+        want.append(key)
+    assert page_keys(toks, NS) == want  # 300 pages: hashed with the GIL released
+    assert page_keys(toks[:40], NS) == want[:10]  # 10: under the GIL
+    # a span of a bytes-like view, chained after the key before it; a ragged tail has no key
+    assert chain_keys(memoryview(toks).cast("B"), 16, want[2], 48, 48 + 16 * 5 + 3) == want[3:8]
+    assert chain_keys(data, 16, want[2], 48, 48) == []
+    with pytest.raises(ValueError, match="outside the 4800 data bytes"):
+        chain_keys(data, 16, NS.seed(), 0, 4801)
+    with pytest.raises(ValueError, match="page_bytes must be positive"):
+        chain_keys(data, 0, NS.seed())
+
+
+class _Edge:
+    """What token_walk reads of a node: its pages' bytes and its children's token index."""
+
+    def __init__(self, tokens: bytes, tindex: dict[bytes, _Edge] | None = None) -> None:
+        self.tokens, self.tindex = tokens, tindex
+
+
+def test_token_walk_finds_whole_edges_then_the_pages_matched_inside_the_last() -> None:
+    p = 4  # page bytes
+    leaf = _Edge(bytes(range(8, 20)))  # pages 2..4
+    top = _Edge(bytes(range(8)), {leaf.tokens[:p]: leaf})  # pages 0..1
+    index = {top.tokens[:p]: top}
+    whole = bytes(range(20))
+    assert token_walk(index, whole, 20, p) == ([top, leaf], 20, 0)
+    assert token_walk(index, whole, 16, p) == ([top, leaf], 8, 2)  # ends inside the leaf
+    turned = whole[:12] + b"\xff" * 8
+    assert token_walk(index, turned, 20, p) == ([top, leaf], 8, 1)  # turns after its 1st page
+    assert token_walk(index, whole, 4, p) == ([top], 0, 1)
+    assert token_walk(index, b"\xff" + whole[1:], 20, p) == ([], 0, 0)
+    assert token_walk(None, whole, 20, p) == ([], 0, 0)
+    with pytest.raises(ValueError, match="outside the 20 data bytes"):
+        token_walk(index, whole, 24, p)
+    with pytest.raises(TypeError, match="whole pages"):
+        token_walk({whole[:p]: _Edge(b"abc")}, whole, 20, p)
 
 
 def test_bad_tokens_are_rejected() -> None:

@@ -20,7 +20,11 @@ our admission and commit (admit + hash + insert). `key_*` times the previous way
 page hashed, then matched by key) in the same run, and `turn_*` a round-robin multi-turn
 workload, request by request (admission + commit against the classic match + insert).
 Each side runs `ROUNDS` times, interleaved, and keeps its best time per phase (the first run in
-a process pays for fresh allocator arenas, whichever side goes first). speedup = baseline / ours.
+a process pays for fresh allocator arenas, whichever side goes first). Every phase starts after
+a full garbage collection: a dropped tree is cyclic garbage (parent <-> children), and until a
+full collection frees it, every collection inside the next phase walks it again (measured:
+the multi-turn phase of our side took 4 ms clean and 9 ms with two old rounds' trees still
+pending, the classic side 23-25 ms either way). speedup = baseline / ours.
 """
 
 from __future__ import annotations
@@ -233,30 +237,34 @@ def multi_turn_set(n_sessions: int, turns: int, seed: int = 3) -> list[np.ndarra
 
 def time_turns(prompts: list[np.ndarray]) -> dict[str, float]:
     """Each request as the engine takes it, one after another: admission (chain + token walk),
-    then the commit (hash the pages past the match, insert). Ours vs the classic tree's
-    match + insert of the same request; returns seconds per side and the pages hit."""
-    tree, classic, clock = RadixTree(), ClassicRadix(PAGE), time.perf_counter
-    lists = [p.tolist() for p in prompts]
-    ours_s = classic_s = 0.0
-    hits = [0, 0]
-    for next_id, (arr, toks) in enumerate(zip(prompts, lists, strict=True)):
-        n = len(toks) // PAGE
-        new = [next_id * 10_000 + i for i in range(n)]  # distinct ids per request
-        t0 = clock()
+    then the commit (hash the pages past the match, insert). Ours vs the classic tree's match +
+    insert of the same requests, each side in its own loop (so each pays for the garbage
+    collections its own allocations cause), and the same pages hit request by request; returns
+    seconds per side and the pages hit."""
+    ids = [[i * 10_000 + j for j in range(len(p) // PAGE)] for i, p in enumerate(prompts)]
+    gc.collect()
+    tree, ours_hits, clock = RadixTree(), [], time.perf_counter
+    t0 = clock()
+    for arr, new in zip(prompts, ids, strict=True):
+        n = len(new)
         chain = PageChain.from_tokens(arr, NS)
         m = tree.match_chain(chain, n)
         keys = chain.keys_upto(n)[m.pages :]
         tree.insert(keys, new[m.pages :], chain.tokens(m.pages, n), chain.seed, m.last_node)
-        t1 = clock()
+        ours_hits.append(m.pages)
+    ours_s = clock() - t0
+    tree.check_integrity()
+    lists = [p.tolist() for p in prompts]
+    gc.collect()
+    classic, classic_hits = ClassicRadix(PAGE), []
+    t0 = clock()
+    for toks, new in zip(lists, ids, strict=True):
         got = classic.match(toks)
         classic.insert(toks, got + new[len(got) :])
-        t2 = clock()
-        ours_s, classic_s = ours_s + t1 - t0, classic_s + t2 - t1
-        hits[0] += m.pages
-        hits[1] += len(got)
-    assert hits[0] == hits[1], f"ours hit {hits[0]} pages, the classic tree {hits[1]}"
-    tree.check_integrity()
-    return {"turn_s": ours_s, "classic_turn_s": classic_s, "turn_hit_pages": float(hits[0])}
+        classic_hits.append(len(got))
+    classic_s = clock() - t0
+    assert ours_hits == classic_hits, "ours and the classic tree hit different pages"
+    return {"turn_s": ours_s, "classic_turn_s": classic_s, "turn_hit_pages": float(sum(ours_hits))}
 
 
 def hash_ns_per_token(tokens: int) -> float:
@@ -312,9 +320,13 @@ def bench_radix(quick: bool) -> dict[str, Any]:
     prompts = multi_turn_set(10 if quick else 40, 6)
     ours, keyed, classic, turns = [], [], [], []
     for _ in range(ROUNDS):  # interleaved: drifting load on a shared machine hits both sides
-        ours.append(time_insert_match(seqs))
-        keyed.append(time_key_match(seqs))
-        classic.append(time_classic(seqs))
+        for runs, phase in (
+            (ours, time_insert_match),
+            (keyed, time_key_match),
+            (classic, time_classic),
+        ):
+            gc.collect()  # each phase starts clean (the module doc says why)
+            runs.append(phase(seqs))
         turns.append(time_turns(prompts))
     t, k, c, tt = _best(ours), _best(keyed), _best(classic), _best(turns)
     long = time_insert_match([np.random.default_rng(2).integers(0, 32000, 200_000, np.int32)])

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvstrata.cache.native import native_chain_keys
 from kvstrata.configtools import doc
 
-_MASK64 = (1 << 64) - 1
 KEY_LAYOUT_VERSION = 1
 """Bumped whenever the bytes of a stored page change meaning."""
 
@@ -113,18 +113,10 @@ def chain_keys(
     data: bytes | memoryview, page_bytes: int, key: int, start: int = 0, stop: int | None = None
 ) -> list[int]:
     """Keys of the whole pages in data[start:stop] (int32 token bytes), chained after `key` (the
-    key of the page before, or a namespace seed). The one place the chain step is spelled."""
-    if type(data) is not bytes:
-        data = memoryview(data).cast("B")  # no copy; slices are cheap views
-    # bytes itself is sliced as is: a 256-byte copy costs less than making a memoryview slice
-    stop = len(data) if stop is None else stop
-    digest, mask = xxhash.xxh3_128_intdigest, _MASK64  # locals: this loop runs once per page
-    keys: list[int] = []
-    append = keys.append
-    for at in range(start, stop - (stop - start) % page_bytes, page_bytes):
-        key = digest(data[at : at + page_bytes], key & mask)  # low 64 bits seed the next
-        append(key)
-    return keys
+    key of the page before, or a namespace seed). The one place the chain step is taken: native
+    (`_chainhash.c`: xxh3-128 of each page seeded by the previous key's low 64 bits, the value
+    of `xxhash.xxh3_128_intdigest(page, key & (2**64 - 1))`), about 4x the Python loop's speed."""
+    return native_chain_keys(data, page_bytes, key, start, len(data) if stop is None else stop)
 
 
 def key_hex(key: int) -> str:

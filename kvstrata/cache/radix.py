@@ -21,11 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from kvstrata.cache.native import token_walk
 from kvstrata.cache.radix_node import (
     Match,
     Node,
     _common_len,
-    _common_pages,
     _duplicates,
     _head,
     _tail,
@@ -121,39 +121,29 @@ class RadixTree:
         self, chain: PageChain, limit: int, touch: bool, device_ids: list[int], host: list[Node]
     ) -> tuple[Node, Node, int, bool]:
         """match_chain's walk by token bytes up to byte `limit` (splitting a partly matched
-        edge): (last node, last device node, bytes matched, stopped inside an edge). The keys
-        of the walked nodes go to `chain.learn`."""
-        clock, data, p = self.clock, chain.data, chain.page_bytes
-        assert data is not None
-        keys: list[int] = []
+        edge): (last node, last device node, bytes matched, stopped inside an edge). The path
+        is found natively (`token_walk`: one dict lookup and one memcmp per edge); here each
+        walked node is touched and read by tier, and its keys go to `chain.learn`."""
+        assert chain.data is not None
+        index = self.top.get(chain.seed)
+        path, off, cut = token_walk(index, chain.data, limit, chain.page_bytes)
+        if cut:  # the request leaves or ends inside the last node: only its matched pages
+            path[-1] = self.split(path[-1], cut)
+            off += cut * chain.page_bytes
+        clock, keys = self.clock, []
         node = device_node = self.root
-        index, off, partial = self.top.get(chain.seed), 0, False
-        while off < limit and index:
-            child = index.get(data[off : off + p])
-            if child is None:
-                break
-            edge = child.tokens
-            n = len(edge)  # type: ignore[arg-type]
-            # one compare of the edge's bytes, in place (a one-page edge matched by the lookup)
-            if n > p and (off + n > limit or not data.startswith(edge, off)):  # type: ignore[arg-type]
-                pages = _common_pages(edge, data, off, limit, p)  # type: ignore[arg-type]
-                child, n, partial = self.split(child, pages), pages * p, True
+        for node in path:
             if touch:
-                child.last_access = clock
-                child.hits += 1
-            keys += child.keys
-            if child.device is not None:
-                device_ids += child.device
-                device_node = child
+                node.last_access = clock
+                node.hits += 1
+            keys += node.keys
+            if node.device is not None:
+                device_ids += node.device
+                device_node = node
             else:
-                host.append(child)
-            node = child
-            off += n
-            if partial:
-                break
-            index = child.tindex
+                host.append(node)
         chain.learn(keys)
-        return node, device_node, off, partial
+        return node, device_node, off, cut > 0
 
     def _has_key_only_child(self, node: Node) -> bool:
         if node is self.root:

@@ -123,18 +123,6 @@ def _common_len(edge: list[int], keys: list[int], start: int) -> int:
     return i
 
 
-def _common_pages(edge: bytes, data: bytes, off: int, limit: int, p: int) -> int:
-    """Whole pages (of p bytes) that `edge` and data[off:limit] share at their start (the
-    first page is known to match)."""
-    n = min(len(edge), limit - off) // p
-    if edge[: n * p] == data[off : off + n * p]:
-        return n
-    i = 1
-    while edge[i * p : (i + 1) * p] == data[off + i * p : off + (i + 1) * p]:
-        i += 1  # stops before n: the spans differ
-    return i
-
-
 def _head(ids: list[int] | None, n: int) -> list[int] | None:
     return None if ids is None else ids[:n]
 
