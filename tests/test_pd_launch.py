@@ -12,7 +12,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from kvstrata.pd.launch import LocalPD, LocalPDConfig
+from kvstrata.bench.local_pd import LocalPD, LocalPDConfig
 from tests.serve_helpers import TINY_ENGINE
 from tests.tiny_models import make_llama
 

@@ -34,10 +34,10 @@ CONCURRENCY = 2
 
 def workload(model_path: Path, spec: WorkloadSpec) -> Prompts:
     """The agent prompts as token ids, through the checkpoint's chat template when it has one."""
-    from kvstrata.cli.run_cmd import _encoder
+    from kvstrata.model.tokenizer import chat_encoder
 
     vocab = json.loads((model_path / "config.json").read_text())["vocab_size"]
-    tok = _encoder(model_path)
+    tok = chat_encoder(model_path)
     return build_workload(spec, vocab, tok.encode_chat if tok else None)
 
 
@@ -71,7 +71,7 @@ def _run_both(
 ) -> tuple[list[Turn], list[Turn], int]:
     import httpx2 as httpx
 
-    from kvstrata.pd.launch import LocalPD, LocalPDConfig
+    from kvstrata.bench.local_pd import LocalPD, LocalPDConfig
 
     cfg = LocalPDConfig(
         model=str(path), store_dir=f"{tmp}/pd-l3", log_dir=str(out_dir / "bench-pd-logs"),

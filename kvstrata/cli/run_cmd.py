@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvstrata.bench.pd_row import PD, check_pd_args, pd_row_by_default, run_pd_row
 from kvstrata.bench.run_report import TurnResult, config_report, outputs_identical, write_report
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
@@ -27,12 +28,12 @@ from kvstrata.engine.build import build_engine, build_speculator, resolve_model_
 from kvstrata.engine.config import TIER_SETS, EngineConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
+from kvstrata.model.tokenizer import chat_encoder
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.decision_log import DecisionLog, config_digest, new_run_id
 from kvstrata.parallel.group import RankFailure
 from kvstrata.parallel.spec import check_spec_layout
 from kvstrata.parallel.tp import check_layout
-from kvstrata.pd.run_row import PD, check_pd_args, pd_row_by_default, run_pd_row
 from kvstrata.serve.codec import open_codec
 from kvstrata.storage.base import StorageConfig, open_storage
 from kvstrata.workloads.agent import (
@@ -84,17 +85,8 @@ def _spec(args: argparse.Namespace) -> WorkloadSpec:
     )
 
 
-def _encoder(model_path: Path) -> Any:
-    """The chat encoder of the checkpoint's tokenizer, or None when it ships none."""
-    if not any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from kvstrata.model.tokenizer import Tokenizer
-
-    return Tokenizer(model_path)
-
-
 def _prompts(args: argparse.Namespace, spec: WorkloadSpec, path: Path, model: DecoderLM) -> Prompts:
-    tok = _encoder(path)
+    tok = chat_encoder(path)
     if args.prompt is None:
         return build_workload(spec, model.vocab_size, tok.encode_chat if tok else None)
     if tok is None:  # tokenizer-less test checkpoints: UTF-8 bytes folded into the vocabulary
@@ -378,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     reports = {tiers: config_report(res, counters) for tiers, (res, counters) in served.items()}
     same = outputs_identical({tiers: res for tiers, (res, _) in served.items()})
-    if args.pd:  # the same workload through router + prefill + decode (kvstrata/pd/run_row.py)
+    if args.pd:  # the same workload through router + prefill + decode (kvstrata/bench/pd_row.py)
         pd_row = run_pd_row(model_path, cfgs, prompts, spec.max_new_tokens, args.out)
         reports[PD] = pd_row.report()
         decode = open_codec(model_path, model.vocab_size).decode

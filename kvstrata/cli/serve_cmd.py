@@ -17,7 +17,7 @@ from kvstrata.parallel.spec import check_spec_layout
 from kvstrata.parallel.tp import check_layout
 from kvstrata.parent_watch import exit_with_parent
 from kvstrata.pd.config import PDConfig
-from kvstrata.pd.router_config import add_router_args, router_config_from_args
+from kvstrata.router.config import add_router_args, router_config_from_args
 from kvstrata.serve.config import ServeConfig
 from kvstrata.storage.base import StorageConfig
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.parent_pid:  # before the model loads: a launcher killed meanwhile leaves nothing
         exit_with_parent(cfg.parent_pid, cfg.stop_timeout_s + PARENT_GONE_GRACE_S)
     if cfg.role == "router":  # no model: the workers have it
-        from kvstrata.pd.router import serve_router
+        from kvstrata.router.app import serve_router
 
         return serve_router(cfg, router_config_from_args(args))
     cfgs = configs(args)

@@ -49,3 +49,10 @@ class Tokenizer:
         # The template already wrote every special token (e.g. <|im_start|>); adding more would
         # put a BOS in front that the model never saw in training.
         return self.encode(str(text), add_special_tokens=False)
+
+
+def chat_encoder(model_path: Path) -> Tokenizer | None:
+    """The checkpoint's tokenizer (for its chat encoding), or None when it ships none."""
+    if not any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return Tokenizer(model_path)

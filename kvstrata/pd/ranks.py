@@ -34,11 +34,11 @@ from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
 from kvstrata.pd.decode import DecodeSide
+from kvstrata.pd.layout import layout_of
 from kvstrata.pd.prefill import Sink, check_handoff
 from kvstrata.pd.pull import Puller, PullGate
 from kvstrata.pd.transport import TRANSPORTS, Listener
 from kvstrata.pd.wire import Frames, Layout, WireError, header, layout_mismatch, read_header
-from kvstrata.pd.worker import layout_of
 
 _SIDES: dict[int, RankPD] = {}  # id(engine) -> its rank's P/D side (one rank per process)
 

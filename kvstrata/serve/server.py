@@ -107,7 +107,7 @@ def _pd_worker(
     if cfg.role not in ("prefill", "decode"):
         return None
     from kvstrata.pd.config import PDConfig
-    from kvstrata.pd.routes import PDMetrics
+    from kvstrata.pd.metrics import PDMetrics
     from kvstrata.pd.worker import PDWorker
 
     return PDWorker(cfg.role, pd_cfg or PDConfig(), PDMetrics(metrics.registry, name), ranked)

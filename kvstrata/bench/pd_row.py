@@ -112,7 +112,7 @@ def run_pd_row(
     tick: Callable[[], None] = lambda: None,
 ) -> PDRow:
     """Start LocalPD (fresh store under out_dir), serve every session, stop it (all exit 0)."""
-    from kvstrata.pd.launch import LocalPD, LocalPDConfig
+    from kvstrata.bench.local_pd import LocalPD, LocalPDConfig
 
     store = out_dir / "pd-store"
     shutil.rmtree(store, ignore_errors=True)  # a cold start, like the other rows

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx2 as httpx
 
-from kvstrata.pd.router_config import RouterConfig
+from kvstrata.router.config import RouterConfig
 
 INFO_PATH = "/v1/pd/info"
 PD_FIELD = "pd_prefill"

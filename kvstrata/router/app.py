@@ -29,9 +29,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvstrata.pd.router_config import RouterConfig
-from kvstrata.pd.router_metrics import RouterMetrics
-from kvstrata.pd.upstream import Upstreams
+from kvstrata.router.config import RouterConfig
+from kvstrata.router.metrics import RouterMetrics
+from kvstrata.router.upstream import Upstreams
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.protocol import ApiError
