@@ -31,15 +31,42 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
+DEBUG_GROUP = "debug: fault injection and test hooks"
+"""The help group of fields marked `doc(..., debug=True)`, whatever config they belong to."""
+
+
+def debug_group(parser: argparse.ArgumentParser) -> Any:
+    """The parser's one debug group (made on first use)."""
+    for group in parser._action_groups:
+        if group.title == DEBUG_GROUP:
+            return group
+    return parser.add_argument_group(
+        DEBUG_GROUP, "launcher plumbing and deliberate faults or delays (tests, benchmarks)"
+    )
+
+
 def add_config_args(
-    parser: argparse.ArgumentParser, cls: type, prefix: str = "", exclude: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    exclude: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
 ) -> None:
-    """Add one `--prefix-field-name` option per field of the dataclass `cls` (but `exclude`)."""
+    """Add one `--prefix-field-name` option per field of the dataclass `cls` (but `exclude`;
+    with `only`, just those fields). Fields marked debug go to the parser's debug group."""
     hints = get_type_hints(cls)
-    group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
+    own = None  # made at its first field: a config whose fields are all debug shows no group
     for f in dataclasses.fields(cls):
         if f.metadata.get("cli") is False or f.name in exclude:
             continue
+        if only is not None and f.name not in only:
+            continue
+        if f.metadata.get("debug"):
+            group = debug_group(parser)
+        else:
+            title, about = cls.__name__, (cls.__doc__ or "").strip().splitlines()[0]
+            own = own or parser.add_argument_group(title, about)
+            group = own
         name = "--" + (prefix + f.name).replace("_", "-")
         tp = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]

@@ -8,7 +8,8 @@ import dataclasses
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
-from kvstrata.configtools import add_config_args, config_from_args
+from kvstrata.cli.serve_roles import add_serve_args
+from kvstrata.configtools import config_from_args
 from kvstrata.engine.build import resolve_model_path
 from kvstrata.engine.config import EngineConfig
 from kvstrata.model.checkpoint import load_model
@@ -17,7 +18,7 @@ from kvstrata.parallel.spec import check_spec_layout
 from kvstrata.parallel.tp import check_layout
 from kvstrata.parent_watch import exit_with_parent
 from kvstrata.pd.config import PDConfig
-from kvstrata.router.config import add_router_args, router_config_from_args
+from kvstrata.router.config import router_config_from_args
 from kvstrata.serve.config import ServeConfig
 from kvstrata.storage.base import StorageConfig
 
@@ -41,14 +42,10 @@ def check_pd_ranks(role: str, dist_cfg: DistConfig, engine_cfg: EngineConfig) ->
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the cached engine")
-    add_config_args(p, ServeConfig)
-    add_config_args(p, EngineConfig)
-    add_config_args(p, CacheConfig)
-    add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
-    add_config_args(p, DistConfig)
-    add_config_args(p, PDConfig)
-    add_router_args(p)
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server over the cached engine", add_help=False
+    )
+    add_serve_args(p)  # every role's options; `--role R --help` lists role R's (serve_roles.py)
     p.set_defaults(func=run)
 
 

@@ -49,7 +49,9 @@ class DistConfig:
         "live: compare decision digests in the step collective (a diverged rank stops every "
         "rank at the next step), or off",
     )
-    inject_divergence: str = doc("", "testing: 'STEP:RANK' makes that rank skip one decision")
+    inject_divergence: str = doc(
+        "", "testing: 'STEP:RANK' makes that rank skip one decision", debug=True
+    )
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "pp"):

@@ -67,9 +67,14 @@ def _urls(text: str) -> list[str]:
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    """`--prefill URL[,URL]`, `--decode URL[,URL]` and RouterConfig's other fields, the latter
-    as `--router-FIELD` (no clash with the worker roles' options on the same parser)."""
+    """RouterConfig's fields as `--router-FIELD` (no clash with the worker roles' options on the
+    same parser), and the worker URLs."""
     add_config_args(p, RouterConfig, prefix=PREFIX)
+    add_router_urls(p)
+
+
+def add_router_urls(p: argparse.ArgumentParser) -> None:
+    """`--prefill URL[,URL]` and `--decode URL[,URL]` (RouterConfig's prefill and decode)."""
     for role in ("prefill", "decode"):
         p.add_argument(
             f"--{role}", dest=f"router_{role}", type=_urls, default=None, metavar="URL[,URL]",

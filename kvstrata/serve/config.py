@@ -24,12 +24,13 @@ class ServeConfig:
     kv_events_replay_endpoint: str = doc("", "ZMQ ROUTER endpoint that replays events from a seq")
     kv_events_topic: str = doc("", "topic frame of every KV event message")
     kv_events_buffer: int = doc(10000, "event batches kept for replay")
-    debug_endpoints: bool = doc(False, "expose GET /debug/integrity (tests, operators)")
+    debug_endpoints: bool = doc(False, "expose GET /debug/integrity (tests, operators)", debug=True)
     log_level: str = doc("warning", "uvicorn log level")
     parent_pid: int = doc(
         0,
         "stop (as on SIGTERM) once the process with this pid, our parent, is gone: set by "
         "launchers (`kvstrata run`, benchmarks) so a kill -9 of them leaves no server; 0 = never",
+        debug=True,
     )
     role: str = doc(
         "single",

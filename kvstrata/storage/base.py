@@ -79,7 +79,9 @@ class StorageConfig:
         5.0, "redis backend: the wait doubles per failure up to this"
     )
     emulate_read_s_per_page: float = doc(
-        0.0, "benchmarks: every read waits this long per page first (emulates remote storage)"
+        0.0,
+        "benchmarks: every read waits this long per page first (emulates remote storage)",
+        debug=True,
     )
     require_reachable_at_start: bool = doc(
         True, "redis backend: an unreachable server at construction is a ValueError"
