@@ -7,5 +7,6 @@ bash scripts/apt_need.sh /usr/bin/redis-server redis-server
 # the house checks over every file (no folder skipped), before the tests
 .venv/bin/ruff check --no-cache .
 .venv/bin/ruff format --check --no-cache .
-# loadfile: a file's tests run in order in one worker (some share servers a test before started)
-exec .venv/bin/python -m pytest -n 2 --dist loadfile -p no:cacheprovider "$@"
+# xdist's default distribution: no test depends on another having run first (each builds its own
+# state; tests/conftest.py's tiny checkpoints are built once per worker)
+exec .venv/bin/python -m pytest -n 2 -p no:cacheprovider "$@"

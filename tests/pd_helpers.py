@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -281,3 +282,20 @@ class CuttableRelay:
     def close(self) -> None:
         self.srv.close()
         self.cut()
+
+
+@dataclass
+class Workers:
+    """One test's P/D workers (no test sees another's): a prefill p1 and a decode d sharing the
+    L3 directory `store`; servers: every process the test started, stopped when it ends."""
+
+    tmp: Path
+    store: Path
+    p1: Server
+    d: Server
+    servers: list[Server] = field(default_factory=list)
+
+    def start(self, *specs: tuple[list[str], Path]) -> list[Server]:
+        started = start_all(list(specs))
+        self.servers += started
+        return started

@@ -13,14 +13,12 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
 from kvstrata.model.checkpoint import load_model
 from kvstrata.storage.base import StorageConfig
-from tests.tiny_models import make_llama
 
 PAGE = 16
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(tmp_path_factory.mktemp("m") / "ckpt", seed=3, max_position_embeddings=1024)
+CKPT = {"seed": 3, "max_position_embeddings": 1024}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def _engine(ckpt: Path, store: Path, lookahead: int, slow: float) -> object:

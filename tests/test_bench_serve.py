@@ -11,16 +11,12 @@ import pytest
 
 from kvstrata.cli.main import main
 from tests.serve_helpers import Server
-from tests.tiny_models import make_llama
 
 KEYS = ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "hit_rate", "errors")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=5, max_position_embeddings=4096
-    )
+CKPT = {"seed": 5, "max_position_embeddings": 4096}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def check_report(path: Path) -> dict:

@@ -113,7 +113,7 @@ def test_a_log_that_ends_early_is_named(tmp_path: Path) -> None:
     _write_logs(tmp_path, 2, 6)
     log = DecisionLog(1, tmp_path, world_size=2)
     _run_log(log, 4)  # rank 1 "died" after step 3
-    result = check_logs(tmp_path)  # a stopped rank, not a diverged one (issue 14)
+    result = check_logs(tmp_path)  # a stopped rank, not a diverged one
     assert result.divergence is None and result.stopped == {1: 3} and not result.ok
     assert "rank 1's log ends at step 3 (rank stopped?)" in result.text()
 

@@ -20,18 +20,14 @@ from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankFailure
 from kvstrata.parallel.ranks import RankOptions, run_distributed
 from kvstrata.workloads.feed import MultiTurn, Workload
-from tests.tiny_models import make_llama, rel_err
+from tests.tiny_models import rel_err
 
 torch.set_num_threads(1)
 PAGE = 8
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # 2 K/V heads, so tp=2 gives each rank one; 2 layers, so pp=2 gives each stage one
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "ckpt", seed=3, max_position_embeddings=1024
-    )
+CKPT = {"seed": 3, "max_position_embeddings": 1024}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def chats(n_conv: int, turns: int, seed: int, lo: int = 20, hi: int = 40) -> list:

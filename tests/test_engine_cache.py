@@ -15,17 +15,14 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.storage.base import StorageConfig
-from tests.tiny_models import make_llama, rel_err
+from tests.tiny_models import rel_err
 
 torch.set_num_threads(1)
 PAGE = 8
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "ckpt", seed=3, max_position_embeddings=1024
-    )
+CKPT = {"seed": 3, "max_position_embeddings": 1024}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,15 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.sampling import Sampler, SamplingParams
 from kvstrata.model.checkpoint import load_model
-from tests.tiny_models import hf_greedy, load_hf, make_llama
+from tests.tiny_models import hf_greedy, load_hf
 
 torch.set_num_threads(1)
 PAGE = 8
 PROMPT = [(3 * i + 2) % 97 for i in range(45)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "ckpt", seed=4, max_position_embeddings=512
-    )
+CKPT = {"seed": 4, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

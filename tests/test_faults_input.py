@@ -1,4 +1,4 @@
-"""Fault suite, bad input (issue 14): every command refuses bad input before any work or write,
+"""Fault suite, bad input: every command refuses bad input before any work or write,
 with one line on stderr naming the option or file, exit code 2 and no traceback."""
 
 from __future__ import annotations
@@ -9,16 +9,12 @@ from pathlib import Path
 import pytest
 
 from kvstrata.cli.main import main
-from tests.tiny_models import make_llama
 
 TINY = ["--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "128"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "ckpt", seed=1, max_position_embeddings=512
-    )
+CKPT = {"seed": 1, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Fault suite, runs and ranks (issue 14, issue 12 item 3): SIGTERM of a multi-rank run in the
+"""Fault suite, runs and ranks: SIGTERM of a multi-rank run in the
 middle of its L3 backups, a killed rank, an injected divergence under default settings, and
 decision logs that are mixed, truncated or undecodable."""
 
@@ -19,17 +19,13 @@ from kvstrata.cli.main import main
 from kvstrata.parallel.decision_log import DecisionLog
 from kvstrata.parallel.group import RankContext
 from kvstrata.storage.file_store import FileStore
-from tests.tiny_models import make_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "128"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "ckpt", seed=1, max_position_embeddings=512
-    )
+CKPT = {"seed": 1, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def start_run(ckpt: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
@@ -150,7 +146,7 @@ def test_a_stopped_rank_is_named_hung_within_the_timeout(ckpt: Path, tmp_path: P
 def test_injected_divergence_stops_every_rank_by_default(
     ckpt: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """No --consensus-check option: the live digest is on by default (issue 12 item 3)."""
+    """No --consensus-check option: the live digest is on by default ."""
     logs = tmp_path / "logs"
     extra = ("--sessions", "1", "--turns", "2", "--tp", "2", "--inject-divergence", "5:1")
     t0 = time.monotonic()

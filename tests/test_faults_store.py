@@ -1,4 +1,4 @@
-"""Fault suite, the file store (issue 14): orphan temps of dead writers are swept when a store
+"""Fault suite, the file store: orphan temps of dead writers are swept when a store
 opens and while it writes, a live writer's temp never; read-only and full stores warn once,
 count the failures, leave no temp and keep every stored page intact."""
 

@@ -27,17 +27,13 @@ from kvstrata.storage.unit_sweep import pending_key
 from kvstrata.storage.units import CRASH_EXIT_CODE, PagePart, UnitLayout, open_unit_storage
 from kvstrata.workloads.feed import MultiTurn
 from tests.test_dist_engine import CONV, PAGE, _Once, assert_logits, serve_one_rank
-from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
 FULL = KVShape(2, 2, 16, PAGE)  # the tiny llama below: 2 layers, 2 K/V heads, head_dim 16
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "ckpt", seed=3, max_position_embeddings=1024
-    )
+CKPT = {"seed": 3, "max_position_embeddings": 1024}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from kvstrata.pd.wire import Received, read_pages
 from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import PAGE, complete, info, ranks, raw_handoff, start_all, worker_args
 from tests.serve_helpers import Server
-from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
+from tests.tiny_models import hf_greedy, load_hf, rel_err
 
 pytestmark = pytest.mark.slow  # three servers, seven processes
 
@@ -29,11 +29,8 @@ PROMPT = [(5 * i + 1) % 97 for i in range(41)]  # 6 pages of 8
 LAYERS, HEADS, DIM = 2, 2, 16  # the tiny llama
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=4, max_position_embeddings=512
-    )
+CKPT = {"seed": 4, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,11 @@ import httpx2 as httpx
 import pytest
 
 from kvstrata.serve.codec import ByteCodec
-from tests.pd_helpers import CuttableRelay, complete, info, start_all, worker_args
+from tests.pd_helpers import CuttableRelay, Workers, complete, info, start_all, worker_args
 from tests.serve_helpers import Server
-from tests.tiny_models import hf_greedy, load_hf, make_llama
+from tests.tiny_models import hf_greedy, load_hf
 
-# the tests run in order in one process (scripts/test.sh: --dist loadfile): later ones use the
-# workers earlier ones started
+# each test starts its own workers (fixture `run`): any order, any xdist worker
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 2.0
 X = [(5 * i + 1) % 97 for i in range(41)]
@@ -31,11 +30,8 @@ Z = [(7 * i + 5) % 97 for i in range(41)]
 W = [(11 * i + 4) % 97 for i in range(41)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=2, max_position_embeddings=512
-    )
+CKPT = {"seed": 2, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def prefill_args(ckpt: Path, store: Path, *extra: str) -> list[str]:
@@ -48,16 +44,29 @@ def decode_args(ckpt: Path, prefill_url: str, *extra: str) -> list[str]:
     return worker_args(ckpt, "--role", "decode", *pd, *extra)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict]:
-    tmp = tmp_path_factory.mktemp("pdf")
-    store = tmp / "store"
-    (p1,) = start_all([(prefill_args(ckpt, store), tmp / "p1.log")])
-    (d,) = start_all([(decode_args(ckpt, p1.url), tmp / "d.log")])
-    env: dict = {"tmp": tmp, "store": store, "p1": p1, "d": d, "servers": [p1, d]}
-    yield env
-    for s in env["servers"]:
-        s.stop()
+@pytest.fixture
+def run(tmp_path: Path, ckpt: Path) -> Iterator[Workers]:
+    """This test's own prefill p1 and decode d, after X, Z and W crossed from p1 to d (so they
+    are in p1's L3 directory and d holds them)."""
+    store = tmp_path / "store"
+    (p1,) = start_all([(prefill_args(ckpt, store), tmp_path / "p1.log")])
+    env = Workers(tmp_path, store, p1, p1, [p1])
+    try:
+        (env.d,) = env.start((decode_args(ckpt, p1.url), tmp_path / "d.log"))
+        for prompt in (X, Z, W):  # they reach the shared store through p1
+            assert complete(env.d, prompt).status_code == 200
+        idle_ok(p1)
+        yield env
+    finally:
+        for s in env.servers:
+            s.stop()
+
+
+def slow_prefill(run: Workers, ckpt: Path) -> Server:
+    """A prefill on the same store whose L3 reads take 0.5 s a page (X's prefix: > 2.5 s)."""
+    slow = ["--storage-emulate-read-s-per-page", "0.5", "--no-pd-layerwise"]  # whole pages
+    (p2,) = run.start((prefill_args(ckpt, run.store, *slow), run.tmp / "p2.log"))
+    return p2
 
 
 def want(ckpt: Path, prompt: list[int], n: int = 4) -> str:
@@ -86,11 +95,8 @@ def in_thread(fn, *args, **kw) -> tuple[threading.Thread, list]:  # noqa: ANN001
     return t, out
 
 
-def test_prefill_killed_mid_handoff(run: dict, ckpt: Path) -> None:
-    d, p1 = run["d"], run["p1"]
-    for prompt in (X, Z, W):  # they reach the shared store through p1
-        assert complete(d, prompt).status_code == 200
-    idle_ok(p1)
+def test_prefill_killed_mid_handoff(run: Workers, ckpt: Path) -> None:
+    d, p1 = run.d, run.p1
     free = idle_ok(d)["device_free"]
     endpoint = info(p1)["transfer_endpoint"]
     os.kill(p1.proc.pid, signal.SIGSTOP)  # decode's hand-off gets no answer, no heartbeat
@@ -108,26 +114,23 @@ def test_prefill_killed_mid_handoff(run: dict, ckpt: Path) -> None:
     assert idle_ok(d)["device_free"] == free  # the request's pages are back, nothing leaked
 
 
-def test_restarted_prefill_slower_than_the_timeout_but_alive(run: dict, ckpt: Path) -> None:
+def test_restarted_prefill_slower_than_the_timeout_but_alive(run: Workers, ckpt: Path) -> None:
     # 0.5 s per L3 page read: prefill needs > 2.5 s for X's prefix; heartbeats keep decode waiting
-    slow = ["--storage-emulate-read-s-per-page", "0.5", "--no-pd-layerwise"]  # whole pages
-    (p2,) = start_all([(prefill_args(ckpt, run["store"], *slow), run["tmp"] / "p2.log")])
-    run["servers"].append(p2)
-    run["p2"] = p2
+    p2 = slow_prefill(run, ckpt)
     t0 = time.monotonic()
-    r = complete(run["d"], X, pd_prefill=p2.url)  # decode re-resolves: a fresh channel
+    r = complete(run.d, X, pd_prefill=p2.url)  # decode re-resolves: a fresh channel
     took = time.monotonic() - t0
     assert r.status_code == 200, r.text
     assert took > TIMEOUT_S  # longer than the silence bound: heartbeats, not luck
     assert r.json()["choices"][0]["text"] == want(ckpt, X)
     assert r.json()["usage"]["pd"]["pages_received"] == 1  # decode still held X's 5 pages
-    assert complete(run["d"], Y, pd_prefill=p2.url).json()["choices"][0]["text"] == want(ckpt, Y)
+    assert complete(run.d, Y, pd_prefill=p2.url).json()["choices"][0]["text"] == want(ckpt, Y)
     idle_ok(p2)
-    idle_ok(run["d"])
+    idle_ok(run.d)
 
 
-def test_dropped_connection_reconnects_and_the_handoff_completes(run: dict, ckpt: Path) -> None:
-    p2, d = run["p2"], run["d"]
+def test_dropped_connection_reconnects_and_the_handoff_completes(run: Workers, ckpt: Path) -> None:
+    p2, d = slow_prefill(run, ckpt), run.d
     relay = CuttableRelay(info(p2)["transfer_endpoint"])
     try:
         t0 = time.monotonic()
@@ -141,7 +144,7 @@ def test_dropped_connection_reconnects_and_the_handoff_completes(run: dict, ckpt
         r, t1 = out[0]
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want(ckpt, W)
-        assert r.json()["usage"]["pd"]["pages_received"] == 1  # d holds W's 5 pages since test 1
+        assert r.json()["usage"]["pd"]["pages_received"] == 1  # d holds W's 5 pages (fixture `run`)
         assert relay.accepted >= 2 and t1 - t0 > TIMEOUT_S  # reconnected, same hand-off
     finally:
         relay.close()
@@ -149,15 +152,12 @@ def test_dropped_connection_reconnects_and_the_handoff_completes(run: dict, ckpt
     idle_ok(d)
 
 
-def test_decode_killed_while_prefill_works_for_it(run: dict, ckpt: Path) -> None:
-    p2 = run["p2"]
-    d2, d3 = start_all(
-        [
-            (decode_args(ckpt, p2.url), run["tmp"] / "d2.log"),
-            (decode_args(ckpt, p2.url, "--page-size", "16"), run["tmp"] / "d3.log"),
-        ]
+def test_decode_killed_while_prefill_works_for_it(run: Workers, ckpt: Path) -> None:
+    p2 = slow_prefill(run, ckpt)
+    d2, d3 = run.start(
+        (decode_args(ckpt, p2.url), run.tmp / "d2.log"),
+        (decode_args(ckpt, p2.url, "--page-size", "16"), run.tmp / "d3.log"),
     )
-    run["servers"] += [d2, d3]
     t, out = in_thread(complete, d2, Z)  # p2 reads Z's prefix from L3: 2.5 s
     deadline = time.monotonic() + 20
     while True:  # wait until prefill holds a lease for it
@@ -172,7 +172,7 @@ def test_decode_killed_while_prefill_works_for_it(run: dict, ckpt: Path) -> None
     assert isinstance(out[0][0], httpx.HTTPError)  # its client saw the connection drop
     rep = idle_ok(p2)  # its request ran out, the pages it held are released
     assert rep["owned"] == 0 and rep["accounting"]["host"]["locked"] == 0
-    r = complete(run["d"], Z, pd_prefill=p2.url)
+    r = complete(run.d, Z, pd_prefill=p2.url)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want(ckpt, Z)
     r = complete(d3, X)
     assert r.status_code == 502, r.text
@@ -181,25 +181,22 @@ def test_decode_killed_while_prefill_works_for_it(run: dict, ckpt: Path) -> None
     assert "layout mismatch: page_size is 8 here but 16 on decode" in msg
     idle_ok(d3)
     idle_ok(p2)
-    log = (run["tmp"] / "p2.log").read_text()
+    log = (run.tmp / "p2.log").read_text()
     assert "Traceback" not in log, log
     m = httpx.get(f"{p2.url}/metrics").text
     assert 'kvstrata:pd_handoffs_total{model_name="tiny",outcome="failed"} 1.0' in m
 
 
-def test_prefill_killed_mid_transfer(run: dict, ckpt: Path) -> None:
+def test_prefill_killed_mid_transfer(run: Workers, ckpt: Path) -> None:
     """kill -9 of prefill while its pages stream to decode: a relay passes on the first half of
     the KV bytes prefill sends (some layers of every page have crossed), holds the rest back,
     and prefill dies. Decode uses nothing of the half transfer: a clear 504 within the bound,
     its pages back, and the same prompt then succeeds through another prefill."""
-    d, tmp = run["d"], run["tmp"]
-    doomed, spare = start_all(
-        [
-            (prefill_args(ckpt, tmp / "store-doomed"), tmp / "doomed.log"),
-            (prefill_args(ckpt, tmp / "store-spare"), tmp / "spare.log"),
-        ]
+    d, tmp = run.d, run.tmp
+    doomed, spare = run.start(
+        (prefill_args(ckpt, tmp / "store-doomed"), tmp / "doomed.log"),
+        (prefill_args(ckpt, tmp / "store-spare"), tmp / "spare.log"),
     )
-    run["servers"] += [doomed, spare]
     prompt = [(13 * i + 3) % 97 for i in range(65)]  # new to decode: all 9 pages must cross
     half = 9 * info(doomed)["layout"]["page_bytes"] // 2
     relay = CuttableRelay(info(doomed)["transfer_endpoint"], stall_after=half)

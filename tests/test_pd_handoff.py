@@ -30,17 +30,14 @@ from tests.pd_helpers import (
     worker_args,
 )
 from tests.serve_helpers import Server, refused_port
-from tests.tiny_models import hf_greedy, load_hf, make_llama
+from tests.tiny_models import hf_greedy, load_hf
 
 PROMPT_A = [(5 * i + 1) % 97 for i in range(41)]  # 41 tokens: 5 full pages + 1 token
 PROMPT_B = [(7 * i + 3) % 97 for i in range(41)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=2, max_position_embeddings=512
-    )
+CKPT = {"seed": 2, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

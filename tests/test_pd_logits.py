@@ -16,16 +16,13 @@ from kvstrata.pd.wire import read_header, read_pages
 from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import PAGE, complete, info, raw_handoff, start_all, worker_args
 from tests.serve_helpers import Server
-from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
+from tests.tiny_models import hf_greedy, load_hf, rel_err
 
 PROMPTS = [[(5 * i + 1) % 97 for i in range(41)], [(13 * i + 7) % 97 for i in range(27)]]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=4, max_position_embeddings=512
-    )
+CKPT = {"seed": 4, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -31,17 +31,14 @@ from tests.pd_helpers import (
     worker_args,
 )
 from tests.serve_helpers import Server
-from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
+from tests.tiny_models import hf_greedy, load_hf, rel_err
 
 PROMPT = [(5 * i + 1) % 97 for i in range(41)]  # 41 tokens: 5 full pages + 1 token
 TIMEOUT_S = 3.0  # the second prefill worker's pd_timeout_s (a silent decode ends its wait)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=3, max_position_embeddings=512
-    )
+CKPT = {"seed": 3, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from tests.pd_helpers import (
     worker_args,
 )
 from tests.serve_helpers import Server
-from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
+from tests.tiny_models import hf_greedy, load_hf, rel_err
 
 pytestmark = pytest.mark.slow  # five servers, nine processes (48 s here, more on a loaded box)
 
@@ -35,11 +35,8 @@ PROMPT = [(5 * i + 1) % 97 for i in range(41)]
 HEADS, DIM = 2, 16  # the tiny llama: 2 layers, 2 KV heads of 16
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=4, max_position_embeddings=512
-    )
+CKPT = {"seed": 4, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

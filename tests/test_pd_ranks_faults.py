@@ -16,13 +16,11 @@ import httpx2 as httpx
 import pytest
 
 from tests import test_pd_faults as faults
-from tests.pd_helpers import complete, start_all
+from tests.pd_helpers import Workers, complete, start_all
 from tests.serve_helpers import Server
 from tests.test_pd_faults import TIMEOUT_S, idle_ok, in_thread, want
-from tests.tiny_models import make_llama
 
-# four two-rank workers (twelve processes); in order in one process (--dist loadfile): later
-# tests use the workers earlier ones started
+# two-rank workers (three processes each); each test starts its own: any order, any xdist worker
 pytestmark = pytest.mark.slow
 TP = ["--tp", "2"]
 X = [(5 * i + 1) % 97 for i in range(41)]
@@ -30,11 +28,8 @@ Y = [(3 * i + 2) % 97 for i in range(33)]
 Z = [(7 * i + 5) % 97 for i in range(41)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=2, max_position_embeddings=512
-    )
+CKPT = {"seed": 2, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def prefill_args(ckpt: Path, store: Path, *extra: str) -> list[str]:
@@ -45,16 +40,22 @@ def decode_args(ckpt: Path, prefill_url: str) -> list[str]:
     return faults.decode_args(ckpt, prefill_url, *TP)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict]:
-    tmp = tmp_path_factory.mktemp("pdrf")
-    store = tmp / "store"
-    (p1,) = start_all([(prefill_args(ckpt, store), tmp / "p1.log")])
-    (d,) = start_all([(decode_args(ckpt, p1.url), tmp / "d.log")])
-    env: dict = {"tmp": tmp, "store": store, "p1": p1, "d": d, "servers": [p1, d]}
-    yield env
-    for s in env["servers"]:
-        s.stop()
+@pytest.fixture
+def run(tmp_path: Path, ckpt: Path) -> Iterator[Workers]:
+    """This test's own prefill p1 and decode d (two ranks each), after X and Z crossed from p1
+    to d (so they are in p1's L3 directory and d holds them)."""
+    store = tmp_path / "store"
+    (p1,) = start_all([(prefill_args(ckpt, store), tmp_path / "p1.log")])
+    env = Workers(tmp_path, store, p1, p1, [p1])
+    try:
+        (env.d,) = env.start((decode_args(ckpt, p1.url), tmp_path / "d.log"))
+        for prompt in (X, Z):  # they reach the shared store through p1
+            assert complete(env.d, prompt).status_code == 200
+        idle_ok(p1)
+        yield env
+    finally:
+        for s in env.servers:
+            s.stop()
 
 
 def kill_worker(server: Server, sig: int) -> None:
@@ -62,11 +63,8 @@ def kill_worker(server: Server, sig: int) -> None:
     os.killpg(server.proc.pid, sig)
 
 
-def test_prefill_worker_killed_mid_handoff(run: dict, ckpt: Path) -> None:
-    d, p1 = run["d"], run["p1"]
-    for prompt in (X, Z):  # they reach the shared store through p1
-        assert complete(d, prompt).status_code == 200
-    idle_ok(p1)
+def test_prefill_worker_killed_mid_handoff(run: Workers, ckpt: Path) -> None:
+    d, p1 = run.d, run.p1
     free = idle_ok(d)["device_free"]
     kill_worker(p1, signal.SIGSTOP)  # no answer and no heartbeat on either rank's channel
     t0 = time.monotonic()
@@ -80,9 +78,7 @@ def test_prefill_worker_killed_mid_handoff(run: dict, ckpt: Path) -> None:
     assert f"pd_timeout_s={TIMEOUT_S}" in r.json()["error"]["message"]
     assert TIMEOUT_S <= t1 - t0 < TIMEOUT_S + 5
     assert idle_ok(d)["device_free"] == free  # every rank's pages for it are back
-    (p2,) = start_all([(prefill_args(ckpt, run["store"]), run["tmp"] / "p2.log")])
-    run["servers"].append(p2)
-    run["p2"] = p2
+    (p2,) = run.start((prefill_args(ckpt, run.store), run.tmp / "p2.log"))
     r = complete(d, Y, pd_prefill=p2.url)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want(ckpt, Y)
@@ -90,11 +86,10 @@ def test_prefill_worker_killed_mid_handoff(run: dict, ckpt: Path) -> None:
     idle_ok(d)
 
 
-def test_decode_worker_killed_while_prefill_works_for_it(run: dict, ckpt: Path) -> None:
+def test_decode_worker_killed_while_prefill_works_for_it(run: Workers, ckpt: Path) -> None:
     slow = ["--storage-emulate-read-s-per-page", "0.5", "--no-pd-layerwise"]
-    (p3,) = start_all([(prefill_args(ckpt, run["store"], *slow), run["tmp"] / "p3.log")])
-    (d2,) = start_all([(decode_args(ckpt, p3.url), run["tmp"] / "d2.log")])
-    run["servers"] += [p3, d2]
+    (p3,) = run.start((prefill_args(ckpt, run.store, *slow), run.tmp / "p3.log"))
+    (d2,) = run.start((decode_args(ckpt, p3.url), run.tmp / "d2.log"))
     t, out = in_thread(complete, d2, Z)  # p3 reads Z's prefix from the shared L3: 2.5 s
     deadline = time.monotonic() + 20
     while True:  # wait until prefill holds a lease for it
@@ -109,8 +104,8 @@ def test_decode_worker_killed_while_prefill_works_for_it(run: dict, ckpt: Path) 
     assert isinstance(out[0][0], httpx.HTTPError)  # its client saw the connection drop
     rep = idle_ok(p3)  # its request ran out on both ranks, the pages it held are released
     assert rep["owned"] == 0 and rep["accounting"]["host"]["locked"] == 0
-    r = complete(run["d"], Z, pd_prefill=p3.url)
+    r = complete(run.d, Z, pd_prefill=p3.url)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want(ckpt, Z)
     idle_ok(p3)
-    idle_ok(run["d"])
+    idle_ok(run.d)

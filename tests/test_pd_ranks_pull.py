@@ -33,7 +33,7 @@ from tests.pd_helpers import (
     worker_args,
 )
 from tests.serve_helpers import Server
-from tests.tiny_models import hf_greedy, load_hf, make_llama, rel_err
+from tests.tiny_models import hf_greedy, load_hf, rel_err
 
 pytestmark = pytest.mark.slow  # three workers on two ranks each + a single server
 
@@ -41,11 +41,8 @@ LAYOUTS = {"tp": ["--tp", "2"], "pp": ["--pp", "2"]}
 TIMEOUT_S = 3.0  # prefill worker b's pd_timeout_s (a silent decode rank ends its wait)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=5, max_position_embeddings=512
-    )
+CKPT = {"seed": 5, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

@@ -13,15 +13,14 @@ from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import complete, info, start_all, worker_args
 from tests.redis_server import RedisServer
 from tests.serve_helpers import Server
-from tests.tiny_models import hf_greedy, load_hf, make_llama
+from tests.tiny_models import hf_greedy, load_hf
 
 pytestmark = pytest.mark.slow  # a redis-server and three worker processes
 PROMPT = [(7 * i + 3) % 97 for i in range(41)]  # 41 tokens: 5 full pages + 1 token
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(tmp_path_factory.mktemp("pdr") / "tiny", seed=4, max_position_embeddings=512)
+CKPT = {"seed": 4, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import pytest
 from kvstrata.serve.process import ServerProcess, free_port
 from tests.pd_helpers import start_all
 from tests.serve_helpers import TINY_ENGINE, Server, refused_port
-from tests.tiny_models import make_llama
 
 pytestmark = pytest.mark.slow  # several real server processes (minutes on a loaded box)
 
@@ -30,11 +29,8 @@ def prompt(offset: int, n: int = 41) -> list[int]:
     return [(5 * i + 2 + offset) % 97 for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("pdrouter") / "tiny", seed=1, max_position_embeddings=512
-    )
+CKPT = {"seed": 1, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def start_workers(ckpt: Path, roles: list[str], logs: Path) -> list[Server]:

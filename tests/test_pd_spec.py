@@ -1,4 +1,4 @@
-"""P/D with speculative decoding (issue 11 x issue 10): router + prefill + decode workers as real
+"""P/D with speculative decoding: router + prefill + decode workers as real
 processes on 127.0.0.1, speculating with a draft model (self:2) and with an MTP head.
 
 - greedy text through the router equals the single-server run without speculation;

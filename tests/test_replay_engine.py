@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from kvstrata.bench.replay import ReplayConfig, Replayer
@@ -13,14 +12,13 @@ from kvstrata.memory.pool import DevicePool
 from kvstrata.model.decoder import SeqBatch
 from kvstrata.workloads.trace import TraceRequest
 from tests.test_replay import small_trace
-from tests.tiny_models import make_llama, rel_err
+from tests.tiny_models import rel_err
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(tmp_path_factory.mktemp("m") / "ckpt", seed=4, max_position_embeddings=4096)
+CKPT = {"seed": 4, "max_position_embeddings": 4096}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def test_engine_replay_matches_synthetic_and_recompute(ckpt: Path) -> None:

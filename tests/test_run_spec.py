@@ -10,20 +10,13 @@ import pytest
 import torch
 
 from kvstrata.cli.main import main
-from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
 TINY = ["--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "128", "--no-pd"]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "ckpt",
-        seed=1,
-        num_hidden_layers=3,
-        max_position_embeddings=512,
-    )
+CKPT = {"seed": 1, "num_hidden_layers": 3, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def run_report(ckpt: Path, tmp: Path, *extra: str) -> dict:

@@ -16,17 +16,13 @@ import openai
 import pytest
 
 from tests.serve_helpers import TINY_ENGINE, Server
-from tests.tiny_models import make_llama
 
 PAGE = 8
 PROMPT = [(7 * i + 3) % 97 for i in range(41)]  # 41 tokens: 5 full cacheable pages (+1 token)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=1, max_position_embeddings=512
-    )
+CKPT = {"seed": 1, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,13 @@ import pytest
 import zmq
 
 from tests.serve_helpers import TINY_ENGINE, Server, alive, apply_events, free_port
-from tests.tiny_models import make_llama
 
 PAGE = 8
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=2, max_position_embeddings=512
-    )
+CKPT = {"seed": 2, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def prompt(offset: int, n: int = 41) -> list[int]:

@@ -14,16 +14,12 @@ import pytest
 import zmq
 
 from tests.serve_helpers import TINY_ENGINE, Server, alive, apply_events, free_port
-from tests.tiny_models import make_llama
 
 PROMPTS = [[(11 * i + k) % 97 for i in range(33 + 8 * k)] for k in range(3)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=6, max_position_embeddings=512
-    )
+CKPT = {"seed": 6, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def served(srv: Server) -> list[tuple[str, int]]:

@@ -16,17 +16,13 @@ import pytest
 import zmq
 
 from tests.serve_helpers import TINY_ENGINE, Server, apply_events, free_port
-from tests.tiny_models import make_llama
 
 PROMPTS = [[(5 * i + 2 + k) % 97 for i in range(41)] for k in range(2)]  # 5 hittable pages each
 LONG = [(3 * i + 7) % 97 for i in range(30)]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("llama") / "tiny", seed=9, max_position_embeddings=512
-    )
+CKPT = {"seed": 9, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 class Subscriber:

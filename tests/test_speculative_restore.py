@@ -27,14 +27,8 @@ DRAFT = "self:2"
 Pages = dict[int, torch.Tensor]  # page key -> [layers, 2, page, kv_heads, head_dim]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_llama(
-        tmp_path_factory.mktemp("spec") / "ckpt",
-        seed=5,
-        num_hidden_layers=TARGET_LAYERS,
-        max_position_embeddings=1024,
-    )
+CKPT = {"seed": 5, "num_hidden_layers": TARGET_LAYERS, "max_position_embeddings": 1024}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 def conversation(turns: int, seed: int = 0) -> list[list[int]]:

@@ -103,7 +103,7 @@ def test_token_mapping_is_deterministic_and_in_range() -> None:
     assert not np.array_equal(a.block_tokens(1), a.block_tokens(2))
     t = a.block_tokens(99)
     assert t.dtype == np.int32 and t.shape == (512,) and t.min() >= 0 and t.max() < 1000
-    # a fixed value pins the mapping across machines and releases (changed once: issue 14,
+    # a fixed value pins the mapping across machines and releases (changed once:
     # the old `id * 512 mod 2^64` seed aliased ids 2^55 apart)
     assert a.block_tokens(0)[:4].tolist() == [282, 562, 88, 877]
     assert TokenMapper().block_tokens(7)[:4].tolist() == [14825, 39260, 19768, 11399]

@@ -147,7 +147,7 @@ class CostModel:
             gather = pipelined(self.group_link.time(per_rank), compute, layers)
         pd, sent = 0.0, 0.0
         if topo.pd:
-            # Decode matches first (issue 10): it holds the `hit` prefix (its own tiers or the
+            # Decode matches first (docs/PD.md): it holds the `hit` prefix (its own tiers or the
             # shared L3), so only the missed suffix, computed by prefill, goes over RDMA. Token
             # granularity: the real send rounds up to whole pages (< one page more a request).
             sent = float((prompt - hit) * self.kv_per_token)

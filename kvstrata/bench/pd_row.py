@@ -1,4 +1,4 @@
-"""The `pd` row of `kvstrata run --pd` (issue 10, item 6): the run's workload through a router,
+"""The `pd` row of `kvstrata run --pd`: the run's workload through a router,
 one prefill and one decode worker (LocalPD: local processes sharing one L3 directory under
 --out), with the run's engine and cache settings.
 

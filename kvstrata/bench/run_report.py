@@ -1,6 +1,6 @@
 """The report of `kvstrata run`: per-configuration figures, the JSON file and the TTFT plot.
 
-JSON shape (docs/CONTRACTS.md, issue 3):
+JSON shape (docs/CONTRACTS.md):
     {"configs": {name: {"hit_rate", "hit_rate_by_tier": {"L1","L2","L3"}, "ttft_p50_s",
                         "ttft_p90_s", "bytes_moved": {direction: bytes},
                         "spec": None | {"acceptance_rate", "accept_length", ...},

@@ -75,13 +75,6 @@ def check_ranks(world_size: int) -> None:
 
 
 # ---- paths --------------------------------------------------------------------------------------
-def _existing_ancestor(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
 def check_out_dir(path: Path | str, option: str) -> None:
     """A directory the command will create (its parent must exist) or write into."""
     p = Path(path)

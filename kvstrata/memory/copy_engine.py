@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,15 +87,6 @@ def _serial_layers(
             raise _CopyFailedError(layers.start) from exc
         for layer in layers:
             done(layer)
-
-
-class _Copier(Protocol):
-    cuda: bool
-
-    def run(self, op: _Op, runs: Runs, done: LayerDone) -> None: ...
-    def copy_layers(self, kind: str, layers: range, runs: Runs) -> None: ...
-    def mark(self, handle: TransferHandle, layer: int) -> None: ...
-    def close(self) -> None: ...
 
 
 class _CpuCopier:

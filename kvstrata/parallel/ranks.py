@@ -47,9 +47,7 @@ from kvstrata.parallel.decision_log import MASK63, DecisionLog, config_digest
 from kvstrata.parallel.group import (
     RankContext,
     heartbeat,
-    init_ranks,
     run_ranks,
-    teardown,
     verify_same,
 )
 from kvstrata.parallel.parts import DistMover, PagePart
@@ -344,22 +342,3 @@ def run_distributed(
     workload = StaticWorkload(list(requests)) if isinstance(requests, list) else requests
     args = (engine_cfg, cache_cfg, storage_cfg, workload, options or RankOptions())
     return run_ranks(rank_loop, dist_cfg, args=args, timeout_s=timeout_s)
-
-
-def serve_torchrun_rank(
-    engine_cfg: EngineConfig,
-    cache_cfg: CacheConfig,
-    dist_cfg: DistConfig,
-    requests: list[Request] | Workload,
-    storage_cfg: StorageConfig | None = None,
-    options: RankOptions | None = None,
-) -> dict[str, Any]:
-    """The same rank body under torchrun (env://): call it in every launched process."""
-    ctx = init_ranks(dist_cfg)
-    try:
-        workload = StaticWorkload(list(requests)) if isinstance(requests, list) else requests
-        return rank_loop(
-            ctx, engine_cfg, cache_cfg, storage_cfg, workload, options or RankOptions()
-        )
-    finally:
-        teardown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from kvstrata.configtools import add_config_args, config_from_args, doc
+from kvstrata.configtools import config_from_args, doc
 
 PREFIX = "router-"
 
@@ -64,13 +64,6 @@ class RouterConfig:
 
 def _urls(text: str) -> list[str]:
     return [u.strip() for u in text.split(",") if u.strip()]
-
-
-def add_router_args(p: argparse.ArgumentParser) -> None:
-    """RouterConfig's fields as `--router-FIELD` (no clash with the worker roles' options on the
-    same parser), and the worker URLs."""
-    add_config_args(p, RouterConfig, prefix=PREFIX)
-    add_router_urls(p)
 
 
 def add_router_urls(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """The router's view of its workers: round-robin choice, the start-up role check, and the one
 place that turns a client's request body into what a decode worker is sent.
 
-Decode goes first (issue 10): the router sends the whole OpenAI request to a decode worker and
+Decode goes first (docs/PD.md): the router sends the whole OpenAI request to a decode worker and
 names the prefill worker it chose; decode runs the handshake with that prefill worker itself.
 Without `require_info` (ordinary `kvstrata serve` processes as upstreams) the body goes to the
 decode worker unchanged and the prefill list is only health-checked.

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstrata.storage.base import StorageBackend
+if TYPE_CHECKING:  # base.open_storage imports this module: a type here, not an import cycle
+    from kvstrata.storage.base import StorageBackend
 
 
 class SlowReads:
