@@ -36,7 +36,7 @@ from kvstrata.pd.wire import WireError, pages_message, read_header, read_pages
 from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import PAGE, info, raw_handoff, start_all, worker_args
 from tests.serve_helpers import Server
-from tests.tiny_models import make_llama, save_echo_head
+from tests.tiny_models import save_echo_head
 
 torch.set_num_threads(1)
 TARGET_LAYERS = 3
@@ -58,12 +58,8 @@ def conversation(turns: int = 3, seed: int = 0) -> list[list[int]]:
 PROMPTS = conversation()
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("llama")
-    return make_llama(
-        root / "tiny", seed=5, num_hidden_layers=TARGET_LAYERS, max_position_embeddings=512
-    )
+CKPT = {"seed": 5, "num_hidden_layers": TARGET_LAYERS, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

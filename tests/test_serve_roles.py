@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from kvstrata.cli import serve_cmd
+from kvstrata.cli.main import build_parser
 from kvstrata.configtools import DEBUG_GROUP
 
 ROUTER_OPTIONS = {
@@ -21,9 +21,7 @@ DEBUG_OPTIONS = ("--parent-pid", "--debug-endpoints", "--inject-divergence",
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstrata")
-    serve_cmd.register(p.add_subparsers())
-    return p
+    return build_parser()
 
 
 def help_of(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -20,7 +20,6 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.serve.codec import ByteCodec
 from tests.serve_helpers import TINY_ENGINE, Server
-from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
 SPEC = ["--spec-draft", "self:2", "--spec-tokens", "3"]
@@ -29,10 +28,8 @@ PROMPTS = [[(7 * i + 3 + k) % 97 for i in range(30 + 5 * k)] for k in range(3)]
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("llama")
-    return make_llama(root / "tiny", seed=5, num_hidden_layers=3, max_position_embeddings=512)
+CKPT = {"seed": 5, "num_hidden_layers": 3, "max_position_embeddings": 512}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
