@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
@@ -262,21 +261,22 @@ class CPModel:
         return out
 
 
-class CPEngine(Engine):
-    """The Engine whose batches also fit the CP scratch: both (recv, scratch) buffer pairs of
-    the per-layer gather (kvstrata.parallel.cp_gather.scratch_nbytes) stay within `scratch_bytes`.
+class ScratchBudget:
+    """The CP budget term of the scheduler (kvstrata.engine.scheduler.BatchLimit): both
+    (recv, scratch) buffer pairs of the per-layer gather (kvstrata.parallel.cp_gather.
+    scratch_nbytes) stay within `scratch_bytes` (0: no limit).
 
-    Requests are dropped from the end of the planned batch until it fits (the first always
-    runs); they wait for a later step. The plan depends only on agreed state, so every rank
-    trims alike.
+    The scheduler drops requests from the end of the planned batch until it fits (the first
+    always runs); they wait for a later step. The plan depends only on agreed state, so every
+    rank trims alike.
     """
 
-    def __init__(self, *args: Any, scratch_bytes: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, pool: DevicePool, scratch_bytes: int) -> None:
         if scratch_bytes < 0:
             raise ValueError(f"scratch_bytes must be >= 0 (0 = no limit), got {scratch_bytes}")
-        self.scratch_bytes = scratch_bytes
-        self.peak_scratch = 0  # largest planned scratch of any forward (bytes)
+        self.pool, self.scratch_bytes = pool, scratch_bytes
+        self.page = pool.shape.page_size
+        self.peak = 0  # largest planned scratch of any forward (bytes)
 
     def batch_scratch(self, work: list[tuple[Request, list[int]]]) -> int:
         """Bytes of both gather buffer pairs for this batch."""
@@ -288,12 +288,8 @@ class CPEngine(Engine):
         shares = CPOwnership(cp).shares(list(pages))
         return scratch_nbytes(shape.layer_page_numel * shape.itemsize, len(pages), max(shares), cp)
 
-    def _plan(self) -> list[tuple[Request, list[int]]]:
-        work = super()._plan()
-        while (
-            self.scratch_bytes and len(work) > 1 and self.batch_scratch(work) > self.scratch_bytes
-        ):
-            work.pop()
-        if work:
-            self.peak_scratch = max(self.peak_scratch, self.batch_scratch(work))
-        return work
+    def fits(self, work: list[tuple[Request, list[int]]]) -> bool:
+        return not self.scratch_bytes or self.batch_scratch(work) <= self.scratch_bytes
+
+    def planned(self, work: list[tuple[Request, list[int]]]) -> None:
+        self.peak = max(self.peak, self.batch_scratch(work))

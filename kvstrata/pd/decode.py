@@ -311,15 +311,11 @@ class DecodeSide:
             if req is None or req.lease is None:
                 reply.put(None)
                 continue
-            load = req.lease.load
-            if load is not None and load.handle is not None:
-                load.handle.wait(self.cfg.pd_timeout_s)
+            engine.kv.wait_loaded(req, self.cfg.pd_timeout_s)
             reply.put(host_pages(engine.pool, req.page_table[first:end]))
 
     def _start(self, engine: Engine, req: Request) -> None:
-        lease = req.lease
-        assert lease is not None
-        held = lease.keys[: lease.hits.pages]  # every tier: L1, L2 (and what L3 brought)
+        held = engine.kv.held_keys(req)  # every tier: L1, L2 (and what L3 brought)
         n = -(-len(req.tokens) // engine.page)
         h = Handoff(self, req, held, n)
         if self.layout.cp > 1:  # the same page tables on every cp rank: the same owners

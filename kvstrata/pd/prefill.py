@@ -192,7 +192,7 @@ class PrefillSide:
 
     def _admit(self, head: dict[str, Any]) -> tuple[Request, int]:
         assert self.layout is not None
-        return check_handoff(self.layout, head, self.loop.engine.admission)
+        return check_handoff(self.layout, head, self.loop.engine.kv)
 
     def _flush(self) -> None:
         """Send what the engine thread queued (pages, refusals); each hand-off is answered once."""
@@ -220,7 +220,7 @@ class PrefillSide:
                 sink.last_sent_s = now
 
 
-def check_handoff(layout: Layout, head: dict[str, Any], admission: Any) -> tuple[Request, int]:
+def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Request, int]:
     """The engine request of a checked hand-off, and how many leading pages decode holds.
 
     Checks, in order: decode's layout (the first differing field named), then decode's key
@@ -239,7 +239,7 @@ def check_handoff(layout: Layout, head: dict[str, Any], admission: Any) -> tuple
             f"decode claims {len(held)} pages of a {len(tokens)}-token prompt; at most {most} "
             "(the page of the last prompt token is always computed)"
         )
-    mine = admission.prompt_keys(req)[: len(held)]
+    mine = kv.prompt_keys(req)[: len(held)]
     for i, (a, b) in enumerate(zip(held, mine, strict=True)):
         if a != b:
             raise WireError(f"page {i}: decode's key does not match the prompt (namespace/salt)")

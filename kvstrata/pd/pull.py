@@ -135,7 +135,7 @@ class Puller:
         req.computed = (first + kept) * engine.page
         if req.draft_computed is not None:
             req.draft_computed = req.computed  # a page carries its draft part, as a hit does
-        engine.admission.cache_pages(req, final=False)
+        engine.kv.cache_pages(req, final=False)
         sink.pulled = kept
         self.metrics.pulled("pull_received", kept, sum(p.nbytes for p in pages))
         req.remote = ""  # the engine computes the rest from here
