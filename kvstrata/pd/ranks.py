@@ -31,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from kvstrata.engine.request import Request, State
+from kvstrata.engine.step_io import Abort, NewRequest, SideCount, SideReady
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
 from kvstrata.pd.decode import DecodeSide
@@ -57,7 +58,7 @@ class RankMetrics:
 
     def _forward(self, name: str, *args: Any) -> None:
         if self.out is not None:
-            self.out.put(("pd", name, args))
+            self.out.put(SideCount(name, args))
 
     def sent(self, pages: int, nbytes: int) -> None:
         """A hand-off's pages are queued (its bytes are counted as they go: `wire`)."""
@@ -202,11 +203,11 @@ class RankPD:
         endpoints: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(endpoints, mine)
         if self.out is not None:
-            self.out.put(("pd_ready", {**layout.as_dict(), "rank": 0}, endpoints))
+            self.out.put(SideReady({**layout.as_dict(), "rank": 0}, endpoints))
 
-    def submitted(self, req: Request, extra: dict[str, Any]) -> None:
-        if self.prefill is not None and "pd_held" in extra:
-            self.prefill.submitted(req, extra)
+    def submitted(self, req: Request, handoff: dict[str, Any] | None) -> None:
+        if self.prefill is not None and handoff is not None:
+            self.prefill.submitted(req, handoff)
 
     def on_token(self, req: Request, token: int) -> None:
         if self.prefill is not None:
@@ -318,7 +319,7 @@ class RankPrefill:
             self.queued.pop(hid, None)
             self.flight.pop(hid, None)
             if self.rank == 0:  # every rank aborts it at the same step (broadcast)
-                self.inbox.put(("abort", f"pd-{hid}"))
+                self.inbox.put(Abort(f"pd-{hid}"))
             return
         if head["type"] == "pulled":  # only from this hand-off's own peer
             if self.peers.get(hid, (None,))[0] == peer:
@@ -346,10 +347,9 @@ class RankPrefill:
             if bad:
                 raise WireError(bad)
             return
-        req, held = check_handoff(self.layout, head, self.loop.engine.admission)
-        extra = {"pd_held": held, **check_owners(self.layout, head, held)}
-        spec = (req.rid, req.tokens, 1, None, req.cache_salt, extra)
-        self.inbox.put(("request", spec))
+        req, held = check_handoff(self.layout, head, self.loop.engine.kv)
+        handoff = {"pd_held": held, **check_owners(self.layout, head, held)}
+        self.inbox.put(NewRequest(req.rid, req.tokens, 1, None, req.cache_salt, handoff=handoff))
 
     def _flush(self) -> None:
         while True:

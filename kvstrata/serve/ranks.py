@@ -25,7 +25,21 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
-from kvstrata.engine.sampling import Sampler
+from kvstrata.engine.step_io import (
+    Abort,
+    Call,
+    CallDone,
+    Failed,
+    Finished,
+    NewRequest,
+    Ready,
+    SideCount,
+    SideReady,
+    StatsOut,
+    StepInputs,
+    Stop,
+    TokenOut,
+)
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext
 from kvstrata.serve.config import ServeConfig
@@ -38,8 +52,8 @@ STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies th
 FOREVER_S = 10 * 365 * 86400.0  # run_ranks' bound on the whole run: a server runs until stopped
 
 
-def _rank0_inputs(inbox: Any, idle: bool) -> tuple[list[Any], list[str], bool, list[Any]]:
-    """New requests, aborts and the stop flag waiting in rank 0's inbox (blocks briefly if idle)."""
+def _rank0_inputs(inbox: Any, idle: bool) -> list[Any]:
+    """What waits in rank 0's inbox: NewRequest, Abort, Call, Stop (blocks briefly if idle)."""
     items: list[Any] = []
     try:
         items.append(inbox.get(timeout=IDLE_WAIT_S) if idle else inbox.get_nowait())
@@ -47,10 +61,7 @@ def _rank0_inputs(inbox: Any, idle: bool) -> tuple[list[Any], list[str], bool, l
             items.append(inbox.get_nowait())
     except queue.Empty:
         pass
-    new = [x[1] for x in items if x[0] == "request"]
-    aborts = [x[1] for x in items if x[0] == "abort"]
-    calls = [x[1:] for x in items if x[0] == "call"]
-    return new, aborts, any(x[0] == "stop" for x in items), calls
+    return items
 
 
 def _timed(agree: Callable[[list[int]], list[int]], into: list[float]) -> Any:
@@ -65,42 +76,46 @@ def _timed(agree: Callable[[list[int]], list[int]], into: list[float]) -> Any:
     return timed
 
 
-def _rank0_message(eng: Engine, inbox: Any) -> list[Any]:
-    """[new request specs, aborts, rank 0's clock, stop, whether every rank steps, calls]."""
+def _rank0_message(eng: Engine, inbox: Any) -> StepInputs:
+    """This step's inputs, rank 0's clock, and whether every rank steps."""
     busy = eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
-    new, aborts, stop, calls = _rank0_inputs(inbox, idle=not busy)
-    return [new, aborts, time.monotonic(), stop, busy or bool(new), calls]
+    items = _rank0_inputs(inbox, idle=not busy)
+    new = [x for x in items if isinstance(x, NewRequest)]
+    return StepInputs(
+        new=new,
+        aborts=[x.rid for x in items if isinstance(x, Abort)],
+        clock=time.monotonic(),
+        stop=any(isinstance(x, Stop) for x in items),
+        step=busy or bool(new),
+        calls=[x for x in items if isinstance(x, Call)],
+    )
 
 
-def _run_calls(eng: Engine, calls: list[Any], out: Any | None) -> None:
+def _run_calls(eng: Engine, calls: list[Call], out: Any | None) -> None:
     """Every rank runs each call (fn(engine), between steps); rank 0 gathers and reports them."""
-    for call_id, fn in calls:
+    for call in calls:
         try:
-            mine: tuple[bool, Any] = (True, fn(eng))
+            mine: tuple[bool, Any] = (True, call.fn(eng))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, naming the rank
             mine = (False, f"{type(exc).__name__}: {exc}")
         gathered: list[Any] = [None] * dist.get_world_size() if out is not None else []
         dist.gather_object(mine, gathered if out is not None else None, dst=0)
         if out is not None:
-            out.put(("call", call_id, gathered))
+            out.put(CallDone(call.call_id, gathered))
 
 
-def _submit(eng: Engine, spec: tuple, outbox: Any | None, pd: Any = None) -> None:
-    """spec: (rid, tokens, max_new, sampling params or None (greedy), salt, extra); extra:
-    {"remote": prefill} (P/D decode) or {"pd_held": pages} (a P/D prefill hand-off)."""
-    rid, tokens, max_new, params, salt, extra = spec
-    sampler = Sampler(params, rid) if params is not None else None
-    req = Request(rid, tokens, max_new, sampler=sampler, cache_salt=salt)
-    req.remote, req.keep_logits = extra.get("remote", ""), "pd_held" in extra
+def _submit(eng: Engine, new: NewRequest, outbox: Any | None, pd: Any = None) -> None:
+    """Every rank builds the same request (a P/D hand-off's side hears of it first)."""
+    req = new.build()
     if pd is not None:
-        pd.submitted(req, extra)
+        pd.submitted(req, new.handoff)
     try:
         eng.submit(req)  # the same inputs on every rank: the same outcome
     except (ValueError, TypeError) as exc:
         if pd is not None:
             pd.ended(req, str(exc))
         if outbox is not None:
-            outbox.put(("error", rid, str(exc)))
+            outbox.put(Failed(new.rid, str(exc)))
 
 
 def serve_rank_loop(
@@ -146,10 +161,10 @@ def _ended(req: Request, out: Any | None, pd: Any) -> None:
     if out is None:
         return
     if req.failure is not None:  # a P/D hand-off failed: (status, message)
-        out.put(("error", req.rid, req.failure))
-    else:
-        spec = (list(req.spec_accepts), req.spec_proposed)  # usage.spec on the HTTP side
-        out.put(("done", req.rid, req.finish_reason, dict(req.hits), req.transfer, spec))
+        out.put(Failed(req.rid, req.failure))
+    else:  # spec_*: usage.spec on the HTTP side
+        hits, spec = dict(req.hits), list(req.spec_accepts)
+        out.put(Finished(req.rid, req.finish_reason, hits, req.transfer, spec, req.spec_proposed))
 
 
 def _on_token(out: Any | None, pd: Any) -> Callable[[Request, int], None]:
@@ -157,7 +172,7 @@ def _on_token(out: Any | None, pd: Any) -> Callable[[Request, int], None]:
         if pd is not None:
             pd.on_token(req, tok)  # a P/D prefill sends its pages at the first token
         if out is not None:
-            out.put(("token", req.rid, tok, dict(req.hits) if len(req.output) == 1 else None))
+            out.put(TokenOut(req.rid, tok, dict(req.hits) if len(req.output) == 1 else None))
 
     return on_token
 
@@ -172,35 +187,35 @@ def _serve_steps(
         eng.on_token = _on_token(out, pd)
     if out is not None:
         eng.agree = _timed(eng.agree, timings)
-        out.put(("ready",))
+        out.put(Ready())
     last_stats = 0.0
     while True:
-        msg = _rank0_message(eng, inbox) if rank0 else [[], [], 0.0, False, False, []]
-        dist.broadcast_object_list(msg, src=0)
-        new, aborts, re.now, stop, step, calls = msg
-        _run_calls(eng, calls, out)
-        if stop:
-            aborts = [r.rid for r in [*eng.waiting, *eng.running]]
+        box: list[Any] = [_rank0_message(eng, inbox) if rank0 else None]
+        dist.broadcast_object_list(box, src=0)
+        msg: StepInputs = box[0]
+        re.now = msg.clock
+        _run_calls(eng, msg.calls, out)
+        aborts = [r.rid for r in [*eng.waiting, *eng.running]] if msg.stop else msg.aborts
         for rid in aborts:
             req = eng.abort(rid)
             if req is not None:
                 _ended(req, out, pd)
-        if stop:
+        if msg.stop:
             break
-        for spec in new:
-            _submit(eng, spec, out, pd)
-        if step:
+        for new in msg.new:
+            _submit(eng, new, out, pd)
+        if msg.step:
             for req in eng.step():
                 _ended(req, out, pd)
                 if events is not None:
                     events.record(req)
-        if events is not None and (step or aborts or calls):  # a call may reset the cache
+        if events is not None and (msg.step or aborts or msg.calls):  # a call may reset the cache
             events.after_step(eng)
         elif events is not None:
             events.on_idle()
         if out is not None and re.now - last_stats > STATS_EVERY_S:
             last_stats = re.now
-            out.put(("stats", engine_stats(eng), list(timings)))
+            out.put(StatsOut(engine_stats(eng), list(timings)))
             timings.clear()
     eng.check_integrity()
     re.close()  # drains pending cache ops (L3 backups), agreed
@@ -262,12 +277,14 @@ class RankedLoop:
             self.pending += 1
             self._streams[req.rid] = (req, stream)
         assert req.sampler is not None
-        extra = {"remote": req.remote} if req.remote else {}
-        spec = (req.rid, req.tokens, req.max_new_tokens, req.sampler.params, req.cache_salt, extra)
-        self.inbox.put(("request", spec))
+        params = req.sampler.params
+        new = NewRequest(
+            req.rid, req.tokens, req.max_new_tokens, params, req.cache_salt, req.remote
+        )
+        self.inbox.put(new)
 
     def abort(self, rid: str) -> None:
-        self.inbox.put(("abort", rid))
+        self.inbox.put(Abort(rid))
 
     def abort_all(self) -> None:
         """Abort every request in flight (their streams end with finish_reason "abort")."""
@@ -286,11 +303,11 @@ class RankedLoop:
             call_id = self._calls
             self._futures[call_id] = fut
             self._every[call_id] = every_rank
-        self.inbox.put(("call", call_id, fn))
+        self.inbox.put(Call(call_id, fn))
         return fut
 
     def stop(self, timeout_s: float) -> bool:
-        self.inbox.put(("stop",))
+        self.inbox.put(Stop())
         self.thread.join(timeout_s)
         self._done.set()
         self._dispatch.join(5.0)
@@ -329,46 +346,43 @@ class RankedLoop:
                 continue
             self._handle(msg)
 
-    def _handle(self, msg: tuple) -> None:
-        if msg[0] == "ready":
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, Ready):
             self.ready.set()
-            return
-        if msg[0] == "call":
-            self._called(msg[1], msg[2])
-            return
-        if msg[0] in ("pd", "pd_ready"):  # a P/D worker's counters, or its layout once up
-            if msg[0] == "pd":
-                getattr(self.pd.metrics, msg[1])(*msg[2])
-            else:
-                self.pd.ranked_ready(msg[1], msg[2])
-            return
-        if msg[0] == "stats":
-            self.stats = msg[1]
+        elif isinstance(msg, CallDone):
+            self._called(msg.call_id, msg.results)
+        elif isinstance(msg, SideCount):  # a P/D worker's counters
+            getattr(self.pd.metrics, msg.name)(*msg.args)
+        elif isinstance(msg, SideReady):  # a P/D worker's layout, once up
+            self.pd.ranked_ready(msg.layout, msg.endpoints)
+        elif isinstance(msg, StatsOut):
+            self.stats = msg.stats
             for obs in self.observers:
                 if isinstance(obs, ServeMetrics):
-                    obs.on_stats(msg[1], msg[2])
-            return
-        entry = self._streams.get(msg[1])
-        if entry is None:
-            return
-        req, stream = entry
+                    obs.on_stats(msg.stats, msg.agree_s)
+        elif isinstance(msg, TokenOut | Finished | Failed):
+            entry = self._streams.get(msg.rid)
+            if entry is not None:
+                self._to_stream(msg, *entry)
+
+    def _to_stream(self, msg: TokenOut | Finished | Failed, req: Request, stream: Stream) -> None:
         now = time.monotonic()
-        if msg[0] == "token":
-            if msg[3] is not None:  # the first token: its hits, and (approximately) admission
-                req.hits = msg[3]
+        if isinstance(msg, TokenOut):
+            if msg.hits is not None:  # the first token: its hits, and (approximately) admission
+                req.hits = msg.hits
                 for obs in self.observers:
                     obs.on_admitted(req, stream, now)
             for obs in self.observers:
                 obs.on_token(req, stream, now)
             stream.last_token_s = now
-            stream.push("token", msg[2])
+            stream.push("token", msg.token)
             return
-        self._end(msg[1])
-        if msg[0] == "error":
-            stream.push("error", msg[2])
+        self._end(msg.rid)
+        if isinstance(msg, Failed):
+            stream.push("error", msg.error)
             return
-        req.finish_reason, req.hits, req.transfer = msg[2], msg[3], msg[4]
-        req.spec_accepts, req.spec_proposed = msg[5]
+        req.finish_reason, req.hits, req.transfer = msg.reason, msg.hits, msg.transfer
+        req.spec_accepts, req.spec_proposed = msg.spec_accepts, msg.spec_proposed
         for obs in self.observers:
             obs.on_finished(req, stream, now)
         stream.push("done", req)
