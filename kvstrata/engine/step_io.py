@@ -61,7 +61,8 @@ class Stop:
 class StepInputs:
     """What every rank applies before its next step, as rank 0 decided it."""
 
-    new: list[NewRequest] = field(default_factory=list)
+    new: list[NewRequest | Request] = field(default_factory=list)
+    """One rank: the HTTP side's own Request objects (nothing crosses a process)."""
     aborts: list[str] = field(default_factory=list)
     clock: float = 0.0  # rank 0's time: the agreed clock of prefetch budgets
     stop: bool = False
@@ -81,7 +82,15 @@ class Ready:
 class TokenOut:
     rid: str
     token: int
-    hits: dict[str, int] | None = None  # with the first token: the tiers that served the prompt
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request left the queue in the step that began at `at_s` (the reporting rank's time)."""
+
+    rid: str
+    hits: dict[str, int]  # prompt pages each tier served
+    at_s: float
 
 
 @dataclass(frozen=True)

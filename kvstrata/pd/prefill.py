@@ -111,34 +111,16 @@ class Sink:
         return host_pages(pool, ids), {}
 
 
-class PrefillSide:
-    """The listener thread and what it knows of hand-offs in flight."""
+class HandoffListener:
+    """A prefill listener thread (one rank's, or each rank's of several): it takes decode's
+    messages, sends what the engine thread queued, and keeps the hand-offs in flight alive."""
 
-    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any) -> None:
-        self.cfg, self.listener, self.metrics = cfg, listener, metrics
-        self.loop: Any = None  # the server's EngineLoop (set by attach)
-        self.layout: Layout | None = None
-        self.outbox: queue.SimpleQueue[tuple[Sink, Frames | None]] = queue.SimpleQueue()
-        self.flight: dict[str, Sink] = {}  # hand-off id -> its sink, until sent or failed
-        self.puller = Puller(cfg, metrics, lambda sink, frames: self.outbox.put((sink, frames)))
+    def __init__(self, cfg: PDConfig, listener: Listener, name: str) -> None:
+        self.cfg, self.listener = cfg, listener
+        # what the engine thread hands this thread, FIFO: (sink, frames, None (ended) or "new")
+        self.outbox: queue.SimpleQueue[tuple[Sink, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="pd-prefill", daemon=True)
-
-    def attach(self, loop: Any, engine: Any, layout: Layout) -> None:
-        """On the engine thread while it is built (loop.engine is not set yet)."""
-        self.loop, self.layout = loop, layout
-        if self.cfg.pd_layerwise:
-            engine.layer_hook = self.on_layer
-        engine.step_hook = self.puller.step
-        self.thread.start()
-
-    def on_layer(self, reqs: list[Request], layer: int) -> None:
-        """Engine thread: `layer` of these prompts is computed; hand-offs among them send it."""
-        for req in reqs:
-            if req.rid.startswith("pd-"):
-                sink = self.flight.get(req.rid.removeprefix("pd-"))
-                if sink is not None and sink.req is req:
-                    sink.on_layer(layer)
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
     def close(self) -> None:
         self._stop.set()
@@ -155,6 +137,52 @@ class PrefillSide:
             self._flush()
             self._heartbeat()
         self._flush()  # stopping: requests the loop aborted are answered, not left to time out
+
+    def _taken(self) -> list[tuple[Sink, Any]]:
+        """Everything the engine thread queued so far, in order."""
+        out = []
+        while True:
+            try:
+                out.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _on_message(self, peer: bytes, frames: Frames) -> None:
+        raise NotImplementedError
+
+    def _flush(self) -> None:
+        raise NotImplementedError
+
+    def _heartbeat(self) -> None:
+        raise NotImplementedError
+
+
+class PrefillSide(HandoffListener):
+    """The listener thread of one rank and what it knows of hand-offs in flight."""
+
+    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any) -> None:
+        super().__init__(cfg, listener, "pd-prefill")
+        self.metrics = metrics
+        self.loop: Any = None  # the server's EngineLoop (set by attach)
+        self.layout: Layout | None = None
+        self.flight: dict[str, Sink] = {}  # hand-off id -> its sink, until sent or failed
+        self.puller = Puller(cfg, metrics, lambda sink, frames: self.outbox.put((sink, frames)))
+
+    def attach(self, loop: Any, engine: Any, layout: Layout) -> None:
+        """On the engine thread while it is built (loop.engine is not set yet)."""
+        self.loop, self.layout = loop, layout
+        if self.cfg.pd_layerwise:
+            engine.layer_hook = self.on_layer
+        engine.step_hook = self.puller.step
+        self.thread.start()
+
+    def on_layer(self, reqs: list[Request], layer: int) -> None:
+        """Engine thread: `layer` of these prompts is computed; hand-offs among them send it."""
+        for req in reqs:
+            if req.rid.startswith("pd-"):
+                sink = self.flight.get(req.rid.removeprefix("pd-"))
+                if sink is not None and sink.req is req:
+                    sink.on_layer(layer)
 
     def _on_message(self, peer: bytes, frames: Frames) -> None:
         try:
@@ -196,11 +224,7 @@ class PrefillSide:
 
     def _flush(self) -> None:
         """Send what the engine thread queued (pages, refusals); each hand-off is answered once."""
-        while True:
-            try:
-                sink, frames = self.outbox.get_nowait()
-            except queue.Empty:
-                return
+        for sink, frames in self._taken():
             hid = sink.hid
             if self.flight.get(hid) is not sink:
                 continue  # cancelled by decode, or answered already (a "done" after the pages)

@@ -22,8 +22,6 @@ MIN, a silent peer by MAX), so every rank lands the same pages at the same step.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -35,11 +33,11 @@ from kvstrata.engine.step_io import Abort, NewRequest, SideCount, SideReady
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
 from kvstrata.pd.decode import DecodeSide
-from kvstrata.pd.prefill import Sink, check_handoff
+from kvstrata.pd.layout import layout_of
+from kvstrata.pd.prefill import HandoffListener, Sink, check_handoff
 from kvstrata.pd.pull import Puller, PullGate
 from kvstrata.pd.transport import TRANSPORTS, Listener
 from kvstrata.pd.wire import Frames, Layout, WireError, header, layout_mismatch, read_header
-from kvstrata.pd.worker import layout_of
 
 _SIDES: dict[int, RankPD] = {}  # id(engine) -> its rank's P/D side (one rank per process)
 
@@ -246,27 +244,23 @@ def rank_stats(engine: Any) -> dict[str, Any]:
     return _SIDES[id(engine)].stats()
 
 
-class RankPrefill:
+class RankPrefill(HandoffListener):
     """One prefill rank's listener thread. Only this thread touches flight/peers/queued; the
     engine thread hands it sinks and frames through `outbox` (FIFO: a sink before its frames)."""
 
     def __init__(
         self, cfg: PDConfig, listener: Listener, metrics: RankMetrics, rank: int, inbox: Any
     ) -> None:
-        self.cfg, self.listener, self.metrics, self.rank, self.inbox = (
-            cfg, listener, metrics, rank, inbox,
-        )  # fmt: skip
+        super().__init__(cfg, listener, "pd-prefill-rank")
+        self.metrics, self.rank, self.inbox = metrics, rank, inbox
         self.loop = SimpleNamespace(engine=None)  # what Sink reads: loop.engine
         self.layout: Layout | None = None
         self.cp: tuple[int, Any] = (0, None)  # (cp rank, cp group): a CPSink's gather
-        self.outbox: queue.SimpleQueue[tuple[Sink, Any]] = queue.SimpleQueue()
         self.sinks: dict[str, Sink] = {}  # engine thread: rid -> sink, until the request ends
         self.flight: dict[str, Sink] = {}  # hand-off id -> sink, until answered
         self.peers: dict[str, tuple[bytes, float]] = {}  # hand-off id -> (decode peer, since)
         self.queued: dict[str, list[Frames]] = {}  # answers waiting for their peer
         self.puller = Puller(cfg, metrics, lambda sink, f: self.outbox.put((sink, f)), rank=rank)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="pd-prefill-rank", daemon=True)
 
     # ---- engine thread -------------------------------------------------------------------------
     def attach(self, engine: Any, layout: Layout, gate: PullGate) -> None:
@@ -292,22 +286,7 @@ class RankPrefill:
             if sink is not None:
                 sink.on_layer(layer)
 
-    def close(self) -> None:
-        self._stop.set()
-        if self.thread.is_alive():
-            self.thread.join(5.0)
-        self.listener.close()
-
     # ---- listener thread -----------------------------------------------------------------------
-    def _serve(self) -> None:
-        wait = min(0.05, self.cfg.pd_heartbeat_s / 2)
-        while not self._stop.is_set():
-            got = self.listener.recv(wait)
-            if got is not None:
-                self._on_message(*got)
-            self._flush()
-            self._heartbeat_and_expire()
-
     def _on_message(self, peer: bytes, frames: Frames) -> None:
         try:
             head = read_header(frames)
@@ -352,11 +331,7 @@ class RankPrefill:
         self.inbox.put(NewRequest(req.rid, req.tokens, 1, None, req.cache_salt, handoff=handoff))
 
     def _flush(self) -> None:
-        while True:
-            try:
-                sink, frames = self.outbox.get_nowait()
-            except queue.Empty:
-                break
+        for sink, frames in self._taken():
             if isinstance(frames, str):  # "new": a request every rank now runs
                 self.flight[sink.hid] = sink
                 continue
@@ -382,7 +357,7 @@ class RankPrefill:
             del self.flight[hid]
             self.peers.pop(hid, None)
 
-    def _heartbeat_and_expire(self) -> None:
+    def _heartbeat(self) -> None:
         """Heartbeats to peers whose request runs; a peer whose request never came, or an
         answer whose peer never asked, is dropped after pd_timeout_s."""
         now, limit = time.monotonic(), self.cfg.pd_timeout_s

@@ -107,7 +107,7 @@ def _pd_worker(
     if cfg.role not in ("prefill", "decode"):
         return None
     from kvstrata.pd.config import PDConfig
-    from kvstrata.pd.routes import PDMetrics
+    from kvstrata.pd.metrics import PDMetrics
     from kvstrata.pd.worker import PDWorker
 
     return PDWorker(cfg.role, pd_cfg or PDConfig(), PDMetrics(metrics.registry, name), ranked)
@@ -130,7 +130,8 @@ def _build(
     if cfg.kv_events_endpoint and built.engine.cache is not None:
         from kvstrata.serve.events import KVEventPublisher
 
-        loop.observers.append(KVEventPublisher(cfg, configs[1].page_size))
+        assert isinstance(loop, EngineLoop)
+        loop.events = KVEventPublisher(cfg, configs[1].page_size)  # the step loop drives it
     return built
 
 
