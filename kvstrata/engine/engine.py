@@ -17,6 +17,7 @@ import torch
 from kvstrata.cache.keys import as_token_array
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.connector import KVConnector
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.runner import Forward, ModelRunner
@@ -82,12 +83,8 @@ class Engine:
         self.prompt_tokens = 0  # prompt tokens this engine's forwards computed (not hits/pulls)
         self.on_token: Callable[[Request, int], None] | None = None
         """Called with each token as it is produced (the server streams from it)."""
-        self.step_hook: Callable[[Engine], list[Request]] | None = None
-        """Called once per step after admission (P/D: starts and lands remote prefills); returns
-        the requests it finished."""
-        self.layer_hook: Callable[[list[Request], int], None] | None = None
-        """Called after each target layer of a forward with the requests whose prompt it
-        completes (P/D prefill sends that layer's pages at once); not while speculating."""
+        self.connector: KVConnector | None = None
+        """Remote KV in and out at fixed points of the step (P/D; kvstrata/engine/connector.py)."""
 
     @property
     def waiting(self) -> list[Request]:
@@ -138,12 +135,14 @@ class Engine:
         if log is not None:
             log.begin_step(self.steps)
         self._settle()
-        hook = self.step_hook
-        batch = self.scheduler.schedule(self.clock(), (lambda: hook(self)) if hook else None)
+        conn = self.connector
+        poll = (lambda: conn.get_finished(self)) if conn is not None else None
+        batch = self.scheduler.schedule(self.clock(), poll)
         self._admitted(batch.admitted)
         finished = batch.ended
         if batch.work:
-            finished += self.postprocess(batch.work, self.runner.run(batch.work, self.layer_hook))
+            saves = conn.save_kv_layer if conn is not None and conn.saves_layers else None
+            finished += self.postprocess(batch.work, self.runner.run(batch.work, saves))
         if log is not None:
             for req in finished:
                 log.record("finish", rid=req.rid, cached_pages=len(req.page_table))

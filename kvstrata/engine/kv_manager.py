@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from kvstrata.cache.chain import PageChain
 from kvstrata.cache.keys import Namespace, page_keys
-from kvstrata.cache.lease import Lease
+from kvstrata.cache.lease import Hits, Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.request import Request, State
 from kvstrata.memory.allocator import PageAllocator
@@ -106,6 +106,14 @@ class KVManager:
         lease = req.lease
         assert lease is not None, f"request {req.rid} was never admitted"
         return lease.keys[: lease.hits.pages]
+
+    def hits(self, req: Request) -> Hits:
+        """Prompt pages each tier served an admitted request (none before admission)."""
+        return req.lease.hits if req.lease is not None else Hits()
+
+    def holds(self, req: Request) -> bool:
+        """The request holds pages (admitted, not released)."""
+        return req.lease is not None
 
     def _ns(self, req: Request) -> Namespace:
         """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""

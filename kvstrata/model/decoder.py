@@ -111,6 +111,35 @@ class SeqBatch:
             raise ValueError("SeqBatch.positions must lie in [0, ctx_len) of their sequence")
 
 
+@dataclass(frozen=True)
+class ForwardArgs:
+    """One forward call of a model part (the whole model, a pipeline stage, a cp rank)."""
+
+    batch: SeqBatch
+    kv: Any  # KVPool (a DevicePool; sharded under cp)
+    before_layer: Callable[[int], None] | None = None
+    """Called before each layer (local index) runs: e.g. wait for its pages from L2."""
+    last_only: bool = False  # logits of each sequence's last token only
+    hidden_out: list[torch.Tensor] | None = None  # gets the last layer's output [T, hidden]
+
+
+class ModelPart:
+    """The forward call every model part takes; each part says how it runs (`run`)."""
+
+    def __call__(
+        self,
+        batch: SeqBatch,
+        kv: Any,
+        before_layer: Callable[[int], None] | None = None,
+        last_only: bool = False,
+        hidden_out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        return self.run(ForwardArgs(batch, kv, before_layer, last_only, hidden_out))
+
+    def run(self, a: ForwardArgs) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
 
@@ -198,26 +227,21 @@ class DecoderLM(nn.Module):
         [rows, vocab]."""
         return head_logits(self.model.norm, self._head_weight(), self.head_packed, x)
 
+    forward = ModelPart.__call__  # nn.Module's call runs it: the one forward signature
+
     @torch.inference_mode()  # cheaper than no_grad per op; outputs are read, never updated
-    def forward(
-        self,
-        batch: SeqBatch,
-        kv: KVPool,
-        before_layer: Callable[[int], None] | None = None,
-        last_only: bool = False,
-        hidden_out: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def run(self, a: ForwardArgs) -> torch.Tensor:
         """Logits fp32: [T, vocab], or [num_seqs, vocab] of each sequence's last token.
         `hidden_out` gets the last layer's output [T, hidden] (before the final norm)."""
-        if getattr(kv, "n_shards", 1) != 1:
+        if getattr(a.kv, "n_shards", 1) != 1:
             raise ValueError("kv: a sharded (context-parallel) pool needs the dist gather path")
-        f = LayerRun.start(batch, kv, self.model.embed_tokens.weight.device)
+        f = LayerRun.start(a.batch, a.kv, self.model.embed_tokens.weight.device)
         x = self.model.embed_tokens(f.ids)  # [T, hidden]
-        prune = last_only and hidden_out is None
-        x = f.run(self.model.layers, x, kv, self.rotary, before_layer, prune)
-        if hidden_out is not None:
-            hidden_out.append(x)  # an MTP draft head's input
-        return self.head(f.last_rows(x) if last_only else x)  # [T or num_seqs, vocab]
+        prune = a.last_only and a.hidden_out is None
+        x = f.run(self.model.layers, x, a.kv, self.rotary, a.before_layer, prune)
+        if a.hidden_out is not None:
+            a.hidden_out.append(x)  # an MTP draft head's input
+        return self.head(f.last_rows(x) if a.last_only else x)  # [T or num_seqs, vocab]
 
 
 def head_logits(

@@ -19,7 +19,6 @@ elsewhere gives every rank the same bits (x + 0 == x).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +30,7 @@ from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.attn_meta import AttnMeta, build_meta
-from kvstrata.model.decoder import DecoderLayer, DecoderLM, SeqBatch
+from kvstrata.model.decoder import DecoderLayer, DecoderLM, ForwardArgs, ModelPart, SeqBatch
 from kvstrata.parallel.cp_attn import attend_owned
 from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
 from kvstrata.parallel.pp import PipelineStage
@@ -92,8 +91,8 @@ def plan_tokens(
     return CPPlan(mine, rows, m, seq_rows, slots[mine], keep_dst)
 
 
-class CPModel:
-    """Callable like DecoderLM (same forward signature) over a sharded DevicePool."""
+class CPModel(ModelPart):
+    """A model part (DecoderLM's forward call) over a sharded DevicePool."""
 
     def __init__(
         self,
@@ -171,16 +170,12 @@ class CPModel:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     @torch.no_grad()
-    def __call__(
-        self,
-        batch: SeqBatch,
-        kv: DevicePool,
-        before_layer: Callable[[int], None] | None = None,
-        last_only: bool = False,
-        hidden_out: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def run(self, a: ForwardArgs) -> torch.Tensor:
         """Logits fp32 [T or num_seqs, vocab], identical on every cp rank; `hidden_out` gets
         the last layer's output [T, hidden] (before the norm; see full_rows)."""
+        batch, kv, before_layer, last_only, hidden_out = (
+            a.batch, a.kv, a.before_layer, a.last_only, a.hidden_out,
+        )  # fmt: skip
         page_size, m = kv.shape.page_size, self.model
         batch.validate(page_size, kv.capacity)
         gather = self._gatherer(kv)

@@ -12,7 +12,6 @@ reconciled by the step consensus like any other asynchronous event.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvstrata.memory.layout import KVShape
-from kvstrata.model.decoder import DecoderLM, KVPool, LayerRun, SeqBatch, head_logits
+from kvstrata.model.decoder import DecoderLM, ForwardArgs, LayerRun, ModelPart, head_logits
 
 
 def stage_bounds(num_layers: int, pp: int) -> list[int]:
@@ -30,8 +29,8 @@ def stage_bounds(num_layers: int, pp: int) -> list[int]:
     return [round(s * num_layers / pp) for s in range(pp + 1)]
 
 
-class PipelineStage:
-    """Callable like DecoderLM (same forward signature) for one pipeline stage."""
+class PipelineStage(ModelPart):
+    """A model part (DecoderLM's forward call) for one pipeline stage."""
 
     def __init__(
         self, model: DecoderLM, pp: int, stage: int, ranks: list[int], group: Any = None
@@ -67,18 +66,14 @@ class PipelineStage:
             self.end - self.first, s.num_kv_heads, s.head_dim, page_size, dtype or self.dtype_name
         )
 
-    @torch.inference_mode()  # as DecoderLM.forward: outputs are read, never updated
-    def __call__(
-        self,
-        batch: SeqBatch,
-        kv: KVPool,
-        before_layer: Callable[[int], None] | None = None,
-        last_only: bool = False,
-        hidden_out: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    @torch.inference_mode()  # as DecoderLM's: outputs are read, never updated
+    def run(self, a: ForwardArgs) -> torch.Tensor:
         """Logits fp32 [T or num_seqs, vocab], identical on every stage. `hidden_out` gets the
         last layer's output [T, hidden] on the last stage (an MTP head's input: the head runs
         there), zeros on the others (never read: they only receive the head's logits)."""
+        batch, kv, before_layer, last_only, hidden_out = (
+            a.batch, a.kv, a.before_layer, a.last_only, a.hidden_out,
+        )  # fmt: skip
         device = self.embed.weight.device
         f = LayerRun.start(batch, kv, device)
         t, hidden = f.ids.shape[0], self.spec.hidden_size

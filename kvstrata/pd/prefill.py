@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvstrata.cache.lease import hittable_pages
+from kvstrata.engine.connector import KVConnector
 from kvstrata.engine.request import Request
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.pages import host_pages
@@ -111,7 +112,7 @@ class Sink:
         return host_pages(pool, ids), {}
 
 
-class HandoffListener:
+class HandoffListener(KVConnector):
     """A prefill listener thread (one rank's, or each rank's of several): it takes decode's
     messages, sends what the engine thread queued, and keeps the hand-offs in flight alive."""
 
@@ -138,6 +139,24 @@ class HandoffListener:
             self._heartbeat()
         self._flush()  # stopping: requests the loop aborted are answered, not left to time out
 
+    # ---- the engine's connector (engine thread) --------------------------------------------------
+    layerwise = False  # hand-offs' pages go layer by layer as the forward computes them
+    pulls = True  # held pages this side lacks are pulled from decode (kvstrata/pd/pull.py)
+
+    def get_finished(self, engine: Any) -> list[Request]:
+        return self.puller.step(engine) if self.pulls else []
+
+    def save_kv_layer(self, reqs: list[Request], layer: int) -> None:
+        self.on_layer(reqs, layer)
+
+    @property
+    def saves_layers(self) -> bool:
+        return self.layerwise
+
+    def on_layer(self, reqs: list[Request], layer: int) -> None:
+        raise NotImplementedError
+
+    # ---- listener thread -----------------------------------------------------------------------
     def _taken(self) -> list[tuple[Sink, Any]]:
         """Everything the engine thread queued so far, in order."""
         out = []
@@ -171,9 +190,8 @@ class PrefillSide(HandoffListener):
     def attach(self, loop: Any, engine: Any, layout: Layout) -> None:
         """On the engine thread while it is built (loop.engine is not set yet)."""
         self.loop, self.layout = loop, layout
-        if self.cfg.pd_layerwise:
-            engine.layer_hook = self.on_layer
-        engine.step_hook = self.puller.step
+        self.layerwise = self.cfg.pd_layerwise
+        engine.connector = self
         self.thread.start()
 
     def on_layer(self, reqs: list[Request], layer: int) -> None:

@@ -265,11 +265,11 @@ class RankPrefill(HandoffListener):
     # ---- engine thread -------------------------------------------------------------------------
     def attach(self, engine: Any, layout: Layout, gate: PullGate) -> None:
         self.loop.engine, self.layout = engine, layout
-        if self.cfg.pd_layerwise and layout.cp == 1:  # cp: whole pages (pd/cp_pages.py)
-            engine.layer_hook = self.on_layer
-        if engine.cache is not None:  # the agreement rides in the cache's step consensus
+        self.layerwise = self.cfg.pd_layerwise and layout.cp == 1  # cp: whole pages
+        self.pulls = engine.cache is not None
+        if self.pulls:  # the agreement rides in the cache's step consensus
             self.puller.gate, gate.engine, gate.puller = gate, engine, self.puller
-            engine.step_hook = self.puller.step
+        engine.connector = self
         self.thread.start()
 
     def submitted(self, req: Request, extra: dict[str, Any]) -> None:
