@@ -13,9 +13,9 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import Namespace
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import PageMover
-from kvstrata.engine.admission import Admission
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Agree, DecisionSink, Engine
+from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.mtp_speculator import MTPSpeculator
 from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.layout import KVShape
@@ -96,8 +96,8 @@ def build_engine(
         parts,
         ns,
         model.vocab_size,
-        lambda cache, admission: Engine(
-            model, pool, cache, admission, config, agree, decisions=decisions, speculator=spec
+        lambda cache, kv: Engine(
+            model, pool, cache, kv, config, agree, decisions=decisions, speculator=spec
         ),
     )
     return Built(engine, parts.mover)  # type: ignore[arg-type]
@@ -134,9 +134,9 @@ def assemble(
     parts: CacheParts,
     ns: Namespace,
     vocab_size: int,
-    make_engine: Callable[[HiCache | None, Admission], Engine],
+    make_engine: Callable[[HiCache | None, KVManager], Engine],
 ) -> Engine:
-    """The one place an engine is put together: cache over the parts, admission, engine."""
+    """The one place an engine is put together: cache over the parts, KV manager, engine."""
     cache = None
     if parts.mover is not None:
         cache = HiCache(
@@ -147,8 +147,8 @@ def assemble(
             has_storage=parts.has_storage,
             page_nbytes=parts.pool.shape.page_nbytes,
         )
-    admission = Admission(cache, parts.pool.allocator, ns, vocab_size, config.admission_lookahead)
-    return make_engine(cache, admission)
+    kv = KVManager(cache, parts.pool.allocator, ns, vocab_size, config.admission_lookahead)
+    return make_engine(cache, kv)
 
 
 def build_speculator(

@@ -32,7 +32,7 @@ class Request:
     sampler: Sampler | None = None  # None: greedy, ends only at max_new_tokens
     cache_salt: str = ""  # mixed into the page keys: requests with other salts share no page
     remote: str = ""
-    """P/D: another worker fills the prompt's pages and the step hook ends the wait ("" = this
+    """P/D: another worker fills the prompt's pages and the engine's connector ends the wait ("" = this
     engine prefills it). Decode: the prefill worker that computes the prompt; prefill: "decode",
     a hand-off that may first pull held pages from decode (kvstrata/pd/pull.py)."""
     transfer: dict[str, Any] | None = None  # P/D decode: what crossed for it (usage.pd)

@@ -111,6 +111,35 @@ class SeqBatch:
             raise ValueError("SeqBatch.positions must lie in [0, ctx_len) of their sequence")
 
 
+@dataclass(frozen=True)
+class ForwardArgs:
+    """One forward call of a model part (the whole model, a pipeline stage, a cp rank)."""
+
+    batch: SeqBatch
+    kv: Any  # KVPool (a DevicePool; sharded under cp)
+    before_layer: Callable[[int], None] | None = None
+    """Called before each layer (local index) runs: e.g. wait for its pages from L2."""
+    last_only: bool = False  # logits of each sequence's last token only
+    hidden_out: list[torch.Tensor] | None = None  # gets the last layer's output [T, hidden]
+
+
+class ModelPart:
+    """The forward call every model part takes; each part says how it runs (`run`)."""
+
+    def __call__(
+        self,
+        batch: SeqBatch,
+        kv: Any,
+        before_layer: Callable[[int], None] | None = None,
+        last_only: bool = False,
+        hidden_out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        return self.run(ForwardArgs(batch, kv, before_layer, last_only, hidden_out))
+
+    def run(self, a: ForwardArgs) -> torch.Tensor:
+        raise NotImplementedError
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
 
@@ -193,41 +222,80 @@ class DecoderLM(nn.Module):
             s.num_layers, s.num_kv_heads, s.head_dim, page_size, dtype or self.dtype_name
         )
 
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head (prepacked where it was built): [rows, hidden] -> fp32
+        [rows, vocab]."""
+        return head_logits(self.model.norm, self._head_weight(), self.head_packed, x)
+
+    forward = ModelPart.__call__  # nn.Module's call runs it: the one forward signature
+
     @torch.inference_mode()  # cheaper than no_grad per op; outputs are read, never updated
-    def forward(
-        self,
-        batch: SeqBatch,
-        kv: KVPool,
-        before_layer: Callable[[int], None] | None = None,
-        last_only: bool = False,
-        hidden_out: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def run(self, a: ForwardArgs) -> torch.Tensor:
         """Logits fp32: [T, vocab], or [num_seqs, vocab] of each sequence's last token.
         `hidden_out` gets the last layer's output [T, hidden] (before the final norm)."""
-        if getattr(kv, "n_shards", 1) != 1:
+        if getattr(a.kv, "n_shards", 1) != 1:
             raise ValueError("kv: a sharded (context-parallel) pool needs the dist gather path")
+        f = LayerRun.start(a.batch, a.kv, self.model.embed_tokens.weight.device)
+        x = self.model.embed_tokens(f.ids)  # [T, hidden]
+        prune = a.last_only and a.hidden_out is None
+        x = f.run(self.model.layers, x, a.kv, self.rotary, a.before_layer, prune)
+        if a.hidden_out is not None:
+            a.hidden_out.append(x)  # an MTP draft head's input
+        return self.head(f.last_rows(x) if a.last_only else x)  # [T or num_seqs, vocab]
+
+
+def head_logits(
+    norm: nn.Module, weight: torch.Tensor, packed: Prepacked | None, x: torch.Tensor
+) -> torch.Tensor:
+    """Final norm and LM head `weight` [vocab, hidden] (prepacked where `packed` holds it):
+    [rows, hidden] -> fp32 [rows, vocab]."""
+    x = norm(x)
+    if packed is not None and packed.holds(weight, None):
+        return packed(x).float()
+    return nn.functional.linear(x, weight).float()
+
+
+@dataclass
+class LayerRun:
+    """One forward's walk through a run of layers (the whole model, or a pipeline stage's)."""
+
+    ids: torch.Tensor  # [T] token ids on the model's device
+    positions: torch.Tensor  # [T]
+    meta: AttnMeta
+    ends: torch.Tensor  # [num_seqs] each sequence's last row
+    pruned: bool = False  # only the `ends` rows left the last layer
+
+    @staticmethod
+    def start(batch: SeqBatch, kv: KVPool, device: torch.device) -> LayerRun:
         capacity, page_size = kv.k(0).shape[:2]
         batch.validate(page_size, capacity)
-        device = self.model.embed_tokens.weight.device
         ids, positions = batch.input_ids.to(device), batch.positions.to(device)
         meta = build_meta(positions, batch.seq_lens, batch.ctx_lens, batch.page_tables, page_size)
-        x = self.model.embed_tokens(ids)  # [T, hidden]
-        rope = self.rotary.tables(positions, x.dtype)
-        ends = torch.tensor(batch.seq_lens, device=device).cumsum(0) - 1  # [num_seqs] last rows
-        # Only the last rows' states leave the last layer: it writes every row's K/V, then runs
-        # attention and the MLP for those rows alone (one layer's work fewer per prompt token).
-        last = len(self.model.layers) - 1
-        prune = last_only and hidden_out is None and all(meta.tail) and last >= 0
-        for i, layer in enumerate(self.model.layers):
+        ends = torch.tensor(batch.seq_lens, device=device).cumsum(0) - 1
+        return LayerRun(ids, positions, meta, ends)
+
+    def run(
+        self,
+        layers: Sequence[DecoderLayer],
+        x: torch.Tensor,  # [T, hidden]
+        kv: KVPool,
+        rotary: Rotary,
+        before_layer: Callable[[int], None] | None,
+        prune: bool,
+    ) -> torch.Tensor:
+        """Each layer over its pool layer (index local to this run). `prune`: only the last
+        rows' states leave the last layer: it writes every row's K/V, then runs attention and
+        the MLP for those rows alone (one layer's work fewer per prompt token)."""
+        rope = rotary.tables(self.positions, x.dtype)
+        last = len(layers) - 1
+        self.pruned = prune and all(self.meta.tail) and last >= 0
+        for i, layer in enumerate(layers):
             if before_layer is not None:
                 before_layer(i)  # e.g. wait until layer i's pages arrived from the host pool
-            x = layer(x, rope, kv.k(i), kv.v(i), meta, ends if prune and i == last else None)
-        if hidden_out is not None:
-            hidden_out.append(x)  # an MTP draft head's input
-        if last_only and not prune:
-            x = x[ends]
-        x = self.model.norm(x)
-        weight, packed = self._head_weight(), self.head_packed
-        if packed is not None and packed.holds(weight, None):
-            return packed(x).float()  # [T or num_seqs, vocab]
-        return nn.functional.linear(x, weight).float()
+            rows = self.ends if self.pruned and i == last else None
+            x = layer(x, rope, kv.k(i), kv.v(i), self.meta, rows)
+        return x
+
+    def last_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Each sequence's last row  # [num_seqs, hidden]"""
+        return x if self.pruned else x[self.ends]

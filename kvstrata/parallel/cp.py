@@ -19,7 +19,6 @@ elsewhere gives every rank the same bits (x + 0 == x).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.attn_meta import AttnMeta, build_meta
-from kvstrata.model.decoder import DecoderLayer, DecoderLM, SeqBatch
+from kvstrata.model.decoder import DecoderLayer, DecoderLM, ForwardArgs, ModelPart, SeqBatch
 from kvstrata.parallel.cp_attn import attend_owned
 from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
 from kvstrata.parallel.pp import PipelineStage
@@ -93,8 +91,8 @@ def plan_tokens(
     return CPPlan(mine, rows, m, seq_rows, slots[mine], keep_dst)
 
 
-class CPModel:
-    """Callable like DecoderLM (same forward signature) over a sharded DevicePool."""
+class CPModel(ModelPart):
+    """A model part (DecoderLM's forward call) over a sharded DevicePool."""
 
     def __init__(
         self,
@@ -172,16 +170,12 @@ class CPModel:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     @torch.no_grad()
-    def __call__(
-        self,
-        batch: SeqBatch,
-        kv: DevicePool,
-        before_layer: Callable[[int], None] | None = None,
-        last_only: bool = False,
-        hidden_out: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    def run(self, a: ForwardArgs) -> torch.Tensor:
         """Logits fp32 [T or num_seqs, vocab], identical on every cp rank; `hidden_out` gets
         the last layer's output [T, hidden] (before the norm; see full_rows)."""
+        batch, kv, before_layer, last_only, hidden_out = (
+            a.batch, a.kv, a.before_layer, a.last_only, a.hidden_out,
+        )  # fmt: skip
         page_size, m = kv.shape.page_size, self.model
         batch.validate(page_size, kv.capacity)
         gather = self._gatherer(kv)
@@ -262,21 +256,22 @@ class CPModel:
         return out
 
 
-class CPEngine(Engine):
-    """The Engine whose batches also fit the CP scratch: both (recv, scratch) buffer pairs of
-    the per-layer gather (kvstrata.parallel.cp_gather.scratch_nbytes) stay within `scratch_bytes`.
+class ScratchBudget:
+    """The CP budget term of the scheduler (kvstrata.engine.scheduler.BatchLimit): both
+    (recv, scratch) buffer pairs of the per-layer gather (kvstrata.parallel.cp_gather.
+    scratch_nbytes) stay within `scratch_bytes` (0: no limit).
 
-    Requests are dropped from the end of the planned batch until it fits (the first always
-    runs); they wait for a later step. The plan depends only on agreed state, so every rank
-    trims alike.
+    The scheduler drops requests from the end of the planned batch until it fits (the first
+    always runs); they wait for a later step. The plan depends only on agreed state, so every
+    rank trims alike.
     """
 
-    def __init__(self, *args: Any, scratch_bytes: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, pool: DevicePool, scratch_bytes: int) -> None:
         if scratch_bytes < 0:
             raise ValueError(f"scratch_bytes must be >= 0 (0 = no limit), got {scratch_bytes}")
-        self.scratch_bytes = scratch_bytes
-        self.peak_scratch = 0  # largest planned scratch of any forward (bytes)
+        self.pool, self.scratch_bytes = pool, scratch_bytes
+        self.page = pool.shape.page_size
+        self.peak = 0  # largest planned scratch of any forward (bytes)
 
     def batch_scratch(self, work: list[tuple[Request, list[int]]]) -> int:
         """Bytes of both gather buffer pairs for this batch."""
@@ -288,12 +283,8 @@ class CPEngine(Engine):
         shares = CPOwnership(cp).shares(list(pages))
         return scratch_nbytes(shape.layer_page_numel * shape.itemsize, len(pages), max(shares), cp)
 
-    def _plan(self) -> list[tuple[Request, list[int]]]:
-        work = super()._plan()
-        while (
-            self.scratch_bytes and len(work) > 1 and self.batch_scratch(work) > self.scratch_bytes
-        ):
-            work.pop()
-        if work:
-            self.peak_scratch = max(self.peak_scratch, self.batch_scratch(work))
-        return work
+    def fits(self, work: list[tuple[Request, list[int]]]) -> bool:
+        return not self.scratch_bytes or self.batch_scratch(work) <= self.scratch_bytes
+
+    def planned(self, work: list[tuple[Request, list[int]]]) -> None:
+        self.peak = max(self.peak, self.batch_scratch(work))

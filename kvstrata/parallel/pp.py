@@ -12,7 +12,6 @@ reconciled by the step consensus like any other asynchronous event.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,8 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvstrata.memory.layout import KVShape
-from kvstrata.model.attn_meta import build_meta
-from kvstrata.model.decoder import DecoderLM, KVPool, SeqBatch
+from kvstrata.model.decoder import DecoderLM, ForwardArgs, LayerRun, ModelPart, head_logits
 
 
 def stage_bounds(num_layers: int, pp: int) -> list[int]:
@@ -31,8 +29,8 @@ def stage_bounds(num_layers: int, pp: int) -> list[int]:
     return [round(s * num_layers / pp) for s in range(pp + 1)]
 
 
-class PipelineStage:
-    """Callable like DecoderLM (same forward signature) for one pipeline stage."""
+class PipelineStage(ModelPart):
+    """A model part (DecoderLM's forward call) for one pipeline stage."""
 
     def __init__(
         self, model: DecoderLM, pp: int, stage: int, ranks: list[int], group: Any = None
@@ -51,6 +49,7 @@ class PipelineStage:
         self.norm = model.model.norm
         self.lm_head = model.lm_head
         self.rotary = model.rotary
+        self.head_packed = model.head_packed  # the last stage's LM head, prepacked (or None)
 
     @property
     def vocab_size(self) -> int:
@@ -67,46 +66,37 @@ class PipelineStage:
             self.end - self.first, s.num_kv_heads, s.head_dim, page_size, dtype or self.dtype_name
         )
 
-    @torch.no_grad()
-    def __call__(
-        self,
-        batch: SeqBatch,
-        kv: KVPool,
-        before_layer: Callable[[int], None] | None = None,
-        last_only: bool = False,
-        hidden_out: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+    @torch.inference_mode()  # as DecoderLM's: outputs are read, never updated
+    def run(self, a: ForwardArgs) -> torch.Tensor:
         """Logits fp32 [T or num_seqs, vocab], identical on every stage. `hidden_out` gets the
         last layer's output [T, hidden] on the last stage (an MTP head's input: the head runs
         there), zeros on the others (never read: they only receive the head's logits)."""
-        capacity, page_size = kv.k(0).shape[:2]
-        batch.validate(page_size, capacity)
+        batch, kv, before_layer, last_only, hidden_out = (
+            a.batch, a.kv, a.before_layer, a.last_only, a.hidden_out,
+        )  # fmt: skip
         device = self.embed.weight.device
-        ids, positions = batch.input_ids.to(device), batch.positions.to(device)
-        meta = build_meta(positions, batch.seq_lens, batch.ctx_lens, batch.page_tables, page_size)
-        t, hidden = ids.shape[0], self.spec.hidden_size
+        f = LayerRun.start(batch, kv, device)
+        t, hidden = f.ids.shape[0], self.spec.hidden_size
         if self.stage == 0:
-            x = self.embed(ids)  # [T, hidden]
+            x = self.embed(f.ids)  # [T, hidden]
         else:
             x = torch.empty(t, hidden, dtype=self.embed.weight.dtype, device=device)
             dist.recv(x, src=self.ranks[self.stage - 1])
-        rope = self.rotary.tables(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            if before_layer is not None:
-                before_layer(i)  # local layer index: this stage's pool has only its layers
-            x = layer(x, rope, kv.k(i), kv.v(i), meta)
-        n_out = len(batch.seq_lens) if last_only else t
-        logits = torch.empty(n_out, self.vocab_size, dtype=torch.float32, device=device)
+        # before_layer takes local layer indices: this stage's pool has only its layers
+        prune = self.is_last and last_only and hidden_out is None  # the last layer of all
+        x = f.run(self.layers, x, kv, self.rotary, before_layer, prune)
         if not self.is_last:
+            rows = len(batch.seq_lens) if last_only else t
+            logits = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=device)
             dist.send(x.contiguous(), dst=self.ranks[self.stage + 1])
             if hidden_out is not None:
                 hidden_out.append(torch.zeros_like(x))
         else:
             if hidden_out is not None:
                 hidden_out.append(x)
-            if last_only:
-                x = x[torch.tensor(batch.seq_lens, device=device).cumsum(0) - 1]
             weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-            logits = nn.functional.linear(self.norm(x), weight).float()
+            logits = head_logits(
+                self.norm, weight, self.head_packed, f.last_rows(x) if last_only else x
+            )
         dist.broadcast(logits, src=self.ranks[-1], group=self.group)
         return logits  # [T or num_seqs, vocab]

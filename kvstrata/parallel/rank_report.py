@@ -74,7 +74,7 @@ def rank_result(re: Any, done: list[Request]) -> dict[str, Any]:
         "pool_slots": re.pool.capacity_local,
         "steps": re.engine.steps,
         "tokens_computed": getattr(re.engine.model, "tokens_computed", None),
-        "peak_scratch": getattr(re.engine, "peak_scratch", None),
+        "peak_scratch": getattr(re.engine.scheduler.limit, "peak", None),
         "collectives_per_step": re.consensus.collectives_per_step if re.consensus else 0.0,
         "spec_accepts": {r.rid: list(r.spec_accepts) for r in done},
         "spec_proposed": {r.rid: r.spec_proposed for r in done},

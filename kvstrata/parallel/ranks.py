@@ -26,7 +26,6 @@ from kvstrata.cache.keys import Namespace
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Node
 from kvstrata.configtools import doc
-from kvstrata.engine.admission import Admission
 from kvstrata.engine.build import (
     CacheParts,
     assemble,
@@ -36,13 +35,14 @@ from kvstrata.engine.build import (
 )
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
+from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.model.checkpoint import load_model
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.consensus import StepConsensus
-from kvstrata.parallel.cp import CPEngine, CPModel
+from kvstrata.parallel.cp import CPModel, ScratchBudget
 from kvstrata.parallel.decision_log import MASK63, DecisionLog, config_digest
 from kvstrata.parallel.group import (
     RankContext,
@@ -163,12 +163,10 @@ class RankEngine:
         self.digests: list[int] = []
         self.pages = PageWatch(self.pool) if options.report_pages else None
 
-        def make_engine(cache: HiCache | None, admission: Admission) -> Engine:
-            args = (rp.model, self.pool, cache, admission, engine_cfg, self.agree)
-            kw = {"decisions": self, "speculator": spec}
-            if cp > 1:
-                return CPEngine(*args, self.clock, scratch_bytes=options.cp_scratch_bytes, **kw)
-            return Engine(*args, self.clock, **kw)  # type: ignore[arg-type]
+        def make_engine(cache: HiCache | None, kv: KVManager) -> Engine:
+            scratch = ScratchBudget(self.pool, options.cp_scratch_bytes) if cp > 1 else None
+            args = (rp.model, self.pool, cache, kv, engine_cfg, self.agree, self.clock)
+            return Engine(*args, decisions=self, speculator=spec, limit=scratch)  # type: ignore[arg-type]
 
         # the rank engine adds only the step agreement and the decision log to what build makes
         self.engine = assemble(engine_cfg, cache_cfg, parts, ns, full.vocab_size, make_engine)

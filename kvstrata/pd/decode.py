@@ -4,7 +4,7 @@ Decode's own Lease matched and admitted the request over its tiers (L1, L2, L3 p
 L2), locked the held prefix and allocated every other page; the engine does not plan the prompt
 of a `remote` request. Once admitted, a thread per hand-off sends prefill the keys of the pages
 decode holds and waits (bounded by pd_timeout_s of silence) for exactly the missing pages and
-the first-token logits row. The engine thread (the step hook) writes them into the request's
+the first-token logits row. The engine thread (the connector's get_finished) writes them into the request's
 own pages and emits the first token; or, on any failure, releases the request's pages and ends
 it with 502/504 naming the prefill endpoint (or, with pd_on_failure=local, prefills it here).
 Meanwhile prefill may `pull` held pages it lacks: the engine thread copies them out of the
@@ -23,6 +23,7 @@ import httpx2 as httpx
 import torch
 import zmq
 
+from kvstrata.engine.connector import KVConnector
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
@@ -217,7 +218,7 @@ class Handoff(threading.Thread):
         return None
 
 
-class DecodeSide:
+class DecodeSide(KVConnector):
     """Starts and lands hand-offs; `hook` runs on the engine thread once per step.
 
     One rank lands an outcome as soon as it arrives. Under several ranks (`gate`, see
@@ -245,7 +246,7 @@ class DecodeSide:
         self.layout, self.gate = layout, gate
         self.part = (engine.pool.shape.num_layers, engine.pool.shape.page_nbytes)
         self.wants_state = engine.spec is not None and engine.spec.wants_hidden
-        engine.step_hook = self.hook
+        engine.connector = self
 
     def choose(self, wanted: str | None) -> str:
         """The prefill worker of a new request: the one the router named, else round robin."""
@@ -260,7 +261,7 @@ class DecodeSide:
             self._next += 1
             return urls[(self._next - 1) % len(urls)]
 
-    def hook(self, engine: Engine) -> list[Request]:
+    def get_finished(self, engine: Engine) -> list[Request]:
         running = {r.rid: r for r in engine.running}
         for rid, h in list(self.active.items()):
             if rid not in running:  # aborted (client gone): stop waiting for prefill
@@ -308,18 +309,14 @@ class DecodeSide:
             except queue.Empty:
                 return
             req = running.get(rid)
-            if req is None or req.lease is None:
+            if req is None or not engine.kv.holds(req):
                 reply.put(None)
                 continue
-            load = req.lease.load
-            if load is not None and load.handle is not None:
-                load.handle.wait(self.cfg.pd_timeout_s)
+            engine.kv.wait_loaded(req, self.cfg.pd_timeout_s)
             reply.put(host_pages(engine.pool, req.page_table[first:end]))
 
     def _start(self, engine: Engine, req: Request) -> None:
-        lease = req.lease
-        assert lease is not None
-        held = lease.keys[: lease.hits.pages]  # every tier: L1, L2 (and what L3 brought)
+        held = engine.kv.held_keys(req)  # every tier: L1, L2 (and what L3 brought)
         n = -(-len(req.tokens) // engine.page)
         h = Handoff(self, req, held, n)
         if self.layout.cp > 1:  # the same page tables on every cp rank: the same owners
@@ -338,11 +335,11 @@ class DecodeSide:
             engine.fail_remote(req, *out.failure)
             return True
         got = out.received
-        assert got is not None and req.lease is not None
+        assert got is not None and engine.kv.holds(req)
         at, n = got.first_page, -(-len(req.tokens) // engine.page)
         ids = [req.page_table[i] for i in received_pages(got, None)]  # this rank's pages
         write_pages(engine.pool, ids, got.pages)
-        hits = req.lease.hits
+        hits = engine.kv.hits(req)
         req.transfer = {
             "pages_received": n - at,  # every page decode lacked, over all its ranks
             # whole pages: every rank landed its verified part (equal to got.nbytes on one rank)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvstrata.cache.lease import hittable_pages
+from kvstrata.engine.connector import KVConnector
 from kvstrata.engine.request import Request
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.pages import host_pages
@@ -111,34 +112,16 @@ class Sink:
         return host_pages(pool, ids), {}
 
 
-class PrefillSide:
-    """The listener thread and what it knows of hand-offs in flight."""
+class HandoffListener(KVConnector):
+    """A prefill listener thread (one rank's, or each rank's of several): it takes decode's
+    messages, sends what the engine thread queued, and keeps the hand-offs in flight alive."""
 
-    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any) -> None:
-        self.cfg, self.listener, self.metrics = cfg, listener, metrics
-        self.loop: Any = None  # the server's EngineLoop (set by attach)
-        self.layout: Layout | None = None
-        self.outbox: queue.SimpleQueue[tuple[Sink, Frames | None]] = queue.SimpleQueue()
-        self.flight: dict[str, Sink] = {}  # hand-off id -> its sink, until sent or failed
-        self.puller = Puller(cfg, metrics, lambda sink, frames: self.outbox.put((sink, frames)))
+    def __init__(self, cfg: PDConfig, listener: Listener, name: str) -> None:
+        self.cfg, self.listener = cfg, listener
+        # what the engine thread hands this thread, FIFO: (sink, frames, None (ended) or "new")
+        self.outbox: queue.SimpleQueue[tuple[Sink, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="pd-prefill", daemon=True)
-
-    def attach(self, loop: Any, engine: Any, layout: Layout) -> None:
-        """On the engine thread while it is built (loop.engine is not set yet)."""
-        self.loop, self.layout = loop, layout
-        if self.cfg.pd_layerwise:
-            engine.layer_hook = self.on_layer
-        engine.step_hook = self.puller.step
-        self.thread.start()
-
-    def on_layer(self, reqs: list[Request], layer: int) -> None:
-        """Engine thread: `layer` of these prompts is computed; hand-offs among them send it."""
-        for req in reqs:
-            if req.rid.startswith("pd-"):
-                sink = self.flight.get(req.rid.removeprefix("pd-"))
-                if sink is not None and sink.req is req:
-                    sink.on_layer(layer)
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
     def close(self) -> None:
         self._stop.set()
@@ -155,6 +138,69 @@ class PrefillSide:
             self._flush()
             self._heartbeat()
         self._flush()  # stopping: requests the loop aborted are answered, not left to time out
+
+    # ---- the engine's connector (engine thread) --------------------------------------------------
+    layerwise = False  # hand-offs' pages go layer by layer as the forward computes them
+    pulls = True  # held pages this side lacks are pulled from decode (kvstrata/pd/pull.py)
+
+    def get_finished(self, engine: Any) -> list[Request]:
+        return self.puller.step(engine) if self.pulls else []
+
+    def save_kv_layer(self, reqs: list[Request], layer: int) -> None:
+        self.on_layer(reqs, layer)
+
+    @property
+    def saves_layers(self) -> bool:
+        return self.layerwise
+
+    def on_layer(self, reqs: list[Request], layer: int) -> None:
+        raise NotImplementedError
+
+    # ---- listener thread -----------------------------------------------------------------------
+    def _taken(self) -> list[tuple[Sink, Any]]:
+        """Everything the engine thread queued so far, in order."""
+        out = []
+        while True:
+            try:
+                out.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _on_message(self, peer: bytes, frames: Frames) -> None:
+        raise NotImplementedError
+
+    def _flush(self) -> None:
+        raise NotImplementedError
+
+    def _heartbeat(self) -> None:
+        raise NotImplementedError
+
+
+class PrefillSide(HandoffListener):
+    """The listener thread of one rank and what it knows of hand-offs in flight."""
+
+    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any) -> None:
+        super().__init__(cfg, listener, "pd-prefill")
+        self.metrics = metrics
+        self.loop: Any = None  # the server's EngineLoop (set by attach)
+        self.layout: Layout | None = None
+        self.flight: dict[str, Sink] = {}  # hand-off id -> its sink, until sent or failed
+        self.puller = Puller(cfg, metrics, lambda sink, frames: self.outbox.put((sink, frames)))
+
+    def attach(self, loop: Any, engine: Any, layout: Layout) -> None:
+        """On the engine thread while it is built (loop.engine is not set yet)."""
+        self.loop, self.layout = loop, layout
+        self.layerwise = self.cfg.pd_layerwise
+        engine.connector = self
+        self.thread.start()
+
+    def on_layer(self, reqs: list[Request], layer: int) -> None:
+        """Engine thread: `layer` of these prompts is computed; hand-offs among them send it."""
+        for req in reqs:
+            if req.rid.startswith("pd-"):
+                sink = self.flight.get(req.rid.removeprefix("pd-"))
+                if sink is not None and sink.req is req:
+                    sink.on_layer(layer)
 
     def _on_message(self, peer: bytes, frames: Frames) -> None:
         try:
@@ -192,15 +238,11 @@ class PrefillSide:
 
     def _admit(self, head: dict[str, Any]) -> tuple[Request, int]:
         assert self.layout is not None
-        return check_handoff(self.layout, head, self.loop.engine.admission)
+        return check_handoff(self.layout, head, self.loop.engine.kv)
 
     def _flush(self) -> None:
         """Send what the engine thread queued (pages, refusals); each hand-off is answered once."""
-        while True:
-            try:
-                sink, frames = self.outbox.get_nowait()
-            except queue.Empty:
-                return
+        for sink, frames in self._taken():
             hid = sink.hid
             if self.flight.get(hid) is not sink:
                 continue  # cancelled by decode, or answered already (a "done" after the pages)
@@ -220,7 +262,7 @@ class PrefillSide:
                 sink.last_sent_s = now
 
 
-def check_handoff(layout: Layout, head: dict[str, Any], admission: Any) -> tuple[Request, int]:
+def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Request, int]:
     """The engine request of a checked hand-off, and how many leading pages decode holds.
 
     Checks, in order: decode's layout (the first differing field named), then decode's key
@@ -239,7 +281,7 @@ def check_handoff(layout: Layout, head: dict[str, Any], admission: Any) -> tuple
             f"decode claims {len(held)} pages of a {len(tokens)}-token prompt; at most {most} "
             "(the page of the last prompt token is always computed)"
         )
-    mine = admission.prompt_keys(req)[: len(held)]
+    mine = kv.prompt_keys(req)[: len(held)]
     for i, (a, b) in enumerate(zip(held, mine, strict=True)):
         if a != b:
             raise WireError(f"page {i}: decode's key does not match the prompt (namespace/salt)")

@@ -3,7 +3,7 @@
 Decode's hand-off says it holds prompt pages [0, held). On one rank, a hand-off with held > 0
 enters prefill's engine marked `remote`: its Lease matches, probes and prefetches over prefill's
 own L1/L2/L3 and is admitted as any request's, but the engine does not plan its prompt yet. At
-the first step after admission (the engine's step hook, here) the request's hits `have` are
+the first step after admission (the engine's connector calls step, here) the request's hits `have` are
 known: with have >= held it goes on at once; else prefill asks decode for pages [have, held)
 and waits, bounded by pd_timeout_s. The leading pulled pages that pass their checksums are
 written into the request's own pages, which then count as computed and join the tree through
@@ -38,7 +38,7 @@ PULL_MARK = "decode"  # req.remote of a prefill hand-off that may pull held page
 
 
 class Puller:
-    """The engine-thread side of prefill's pulls (the step hook). The listener thread hands
+    """The engine-thread side of prefill's pulls (the connector's get_finished). The listener thread hands
     over new hand-offs through `new` and a pull's reply through `receive`.
 
     gate: a PullGate under several ranks (what to land is agreed, see the module docstring);
@@ -95,7 +95,7 @@ class Puller:
         """Ask, land, or keep waiting; the failure message once the wait ran out."""
         req = sink.req
         if sink.asked is None:
-            have = req.lease.hits.pages  # prefill's own tiers: L1, L2 and the shared L3
+            have = engine.kv.hits(req).pages  # prefill's own tiers: L1, L2 and the shared L3
             if have >= sink.held:
                 req.remote = ""  # nothing to pull: the engine computes the rest now
                 return None
@@ -135,7 +135,7 @@ class Puller:
         req.computed = (first + kept) * engine.page
         if req.draft_computed is not None:
             req.draft_computed = req.computed  # a page carries its draft part, as a hit does
-        engine.admission.cache_pages(req, final=False)
+        engine.kv.cache_pages(req, final=False)
         sink.pulled = kept
         self.metrics.pulled("pull_received", kept, sum(p.nbytes for p in pages))
         req.remote = ""  # the engine computes the rest from here

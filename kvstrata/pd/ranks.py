@@ -22,8 +22,6 @@ MIN, a silent peer by MAX), so every rank lands the same pages at the same step.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -31,11 +29,12 @@ from typing import Any
 import torch.distributed as dist
 
 from kvstrata.engine.request import Request, State
+from kvstrata.engine.step_io import Abort, NewRequest, SideCount, SideReady
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
 from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.layout import layout_of
-from kvstrata.pd.prefill import Sink, check_handoff
+from kvstrata.pd.prefill import HandoffListener, Sink, check_handoff
 from kvstrata.pd.pull import Puller, PullGate
 from kvstrata.pd.transport import TRANSPORTS, Listener
 from kvstrata.pd.wire import Frames, Layout, WireError, header, layout_mismatch, read_header
@@ -57,7 +56,7 @@ class RankMetrics:
 
     def _forward(self, name: str, *args: Any) -> None:
         if self.out is not None:
-            self.out.put(("pd", name, args))
+            self.out.put(SideCount(name, args))
 
     def sent(self, pages: int, nbytes: int) -> None:
         """A hand-off's pages are queued (its bytes are counted as they go: `wire`)."""
@@ -202,11 +201,11 @@ class RankPD:
         endpoints: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(endpoints, mine)
         if self.out is not None:
-            self.out.put(("pd_ready", {**layout.as_dict(), "rank": 0}, endpoints))
+            self.out.put(SideReady({**layout.as_dict(), "rank": 0}, endpoints))
 
-    def submitted(self, req: Request, extra: dict[str, Any]) -> None:
-        if self.prefill is not None and "pd_held" in extra:
-            self.prefill.submitted(req, extra)
+    def submitted(self, req: Request, handoff: dict[str, Any] | None) -> None:
+        if self.prefill is not None and handoff is not None:
+            self.prefill.submitted(req, handoff)
 
     def on_token(self, req: Request, token: int) -> None:
         if self.prefill is not None:
@@ -245,36 +244,32 @@ def rank_stats(engine: Any) -> dict[str, Any]:
     return _SIDES[id(engine)].stats()
 
 
-class RankPrefill:
+class RankPrefill(HandoffListener):
     """One prefill rank's listener thread. Only this thread touches flight/peers/queued; the
     engine thread hands it sinks and frames through `outbox` (FIFO: a sink before its frames)."""
 
     def __init__(
         self, cfg: PDConfig, listener: Listener, metrics: RankMetrics, rank: int, inbox: Any
     ) -> None:
-        self.cfg, self.listener, self.metrics, self.rank, self.inbox = (
-            cfg, listener, metrics, rank, inbox,
-        )  # fmt: skip
+        super().__init__(cfg, listener, "pd-prefill-rank")
+        self.metrics, self.rank, self.inbox = metrics, rank, inbox
         self.loop = SimpleNamespace(engine=None)  # what Sink reads: loop.engine
         self.layout: Layout | None = None
         self.cp: tuple[int, Any] = (0, None)  # (cp rank, cp group): a CPSink's gather
-        self.outbox: queue.SimpleQueue[tuple[Sink, Any]] = queue.SimpleQueue()
         self.sinks: dict[str, Sink] = {}  # engine thread: rid -> sink, until the request ends
         self.flight: dict[str, Sink] = {}  # hand-off id -> sink, until answered
         self.peers: dict[str, tuple[bytes, float]] = {}  # hand-off id -> (decode peer, since)
         self.queued: dict[str, list[Frames]] = {}  # answers waiting for their peer
         self.puller = Puller(cfg, metrics, lambda sink, f: self.outbox.put((sink, f)), rank=rank)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="pd-prefill-rank", daemon=True)
 
     # ---- engine thread -------------------------------------------------------------------------
     def attach(self, engine: Any, layout: Layout, gate: PullGate) -> None:
         self.loop.engine, self.layout = engine, layout
-        if self.cfg.pd_layerwise and layout.cp == 1:  # cp: whole pages (pd/cp_pages.py)
-            engine.layer_hook = self.on_layer
-        if engine.cache is not None:  # the agreement rides in the cache's step consensus
+        self.layerwise = self.cfg.pd_layerwise and layout.cp == 1  # cp: whole pages
+        self.pulls = engine.cache is not None
+        if self.pulls:  # the agreement rides in the cache's step consensus
             self.puller.gate, gate.engine, gate.puller = gate, engine, self.puller
-            engine.step_hook = self.puller.step
+        engine.connector = self
         self.thread.start()
 
     def submitted(self, req: Request, extra: dict[str, Any]) -> None:
@@ -291,22 +286,7 @@ class RankPrefill:
             if sink is not None:
                 sink.on_layer(layer)
 
-    def close(self) -> None:
-        self._stop.set()
-        if self.thread.is_alive():
-            self.thread.join(5.0)
-        self.listener.close()
-
     # ---- listener thread -----------------------------------------------------------------------
-    def _serve(self) -> None:
-        wait = min(0.05, self.cfg.pd_heartbeat_s / 2)
-        while not self._stop.is_set():
-            got = self.listener.recv(wait)
-            if got is not None:
-                self._on_message(*got)
-            self._flush()
-            self._heartbeat_and_expire()
-
     def _on_message(self, peer: bytes, frames: Frames) -> None:
         try:
             head = read_header(frames)
@@ -318,7 +298,7 @@ class RankPrefill:
             self.queued.pop(hid, None)
             self.flight.pop(hid, None)
             if self.rank == 0:  # every rank aborts it at the same step (broadcast)
-                self.inbox.put(("abort", f"pd-{hid}"))
+                self.inbox.put(Abort(f"pd-{hid}"))
             return
         if head["type"] == "pulled":  # only from this hand-off's own peer
             if self.peers.get(hid, (None,))[0] == peer:
@@ -346,17 +326,12 @@ class RankPrefill:
             if bad:
                 raise WireError(bad)
             return
-        req, held = check_handoff(self.layout, head, self.loop.engine.admission)
-        extra = {"pd_held": held, **check_owners(self.layout, head, held)}
-        spec = (req.rid, req.tokens, 1, None, req.cache_salt, extra)
-        self.inbox.put(("request", spec))
+        req, held = check_handoff(self.layout, head, self.loop.engine.kv)
+        handoff = {"pd_held": held, **check_owners(self.layout, head, held)}
+        self.inbox.put(NewRequest(req.rid, req.tokens, 1, None, req.cache_salt, handoff=handoff))
 
     def _flush(self) -> None:
-        while True:
-            try:
-                sink, frames = self.outbox.get_nowait()
-            except queue.Empty:
-                break
+        for sink, frames in self._taken():
             if isinstance(frames, str):  # "new": a request every rank now runs
                 self.flight[sink.hid] = sink
                 continue
@@ -382,7 +357,7 @@ class RankPrefill:
             del self.flight[hid]
             self.peers.pop(hid, None)
 
-    def _heartbeat_and_expire(self) -> None:
+    def _heartbeat(self) -> None:
         """Heartbeats to peers whose request runs; a peer whose request never came, or an
         answer whose peer never asked, is dropped after pd_timeout_s."""
         now, limit = time.monotonic(), self.cfg.pd_timeout_s

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvstrata.cache.events import MEDIA, snapshot
-from kvstrata.engine.reset import RESET_DRAIN_S
+from kvstrata.engine.scheduler import RESET_DRAIN_S
 from kvstrata.pd.routes import add_routes as pd_routes
 from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.generate import Generation, complete, stream

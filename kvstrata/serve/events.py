@@ -14,7 +14,7 @@ Block hashes are the low 64 bits of our 128-bit page keys (msgpack integers are 
 A ROUTER socket (optional) answers a request [start_seq (8 bytes)] with every buffered batch from
 that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty).
 
-Runs on the engine thread (LoopObserver): the sockets are used by that thread only.
+Runs on the engine thread (rank 0's, under ranks): the sockets are used by that thread only.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.serve.config import ServeConfig
-from kvstrata.serve.loop import LoopObserver, Stream
 
 MASK64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -48,7 +47,7 @@ def encode_change(change: BlockChange, tokens: list[int], page_size: int) -> lis
     return ["BlockStored", hashes, parent, tokens, page_size, None, change.medium]
 
 
-class KVEventPublisher(LoopObserver):
+class KVEventPublisher:
     """Publishes the tree's per-medium changes after every step."""
 
     def __init__(self, cfg: ServeConfig, page_size: int) -> None:
@@ -70,10 +69,7 @@ class KVEventPublisher(LoopObserver):
         self.recorded: dict[str, int] = {}  # rid -> how many of its keys are in self.tokens
         self.resets = 0  # the cache's reset count last announced
 
-    # ---- LoopObserver ---------------------------------------------------------------------------
-    def on_finished(self, req: Request, stream: Stream, now_s: float) -> None:
-        self.record(req)
-
+    # ---- called by the step loop (kvstrata/serve/step_loop.py) ----------------------------------
     def record(self, req: Request) -> None:
         """A finished request's keys (its last pages were cached as it ended)."""
         self._record(req)

@@ -11,7 +11,6 @@ from typing import Any
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import Sampler
 from kvstrata.serve import responses as R
-from kvstrata.serve.loop import QueueFull, Stream
 from kvstrata.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -21,6 +20,7 @@ from kvstrata.serve.protocol import (
     single_prompt,
 )
 from kvstrata.serve.state import ServerState
+from kvstrata.serve.stream import QueueFull, Stream
 
 DISCONNECT_POLL_S = 0.25
 

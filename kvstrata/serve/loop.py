@@ -1,91 +1,164 @@
-"""The engine loop: one thread owns the Engine and steps it; the HTTP side only hands over.
+"""The HTTP side of the engine loop, and the loop of one rank in a thread of the server.
 
-Requests and commands arrive through thread-safe queues; tokens go back to each request's
-asyncio queue through `call_soon_threadsafe`, so the event loop never waits on a step and a step
-never waits on a client. Every wait here has a bound. An exception inside a step fails the
-requests in flight (their clients get an error) and the loop goes on: the thread never dies
-while the server is up.
+Requests, aborts and calls go into an inbox; the step loop (kvstrata/serve/step_loop.py) takes
+them between steps, on the engine thread of this process (one rank, `EngineLoop`) or in rank 0
+of several (kvstrata/serve/ranks.py, `RankedLoop`), and reports typed outputs that `LoopFront`
+hands to each request's stream: tokens go back to each request's asyncio queue through
+`call_soon_threadsafe`, so the event loop never waits on a step and a step never waits on a
+client. Every wait here has a bound. On one rank an exception inside a step fails the requests
+in flight (their clients get an error) and the loop goes on: the thread never dies while the
+server is up.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import queue
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.engine import step_io as io
 from kvstrata.engine.build import Built
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
-
-IDLE_WAIT_S = 0.05  # no work: sleep until woken, at most this long
-# With no request but cache ops pending (L1 -> L2 stores, L3 backups) the loop still steps, so
-# their results are applied (pages unpinned, events sent) without waiting for the next request.
-
-
-class QueueFull(Exception):
-    """More requests in flight than ServeConfig.max_pending."""
+from kvstrata.serve.events import KVEventPublisher
+from kvstrata.serve.step_loop import StepLoop, next_inputs
+from kvstrata.serve.stream import LoopObserver, QueueFull, Stream
 
 
-@dataclass
-class Stream:
-    """Where one request's tokens go: an asyncio queue on the server's event loop."""
+class LoopFront:
+    """The HTTP side of a step loop: its inbox, the streams in flight and their outputs."""
 
-    aloop: asyncio.AbstractEventLoop
-    received_s: float  # time.monotonic() when the HTTP request arrived
-    queue: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
-    last_token_s: float | None = None
-
-    def push(self, kind: str, value: Any) -> None:
-        try:
-            self.aloop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-
-class LoopObserver:
-    """What metrics and events see of the loop (all called on the engine thread)."""
-
-    def on_token(self, req: Request, stream: Stream, now_s: float) -> None: ...
-
-    def on_admitted(self, req: Request, stream: Stream, now_s: float) -> None: ...
-
-    def on_finished(self, req: Request, stream: Stream, now_s: float) -> None: ...
-
-    def after_step(self, engine: Engine) -> None: ...
-
-    def on_idle(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class EngineLoop:
-    """Builds the engine in its own thread, then steps it until stopped."""
-
-    def __init__(self, build: Callable[[], Built], max_pending: int) -> None:
-        self._build = build
+    def __init__(self, max_pending: int, inbox: Any) -> None:
         self.max_pending = max_pending
+        self.inbox = inbox
         self.observers: list[LoopObserver] = []
-        self.built: Built | None = None
-        self.failed: str | None = None  # why the engine could not be built
+        self.failed: str | None = None  # why the engine could not be built or the ranks stopped
         self.ready = threading.Event()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._requests: queue.SimpleQueue[tuple[Request, Stream]] = queue.SimpleQueue()
-        self._control: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._streams: dict[str, Stream] = {}
-        self._admitted: set[str] = set()
+        self.stats: Any = None  # the latest StatsOut's PoolStats
+        self._streams: dict[str, tuple[Request, Stream]] = {}
         self._lock = threading.Lock()
         self.pending = 0
+        self._calls = 0
+        self._futures: dict[int, tuple[concurrent.futures.Future[Any], bool]] = {}
+
+    def _new_request(self, req: Request) -> Any:
+        """What the inbox carries for a new request."""
+        return req
+
+    def submit(self, req: Request, stream: Stream) -> None:
+        with self._lock:
+            if self.pending >= self.max_pending:
+                raise QueueFull(f"{self.pending} requests in flight (max_pending)")
+            self.pending += 1
+            self._streams[req.rid] = (req, stream)
+        self.inbox.put(self._new_request(req))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(io.Abort(rid))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (their streams end with finish_reason "abort")."""
+        for rid in list(self._streams):
+            self.abort(rid)
+
+    def call(
+        self, fn: Callable[[Engine], Any], every_rank: bool = False
+    ) -> concurrent.futures.Future[Any]:
+        """Run fn(engine) on every rank between steps (fn: a module-level function under
+        ranks); the future gets rank 0's result (every_rank: the list of every rank's, rank
+        order), or an error naming the first rank whose call raised."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            self._calls += 1
+            call_id = self._calls
+            self._futures[call_id] = (fut, every_rank)
+        self.inbox.put(io.Call(call_id, fn))
+        return fut
+
+    # ---- outputs --------------------------------------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        """One output of the step loop."""
+        if isinstance(msg, io.CallDone):
+            self._called(msg.call_id, msg.results)
+        elif isinstance(msg, io.StatsOut):
+            self.stats = msg.stats
+            for obs in self.observers:
+                obs.on_stats(msg.stats, msg.agree_s)
+        elif isinstance(msg, io.TokenOut | io.Admitted | io.Finished | io.Failed):
+            entry = self._streams.get(msg.rid)
+            if entry is not None:
+                self._to_stream(msg, *entry)
+
+    def _to_stream(self, msg: Any, req: Request, stream: Stream) -> None:
+        now = time.monotonic()
+        if isinstance(msg, io.Admitted):
+            req.hits = msg.hits
+            for obs in self.observers:
+                obs.on_admitted(req, stream, msg.at_s)
+            return
+        if isinstance(msg, io.TokenOut):
+            for obs in self.observers:
+                obs.on_token(req, stream, now)
+            stream.last_token_s = now
+            stream.push("token", msg.token)
+            return
+        self._end(msg.rid)
+        if isinstance(msg, io.Failed):
+            stream.push("error", msg.error)
+            return
+        req.finish_reason, req.hits, req.transfer = msg.reason, msg.hits, msg.transfer
+        req.spec_accepts, req.spec_proposed = msg.spec_accepts, msg.spec_proposed
+        for obs in self.observers:
+            obs.on_finished(req, stream, now)
+        stream.push("done", req)
+
+    def _called(self, call_id: int, results: list[tuple[bool, Any]]) -> None:
+        with self._lock:
+            fut, every = self._futures.pop(call_id, (None, False))
+        if fut is None:
+            return
+        failed = [(r, v) for r, (ok, v) in enumerate(results) if not ok]
+        if failed and isinstance(failed[0][1], BaseException):  # one rank: the error itself
+            fut.set_exception(failed[0][1])
+        elif failed:
+            fut.set_exception(AssertionError(f"rank {failed[0][0]}: {failed[0][1]}"))
+        else:
+            fut.set_result([v for _, v in results] if every else results[0][1])
+
+    def _end(self, rid: str) -> None:
+        with self._lock:
+            if self._streams.pop(rid, None) is not None:
+                self.pending -= 1
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._streams):
+            entry = self._streams.get(rid)
+            self._end(rid)
+            if entry is not None:
+                entry[1].push("error", message)
+
+    def _fail_calls(self, message: str) -> None:
+        """Calls still waiting get an answer, not a hang."""
+        with self._lock:
+            futures, self._futures = list(self._futures.values()), {}
+        for fut, _ in futures:
+            fut.set_exception(RuntimeError(message))
+
+
+class EngineLoop(LoopFront):
+    """Builds the engine in its own thread, then runs the step loop on it until stopped."""
+
+    def __init__(self, build: Callable[[], Built], max_pending: int) -> None:
+        super().__init__(max_pending, queue.SimpleQueue())
+        self._build = build
+        self.built: Built | None = None
+        self.events: KVEventPublisher | None = None  # set by `build`, on the engine thread
         self.thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)
 
-    # ---- called from the HTTP side --------------------------------------------------------------
     def start(self) -> None:
         self.thread.start()
 
@@ -94,39 +167,13 @@ class EngineLoop:
         assert self.built is not None
         return self.built.engine
 
-    def submit(self, req: Request, stream: Stream) -> None:
-        with self._lock:
-            if self.pending >= self.max_pending:
-                raise QueueFull(f"{self.pending} requests in flight (max_pending)")
-            self.pending += 1
-        self._requests.put((req, stream))
-        self._wake.set()
-
-    def abort(self, rid: str) -> None:
-        self._control.put(("abort", rid))
-        self._wake.set()
-
-    def abort_all(self) -> None:
-        """Abort every request in flight (their streams end with finish_reason "abort")."""
-        self._control.put(("abort_all", None))
-        self._wake.set()
-
-    def call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future[Any]:
-        """Run fn(engine) on the engine thread between steps."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._control.put(("call", (fn, fut)))
-        self._wake.set()
-        return fut
-
     def stop(self, timeout_s: float) -> bool:
         """Abort what is left, drain pending cache ops, close; False when the thread is late."""
-        self._stop.set()
-        self._wake.set()
+        self.inbox.put(io.Stop())
         if self.thread.is_alive():
             self.thread.join(timeout_s)
         return not self.thread.is_alive()
 
-    # ---- the engine thread ----------------------------------------------------------------------
     def _main(self) -> None:
         try:
             self.built = self._build()
@@ -135,137 +182,18 @@ class EngineLoop:
             print(f"kvstrata serve: engine failed to start: {self.failed}", file=sys.stderr)
             self.ready.set()
             return
-        self.engine.on_token = self._on_token
+        eng = self.engine
+        steps = StepLoop(
+            eng, self.handle, lambda mine: [mine], events=self.events, survive_errors=True
+        )
         self.ready.set()
         try:
-            while not self._stop.is_set():
-                self._iterate()
+            while steps.apply(next_inputs(eng, self.inbox)):
+                pass
         finally:
-            self._shutdown()
-
-    def _iterate(self) -> None:
-        self._take_requests()
-        self._commands()
-        cache = self.engine.cache
-        if not self.engine.has_work() and not (cache is not None and len(cache.queues)):
-            self._wake.wait(IDLE_WAIT_S)
-            self._wake.clear()
-            for obs in self.observers:
-                obs.on_idle()
-            return
-        step_start = time.monotonic()
-        try:
-            finished = self.engine.step()
-        except Exception:  # noqa: BLE001 - fail the requests in flight, keep serving
-            traceback.print_exc(file=sys.stderr)
-            self._fail_all("internal error in an engine step")
-            return
-        for req in [*self.engine.running, *finished]:  # admitted in this step: queue time ends
-            if req.rid not in self._admitted and req.rid in self._streams:
-                self._admitted.add(req.rid)
-                for obs in self.observers:
-                    obs.on_admitted(req, self._streams[req.rid], step_start)
-        now = time.monotonic()
-        for req in finished:
-            self._finish(req, now)
-        for obs in self.observers:
-            obs.after_step(self.engine)
-
-    def _take_requests(self) -> None:
-        while True:
-            try:
-                req, stream = self._requests.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                self.engine.submit(req)
-            except (ValueError, TypeError) as exc:
-                self._release()
-                stream.push("error", str(exc))
-                continue
-            self._streams[req.rid] = stream
-
-    def _commands(self) -> None:
-        while True:
-            try:
-                kind, arg = self._control.get_nowait()
-            except queue.Empty:
-                return
-            if kind in ("abort", "abort_all"):
-                self._abort(list(self._streams) if kind == "abort_all" else [arg])
-            else:
-                fn, fut = arg
-                try:
-                    fut.set_result(fn(self.engine))
-                except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(exc)
-                for obs in self.observers:  # a call may change the tree (a prefix-cache reset)
-                    obs.after_step(self.engine)
-
-    def _abort(self, rids: list[str]) -> None:
-        """Abort these requests (pages released at once); their streams get "done"."""
-        aborted = False
-        for rid in rids:
-            req = self.engine.abort(rid)
-            if req is not None:
-                self._finish(req, time.monotonic())
-                aborted = True
-        if aborted:
-            for obs in self.observers:
-                obs.after_step(self.engine)
-
-    def _on_token(self, req: Request, token: int) -> None:
-        stream = self._streams.get(req.rid)
-        if stream is None:
-            return
-        now = time.monotonic()
-        for obs in self.observers:
-            obs.on_token(req, stream, now)
-        stream.last_token_s = now
-        stream.push("token", token)
-
-    def _finish(self, req: Request, now_s: float) -> None:
-        stream = self._streams.pop(req.rid, None)
-        self._admitted.discard(req.rid)
-        if stream is None:
-            return
-        self._release()
-        for obs in self.observers:
-            obs.on_finished(req, stream, now_s)
-        if req.failure is not None:  # a remote prefill failed: (status, message)
-            stream.push("error", req.failure)
-        else:
-            stream.push("done", req)
-
-    def _release(self) -> None:
-        with self._lock:
-            self.pending -= 1
-
-    def _fail_all(self, message: str) -> None:
-        for rid in list(self._streams):
-            try:
-                self.engine.abort(rid)
-            except Exception:  # noqa: BLE001 - already failing; the stream still gets its error
-                traceback.print_exc(file=sys.stderr)
-            stream = self._streams.pop(rid)
-            self._admitted.discard(rid)
-            self._release()
-            stream.push("error", message)
-
-    def _shutdown(self) -> None:
-        """Abort what is still in flight, wait for pending L3 backups, close the parts."""
-        self._take_requests()
-        self._commands()
-        self._abort(list(self._streams))
-        while True:  # calls that raced the stop get an answer, not a hang
-            try:
-                kind, arg = self._control.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "call":
-                arg[1].set_exception(RuntimeError("server is stopping"))
-        assert self.built is not None
-        self.built.close()  # engine.drain(): every pending backup reaches storage
-        for obs in self.observers:
-            obs.after_step(self.engine)  # the drained state (new L3 copies) is reported too
-            obs.close()
+            self._fail_calls("server is stopping")
+            self._fail_all("server is stopping")  # requests that raced the stop
+            self.built.close()  # engine.drain(): every pending backup reaches storage
+            if self.events is not None:
+                self.events.after_step(eng)  # the drained state (new L3 copies) is reported
+                self.events.close()

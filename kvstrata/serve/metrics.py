@@ -18,7 +18,7 @@ from kvstrata.cache.counters import CacheCounters
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.engine.speculative import SpecStats
-from kvstrata.serve.loop import LoopObserver, Stream
+from kvstrata.serve.stream import LoopObserver, Stream
 
 
 @dataclass
@@ -124,12 +124,9 @@ class ServeMetrics(LoopObserver):
         self.e2e.labels(self.name).observe(now_s - stream.received_s)
         self.finished.labels(self.name, req.finish_reason or "abort").inc()
 
-    def after_step(self, engine: Engine) -> None:
-        self.running.labels(self.name).set(len(engine.running))
-        self.waiting.labels(self.name).set(len(engine.waiting))
-
     def on_stats(self, stats: PoolStats, consensus_s: list[float]) -> None:
-        """Rank 0's periodic report (several ranks): gauges and agreement latencies."""
+        """The step loop's report (every iteration on one rank, periodic from rank 0 under
+        several): gauges and agreement latencies."""
         self.running.labels(self.name).set(stats.running)
         self.waiting.labels(self.name).set(stats.waiting)
         for x in consensus_s:

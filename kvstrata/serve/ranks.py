@@ -2,20 +2,18 @@
 
 The HTTP process is no rank: it spawns the ranks (kvstrata.parallel.group.run_ranks, fork) from a
 thread and talks to rank 0 through two multiprocessing queues. Each step rank 0 drains its inbox
-(new requests, aborts, stop) and broadcasts that with its clock and whether to step, so every
-rank submits, aborts and steps identically; samplers are rebuilt on each rank from the request's
+(typed step inputs: new requests, aborts, calls, stop) and broadcasts them with its clock and
+whether to step, so every rank runs the same step loop (kvstrata/serve/step_loop.py) alike; samplers are rebuilt on each rank from the request's
 SamplingParams and seed, so every rank draws the same token. Rank 0 sends tokens and endings back;
 a dispatcher thread in the HTTP process hands them to the requests' streams.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import queue
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,84 +21,29 @@ import torch.distributed as dist
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
-from kvstrata.engine.sampling import Sampler
+from kvstrata.engine.step_io import NewRequest, Ready, SideCount, SideReady, StepInputs, Stop
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.events import KVEventPublisher, rank0_events
-from kvstrata.serve.loop import IDLE_WAIT_S, LoopObserver, QueueFull, Stream
-from kvstrata.serve.metrics import PoolStats, ServeMetrics, engine_stats
+from kvstrata.serve.loop import LoopFront
+from kvstrata.serve.step_loop import IDLE_WAIT_S, StepLoop, next_inputs
 from kvstrata.storage.base import StorageConfig
 
 STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies this often
 FOREVER_S = 10 * 365 * 86400.0  # run_ranks' bound on the whole run: a server runs until stopped
 
 
-def _rank0_inputs(inbox: Any, idle: bool) -> tuple[list[Any], list[str], bool, list[Any]]:
-    """New requests, aborts and the stop flag waiting in rank 0's inbox (blocks briefly if idle)."""
-    items: list[Any] = []
-    try:
-        items.append(inbox.get(timeout=IDLE_WAIT_S) if idle else inbox.get_nowait())
-        while True:
-            items.append(inbox.get_nowait())
-    except queue.Empty:
-        pass
-    new = [x[1] for x in items if x[0] == "request"]
-    aborts = [x[1] for x in items if x[0] == "abort"]
-    calls = [x[1:] for x in items if x[0] == "call"]
-    return new, aborts, any(x[0] == "stop" for x in items), calls
+def _gather(rank0: bool) -> Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]:
+    """Every rank's (ok, result) of a call, on rank 0 (one gather per call, every rank)."""
 
+    def gather(mine: tuple[bool, Any]) -> list[tuple[bool, Any]] | None:
+        gathered: list[Any] = [None] * dist.get_world_size() if rank0 else []
+        dist.gather_object(mine, gathered if rank0 else None, dst=0)
+        return gathered if rank0 else None
 
-def _timed(agree: Callable[[list[int]], list[int]], into: list[float]) -> Any:
-    """The engine's agreement hook, timing each call (rank 0 reports the durations)."""
-
-    def timed(local: list[int]) -> list[int]:
-        t0 = time.perf_counter()
-        agreed = agree(local)
-        into.append(time.perf_counter() - t0)
-        return agreed
-
-    return timed
-
-
-def _rank0_message(eng: Engine, inbox: Any) -> list[Any]:
-    """[new request specs, aborts, rank 0's clock, stop, whether every rank steps, calls]."""
-    busy = eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
-    new, aborts, stop, calls = _rank0_inputs(inbox, idle=not busy)
-    return [new, aborts, time.monotonic(), stop, busy or bool(new), calls]
-
-
-def _run_calls(eng: Engine, calls: list[Any], out: Any | None) -> None:
-    """Every rank runs each call (fn(engine), between steps); rank 0 gathers and reports them."""
-    for call_id, fn in calls:
-        try:
-            mine: tuple[bool, Any] = (True, fn(eng))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, naming the rank
-            mine = (False, f"{type(exc).__name__}: {exc}")
-        gathered: list[Any] = [None] * dist.get_world_size() if out is not None else []
-        dist.gather_object(mine, gathered if out is not None else None, dst=0)
-        if out is not None:
-            out.put(("call", call_id, gathered))
-
-
-def _submit(eng: Engine, spec: tuple, outbox: Any | None, pd: Any = None) -> None:
-    """spec: (rid, tokens, max_new, sampling params or None (greedy), salt, extra); extra:
-    {"remote": prefill} (P/D decode) or {"pd_held": pages} (a P/D prefill hand-off)."""
-    rid, tokens, max_new, params, salt, extra = spec
-    sampler = Sampler(params, rid) if params is not None else None
-    req = Request(rid, tokens, max_new, sampler=sampler, cache_salt=salt)
-    req.remote, req.keep_logits = extra.get("remote", ""), "pd_held" in extra
-    if pd is not None:
-        pd.submitted(req, extra)
-    try:
-        eng.submit(req)  # the same inputs on every rank: the same outcome
-    except (ValueError, TypeError) as exc:
-        if pd is not None:
-            pd.ended(req, str(exc))
-        if outbox is not None:
-            outbox.put(("error", rid, str(exc)))
+    return gather
 
 
 def serve_rank_loop(
@@ -139,69 +82,22 @@ def serve_rank_loop(
     return {"rank": ctx.rank, "steps": eng.steps}
 
 
-def _ended(req: Request, out: Any | None, pd: Any) -> None:
-    """A request ended on this rank: its P/D sink hears it; rank 0 reports it."""
-    if pd is not None:
-        pd.ended(req)
-    if out is None:
-        return
-    if req.failure is not None:  # a P/D hand-off failed: (status, message)
-        out.put(("error", req.rid, req.failure))
-    else:
-        spec = (list(req.spec_accepts), req.spec_proposed)  # usage.spec on the HTTP side
-        out.put(("done", req.rid, req.finish_reason, dict(req.hits), req.transfer, spec))
-
-
-def _on_token(out: Any | None, pd: Any) -> Callable[[Request, int], None]:
-    def on_token(req: Request, tok: int) -> None:
-        if pd is not None:
-            pd.on_token(req, tok)  # a P/D prefill sends its pages at the first token
-        if out is not None:
-            out.put(("token", req.rid, tok, dict(req.hits) if len(req.output) == 1 else None))
-
-    return on_token
-
-
 def _serve_steps(
     re: Any, inbox: Any, out: Any | None, events: KVEventPublisher | None, pd: Any = None
 ) -> None:
-    """Every rank: the same requests, aborts and steps, as rank 0 broadcasts them."""
+    """Every rank: the same step loop over the inputs rank 0 broadcasts."""
     eng, rank0 = re.engine, out is not None
-    timings: list[float] = []
-    if out is not None or pd is not None:
-        eng.on_token = _on_token(out, pd)
+    steps = StepLoop(eng, out.put if out else None, _gather(rank0), pd, events, STATS_EVERY_S)
     if out is not None:
-        eng.agree = _timed(eng.agree, timings)
-        out.put(("ready",))
-    last_stats = 0.0
+        eng.agree = steps.timed(eng.agree)
+        out.put(Ready())
     while True:
-        msg = _rank0_message(eng, inbox) if rank0 else [[], [], 0.0, False, False, []]
-        dist.broadcast_object_list(msg, src=0)
-        new, aborts, re.now, stop, step, calls = msg
-        _run_calls(eng, calls, out)
-        if stop:
-            aborts = [r.rid for r in [*eng.waiting, *eng.running]]
-        for rid in aborts:
-            req = eng.abort(rid)
-            if req is not None:
-                _ended(req, out, pd)
-        if stop:
+        box: list[Any] = [next_inputs(eng, inbox) if rank0 else None]
+        dist.broadcast_object_list(box, src=0)
+        msg: StepInputs = box[0]
+        re.now = msg.clock
+        if not steps.apply(msg):
             break
-        for spec in new:
-            _submit(eng, spec, out, pd)
-        if step:
-            for req in eng.step():
-                _ended(req, out, pd)
-                if events is not None:
-                    events.record(req)
-        if events is not None and (step or aborts or calls):  # a call may reset the cache
-            events.after_step(eng)
-        elif events is not None:
-            events.on_idle()
-        if out is not None and re.now - last_stats > STATS_EVERY_S:
-            last_stats = re.now
-            out.put(("stats", engine_stats(eng), list(timings)))
-            timings.clear()
     eng.check_integrity()
     re.close()  # drains pending cache ops (L3 backups), agreed
     eng.check_integrity()
@@ -209,9 +105,9 @@ def _serve_steps(
         events.after_step(eng)  # the drained state (new L3 copies) is reported too
 
 
-class RankedLoop:
-    """The EngineLoop interface over ranks in child processes (see the module docstring), or,
-    under torchrun (torchrun=True), over this process as rank 0, stepping in a thread of it."""
+class RankedLoop(LoopFront):
+    """The step loop over ranks in child processes (see the module docstring), or, under
+    torchrun (torchrun=True), over this process as rank 0, stepping in a thread of it."""
 
     def __init__(
         self,
@@ -228,24 +124,15 @@ class RankedLoop:
 
         self.torchrun = torchrun
         if torchrun:  # rank 0 is a thread of this process: plain thread-safe queues
-            self.inbox: Any = queue.Queue()
+            inbox: Any = queue.Queue()
             self.outbox: Any = queue.Queue()
         else:
             mp = tmp.get_context("fork")
-            self.inbox, self.outbox = mp.Queue(), mp.Queue()
-        self.configs, self.dist_cfg, self.max_pending = configs, dist_cfg, max_pending
+            inbox, self.outbox = mp.Queue(), mp.Queue()
+        super().__init__(max_pending, inbox)
+        self.configs, self.dist_cfg = configs, dist_cfg
         self.serve_cfg, self.pd = serve_cfg, pd
-        self.observers: list[LoopObserver] = []
-        self.failed: str | None = None
-        self.stats: PoolStats | None = None  # rank 0's latest report
-        self.ready = threading.Event()
         self._done = threading.Event()
-        self._streams: dict[str, tuple[Request, Stream]] = {}
-        self._lock = threading.Lock()
-        self.pending = 0
-        self._calls = 0
-        self._futures: dict[int, concurrent.futures.Future[Any]] = {}
-        self._every: dict[int, bool] = {}
         self.thread = threading.Thread(target=self._run, name="kvstrata-ranks", daemon=True)
         self._dispatch = threading.Thread(
             target=self._dispatcher, name="kvstrata-dispatch", daemon=True
@@ -255,42 +142,16 @@ class RankedLoop:
         self.thread.start()
         self._dispatch.start()
 
-    def submit(self, req: Request, stream: Stream) -> None:
-        with self._lock:
-            if self.pending >= self.max_pending:
-                raise QueueFull(f"{self.pending} requests in flight (max_pending)")
-            self.pending += 1
-            self._streams[req.rid] = (req, stream)
+    def _new_request(self, req: Request) -> NewRequest:
+        """Every rank rebuilds the request (its sampler from the params and rid)."""
         assert req.sampler is not None
-        extra = {"remote": req.remote} if req.remote else {}
-        spec = (req.rid, req.tokens, req.max_new_tokens, req.sampler.params, req.cache_salt, extra)
-        self.inbox.put(("request", spec))
-
-    def abort(self, rid: str) -> None:
-        self.inbox.put(("abort", rid))
-
-    def abort_all(self) -> None:
-        """Abort every request in flight (their streams end with finish_reason "abort")."""
-        for rid in list(self._streams):
-            self.abort(rid)
-
-    def call(
-        self, fn: Callable[[Engine], Any], every_rank: bool = False
-    ) -> concurrent.futures.Future[Any]:
-        """Run fn(engine) on every rank between steps (fn: a module-level function); the
-        future gets rank 0's result (every_rank: the list of every rank's, rank order), or an
-        error naming the first rank whose call raised."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        with self._lock:
-            self._calls += 1
-            call_id = self._calls
-            self._futures[call_id] = fut
-            self._every[call_id] = every_rank
-        self.inbox.put(("call", call_id, fn))
-        return fut
+        params = req.sampler.params
+        return NewRequest(
+            req.rid, req.tokens, req.max_new_tokens, params, req.cache_salt, req.remote
+        )
 
     def stop(self, timeout_s: float) -> bool:
-        self.inbox.put(("stop",))
+        self.inbox.put(Stop())
         self.thread.join(timeout_s)
         self._done.set()
         self._dispatch.join(5.0)
@@ -327,72 +188,11 @@ class RankedLoop:
                 msg = self.outbox.get(timeout=IDLE_WAIT_S)
             except queue.Empty:
                 continue
-            self._handle(msg)
-
-    def _handle(self, msg: tuple) -> None:
-        if msg[0] == "ready":
-            self.ready.set()
-            return
-        if msg[0] == "call":
-            self._called(msg[1], msg[2])
-            return
-        if msg[0] in ("pd", "pd_ready"):  # a P/D worker's counters, or its layout once up
-            if msg[0] == "pd":
-                getattr(self.pd.metrics, msg[1])(*msg[2])
+            if isinstance(msg, Ready):
+                self.ready.set()
+            elif isinstance(msg, SideCount):  # a P/D worker's counters
+                getattr(self.pd.metrics, msg.name)(*msg.args)
+            elif isinstance(msg, SideReady):  # a P/D worker's layout, once up
+                self.pd.ranked_ready(msg.layout, msg.endpoints)
             else:
-                self.pd.ranked_ready(msg[1], msg[2])
-            return
-        if msg[0] == "stats":
-            self.stats = msg[1]
-            for obs in self.observers:
-                if isinstance(obs, ServeMetrics):
-                    obs.on_stats(msg[1], msg[2])
-            return
-        entry = self._streams.get(msg[1])
-        if entry is None:
-            return
-        req, stream = entry
-        now = time.monotonic()
-        if msg[0] == "token":
-            if msg[3] is not None:  # the first token: its hits, and (approximately) admission
-                req.hits = msg[3]
-                for obs in self.observers:
-                    obs.on_admitted(req, stream, now)
-            for obs in self.observers:
-                obs.on_token(req, stream, now)
-            stream.last_token_s = now
-            stream.push("token", msg[2])
-            return
-        self._end(msg[1])
-        if msg[0] == "error":
-            stream.push("error", msg[2])
-            return
-        req.finish_reason, req.hits, req.transfer = msg[2], msg[3], msg[4]
-        req.spec_accepts, req.spec_proposed = msg[5]
-        for obs in self.observers:
-            obs.on_finished(req, stream, now)
-        stream.push("done", req)
-
-    def _called(self, call_id: int, results: list[tuple[bool, Any]]) -> None:
-        with self._lock:
-            fut = self._futures.pop(call_id, None)
-            every = self._every.pop(call_id, False)
-        if fut is None:
-            return
-        failed = [(r, v) for r, (ok, v) in enumerate(results) if not ok]
-        if failed:
-            fut.set_exception(AssertionError(f"rank {failed[0][0]}: {failed[0][1]}"))
-        else:
-            fut.set_result([v for _, v in results] if every else results[0][1])
-
-    def _end(self, rid: str) -> None:
-        with self._lock:
-            if self._streams.pop(rid, None) is not None:
-                self.pending -= 1
-
-    def _fail_all(self, message: str) -> None:
-        for rid in list(self._streams):
-            entry = self._streams.get(rid)
-            self._end(rid)
-            if entry is not None:
-                entry[1].push("error", message)
+                self.handle(msg)

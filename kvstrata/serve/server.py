@@ -130,7 +130,8 @@ def _build(
     if cfg.kv_events_endpoint and built.engine.cache is not None:
         from kvstrata.serve.events import KVEventPublisher
 
-        loop.observers.append(KVEventPublisher(cfg, configs[1].page_size))
+        assert isinstance(loop, EngineLoop)
+        loop.events = KVEventPublisher(cfg, configs[1].page_size)  # the step loop drives it
     return built
 
 

@@ -1,4 +1,8 @@
-"""Admission of waiting requests: each drives its cache lease (kvstrata.cache.lease) to a start.
+"""The KV manager: the one owner of every request's cache lease (kvstrata.cache.lease).
+
+It opens a request's lease, advances it to admission, commits its computed pages, waits for its
+L2 -> L1 loads and gives everything back; nothing else sets or clears `req.lease`. The scheduler
+asks it to admit, preempt, reset and abort; the model runner asks it which loads to wait for.
 
 Every decision here depends only on agreed state (the tree, agreed op results, the agreed step
 clock), so all ranks admit the same requests with the same pages in the same order.
@@ -14,17 +18,18 @@ locks so they cannot keep it out for ever.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from kvstrata.cache.chain import PageChain
 from kvstrata.cache.keys import Namespace, page_keys
-from kvstrata.cache.lease import Lease
+from kvstrata.cache.lease import Hits, Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.request import Request, State
 from kvstrata.memory.allocator import PageAllocator
 
 
-class Admission:
-    """Moves requests from waiting to prefill and keeps their leases' keys up to date."""
+class KVManager:
+    """Moves requests from waiting to prefill and owns their leases until they end."""
 
     def __init__(
         self,
@@ -43,6 +48,7 @@ class Admission:
         self.vocab_size = vocab_size
         self.lookahead = lookahead
 
+    # ---- admission ------------------------------------------------------------------------------
     def advance(self, waiting: list[Request], now_s: float, slots: int) -> list[Request]:
         """Admit up to `slots` ready requests that fit, in arrival order (see module doc)."""
         admitted: list[Request] = []
@@ -68,9 +74,7 @@ class Admission:
         again from scratch at a later step; without this, waiting leases that lock each other's
         room would wait for ever."""
         for req in behind:
-            if req.lease is not None:
-                req.lease.release()
-                req.lease = None
+            self.release(req)
 
     def _open(self, req: Request) -> Lease:
         """The request's lease over the full pages of what it prefills (its prompt): their
@@ -87,6 +91,7 @@ class Admission:
         )
         return req.lease
 
+    # ---- keys -----------------------------------------------------------------------------------
     def prompt_keys(self, req: Request) -> list[int]:
         """Keys of the prompt's full pages under the request's namespace (pure: any thread)."""
         return self.seq_keys(req, req.tokens)
@@ -96,6 +101,20 @@ class Admission:
         n_full = len(seq) // self.page
         return page_keys(seq[: n_full * self.page], self._ns(req), self.vocab_size)
 
+    def held_keys(self, req: Request) -> list[int]:
+        """Keys of the prompt pages an admitted request's tiers served (L1, L2, L3 prefetch)."""
+        lease = req.lease
+        assert lease is not None, f"request {req.rid} was never admitted"
+        return lease.keys[: lease.hits.pages]
+
+    def hits(self, req: Request) -> Hits:
+        """Prompt pages each tier served an admitted request (none before admission)."""
+        return req.lease.hits if req.lease is not None else Hits()
+
+    def holds(self, req: Request) -> bool:
+        """The request holds pages (admitted, not released)."""
+        return req.lease is not None
+
     def _ns(self, req: Request) -> Namespace:
         """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""
         if not req.cache_salt:
@@ -104,6 +123,31 @@ class Admission:
             self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{req.cache_salt}"
         )
 
+    # ---- loads (L2 -> L1, layer by layer) -------------------------------------------------------
+    def layer_wait(self, reqs: list[Request]) -> Callable[[int], None] | None:
+        """Waits, per layer, for the loads of these requests not waited for yet; None: none."""
+        loads = [r.lease.load.handle for r in reqs if _pending_load(r)]  # type: ignore[union-attr]
+        if not loads:
+            return None
+
+        def wait_layer(layer: int) -> None:
+            for handle in loads:  # layer l's pages arrived from L2 before layer l reads them
+                handle.wait_layer(layer)
+
+        return wait_layer
+
+    def loaded(self, reqs: list[Request]) -> None:
+        """These requests' loads were waited for, layer by layer, in a forward."""
+        for req in reqs:
+            assert req.lease is not None
+            req.lease.load = None
+
+    def wait_loaded(self, req: Request, timeout_s: float) -> None:
+        """Block until the request's whole L2 -> L1 load (if any is pending) has landed."""
+        if _pending_load(req):
+            req.lease.load.handle.wait(timeout_s)  # type: ignore[union-attr]
+
+    # ---- commit and release ---------------------------------------------------------------------
     def cache_pages(self, req: Request, final: bool) -> None:
         """Share the request's full computed pages; at the end release everything it holds."""
         lease = req.lease
@@ -119,8 +163,27 @@ class Admission:
         if final:
             lease.release()
 
+    def preempt(self, req: Request) -> None:
+        """Back to waiting, its pages given back (the full ones stay cached): readmitted, it
+        recomputes its prompt and the tokens it made so far (vLLM's recompute preemption)."""
+        self.cache_pages(req, final=True)
+        req.lease, req.computed, req.draft_computed = None, 0, None
+        req.state = State.WAITING
+
+    def release(self, req: Request) -> None:
+        """A waiting request lets go of its locks and prefetches; it matches again later."""
+        if req.lease is not None:
+            req.lease.release()
+            req.lease = None
+
     def abort(self, req: Request) -> None:
         """Drop a request in any state: its lease gives back every page and lock at once."""
         if req.lease is not None:
             req.lease.release()
         req.state = State.DONE
+
+
+def _pending_load(req: Request) -> bool:
+    """The request's L2 -> L1 copy has not been waited for yet."""
+    lease = req.lease
+    return lease is not None and lease.load is not None and lease.load.handle is not None

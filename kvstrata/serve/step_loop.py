@@ -1,0 +1,208 @@
+"""One step loop for one rank and for many: typed step inputs in, typed outputs out.
+
+Each iteration applies one StepInputs (kvstrata.engine.step_io): new requests, calls between
+steps, aborts (a stop aborts everything), then one engine step when there is work. One rank
+takes its inputs straight from its inbox (`next_inputs`); under several ranks rank 0 takes them
+and broadcasts them, so every rank applies the same inputs with the same clock. What happens
+goes out as TokenOut, Admitted, Finished, Failed, StatsOut and CallDone messages: on one rank
+to the HTTP side's handler in this thread, under ranks (rank 0 only) to the HTTP process's
+queue. `side`: a P/D worker's side on this rank, told of hand-offs, tokens and endings.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.request import Request
+from kvstrata.engine.step_io import (
+    Abort,
+    Admitted,
+    Call,
+    CallDone,
+    Failed,
+    Finished,
+    NewRequest,
+    StatsOut,
+    StepInputs,
+    Stop,
+    TokenOut,
+)
+from kvstrata.serve.events import KVEventPublisher
+from kvstrata.serve.metrics import engine_stats
+
+IDLE_WAIT_S = 0.05  # no work: wait this long at most for an input
+# With no request but cache ops pending (L1 -> L2 stores, L3 backups) the loop still steps, so
+# their results are applied (pages unpinned, events sent) without waiting for the next request.
+
+Out = Callable[[Any], None]
+Gather = Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]
+"""This rank's (ok, result) of a call -> every rank's, on the rank that reports (else None)."""
+
+
+def busy(eng: Engine) -> bool:
+    """Requests in flight, or cache ops whose results are still to apply."""
+    return eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
+
+
+def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
+    """What waits in the inbox (blocks up to IDLE_WAIT_S when idle), the clock now, and whether
+    to step. The inbox holds NewRequest (or, on one rank, the HTTP side's own Request), Abort,
+    Call and Stop."""
+    items: list[Any] = []
+    try:
+        items.append(inbox.get(timeout=IDLE_WAIT_S) if not busy(eng) else inbox.get_nowait())
+        while True:
+            items.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    new = [x for x in items if isinstance(x, NewRequest | Request)]
+    return StepInputs(
+        new=new,
+        aborts=[x.rid for x in items if isinstance(x, Abort)],
+        clock=time.monotonic(),
+        stop=any(isinstance(x, Stop) for x in items),
+        step=busy(eng) or bool(new),
+        calls=[x for x in items if isinstance(x, Call)],
+    )
+
+
+class StepLoop:
+    """Applies step inputs to one engine and reports what happened (see the module doc)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        out: Out | None,
+        gather: Gather,
+        side: Any = None,
+        events: KVEventPublisher | None = None,
+        stats_every_s: float = 0.0,
+        survive_errors: bool = False,
+    ) -> None:
+        """out: where this rank reports (None: a rank that does not); survive_errors: an
+        exception in a step fails the requests in flight and the loop goes on (one rank; under
+        ranks it ends the run, as the ranks may be in different collectives)."""
+        self.engine, self.out, self.gather, self.side, self.events = (
+            engine, out, gather, side, events,
+        )  # fmt: skip
+        self.stats_every_s, self.survive_errors = stats_every_s, survive_errors
+        self.agree_s: list[float] = []  # durations of the step agreements (rank 0 reports them)
+        self._admitted: set[str] = set()
+        self._last_stats = float("-inf")
+        engine.on_token = self._on_token
+
+    def apply(self, msg: StepInputs) -> bool:
+        """One iteration; False once the inputs said stop (everything in flight aborted)."""
+        eng = self.engine
+        for new in msg.new:
+            self._submit(new)
+        for call in msg.calls:
+            self._call(call)
+        aborts = [r.rid for r in [*eng.waiting, *eng.running]] if msg.stop else msg.aborts
+        for rid in aborts:
+            req = eng.abort(rid)
+            if req is not None:
+                self._ended(req)
+        if msg.stop:
+            return False
+        if msg.step:
+            self._step()
+        if self.events is not None:
+            if msg.step or aborts or msg.calls:  # a call may reset the cache
+                self.events.after_step(eng)
+            else:
+                self.events.on_idle()
+        if self.out is not None and msg.clock - self._last_stats >= self.stats_every_s:
+            self._last_stats = msg.clock
+            self.out(StatsOut(engine_stats(eng), list(self.agree_s)))
+            self.agree_s.clear()
+        return True
+
+    def _submit(self, new: NewRequest | Request) -> None:
+        """Every rank builds the same request (a P/D hand-off's side hears of it first)."""
+        req = new if isinstance(new, Request) else new.build()
+        handoff = new.handoff if isinstance(new, NewRequest) else None
+        if self.side is not None:
+            self.side.submitted(req, handoff)
+        try:
+            self.engine.submit(req)  # the same inputs on every rank: the same outcome
+        except (ValueError, TypeError) as exc:
+            if self.side is not None:
+                self.side.ended(req, str(exc))
+            self._report(Failed(req.rid, str(exc)))
+
+    def _call(self, call: Call) -> None:
+        """fn(engine) between steps; the reporting rank sends every rank's outcome."""
+        try:
+            mine: tuple[bool, Any] = (True, call.fn(self.engine))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, naming the rank
+            mine = (False, exc if self.survive_errors else f"{type(exc).__name__}: {exc}")
+        results = self.gather(mine)
+        if results is not None:
+            self._report(CallDone(call.call_id, results))
+
+    def _step(self) -> None:
+        eng, start = self.engine, time.monotonic()
+        try:
+            finished = eng.step()
+        except Exception:  # noqa: BLE001 - one rank: fail the requests in flight, keep serving
+            if not self.survive_errors:
+                raise
+            traceback.print_exc(file=sys.stderr)
+            self._fail_all("internal error in an engine step")
+            return
+        for req in [*eng.running, *finished]:  # admitted in this step: queue time ends
+            if req.rid not in self._admitted:
+                self._admitted.add(req.rid)
+                self._report(Admitted(req.rid, dict(req.hits), start))
+        for req in finished:
+            self._ended(req)
+
+    def _on_token(self, req: Request, tok: int) -> None:
+        if self.side is not None:
+            self.side.on_token(req, tok)  # a P/D prefill sends its pages at the first token
+        self._report(TokenOut(req.rid, tok))
+
+    def _ended(self, req: Request) -> None:
+        """A request ended on this rank: its P/D side and the KV events hear it; it is reported."""
+        self._admitted.discard(req.rid)
+        if self.side is not None:
+            self.side.ended(req)
+        if self.events is not None:
+            self.events.record(req)
+        if req.failure is not None:  # a P/D hand-off failed: (status, message)
+            self._report(Failed(req.rid, req.failure))
+        else:  # spec_*: usage.spec on the HTTP side
+            hits, spec = dict(req.hits), list(req.spec_accepts)
+            done = Finished(req.rid, req.finish_reason, hits, req.transfer, spec, req.spec_proposed)
+            self._report(done)
+
+    def _fail_all(self, message: str) -> None:
+        for req in [*self.engine.waiting, *self.engine.running]:
+            try:
+                self.engine.abort(req.rid)
+            except Exception:  # noqa: BLE001 - already failing; the client still gets its error
+                traceback.print_exc(file=sys.stderr)
+            self._admitted.discard(req.rid)
+            self._report(Failed(req.rid, message))
+
+    def _report(self, msg: Any) -> None:
+        if self.out is not None:
+            self.out(msg)
+
+    def timed(self, agree: Callable[[list[int]], list[int]]) -> Callable[[list[int]], list[int]]:
+        """The engine's agreement hook, timing each call (rank 0 reports the durations)."""
+
+        def timed(local: list[int]) -> list[int]:
+            t0 = time.perf_counter()
+            agreed = agree(local)
+            self.agree_s.append(time.perf_counter() - t0)
+            return agreed
+
+        return timed
