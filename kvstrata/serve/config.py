@@ -31,6 +31,18 @@ class ServeConfig:
         "stop (as on SIGTERM) once the process with this pid, our parent, is gone: set by "
         "launchers (`kvstrata run`, benchmarks) so a kill -9 of them leaves no server; 0 = never",
     )
+    api_key: str = doc(
+        "",
+        "clients must send 'Authorization: Bearer KEY' on every path but /health and /metrics "
+        "(as vLLM's --api-key); empty = --api-key-file, else $KVSTRATA_API_KEY read at start, "
+        "else no key. On a shared host prefer the file: a command line is visible to every user",
+    )
+    api_key_file: str = doc("", "a file holding the API key (one line), instead of --api-key")
+    max_request_bytes: int = doc(
+        16 << 20,
+        "largest request body accepted; beyond: 413 before the rest is read. 16 MiB holds a "
+        "1M-token prompt as a JSON token-id list (~7 bytes a token) with room to spare",
+    )
     role: str = doc(
         "single",
         "single (one server does it all) | prefill | decode (P/D workers) | router (front of P/D)",
@@ -39,7 +51,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        for name in ("max_pending", "default_max_tokens", "kv_events_buffer"):
+        for name in ("max_pending", "default_max_tokens", "kv_events_buffer", "max_request_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.parent_pid < 0:
