@@ -165,10 +165,16 @@ def url_scheme(url: str) -> str:
     return url.split("://", 1)[0].lower()
 
 
-def open_storage(url: str, page_nbytes: int, config: StorageConfig | None = None) -> StorageBackend:
-    """Open the backend named by `url`'s scheme (ValueError listing known schemes if unknown)."""
+def load_backends() -> Registry[StorageBackend]:
+    """The registry with every built-in backend registered (the one list of schemes)."""
     for mod in _BUILTIN_MODULES:
         importlib.import_module(mod)
+    return STORAGE_BACKENDS
+
+
+def open_storage(url: str, page_nbytes: int, config: StorageConfig | None = None) -> StorageBackend:
+    """Open the backend named by `url`'s scheme (ValueError listing known schemes if unknown)."""
+    load_backends()
     factory = STORAGE_BACKENDS.get(url_scheme(url))
     config = config or StorageConfig()
     backend = factory(url, check_page_nbytes(page_nbytes), config)
