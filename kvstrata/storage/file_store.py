@@ -64,7 +64,11 @@ class FileStore:
     def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
         self.config = config or StorageConfig()
-        self.root = resolve_dir(url, self.config.create_dir)
+        # owner-only unless asked: L3 pages hold every tenant's KV (prompts are recoverable)
+        self.file_mode, self.dir_mode = (
+            (0o660, 0o770) if self.config.group_access else (0o600, 0o700)
+        )
+        self.root = resolve_dir(url, self.config.create_dir, self.dir_mode)
         self.file_nbytes = HEADER_NBYTES + self.page_nbytes
         self._root_s = os.fspath(self.root)
         self._lock = threading.Lock()  # guards counters and the size estimate (threads only)
@@ -208,10 +212,10 @@ class FileStore:
             return "put_errors"
         try:
             try:
-                fd = os.open(tmp, _WR, 0o644)
+                fd = os.open(tmp, _WR, self.file_mode)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(tmp, _WR, 0o644)
+                os.makedirs(os.path.dirname(path), self.dir_mode, exist_ok=True)
+                fd = os.open(tmp, _WR, self.file_mode)
             try:
                 bufs = [memoryview(encode_header(key, view)), memoryview(view)]
                 if transfer_all(os.writev, fd, bufs) != self.file_nbytes:

@@ -38,6 +38,7 @@ from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage, u
 from kvstrata.storage.file_dirs import parse_file_url, refuse_whole_page_dir
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.redis_store import RedisStore
+from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer, read_key_file
 from kvstrata.storage.unit_sweep import FilePending, RedisExpiry
 
 UNIT_TAG = b"kvstrata-unit-v1"
@@ -293,23 +294,26 @@ def open_unit_storage(
     layout: UnitLayout | None = None,
     crash_after_units: int = 0,
 ) -> UnitStorage:
-    """The unit store at `url` (file or redis) seen through `part` of every page."""
+    """The unit store at `url` (any registered backend) seen through `part` of every page;
+    with config.key_file every unit value is sealed (kvstrata.storage.sealed)."""
     config = config or StorageConfig()
     layout = layout or UnitLayout(part.full)
     redis_units = url_scheme(url) != "file"
     if not redis_units:
         refuse_whole_page_dir(url)  # before the commits store opens (it creates commits/)
     ucfg = dataclasses.replace(config, redis_ttl_s=config.stale_unit_s) if redis_units else config
-    units = open_storage(url, layout.unit_nbytes, ucfg)
+    sealer = Sealer(read_key_file(config.key_file), config.encrypt) if config.key_file else None
+    raw_units = open_storage(url, layout.unit_nbytes + (SEAL_OVERHEAD if sealer else 0), ucfg)
     curl, ccfg = commit_store_url(url, config)
     commits = open_storage(curl, MARKER_NBYTES, ccfg)
     pending: FilePending | RedisExpiry | None = None
-    if isinstance(units, FileStore):
+    if isinstance(raw_units, FileStore):
         pcfg = dataclasses.replace(config, touch_on_read=False, max_bytes=0)  # mtime = age
         store = FileStore(str(parse_file_url(url) / "pending"), 16, pcfg)
         pending = FilePending(store, config.stale_unit_s, config.rescan_interval_s)
-    elif isinstance(units, RedisStore):
-        pending = RedisExpiry(units, config.redis_ttl_s)
+    elif isinstance(raw_units, RedisStore):
+        pending = RedisExpiry(raw_units, config.redis_ttl_s)
+    units: StorageBackend = SealedStore(raw_units, sealer) if sealer else raw_units
     out = UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units, pending)
     out.sweep()  # at open: what killed backups left
     return out
