@@ -24,6 +24,15 @@ class ServeConfig:
     kv_events_replay_endpoint: str = doc("", "ZMQ ROUTER endpoint that replays events from a seq")
     kv_events_topic: str = doc("", "topic frame of every KV event message")
     kv_events_buffer: int = doc(10000, "event batches kept for replay")
+    kv_events_curve_secret_file: str = doc(
+        "",
+        "KV events: the server's CURVE secret key file (`kvstrata keys curve DIR NAME`: "
+        "DIR/NAME.key_secret); with it both event sockets authenticate and encrypt every "
+        "subscriber (ZMQ CURVE). Needs kv_events_curve_clients_dir",
+    )
+    kv_events_curve_clients_dir: str = doc(
+        "", "KV events: directory of the public keys (*.key) of the subscribers allowed in"
+    )
     debug_endpoints: bool = doc(False, "expose GET /debug/integrity (tests, operators)")
     log_level: str = doc("warning", "uvicorn log level")
     parent_pid: int = doc(
@@ -61,5 +70,9 @@ class ServeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if bool(self.kv_events_curve_secret_file) != bool(self.kv_events_curve_clients_dir):
+            raise ValueError(
+                "kv_events_curve_secret_file and kv_events_curve_clients_dir go together"
+            )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
