@@ -32,18 +32,20 @@ def test_sealer_round_trip_and_every_tampering_fails(encrypt: bool) -> None:
     unit = np.arange(256, dtype=np.uint8)
     sealed = s.seal(7, unit)
     assert sealed.nbytes == unit.nbytes + SEAL_OVERHEAD
-    assert (not np.array_equal(sealed[28:-16], unit)) == encrypt  # ciphertext only if encrypting
+    assert (not np.array_equal(sealed[:256], unit)) == encrypt  # ciphertext only if encrypting
     out = np.zeros_like(unit)
-    assert s.open(7, sealed, out) and np.array_equal(out, unit)
-    assert not s.open(8, sealed, out)  # moved under another unit key
-    assert not Sealer(os.urandom(32), encrypt).open(7, sealed, out)  # another cluster's key
-    assert not Sealer(s.key, not encrypt).open(7, sealed, out)  # the other mode
-    for at in (0, 20, 40, sealed.nbytes - 1):  # salt, nonce, body, tag
+    assert s.open(7, Sealer.framed(sealed), out) and np.array_equal(out, unit)
+    assert not s.open(8, Sealer.framed(sealed), out)  # moved under another unit key
+    assert not Sealer(os.urandom(32), encrypt).open(
+        7, Sealer.framed(sealed), out
+    )  # another cluster's key
+    assert not Sealer(s.key, not encrypt).open(7, Sealer.framed(sealed), out)  # the other mode
+    for at in (0, 255, 260, 280, sealed.nbytes - 1):  # body, tag, salt, nonce
         bad = sealed.copy()
         bad[at] ^= 1
-        assert not s.open(7, bad, out)
+        assert not s.open(7, Sealer.framed(bad), out)
     reader = Sealer(s.key, encrypt)  # another process: its own salt, reads the writer's units
-    assert reader.open(7, sealed, out) and np.array_equal(out, unit)
+    assert reader.open(7, Sealer.framed(sealed), out) and np.array_equal(out, unit)
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
@@ -127,7 +129,7 @@ def test_engine_output_over_a_tampered_sealed_store_equals_the_cold_run(
     assert warm[0].hits["L3"] > 0  # sealed units read back
     for f in (tmp_path / "l3").glob("??/*.kvp"):  # rewrite every unit, headers valid
         payload = np.frombuffer(f.read_bytes()[HEADER_NBYTES:], np.uint8).copy()
-        payload[SEAL_OVERHEAD:] ^= 0x3C
+        payload[:-SEAL_OVERHEAD] ^= 0x3C  # the bodies
         f.write_bytes(encode_header(int(f.stem, 16), payload) + payload.tobytes())
     after = run_turns(model, "l1_l2_l3", tmp_path / "l3", prompts, storage_cfg=cfg)
     assert after[0].hits["L3"] == 0
