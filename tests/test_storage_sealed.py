@@ -134,3 +134,21 @@ def test_engine_output_over_a_tampered_sealed_store_equals_the_cold_run(
     after = run_turns(model, "l1_l2_l3", tmp_path / "l3", prompts, storage_cfg=cfg)
     assert after[0].hits["L3"] == 0
     assert_same(cold, after)
+
+
+def test_unit_store_cap_counts_what_it_takes_on_disk(tmp_path: Path) -> None:
+    """A 400 kB cap on a unit store of small units took 5.6 MB of disk (payload counted only;
+    every unit file, marker file and fan-out directory takes a whole block)."""
+    cap = 400_000
+    part = PagePart(SHAPE, (0, 2), (0, 2))
+    root = tmp_path / "l3"
+    store = open_unit_storage(f"file://{root}", part, StorageConfig(max_bytes=cap))
+    page = np.zeros(part.shape.page_nbytes, np.uint8)
+    for key in range(1, 301):
+        assert store.put([key], [page]) == 1
+    store.close()
+    on_disk = sum(p.stat().st_blocks * 512 for p in root.rglob("*"))
+    block = os.statvfs(root).f_frsize
+    fixed = 3 * block  # the store's own commits/, pending/ and (empty) nothing else
+    assert on_disk <= cap + fixed, on_disk
+    assert on_disk >= cap // 2  # it did fill up: the cap, not an empty store, bounds it
