@@ -162,7 +162,7 @@ def run_storage_bench(quick: bool, base_dir: str) -> dict[str, Any]:
     try:
         sizes = [_one_size(root, p, total, 5 if quick else 3, fsync) for p in PAGE_SIZES]
         create_us = file_create_us(root)
-        sealed = sealed_rows(root, total // 4)
+        sealed = sealed_rows(root, total // 8)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     main = sizes[0]
