@@ -39,6 +39,7 @@ class Sampler:
         if seed is None:  # never Python's hash(): equal across processes
             seed = xxhash.xxh3_64_intdigest(rid.encode())
         self.generator = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
+        self.failed: str | None = None  # why this request cannot be sampled (it stops)
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +68,15 @@ class Sampler:
         return _top_p(probs, p.top_p) if p.top_p < 1 else probs
 
     def draw(self, probs: torch.Tensor) -> int:
-        """One token from `probs` [vocab] (need not sum to 1), from this request's generator."""
+        """One token from `probs` [vocab] (need not sum to 1), from this request's generator.
+
+        A distribution that cannot be sampled (NaN/inf from non-finite logits) must not raise
+        inside the step, which would fail the whole batch: this request is marked failed, gets
+        the most likely finite entry, and stops (see stops()); its batch mates go on."""
+        total = float(probs.sum())
+        if not (math.isfinite(total) and total > 0) or bool((probs < 0).any()):
+            self.failed = f"cannot sample: the distribution sums to {total}"
+            return int(torch.argmax(torch.nan_to_num(probs, nan=-1.0, posinf=-1.0)))
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def uniform(self) -> float:
@@ -75,7 +84,7 @@ class Sampler:
         return float(torch.rand(1, generator=self.generator))
 
     def stops(self, token: int) -> bool:
-        return token in self.params.stop_token_ids
+        return self.failed is not None or token in self.params.stop_token_ids
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
