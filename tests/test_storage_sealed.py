@@ -152,3 +152,30 @@ def test_unit_store_cap_counts_what_it_takes_on_disk(tmp_path: Path) -> None:
     fixed = 3 * block  # the store's own commits/, pending/ and (empty) nothing else
     assert on_disk <= cap + fixed, on_disk
     assert on_disk >= cap // 2  # it did fill up: the cap, not an empty store, bounds it
+
+
+@pytest.mark.parametrize("scheme", ["mem", "redis"])
+def test_every_backend_gets_sealed_units(tmp_path: Path, scheme: str) -> None:
+    """The seal sits in the unit encoding, above the backend: a unit overwritten in the backend
+    by a writer without the key (a valid value of the right length) is a counted miss."""
+    from kvstrata.storage.units import UnitStorage
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start() if scheme == "redis" else None
+    url = server.url if server is not None else "mem://"
+    try:
+        cfg = StorageConfig(key_file=str(key_file(tmp_path / "ck")))
+        part = PagePart(SHAPE, (0, 2), (0, 2))
+        store: UnitStorage = open_unit_storage(url, part, cfg)
+        page = np.arange(part.shape.page_nbytes, dtype=np.uint64).astype(np.uint8)
+        assert store.put([21], [page]) == 1
+        out = [np.zeros_like(page)]
+        assert store.get([21], out) == 1 and np.array_equal(out[0], page)
+        raw = store.units.inner  # the backend under the seal
+        forged = np.zeros(raw.page_nbytes, np.uint8)
+        assert raw.put(store.all_unit_keys(21)[:1], [forged]) == 1
+        assert store.get([21], out) == 0 and store.stats()["seal_failures"] == 1
+        store.close()
+    finally:
+        if server is not None:
+            server.stop()
