@@ -38,7 +38,7 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         False,
     ),
     "storage": (
-        frozenset({"put_ratio", "get_ratio", "put_gbps", "get_gbps", "by_page_size"}),
+        frozenset({"put_ratio", "get_ratio", "put_gbps", "get_gbps", "by_page_size", "sealed"}),
         False,
     ),
     "consensus": (

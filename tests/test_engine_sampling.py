@@ -149,3 +149,17 @@ def test_abort_while_probing_or_prefetching_from_storage(model, tmp_path: Path) 
         assert eng.cache.accounting()["device"]["locked"] == 0 and not eng.cache.owned
         built.close()
     assert LeaseState.PROBING in seen or LeaseState.PREFETCHING in seen
+
+
+def test_a_row_that_cannot_be_sampled_stops_that_request_only() -> None:
+    """NaN logits made torch.multinomial raise inside the step (failing every running request);
+    the sampler now marks its request failed and stops it, deterministically on every rank."""
+    row = torch.zeros(10)
+    row[3] = float("nan")
+    s = Sampler(SamplingParams(temperature=0.7, seed=1), "r")
+    tok = s.sample(row)
+    assert 0 <= tok < 10 and s.failed is not None and "cannot sample" in s.failed
+    assert s.stops(tok)
+    ok = Sampler(SamplingParams(temperature=0.7, seed=1), "r2")
+    ok.sample(torch.zeros(10))
+    assert ok.failed is None and not ok.stops(0)

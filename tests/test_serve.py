@@ -134,7 +134,8 @@ def test_stop_string_ends_the_request(client: openai.OpenAI, server: Server) -> 
 
 def post(server: Server, path: str, body: object) -> httpx.Response:
     data = body if isinstance(body, str | bytes) else json.dumps(body)
-    return httpx.post(f"{server.url}{path}", content=data, timeout=30)
+    headers = {"Content-Type": "application/json"}
+    return httpx.post(f"{server.url}{path}", content=data, headers=headers, timeout=30)
 
 
 @pytest.mark.parametrize(

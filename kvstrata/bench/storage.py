@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvstrata.bench.registry import BENCHES
+from kvstrata.bench.storage_sealed import sealed_rows
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.file_store import FileStore
 
@@ -161,6 +162,7 @@ def run_storage_bench(quick: bool, base_dir: str) -> dict[str, Any]:
     try:
         sizes = [_one_size(root, p, total, 5 if quick else 3, fsync) for p in PAGE_SIZES]
         create_us = file_create_us(root)
+        sealed = sealed_rows(root, total // 8)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     main = sizes[0]
@@ -179,6 +181,7 @@ def run_storage_bench(quick: bool, base_dir: str) -> dict[str, Any]:
         "baseline_read_gbps": main["base_get_gbps"],
         "file_create_us": create_us,
         "by_page_size": sizes,
+        "sealed": sealed,  # --storage-key-file: MAC'd / encrypted units vs plain (ratios)
     }
 
 

@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvstrata.cli.replay_cmd",
     "kvstrata.cli.simulate_cmd",
     "kvstrata.cli.serve_cmd",
+    "kvstrata.cli.keys_cmd",
 )
 
 

@@ -8,7 +8,6 @@ what the machine has available, checkpoints by reading config.json and safetenso
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import struct
@@ -116,14 +115,13 @@ def check_storage_url(url: str, option: str, create_dir: bool = True) -> None:
 
     A store that exists but is read-only is accepted: it still serves reads (a shared, published
     store), and failed writes are warned about once and counted."""
-    from kvstrata.storage.base import STORAGE_BACKENDS, url_scheme
+    from kvstrata.storage.base import load_backends, url_scheme
     from kvstrata.storage.file_dirs import parse_file_url
 
-    for mod in ("kvstrata.storage.file_store", "kvstrata.storage.redis_store"):
-        importlib.import_module(mod)
+    backends = load_backends()
     scheme = url_scheme(url)
-    if scheme not in STORAGE_BACKENDS.names():
-        known = ", ".join(STORAGE_BACKENDS.names())
+    if scheme not in backends.names():
+        known = ", ".join(backends.names())
         raise InputError(f"{option} {url!r}: unknown storage URL scheme {scheme!r}; known: {known}")
     if scheme != "file":
         return

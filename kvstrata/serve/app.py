@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +17,8 @@ from pydantic import BaseModel, ValidationError
 from kvstrata.cache.events import MEDIA, snapshot
 from kvstrata.engine.scheduler import RESET_DRAIN_S
 from kvstrata.pd.routes import add_routes as pd_routes
+from kvstrata.serve.auth import ApiKeyGuard, resolve_api_key
+from kvstrata.serve.body import read_json_object
 from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.generate import Generation, complete, stream
 from kvstrata.serve.protocol import (
@@ -42,15 +43,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-async def parse(request: Request, model: type[BaseModel]) -> Any:
-    """The JSON body as `model`, or a 400 naming the bad field."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the JSON body must be an object")
+async def parse(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    """The JSON body as `model`, or a 400 naming the bad field (415 / 413: see serve/body.py)."""
+    data = await read_json_object(request, max_bytes)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -72,6 +67,9 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvstrata", lifespan=lifespan)
 
     add_error_handlers(app)
+    api_key = resolve_api_key(state.cfg.api_key, state.cfg.api_key_file)
+    if api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
 
     _info_routes(app, state)
     _generate_routes(app, state)
@@ -112,17 +110,21 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
 def _generate_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        return await _generate(state, await parse(request, CompletionRequest), request)
+        return await _generate(
+            state, await parse(request, CompletionRequest, state.cfg.max_request_bytes), request
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Any:
-        return await _generate(state, await parse(request, ChatRequest), request)
+        return await _generate(
+            state, await parse(request, ChatRequest, state.cfg.max_request_bytes), request
+        )
 
 
 def _token_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await parse(request, TokenizeRequest)
+        body = await parse(request, TokenizeRequest, state.cfg.max_request_bytes)
         if body.messages is not None:
             toks = state.codec.encode_chat(
                 [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -135,7 +137,7 @@ def _token_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await parse(request, DetokenizeRequest)
+        body = await parse(request, DetokenizeRequest, state.cfg.max_request_bytes)
         if body.tokens:
             check_tokens(body.tokens, state.limits, "tokens")
         return {"prompt": state.codec.decode(body.tokens)}

@@ -24,6 +24,15 @@ class ServeConfig:
     kv_events_replay_endpoint: str = doc("", "ZMQ ROUTER endpoint that replays events from a seq")
     kv_events_topic: str = doc("", "topic frame of every KV event message")
     kv_events_buffer: int = doc(10000, "event batches kept for replay")
+    kv_events_curve_secret_file: str = doc(
+        "",
+        "KV events: the server's CURVE secret key file (`kvstrata keys curve DIR NAME`: "
+        "DIR/NAME.key_secret); with it both event sockets authenticate and encrypt every "
+        "subscriber (ZMQ CURVE). Needs kv_events_curve_clients_dir",
+    )
+    kv_events_curve_clients_dir: str = doc(
+        "", "KV events: directory of the public keys (*.key) of the subscribers allowed in"
+    )
     debug_endpoints: bool = doc(False, "expose GET /debug/integrity (tests, operators)", debug=True)
     log_level: str = doc("warning", "uvicorn log level")
     parent_pid: int = doc(
@@ -31,6 +40,18 @@ class ServeConfig:
         "stop (as on SIGTERM) once the process with this pid, our parent, is gone: set by "
         "launchers (`kvstrata run`, benchmarks) so a kill -9 of them leaves no server; 0 = never",
         debug=True,
+    )
+    api_key: str = doc(
+        "",
+        "clients must send 'Authorization: Bearer KEY' on every path but /health and /metrics "
+        "(as vLLM's --api-key); empty = --api-key-file, else $KVSTRATA_API_KEY read at start, "
+        "else no key. On a shared host prefer the file: a command line is visible to every user",
+    )
+    api_key_file: str = doc("", "a file holding the API key (one line), instead of --api-key")
+    max_request_bytes: int = doc(
+        16 << 20,
+        "largest request body accepted; beyond: 413 before the rest is read. 16 MiB holds a "
+        "1M-token prompt as a JSON token-id list (~7 bytes a token) with room to spare",
     )
     role: str = doc(
         "single",
@@ -40,7 +61,7 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        for name in ("max_pending", "default_max_tokens", "kv_events_buffer"):
+        for name in ("max_pending", "default_max_tokens", "kv_events_buffer", "max_request_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.parent_pid < 0:
@@ -50,5 +71,9 @@ class ServeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if bool(self.kv_events_curve_secret_file) != bool(self.kv_events_curve_clients_dir):
+            raise ValueError(
+                "kv_events_curve_secret_file and kv_events_curve_clients_dir go together"
+            )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")

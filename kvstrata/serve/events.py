@@ -14,17 +14,27 @@ Block hashes are the low 64 bits of our 128-bit page keys (msgpack integers are 
 A ROUTER socket (optional) answers a request [start_seq (8 bytes)] with every buffered batch from
 that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty).
 
-Runs on the engine thread (rank 0's, under ranks): the sockets are used by that thread only.
+With kv_events_curve_secret_file / kv_events_curve_clients_dir both sockets are CURVE servers:
+every subscriber must present a key pair whose public half is in the clients directory (pyzmq's
+ThreadAuthenticator checks it), and all traffic is encrypted; anyone else's connection fails its
+handshake and receives nothing. Event payloads carry every tenant's prompt token ids, so a
+socket reachable by other users or hosts should not run without it.
+
+Runs on the engine thread (rank 0's, under ranks): the sockets are used by that thread only (the
+authenticator runs its own thread on the same context).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker
 from kvstrata.engine.engine import Engine
@@ -54,13 +64,16 @@ class KVEventPublisher:
         self.page = page_size
         self.topic = cfg.kv_events_topic.encode()
         self.ctx = zmq.Context()
+        self.auth = curve_authenticator(self.ctx, cfg)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 1000)  # at close: at most 1 s to flush queued batches
+        secure(self.pub, cfg)
         self.pub.bind(cfg.kv_events_endpoint)
         self.replay: zmq.Socket | None = None
         if cfg.kv_events_replay_endpoint:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
+            secure(self.replay, cfg)
             self.replay.bind(cfg.kv_events_replay_endpoint)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.kv_events_buffer)
         self.seq = 0
@@ -99,6 +112,8 @@ class KVEventPublisher:
         self.pub.close()
         if self.replay is not None:
             self.replay.close()
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
 
     # ---- internals --------------------------------------------------------------------------------
@@ -137,6 +152,32 @@ class KVEventPublisher:
                 if seq >= start:
                     sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
             sock.send_multipart((client, b"", END_SEQ, b""))
+
+
+def curve_authenticator(ctx: zmq.Context, cfg: ServeConfig) -> ThreadAuthenticator | None:
+    """The ZAP handler admitting the public keys in kv_events_curve_clients_dir (None: no CURVE).
+    The directory is read once here: a key added later needs a restart."""
+    if not cfg.kv_events_curve_secret_file:
+        return None
+    clients = Path(cfg.kv_events_curve_clients_dir)
+    if not clients.is_dir():
+        raise ValueError(f"--kv-events-curve-clients-dir {clients}: not a directory")
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(clients))
+    return auth
+
+
+def secure(sock: zmq.Socket, cfg: ServeConfig) -> None:
+    """Make `sock` a CURVE server under the configured secret key (before it binds)."""
+    if not cfg.kv_events_curve_secret_file:
+        return
+    public, secret = zmq.auth.load_certificate(cfg.kv_events_curve_secret_file)
+    if secret is None:
+        raise ValueError(
+            f"--kv-events-curve-secret-file {cfg.kv_events_curve_secret_file}: holds no secret key"
+        )
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
 
 
 __all__ = ["MEDIA", "KVEventPublisher", "block_hash", "encode_change"]

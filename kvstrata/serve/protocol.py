@@ -26,7 +26,10 @@ class ApiError(Exception):
     def kind(self) -> str:
         kinds = {
             400: "BadRequestError",
+            401: "UnauthorizedError",
             404: "NotFoundError",
+            413: "RequestEntityTooLargeError",
+            415: "UnsupportedMediaTypeError",
             502: "BadGatewayError",
             503: "ServiceUnavailableError",
             504: "GatewayTimeoutError",

@@ -83,6 +83,20 @@ class StorageConfig:
         "benchmarks: every read waits this long per page first (emulates remote storage)",
         debug=True,
     )
+    key_file: str = doc(
+        "",
+        "cluster key file (hex, `kvstrata keys cluster`): every stored unit carries a keyed MAC "
+        "over its key, length and bytes, checked on read (a failure is a miss, counted as "
+        "seal_failures); every reader and writer of the store needs the same key. Empty = none",
+    )
+    encrypt: bool = doc(
+        False, "with key_file: units are also encrypted at rest (AES-256-GCM) instead of MAC'd only"
+    )
+    group_access: bool = doc(
+        False,
+        "file backend: files 0660 and directories 0770 (workers of one group share the store); "
+        "default owner-only, 0600 and 0700",
+    )
     require_reachable_at_start: bool = doc(
         True, "redis backend: an unreachable server at construction is a ValueError"
     )
@@ -111,6 +125,8 @@ class StorageConfig:
             )
         if self.reconnect_backoff_max_s < self.reconnect_backoff_s:
             raise ValueError("reconnect_backoff_max_s must be >= reconnect_backoff_s")
+        if self.encrypt and not self.key_file:
+            raise ValueError("encrypt needs key_file (the cluster key)")
         if self.emulate_read_s_per_page < 0:
             raise ValueError(
                 f"emulate_read_s_per_page must be >= 0, got {self.emulate_read_s_per_page}"
@@ -167,10 +183,16 @@ def url_scheme(url: str) -> str:
     return url.split("://", 1)[0].lower()
 
 
-def open_storage(url: str, page_nbytes: int, config: StorageConfig | None = None) -> StorageBackend:
-    """Open the backend named by `url`'s scheme (ValueError listing known schemes if unknown)."""
+def load_backends() -> Registry[StorageBackend]:
+    """The registry with every built-in backend registered (the one list of schemes)."""
     for mod in _BUILTIN_MODULES:
         importlib.import_module(mod)
+    return STORAGE_BACKENDS
+
+
+def open_storage(url: str, page_nbytes: int, config: StorageConfig | None = None) -> StorageBackend:
+    """Open the backend named by `url`'s scheme (ValueError listing known schemes if unknown)."""
+    load_backends()
     factory = STORAGE_BACKENDS.get(url_scheme(url))
     config = config or StorageConfig()
     backend = factory(url, check_page_nbytes(page_nbytes), config)

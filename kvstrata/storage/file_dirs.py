@@ -14,15 +14,16 @@ def parse_file_url(url: str) -> Path:
     return Path(path)
 
 
-def resolve_dir(url: str, create: bool) -> Path:
-    """The store directory of `url`, created if allowed; one-line ValueError otherwise."""
+def resolve_dir(url: str, create: bool, mode: int = 0o700) -> Path:
+    """The store directory of `url`, created (with `mode`) if allowed; one-line ValueError
+    otherwise."""
     try:
-        return _make_dir(url, create)
+        return _make_dir(url, create, mode)
     except OSError as exc:
         raise ValueError(f"storage url {url!r}: cannot create the directory: {exc}") from None
 
 
-def _make_dir(url: str, create: bool) -> Path:
+def _make_dir(url: str, create: bool, mode: int) -> Path:
     root = parse_file_url(url)
     try:  # one stat: with is_dir() then exists(), a rank creating it between the two reads
         # as "exists and is not a directory" (ranks open the same store at once)
@@ -39,7 +40,7 @@ def _make_dir(url: str, create: bool) -> Path:
         raise ValueError(
             f"storage url {url!r}: parent directory {root.parent} of {root} does not exist"
         )
-    root.mkdir(exist_ok=True)  # another rank may have made it meanwhile: fine
+    root.mkdir(mode, exist_ok=True)  # another rank may have made it meanwhile: fine
     return root
 
 

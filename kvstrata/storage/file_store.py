@@ -10,7 +10,10 @@ locks:
   removed (only if the name still points at the inode that was read, so a freshly replaced good
   page is not thrown away);
 - the LRU clock is the file mtime, set explicitly (ns) on write and on read; the size cap is kept
-  by a running estimate plus an occasional rescan, and the clean-up removes the oldest files.
+  by a running estimate plus an occasional rescan, and the clean-up removes the oldest files;
+- the size cap counts what the store takes on disk (`du`): the blocks allocated to its page files
+  and to its fan-out directories, not the payload (small units take a whole block each, and 256
+  fan-out directories take a block each); a clean-up removes the fan-out directories it emptied.
 Concurrent clean-ups in several processes may remove a little more than needed: that is a miss.
 
 Temp files are named `.<page file>.<host tag>.<pid>.<thread>.<seq>.tmp`. A writer removes its temp
@@ -23,6 +26,7 @@ touched: its pid is alive (a reused pid only delays the removal until the age li
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import threading
@@ -64,8 +68,15 @@ class FileStore:
     def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
         self.config = config or StorageConfig()
-        self.root = resolve_dir(url, self.config.create_dir)
+        # owner-only unless asked: L3 pages hold every tenant's KV (prompts are recoverable)
+        self.file_mode, self.dir_mode = (
+            (0o660, 0o770) if self.config.group_access else (0o600, 0o700)
+        )
+        self.root = resolve_dir(url, self.config.create_dir, self.dir_mode)
         self.file_nbytes = HEADER_NBYTES + self.page_nbytes
+        block = os.statvfs(self.root).f_frsize or 4096
+        self.file_disk_nbytes = -(-self.file_nbytes // block) * block  # estimate; rescans measure
+        self.dir_disk_nbytes = disk_nbytes(os.stat(self.root))
         self._root_s = os.fspath(self.root)
         self._lock = threading.Lock()  # guards counters and the size estimate (threads only)
         self._cleanup_lock = threading.Lock()  # one clean-up at a time per process
@@ -172,7 +183,7 @@ class FileStore:
             cur = os.stat(path)
             if (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev):
                 os.unlink(path)
-                return st.st_size
+                return disk_nbytes(st)
         except OSError:
             pass  # already replaced or removed by another process: nothing to clean
         return 0
@@ -187,7 +198,7 @@ class FileStore:
         for key, view in zip(keys, views, strict=True):
             outcome = self._write_one(key, view)
             counts[outcome] += 1
-            added += self.file_nbytes if outcome == "puts" else 0
+            added += self.file_disk_nbytes if outcome == "puts" else 0
         counts["bytes_written"] = counts["puts"] * self.file_nbytes
         self._add(counts, added)
         self._maybe_cleanup()
@@ -208,10 +219,11 @@ class FileStore:
             return "put_errors"
         try:
             try:
-                fd = os.open(tmp, _WR, 0o644)
+                fd = os.open(tmp, _WR, self.file_mode)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(tmp, _WR, 0o644)
+                os.makedirs(os.path.dirname(path), self.dir_mode, exist_ok=True)
+                self._add({}, self.dir_disk_nbytes)  # (or another writer made it: rescans fix)
+                fd = os.open(tmp, _WR, self.file_mode)
             try:
                 bufs = [memoryview(encode_header(key, view)), memoryview(view)]
                 if transfer_all(os.writev, fd, bufs) != self.file_nbytes:
@@ -253,7 +265,7 @@ class FileStore:
                 removed += 1
             except OSError:
                 pass
-        self._add({"deleted": removed}, -removed * self.file_nbytes)
+        self._add({"deleted": removed}, -removed * self.file_disk_nbytes)
         return removed
 
     # ---- size cap ----------------------------------------------------------------------------
@@ -277,13 +289,15 @@ class FileStore:
         finally:
             self._cleanup_lock.release()
 
-    def _scan(self, pages: bool = True) -> Iterator[tuple[int, int, str]]:
-        """(mtime_ns, size, path) of every page file (none if not `pages`); removes orphan temp
-        files on the way, yielding (0, 0, path) for each removed one when not `pages`."""
-        stale_before = time.time_ns() - int(self.config.stale_tmp_s * 1e9)
+    def _subdirs(self) -> list[str]:
         with os.scandir(self._root_s) as top:
-            subdirs = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-        for sub in subdirs:
+            return [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+
+    def _scan(self, pages: bool = True) -> Iterator[tuple[int, os.stat_result, str]]:
+        """(mtime_ns, stat, path) of every page file (none if not `pages`); removes orphan temp
+        files on the way, yielding (0, stat, path) for each removed one when not `pages`."""
+        stale_before = time.time_ns() - int(self.config.stale_tmp_s * 1e9)
+        for sub in self._subdirs():
             try:
                 with os.scandir(sub) as it:
                     entries = list(it)
@@ -298,10 +312,10 @@ class FileStore:
                 except OSError:
                     continue  # removed meanwhile by another process
                 if e.name.endswith(PAGE_SUFFIX):
-                    yield st.st_mtime_ns, st.st_size, e.path
+                    yield st.st_mtime_ns, st, e.path
                 elif is_tmp and self._tmps.orphan(e.path, e.name, st.st_mtime_ns, stale_before):
                     if self._unlink_quiet(e.path) and not pages:
-                        yield 0, 0, e.path
+                        yield 0, st, e.path
 
     @staticmethod
     def _unlink_quiet(path: str) -> bool:
@@ -316,11 +330,15 @@ class FileStore:
         if not self._cleanup_lock.acquire(blocking=False):
             return  # another thread of this process is cleaning up already
         try:
-            files = list(self._scan())
-            total = sum(size for _, size, _ in files)
+            files = [(mtime, disk_nbytes(st), path) for mtime, st, path in self._scan()]
+            dirs = self._dir_sizes()
+            left = collections.Counter(os.path.dirname(path) for _, _, path in files)
+            total = sum(size for _, size, _ in files) + sum(dirs.values())
             evicted = 0
             if total > self.config.max_bytes:
                 target = self.config.max_bytes * self.config.evict_to_fraction
+                for sub in [d for d in dirs if not left[d]]:  # empty already: first to go
+                    total -= dirs[sub] if self._rmdir_quiet(sub) else 0
                 files.sort()
                 for _, size, path in files:
                     if total <= target:
@@ -328,6 +346,10 @@ class FileStore:
                     if self._unlink_quiet(path):
                         evicted += 1
                     total -= size  # gone either way (by us or by another process)
+                    sub = os.path.dirname(path)
+                    left[sub] -= 1
+                    if not left[sub] and self._rmdir_quiet(sub):  # its last page: the dir goes
+                        total -= dirs.get(sub, 0)
             with self._lock:
                 self._bytes_estimate = total
                 self._counts["evicted"] += evicted
@@ -335,6 +357,25 @@ class FileStore:
             self._next_rescan = time.monotonic() + self.config.rescan_interval_s
         finally:
             self._cleanup_lock.release()
+
+    def _dir_sizes(self) -> dict[str, int]:
+        sizes = {}
+        for sub in self._subdirs():
+            try:
+                sizes[sub] = disk_nbytes(os.stat(sub))
+            except OSError:
+                pass  # removed meanwhile by another process's clean-up
+        return sizes
+
+    @staticmethod
+    def _rmdir_quiet(path: str) -> bool:
+        """Remove a fan-out directory if empty (never a page: rmdir fails on a non-empty one).
+        A writer that finds its directory gone recreates it (see _write_one)."""
+        try:
+            os.rmdir(path)
+            return True
+        except OSError:
+            return False
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:
@@ -360,7 +401,8 @@ class FileStore:
             assert self._bytes_estimate >= 0, self._bytes_estimate
             c = self._counts
             assert c["get_hits"] + c["get_misses"] >= 0 and c["get_misses"] <= c["gets"], c
-        for _, size, path in self._scan():
+        for _, st, path in self._scan():
+            size = st.st_size
             sub, name = os.path.split(path)
             stem = name[: -len(PAGE_SUFFIX)]
             assert len(stem) == 32 and int(stem, 16) >= 0, f"bad page file name {path}"
@@ -370,6 +412,11 @@ class FileStore:
             assert size == self.file_nbytes, (
                 f"page file {path} has {size} bytes, expected {self.file_nbytes}"
             )
+
+
+def disk_nbytes(st: os.stat_result) -> int:
+    """Bytes a file or directory takes on disk (allocated blocks, as `du` counts them)."""
+    return st.st_blocks * 512
 
 
 @STORAGE_BACKENDS.register("file")

@@ -34,10 +34,17 @@ import torch
 import xxhash
 
 from kvstrata.memory.layout import KVShape
-from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage, url_scheme
+from kvstrata.storage.base import (
+    HEADER_NBYTES,
+    StorageBackend,
+    StorageConfig,
+    open_storage,
+    url_scheme,
+)
 from kvstrata.storage.file_dirs import parse_file_url, refuse_whole_page_dir
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.redis_store import RedisStore
+from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer, read_key_file
 from kvstrata.storage.unit_sweep import FilePending, RedisExpiry
 
 UNIT_TAG = b"kvstrata-unit-v1"
@@ -129,6 +136,34 @@ class UnitLayout:
         f = self.full
         dims = (f.num_layers, f.num_kv_heads, self.layer_block, self.head_block)
         return np.frombuffer(struct.pack("<4I", *dims), np.uint8).copy()
+
+
+PENDING_CAP_SHARE = 16
+"""1/16 of a file store's cap is the pending records' (a few in-flight pages, and the fan-out
+directories they leave, which a capped store removes once empty)."""
+
+
+def split_file_cap(
+    url: str, config: StorageConfig, unit_file_nbytes: int, units_per_page: int
+) -> tuple[StorageConfig, StorageConfig, int]:
+    """(units, commits configs, pending cap) sharing a file store's max_bytes: the pending
+    records take a fixed share; units and commits the rest by what a page takes on disk: its
+    unit files and its marker file, each a whole number of blocks (the cap is one budget for
+    the directory, not one per sub-store)."""
+    if not config.max_bytes:
+        return config, config, 0
+    pending = max(1, config.max_bytes // PENDING_CAP_SHARE)
+    budget = config.max_bytes - pending
+    root = parse_file_url(url)
+    block = os.statvfs(root if root.is_dir() else root.parent).f_frsize or 4096
+    unit_disk = units_per_page * -(-(HEADER_NBYTES + unit_file_nbytes) // block) * block
+    marker_disk = -(-(HEADER_NBYTES + MARKER_NBYTES) // block) * block
+    commits = budget * marker_disk // (unit_disk + marker_disk)
+    return (
+        dataclasses.replace(config, max_bytes=max(1, budget - commits)),
+        dataclasses.replace(config, max_bytes=max(1, commits)),
+        pending,
+    )
 
 
 def commit_store_url(url: str, config: StorageConfig) -> tuple[str, StorageConfig]:
@@ -293,23 +328,35 @@ def open_unit_storage(
     layout: UnitLayout | None = None,
     crash_after_units: int = 0,
 ) -> UnitStorage:
-    """The unit store at `url` (file or redis) seen through `part` of every page."""
+    """The unit store at `url` (any registered backend) seen through `part` of every page;
+    with config.key_file every unit value is sealed (kvstrata.storage.sealed)."""
     config = config or StorageConfig()
     layout = layout or UnitLayout(part.full)
     redis_units = url_scheme(url) != "file"
     if not redis_units:
         refuse_whole_page_dir(url)  # before the commits store opens (it creates commits/)
     ucfg = dataclasses.replace(config, redis_ttl_s=config.stale_unit_s) if redis_units else config
-    units = open_storage(url, layout.unit_nbytes, ucfg)
+    sealer = Sealer(read_key_file(config.key_file), config.encrypt) if config.key_file else None
+    unit_value = layout.unit_nbytes + (SEAL_OVERHEAD if sealer else 0)
     curl, ccfg = commit_store_url(url, config)
+    pending_cap = 0
+    if not redis_units:
+        per_page = len(
+            layout.blocks(
+                PagePart(part.full, (0, part.full.num_layers), (0, part.full.num_kv_heads))
+            )
+        )
+        ucfg, ccfg, pending_cap = split_file_cap(url, config, unit_value, per_page)
+    raw_units = open_storage(url, unit_value, ucfg)
     commits = open_storage(curl, MARKER_NBYTES, ccfg)
     pending: FilePending | RedisExpiry | None = None
-    if isinstance(units, FileStore):
-        pcfg = dataclasses.replace(config, touch_on_read=False, max_bytes=0)  # mtime = age
+    if isinstance(raw_units, FileStore):
+        pcfg = dataclasses.replace(config, touch_on_read=False, max_bytes=pending_cap)  # mtime=age
         store = FileStore(str(parse_file_url(url) / "pending"), 16, pcfg)
         pending = FilePending(store, config.stale_unit_s, config.rescan_interval_s)
-    elif isinstance(units, RedisStore):
-        pending = RedisExpiry(units, config.redis_ttl_s)
+    elif isinstance(raw_units, RedisStore):
+        pending = RedisExpiry(raw_units, config.redis_ttl_s)
+    units: StorageBackend = SealedStore(raw_units, sealer) if sealer else raw_units
     out = UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units, pending)
     out.sweep()  # at open: what killed backups left
     return out

@@ -1,0 +1,67 @@
+"""`kvstrata keys`: generate key files, owner-only (0600).
+
+    kvstrata keys cluster PATH      the cluster key of a shared L3 (--storage-key-file): 32
+                                    random bytes in hex; every worker of the store reads it
+    kvstrata keys curve DIR NAME    a ZMQ CURVE key pair in pyzmq's certificate format:
+                                    DIR/NAME.key (public, give it to peers) and
+                                    DIR/NAME.key_secret (secret, keep it); KV events servers
+                                    (--kv-events-curve-*) and, later, P/D sockets use them
+An existing file is never overwritten (a key rotation is a deliberate `rm` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from pathlib import Path
+
+CLUSTER_KEY_BYTES = 32
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keys", help="generate a cluster storage key or a ZMQ CURVE key pair")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    c = kinds.add_parser("cluster", help="cluster key for --storage-key-file (hex, 0600)")
+    c.add_argument("path", type=Path, help="file to create")
+    z = kinds.add_parser("curve", help="ZMQ CURVE key pair: DIR/NAME.key and DIR/NAME.key_secret")
+    z.add_argument("dir", type=Path, help="directory to write into (created 0700 if missing)")
+    z.add_argument("name", help="base name of the two files")
+    p.set_defaults(func=run)
+
+
+def write_cluster_key(path: Path) -> None:
+    """A fresh key in a new owner-only file (FileExistsError if `path` exists: a race)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(CLUSTER_KEY_BYTES) + "\n")
+
+
+def write_curve_pair(directory: Path, name: str) -> tuple[Path, Path]:
+    """(public file, secret file) of a fresh CURVE key pair (ValueError if either exists)."""
+    import zmq.auth
+
+    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for p in (public, secret):
+        if p.exists():
+            raise ValueError(f"{p} exists; remove it first to make a new key pair")
+    directory.mkdir(mode=0o700, parents=False, exist_ok=True)
+    old = os.umask(0o077)  # the secret file is owner-only from its first byte
+    try:
+        made = zmq.auth.create_certificates(str(directory), name)
+    finally:
+        os.umask(old)
+    os.chmod(made[0], 0o644)  # the public half is meant to be handed out
+    return Path(made[0]), Path(made[1])
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.kind == "cluster":
+        if args.path.exists():
+            raise ValueError(f"{args.path} exists; remove it first to make a new key")
+        write_cluster_key(args.path)
+        print(f"cluster key: {args.path} (0600); pass it as --storage-key-file on every worker")
+        return 0
+    public, secret = write_curve_pair(args.dir, args.name)
+    print(f"CURVE public key: {public}\nCURVE secret key: {secret} (0600)")
+    return 0

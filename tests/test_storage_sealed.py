@@ -1,0 +1,181 @@
+"""Sealed L3 units (a cluster key): round trips, every tampering a miss that is counted, a store
+rewritten with valid headers gives the cold run's output, owner-only files; `kvstrata keys`."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq.auth
+
+from kvstrata.cli.main import main
+from kvstrata.memory.layout import KVShape
+from kvstrata.storage.base import HEADER_NBYTES, StorageConfig, encode_header, header_ok
+from kvstrata.storage.sealed import SEAL_OVERHEAD, Sealer, read_key_file
+from kvstrata.storage.units import PagePart, open_unit_storage
+from tests.test_engine_cache import assert_same, conversation, run_turns
+
+SHAPE = KVShape(2, 2, 8, 4, "float16")  # layers, kv heads, head dim, page size, dtype
+
+
+def key_file(path: Path) -> Path:
+    assert main(["keys", "cluster", str(path)]) == 0
+    return path
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_sealer_round_trip_and_every_tampering_fails(encrypt: bool) -> None:
+    s = Sealer(os.urandom(32), encrypt)
+    unit = np.arange(256, dtype=np.uint8)
+    sealed = s.seal(7, unit)
+    assert sealed.nbytes == unit.nbytes + SEAL_OVERHEAD
+    assert (not np.array_equal(sealed[:256], unit)) == encrypt  # ciphertext only if encrypting
+    out = np.zeros_like(unit)
+    assert s.open(7, Sealer.framed(sealed), out) and np.array_equal(out, unit)
+    assert not s.open(8, Sealer.framed(sealed), out)  # moved under another unit key
+    assert not Sealer(os.urandom(32), encrypt).open(
+        7, Sealer.framed(sealed), out
+    )  # another cluster's key
+    assert not Sealer(s.key, not encrypt).open(7, Sealer.framed(sealed), out)  # the other mode
+    for at in (0, 255, 260, 280, sealed.nbytes - 1):  # body, tag, salt, nonce
+        bad = sealed.copy()
+        bad[at] ^= 1
+        assert not s.open(7, Sealer.framed(bad), out)
+    reader = Sealer(s.key, encrypt)  # another process: its own salt, reads the writer's units
+    assert reader.open(7, Sealer.framed(sealed), out) and np.array_equal(out, unit)
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_rewritten_unit_with_a_valid_header_is_a_counted_miss(
+    tmp_path: Path, encrypt: bool
+) -> None:
+    cfg = StorageConfig(key_file=str(key_file(tmp_path / "ck")), encrypt=encrypt)
+    part = PagePart(SHAPE, (0, 2), (0, 2))
+    store = open_unit_storage(f"file://{tmp_path / 'l3'}", part, cfg)
+    pages = [
+        np.random.default_rng(i).integers(0, 256, part.shape.page_nbytes, np.uint8)
+        for i in range(3)
+    ]
+    assert store.put([11, 12, 13], pages) == 3
+    out = [np.zeros_like(p) for p in pages]
+    assert store.get([11, 12, 13], out) == 3 and all(map(np.array_equal, out, pages))
+    # a writer without the key rewrites one unit of page 12: new bytes, a header that verifies
+    victim = next(f for f in sorted((tmp_path / "l3").glob("??/*.kvp")) if _holds(f, store, 12))
+    raw = bytearray(victim.read_bytes())
+    payload = np.frombuffer(bytes(raw[HEADER_NBYTES:]), np.uint8).copy()
+    payload[30:60] ^= 0x55
+    ukey = int(victim.stem, 16)
+    victim.write_bytes(encode_header(ukey, payload) + payload.tobytes())
+    assert header_ok(victim.read_bytes()[:HEADER_NBYTES], ukey, payload.nbytes) is not None
+    assert store.exists_prefix([11, 12, 13]) == 3  # its marker is there, ...
+    assert store.get([11, 12, 13], out) == 1  # ... but it does not open: a miss from page 12
+    assert store.stats()["seal_failures"] == 1
+    plain = open_unit_storage(f"file://{tmp_path / 'l3'}", part, StorageConfig())
+    assert plain.get([11], out) == 0  # a reader without the key reads nothing either
+    plain.close()
+    store.check_integrity()
+    store.close()
+
+
+def _holds(f: Path, store, page: int) -> bool:  # noqa: ANN001
+    return int(f.stem, 16) in store.all_unit_keys(page)
+
+
+def test_store_files_and_directories_are_owner_only(tmp_path: Path) -> None:
+    part = PagePart(SHAPE, (0, 2), (0, 2))
+    old = os.umask(0o022)
+    try:
+        store = open_unit_storage(f"file://{tmp_path / 'l3'}", part, StorageConfig())
+        store.put([5], [np.zeros(part.shape.page_nbytes, np.uint8)])
+        store.close()
+    finally:
+        os.umask(old)
+    made = [p for p in (tmp_path / "l3").rglob("*")] + [tmp_path / "l3"]
+    assert len([p for p in made if p.is_file()]) >= 5  # units, commit marker
+    for p in made:
+        want = 0o700 if p.is_dir() else 0o600
+        assert stat.S_IMODE(p.stat().st_mode) == want, p
+
+
+def test_key_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ck = key_file(tmp_path / "ck")
+    assert stat.S_IMODE(ck.stat().st_mode) == 0o600 and len(read_key_file(ck)) == 32
+    assert main(["keys", "cluster", str(ck)]) == 2  # never overwritten
+    assert "exists" in capsys.readouterr().err
+    os.chmod(ck, 0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        read_key_file(ck)
+    assert main(["keys", "curve", str(tmp_path / "curve"), "srv"]) == 0
+    public, secret = zmq.auth.load_certificate(str(tmp_path / "curve" / "srv.key_secret"))
+    assert secret is not None and len(public) == 40
+    assert stat.S_IMODE((tmp_path / "curve" / "srv.key_secret").stat().st_mode) == 0o600
+
+
+def test_engine_output_over_a_tampered_sealed_store_equals_the_cold_run(
+    tmp_path: Path,
+) -> None:
+    from kvstrata.model.checkpoint import load_model
+    from tests.tiny_models import make_llama
+
+    model = load_model(make_llama(tmp_path / "ckpt", seed=3, max_position_embeddings=1024))
+    cfg = StorageConfig(key_file=str(key_file(tmp_path / "ck")))
+    prompts = conversation(2)
+    cold = run_turns(model, "none", tmp_path / "s0", prompts)
+    run_turns(model, "l1_l2_l3", tmp_path / "l3", prompts[:1], storage_cfg=cfg)
+    warm = run_turns(model, "l1_l2_l3", tmp_path / "l3", prompts[:1], storage_cfg=cfg)
+    assert warm[0].hits["L3"] > 0  # sealed units read back
+    for f in (tmp_path / "l3").glob("??/*.kvp"):  # rewrite every unit, headers valid
+        payload = np.frombuffer(f.read_bytes()[HEADER_NBYTES:], np.uint8).copy()
+        payload[:-SEAL_OVERHEAD] ^= 0x3C  # the bodies
+        f.write_bytes(encode_header(int(f.stem, 16), payload) + payload.tobytes())
+    after = run_turns(model, "l1_l2_l3", tmp_path / "l3", prompts, storage_cfg=cfg)
+    assert after[0].hits["L3"] == 0
+    assert_same(cold, after)
+
+
+def test_unit_store_cap_counts_what_it_takes_on_disk(tmp_path: Path) -> None:
+    """A 400 kB cap on a unit store of small units took 5.6 MB of disk (payload counted only;
+    every unit file, marker file and fan-out directory takes a whole block)."""
+    cap = 400_000
+    part = PagePart(SHAPE, (0, 2), (0, 2))
+    root = tmp_path / "l3"
+    store = open_unit_storage(f"file://{root}", part, StorageConfig(max_bytes=cap))
+    page = np.zeros(part.shape.page_nbytes, np.uint8)
+    for key in range(1, 301):
+        assert store.put([key], [page]) == 1
+    store.close()
+    on_disk = sum(p.stat().st_blocks * 512 for p in root.rglob("*"))
+    block = os.statvfs(root).f_frsize
+    fixed = 3 * block  # the store's own commits/, pending/ and (empty) nothing else
+    assert on_disk <= cap + fixed, on_disk
+    assert on_disk >= cap // 2  # it did fill up: the cap, not an empty store, bounds it
+
+
+@pytest.mark.parametrize("scheme", ["mem", "redis"])
+def test_every_backend_gets_sealed_units(tmp_path: Path, scheme: str) -> None:
+    """The seal sits in the unit encoding, above the backend: a unit overwritten in the backend
+    by a writer without the key (a valid value of the right length) is a counted miss."""
+    from kvstrata.storage.units import UnitStorage
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start() if scheme == "redis" else None
+    url = server.url if server is not None else "mem://"
+    try:
+        cfg = StorageConfig(key_file=str(key_file(tmp_path / "ck")))
+        part = PagePart(SHAPE, (0, 2), (0, 2))
+        store: UnitStorage = open_unit_storage(url, part, cfg)
+        page = np.arange(part.shape.page_nbytes, dtype=np.uint64).astype(np.uint8)
+        assert store.put([21], [page]) == 1
+        out = [np.zeros_like(page)]
+        assert store.get([21], out) == 1 and np.array_equal(out[0], page)
+        raw = store.units.inner  # the backend under the seal
+        forged = np.zeros(raw.page_nbytes, np.uint8)
+        assert raw.put(store.all_unit_keys(21)[:1], [forged]) == 1
+        assert store.get([21], out) == 0 and store.stats()["seal_failures"] == 1
+        store.close()
+    finally:
+        if server is not None:
+            server.stop()
