@@ -123,10 +123,10 @@ def check_storage_url(url: str, option: str, create_dir: bool = True) -> None:
 
     A store that exists but is read-only is accepted: it still serves reads (a shared, published
     store), and failed writes are warned about once and counted."""
-    from kvstrata.storage.base import STORAGE_BACKENDS, url_scheme
+    from kvstrata.storage.base import _BUILTIN_MODULES, STORAGE_BACKENDS, url_scheme
     from kvstrata.storage.file_dirs import parse_file_url
 
-    for mod in ("kvstrata.storage.file_store", "kvstrata.storage.redis_store"):
+    for mod in _BUILTIN_MODULES:
         importlib.import_module(mod)
     scheme = url_scheme(url)
     if scheme not in STORAGE_BACKENDS.names():

@@ -12,12 +12,14 @@ No rank number, world size or tp/pp/cp degree enters a key, so a page written un
 is read unit by unit under tp=1 (or any aligned layout), each rank reading only its units.
 
 Visibility: a page is visible (exists_prefix) only once its *commit marker* is stored, in a
-separate small-value store next to the units (file: DIR/commits, redis: prefix + "commit:").
+separate small-value store next to the units (file: DIR/commits, redis and mooncake: key
+prefix + "commit:").
 The marker is written after every unit of the page is in: at once by a single rank
 (commit_on_put), or under several ranks by one rank once the step consensus agreed that every
 rank wrote its units (DistMover.release). A rank killed mid-write leaves units without a marker:
 never visible, overwritten by the next write of the same page, and removed once stale
-(kvstrata.storage.unit_sweep: a pending record per page on file, an expiry on redis).
+(kvstrata.storage.unit_sweep: a pending record per page on file, an expiry on redis; Mooncake
+evicts them under memory pressure like any object).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage, url_scheme
 from kvstrata.storage.file_dirs import parse_file_url, refuse_whole_page_dir
 from kvstrata.storage.file_store import FileStore
+from kvstrata.storage.mooncake_url import mooncake_sibling_url
 from kvstrata.storage.redis_store import RedisStore
 from kvstrata.storage.unit_sweep import FilePending, RedisExpiry
 
@@ -133,8 +136,11 @@ class UnitLayout:
 
 def commit_store_url(url: str, config: StorageConfig) -> tuple[str, StorageConfig]:
     """Where the commit markers of the unit store at `url` live (a sibling namespace)."""
-    if url_scheme(url) == "file":
+    scheme = url_scheme(url)
+    if scheme == "file":
         return str(parse_file_url(url) / "commits"), config
+    if scheme == "mooncake":
+        return mooncake_sibling_url(url, "commit:"), config
     return url, dataclasses.replace(config, redis_key_prefix=config.redis_key_prefix + "commit:")
 
 
@@ -293,7 +299,7 @@ def open_unit_storage(
     layout: UnitLayout | None = None,
     crash_after_units: int = 0,
 ) -> UnitStorage:
-    """The unit store at `url` (file or redis) seen through `part` of every page."""
+    """The unit store at `url` (file, redis or mooncake) seen through `part` of every page."""
     config = config or StorageConfig()
     layout = layout or UnitLayout(part.full)
     redis_units = url_scheme(url) != "file"
