@@ -1,0 +1,241 @@
+"""Mooncake backend against a real mooncake_master: the backend contract, corruption, zero-copy,
+a master crash, a hung master and a client whose segment left."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from kvstrata.cache.keys import key_hex
+from kvstrata.storage.base import encode_header, open_storage
+from kvstrata.storage.mooncake_master import MooncakeMaster, free_port
+from kvstrata.storage.mooncake_store import MooncakeStore
+
+try:
+    from tests.mooncake_server import FAST, master
+except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
+    from mooncake_server import FAST, master  # type: ignore[no-redef]
+
+PAGE = 4096
+_MASK64 = (1 << 64) - 1
+
+
+def make_keys(n: int, salt: int = 0) -> list[int]:
+    return [((i + 1) * 0x9E3779B97F4A7C15_F39CC0605CEDC834 + salt) % (1 << 128) for i in range(n)]
+
+
+def page_for(key: int) -> np.ndarray:
+    return np.random.default_rng(key & _MASK64).integers(0, 256, PAGE, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def shared_master() -> Iterator[MooncakeMaster]:
+    m = master()
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def own_master() -> Iterator[MooncakeMaster]:
+    """A master this test alone may kill, stop and restart."""
+    m = master()
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def store(shared_master: MooncakeMaster, request: pytest.FixtureRequest) -> Iterator[MooncakeStore]:
+    cfg = dataclasses.replace(FAST, mooncake_batch_pages=4)
+    s = open_storage(shared_master.url(prefix=f"t-{request.node.name}:"), PAGE, cfg)
+    assert isinstance(s, MooncakeStore)
+    yield s
+    s.check_integrity()
+    s.close()
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_round_trip_is_exact_across_batches(store: MooncakeStore) -> None:
+    keys = make_keys(10)  # 10 pages in batches of 4: three transfers each way
+    pages = [page_for(k) for k in keys]
+    assert store.put(keys, pages) == 10
+    assert store.exists_prefix(keys) == 10
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    assert store.get(keys, out) == 10
+    for o, p in zip(out, pages, strict=True):
+        np.testing.assert_array_equal(o, p)
+    st = store.stats()
+    assert st["puts"] == 10 and st["get_hits"] == 10 and st["staged_pages"] == 20
+    assert st["corrupt"] == 0 and st["connection_errors"] == 0
+
+
+def test_prefix_counts_stop_at_first_miss(store: MooncakeStore) -> None:
+    keys = make_keys(9, salt=1)
+    present = [0, 1, 2, 3, 4, 6, 7]  # key 5 missing, in the second batch of 4
+    assert store.put([keys[i] for i in present], [page_for(keys[i]) for i in present]) == 7
+    assert store.exists_prefix(keys) == 5
+    assert store.exists_prefix(keys[6:]) == 2
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    assert store.get(keys, out) == 5
+    assert not out[6].any(), "get copied past the first miss"
+
+
+def test_corrupt_or_foreign_values_are_misses_and_removed(store: MooncakeStore) -> None:
+    keys = make_keys(4, salt=2)
+    good = [0, 3]
+    assert store.put([keys[i] for i in good], [page_for(keys[i]) for i in good]) == 2
+    raw = store.client.store  # the wheel's own client: plain puts of bad values
+    prefix = store.target.prefix
+    flipped = bytearray(encode_header(keys[1], page_for(keys[1])) + page_for(keys[1]).tobytes())
+    flipped[-100] ^= 0x10  # one flipped payload bit
+    assert raw.put(f"{prefix}{key_hex(keys[1])}", bytes(flipped)) == 0
+    foreign = encode_header(keys[3], page_for(keys[3])) + page_for(keys[3]).tobytes()
+    assert raw.put(f"{prefix}{key_hex(keys[2])}", foreign) == 0  # a valid page of another key
+    assert store.exists_prefix(keys) == 4  # existence alone cannot see it
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    assert store.get(keys, out) == 1 and store.stats()["corrupt"] == 1
+    assert store.exists_prefix(keys) == 1, "the corrupt value was not removed"
+    assert store.put(keys[1:2], [page_for(keys[1])]) == 1
+    assert store.get(keys, out) == 2 and store.stats()["corrupt"] == 2
+    np.testing.assert_array_equal(out[1], page_for(keys[1]))
+    assert raw.put(f"{prefix}{key_hex(keys[2])}", b"short") == 0
+    assert store.get(keys, out) == 2
+
+
+def test_zero_copy_path_equals_staged_path(store: MooncakeStore) -> None:
+    keys = make_keys(6, salt=3)
+    pool = np.zeros((12, PAGE), np.uint8)  # a host pool: registered once
+    assert store.register_buffer(pool)
+    pool[:6] = np.stack([page_for(k) for k in keys])
+    assert store.put(keys[:3], list(pool[:3])) == 3  # zero-copy put
+    assert store.put(keys[3:], [p.copy() for p in pool[3:6]]) == 3  # staged put
+    assert store.stats()["zero_copy_pages"] == 3 and store.stats()["staged_pages"] == 3
+    assert store.get(keys, list(pool[6:12])) == 6  # zero-copy get of both kinds
+    np.testing.assert_array_equal(pool[6:12], pool[:6])
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    assert store.get(keys, out) == 6  # staged get of both kinds
+    np.testing.assert_array_equal(np.stack(out), pool[:6])
+    raw = store.client.store
+    values = [raw.get(f"{store.target.prefix}{key_hex(k)}") for k in keys]
+    assert all(
+        v == encode_header(k, page_for(k)) + page_for(k).tobytes()
+        for k, v in zip(keys, values, strict=True)
+    )
+
+
+def test_key_prefixes_isolate_stores(shared_master: MooncakeMaster) -> None:
+    a = open_storage(shared_master.url(prefix="iso-a:"), PAGE, FAST)
+    b = open_storage(shared_master.url(prefix="iso-b:"), PAGE, FAST)
+    keys = make_keys(2, salt=4)
+    assert a.put(keys, [page_for(k) for k in keys]) == 2
+    assert b.exists_prefix(keys) == 0 and a.exists_prefix(keys) == 2
+    assert isinstance(a, MooncakeStore) and a.client is b.client  # one client, one segment
+    a.close()
+    b.close()
+
+
+def test_bad_input_and_bad_urls_are_value_errors(store: MooncakeStore) -> None:
+    with pytest.raises(ValueError, match="4096 bytes"):
+        store.put(make_keys(1), [np.zeros(PAGE - 1, np.uint8)])
+    for url, msg in (
+        ("mooncake://127.0.0.1", "HOST:RPC_PORT"),
+        ("mooncake://127.0.0.1:1?segment=lots", "segment='lots'"),
+        ("mooncake://127.0.0.1:1?protocol=udp", "protocol"),
+        ("mooncake://127.0.0.1:1?colour=red", "unknown option"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            open_storage(url, PAGE, FAST)
+
+
+def test_unreachable_master_at_start_is_a_bounded_value_error() -> None:
+    port = free_port()  # nothing listens there
+    cfg = dataclasses.replace(FAST, mooncake_setup_timeout_s=3.0)
+    url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{free_port()}/metadata"
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*unreachable"):
+        open_storage(url, PAGE, cfg)
+    assert time.monotonic() - t0 < 30.0
+
+
+@pytest.mark.slow
+def test_master_crash_gives_misses_and_restart_reconnects(
+    own_master: MooncakeMaster, capfd: pytest.CaptureFixture[str]
+) -> None:
+    store = open_storage(own_master.url(), PAGE, FAST)
+    keys = make_keys(6, salt=5)
+    pages = [page_for(k) for k in keys]
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    assert store.put(keys, pages) == 6 and store.get(keys, out) == 6
+    own_master.kill()
+    for _ in range(5):  # no exception reaches the caller; every call is a miss or a skip
+        assert store.get(keys, out) == 0
+        assert store.exists_prefix(keys) == 0
+        assert store.put(keys, pages) == 0
+        assert store.delete(keys) == 0
+        time.sleep(0.03)
+    st = store.stats()
+    assert st["connection_errors"] >= 1 and st["put_skipped"] == 30 and st["get_misses"] == 5
+    ours = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("kvstrata:")]
+    assert len(ours) == 1 and "mooncake master" in ours[0], ours
+    store.check_integrity()
+    own_master.start()  # same ports, empty: the pages are gone (never assumed durable)
+    assert _wait_until(lambda: store.put(keys, pages) == 6), store.stats()
+    assert store.get(keys, out) == 6
+    np.testing.assert_array_equal(np.stack(out), np.stack(pages))
+    assert store.stats()["reconnects"] >= 1 and store.stats()["down"] == 0
+    store.check_integrity()
+    store.close()
+
+
+@pytest.mark.slow
+def test_hung_master_times_out_into_misses(own_master: MooncakeMaster) -> None:
+    store = open_storage(own_master.url(), PAGE, FAST)
+    keys = make_keys(2, salt=6)
+    pages = [page_for(k) for k in keys]
+    assert store.put(keys, pages) == 2
+    assert own_master.proc is not None
+    own_master.proc.send_signal(signal.SIGSTOP)  # alive but silent: only our bound helps
+    try:
+        t0 = time.monotonic()
+        assert store.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == 0
+        assert store.put(keys, pages) == 0  # within the backoff, or the worker still stuck
+        assert time.monotonic() - t0 < FAST.mooncake_timeout_s + 2.0
+        assert store.stats()["timeouts"] == 1
+    finally:
+        own_master.proc.send_signal(signal.SIGCONT)
+    assert _wait_until(lambda: store.exists_prefix(keys) == 2)
+    assert store.stats()["calls_skipped_down"] >= 1
+    store.check_integrity()
+    store.close()
+
+
+@pytest.mark.slow
+def test_pages_in_a_segment_that_left_are_misses(own_master: MooncakeMaster) -> None:
+    holder = open_storage(own_master.url(segment="16m", prefix="seg:"), PAGE, FAST)
+    reader = open_storage(own_master.url(segment="0", prefix="seg:"), PAGE, FAST)
+    assert isinstance(holder, MooncakeStore) and isinstance(reader, MooncakeStore)
+    assert holder.client is not reader.client  # two clients; only the holder has memory
+    keys = make_keys(5, salt=7)
+    pages = [page_for(k) for k in keys]
+    assert reader.put(keys, pages) == 5  # placed in the holder's segment
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    assert reader.get(keys, out) == 5
+    holder.close()  # its client leaves and takes its segment (and the pages) with it
+    assert _wait_until(lambda: reader.get(keys, out) == 0 and reader.exists_prefix(keys) == 0)
+    assert reader.put(keys, pages) == 0  # nowhere to place them: a counted skip, no error
+    st = reader.stats()
+    assert st["server_errors"] >= 5 and st["put_skipped"] >= 5
+    reader.check_integrity()
+    reader.close()
