@@ -9,6 +9,10 @@ and are counted; the first call after it tries again (the wheel's client reconne
 and a failed set-up is retried). A worker still stuck in an old call also makes calls return
 None. The first failure prints one line on stderr naming the call that failed.
 
+The wheel's client does not survive fork: once one was set up in a process, a child forked from
+it hangs in its own set-up. `used_in_this_process()` tells launchers to spawn instead, and a
+forked child that tries anyway gets a ValueError saying so (never a hang).
+
 Clients are shared per process by target (everything in the URL but the key prefix): a unit
 store and its commit store are one client contributing one segment. `acquire` / `release`
 count the users; the last release closes the client.
@@ -96,6 +100,7 @@ class MooncakeClient:
         self._backoff = config.reconnect_backoff_s
         self._regions: list[tuple[int, int, np.ndarray]] = []  # (start, end, array kept alive)
         self._closed = False
+        self.last_error = ""
 
     # ---- set-up and bounded calls ----------------------------------------------------------
     def setup(self) -> bool:
@@ -118,7 +123,8 @@ class MooncakeClient:
         )
         if rc != 0:
             if rc is not None:
-                self.mark_down(f"setup returned {rc}")
+                self.last_error = f"setup returned {rc}"
+                self.mark_down(self.last_error)
             return False
         self._ready = True
         for start, end, _ in self._regions:  # registered before the client was up
@@ -149,9 +155,11 @@ class MooncakeClient:
             return fut.result(timeout=timeout)
         except FutureTimeout:
             self._count(timeouts=1)
-            self.mark_down(f"{what} did not return within {timeout}s")
+            self.last_error = f"{what} did not return within {timeout}s"
+            self.mark_down(self.last_error)
         except Exception as e:  # noqa: BLE001 - the wheel raises RuntimeError and others
-            self.mark_down(f"{what} raised {type(e).__name__}: {e}")
+            self.last_error = f"{what} raised {type(e).__name__}: {e}"
+            self.mark_down(self.last_error)
         return None
 
     def mark_down(self, why: str) -> None:
@@ -221,7 +229,8 @@ class MooncakeClient:
             return
         if self._ready and not (self._busy and not self._busy.done()):
             self.unregister_all()
-            self._bounded("close", self.store.close, self.config.mooncake_timeout_s)
+            # leaving unmounts the segment at the master: bounded like joining
+            self._bounded("close", self.store.close, self.config.mooncake_setup_timeout_s)
         self._closed = True
         self._worker.stop()
 
@@ -240,18 +249,36 @@ class MooncakeClient:
 
 _SHARED: dict[tuple[Any, ...], MooncakeClient] = {}
 _SHARED_LOCK = threading.Lock()
+_SET_UP_IN_PID = 0  # the process that set up a wheel client (inherited by forked children)
+
+
+def used_in_this_process() -> bool:
+    """A Mooncake client was set up here (or in the parent this process was forked from)."""
+    return _SET_UP_IN_PID != 0
+
+
+def _refuse_after_fork(target: MooncakeTarget) -> None:
+    if _SET_UP_IN_PID not in (0, os.getpid()):
+        raise ValueError(
+            f"mooncake storage {target.master}: this process was forked from one that used a "
+            "Mooncake client, which does not survive fork; start such processes with spawn"
+        )
 
 
 def acquire(target: MooncakeTarget, config: StorageConfig) -> MooncakeClient:
     """The process's client for `target` (set up now if it is new)."""
+    global _SET_UP_IN_PID
     with _SHARED_LOCK:
+        _refuse_after_fork(target)
         client = _SHARED.get(target.client_id)
         if client is None or client._closed:
+            _SET_UP_IN_PID = os.getpid()
             client = MooncakeClient(target, config)
             if not client.setup() and config.require_reachable_at_start:
                 client.close()
                 raise ValueError(
-                    f"mooncake master {target.master} (metadata {target.metadata}) is unreachable"
+                    f"mooncake master {target.master} (metadata {target.metadata}) is unreachable "
+                    f"or refused this client ({client.last_error})"
                 )
             _SHARED[target.client_id] = client
         client.users += 1

@@ -3,7 +3,8 @@
 `MooncakeMaster().start()` runs the master with its HTTP metadata server on 127.0.0.1, on free
 ports, and waits until both ports accept connections; `kill()` SIGKILLs it (a crash);
 `restart()` starts it again on the same ports; `url(...)` is the `mooncake://` storage URL for
-it. The binary comes with the `mooncake-transfer-engine-non-cuda` wheel (the `mooncake` extra,
+it. `MooncakeHolder` is a standalone `mooncake_client` process contributing a segment (a node's
+long-lived memory), so objects outlive the processes that wrote them. The binary comes with the `mooncake-transfer-engine-non-cuda` wheel (the `mooncake` extra,
 installed by scripts/setup_env.sh): it is looked up next to this Python, then on PATH.
 """
 
@@ -116,3 +117,39 @@ class MooncakeMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class MooncakeHolder:
+    """A standalone mooncake_client process that contributes `segment` bytes to a master."""
+
+    def __init__(self, master: MooncakeMaster, segment: str = "64MB") -> None:
+        self.binary = str(Path(master.binary).with_name("mooncake_client"))
+        self.master, self.segment, self.port = master, segment, free_port()
+        self.log = master.log.with_name(f"holder-{self.port}.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> MooncakeHolder:
+        args = [
+            self.binary,
+            f"--global_segment_size={self.segment}",
+            f"--master_server_address=127.0.0.1:{self.master.rpc_port}",
+            f"--metadata_server={self.master.metadata}",
+            "--host=127.0.0.1",
+            f"--port={self.port}",
+            "--protocol=tcp",
+        ]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not port_open(self.port):  # its service opens once the segment is mounted
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-2000:]
+                self.stop()
+                raise RuntimeError(f"mooncake_client did not start within {timeout}s: {tail}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
