@@ -1,20 +1,27 @@
 """Mooncake backend against a real mooncake_master: the backend contract, corruption, zero-copy,
-a master crash, a hung master and a client whose segment left."""
+units visible only once committed, a master crash, a hung master, a master not up yet, a
+client whose segment left, and a forked child refused (the wheel's client does not survive fork)."""
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import multiprocessing.queues
 import signal
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from kvstrata.cache.keys import key_hex
+from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import encode_header, open_storage
+from kvstrata.storage.mooncake_client import used_in_this_process
 from kvstrata.storage.mooncake_master import MooncakeMaster, free_port
 from kvstrata.storage.mooncake_store import MooncakeStore
+from kvstrata.storage.units import PagePart, open_unit_storage
 
 try:
     from tests.mooncake_server import FAST, master
@@ -239,3 +246,73 @@ def test_pages_in_a_segment_that_left_are_misses(own_master: MooncakeMaster) -> 
     assert st["server_errors"] >= 5 and st["put_skipped"] >= 5
     reader.check_integrity()
     reader.close()
+
+
+@pytest.mark.slow
+def test_unreachable_allowed_at_start_gives_misses_then_joins() -> None:
+    m = MooncakeMaster()  # ports chosen, not started yet
+    try:
+        cfg = dataclasses.replace(FAST, require_reachable_at_start=False)
+        store = open_storage(m.url(prefix="late:"), PAGE, cfg)
+        keys = make_keys(3, salt=8)
+        pages = [page_for(k) for k in keys]
+        assert store.put(keys, pages) == 0 and store.exists_prefix(keys) == 0
+        assert store.stats()["connection_errors"] >= 1
+        m.start()
+        assert _wait_until(lambda: store.put(keys, pages) == 3), store.stats()
+        assert store.exists_prefix(keys) == 3 and store.stats()["setups"] >= 2
+        store.check_integrity()
+        store.close()
+    finally:
+        m.stop()
+
+
+def test_a_page_is_visible_only_once_all_its_units_and_its_commit_are_in(
+    shared_master: MooncakeMaster,
+) -> None:
+    """Two half-head writers (as two tp ranks) and a whole-page reader over units in Mooncake."""
+    full = KVShape(2, 2, 16, 8)
+    url = shared_master.url(prefix="units:")
+    halves = [PagePart(full, (0, 2), (h, h + 1)) for h in (0, 1)]
+    rng = np.random.default_rng(0)
+    pages = [rng.integers(0, 255, full.page_nbytes, dtype=np.uint8) for _ in range(3)]
+    keys = [11, 12, 13]
+    whole = PagePart(full, (0, 2), (0, 2))
+    writers = [open_unit_storage(url, part, FAST, commit_on_put=False) for part in halves]
+    for h, (w, part) in enumerate(zip(writers, halves, strict=True)):
+        cut = [part.view(p, full=True)[:, :, :, h : h + 1].contiguous() for p in pages]
+        assert w.put(keys, [c.view(-1).view(torch.uint8).numpy() for c in cut]) == 3
+        assert w.exists_prefix(keys) == 0  # units in, no commit yet
+    assert writers[1].commit(keys[:2]) == 2  # the third page's commit never came
+    r = open_unit_storage(url, whole, FAST)
+    assert r.exists_prefix(keys) == 2
+    out = [np.zeros(full.page_nbytes, np.uint8) for _ in keys]
+    assert r.get(keys, out) == 3  # units are all there; visibility is the probe's answer
+    assert all(np.array_equal(a, b) for a, b in zip(out, pages, strict=True))
+    for s in (*writers, r):  # one shared client: its segment (and the units) live until the last
+        s.check_integrity()
+        s.close()
+
+
+def _open_in_child(url: str, q: multiprocessing.queues.Queue) -> None:
+    try:
+        open_storage(url, PAGE, FAST)
+        q.put("opened")
+    except ValueError as e:
+        q.put(str(e))
+
+
+def test_a_process_forked_after_a_client_was_used_is_refused_not_hung(
+    store: MooncakeStore, shared_master: MooncakeMaster
+) -> None:
+    assert used_in_this_process()
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_open_in_child, args=(shared_master.url(prefix="fork:"), q))
+    child.start()
+    try:
+        assert "forked from one that used a Mooncake client" in q.get(timeout=30)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()

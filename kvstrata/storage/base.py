@@ -81,7 +81,9 @@ class StorageConfig:
         15.0, "mooncake backend: bound on joining the master (the client's set-up)"
     )
     socket_timeout_s: float = doc(1.0, "redis backend: socket read/write timeout in seconds")
-    connect_timeout_s: float = doc(0.5, "redis backend: socket connect timeout in seconds")
+    connect_timeout_s: float = doc(
+        0.5, "redis/mooncake backends: socket connect timeout in seconds (mooncake: reachability)"
+    )
     reconnect_backoff_s: float = doc(
         0.2, "redis/mooncake backends: first wait after a connection failure before retrying"
     )

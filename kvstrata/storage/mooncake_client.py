@@ -2,7 +2,9 @@
 
 The `MooncakeDistributedStore` calls of the wheel block in C++ (its `setup` waits minutes on an
 unreachable master), so each call runs on one daemon worker thread and the caller waits at most
-`StorageConfig.mooncake_timeout_s` (`mooncake_setup_timeout_s` for the set-up). A call that
+`StorageConfig.mooncake_timeout_s` (`mooncake_setup_timeout_s` for the set-up). The set-up holds
+the GIL while it retries, so it is only tried once the master's RPC port and the metadata server
+accept a TCP connection (within `connect_timeout_s`). A call that
 outlives its bound, raises, or reports an RPC failure marks the master down: for a backoff
 (doubling from `reconnect_backoff_s` up to `reconnect_backoff_max_s`) calls return None at once
 and are counted; the first call after it tries again (the wheel's client reconnects by itself,
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -107,6 +111,11 @@ class MooncakeClient:
         """Join the master (bounded); False (and down for a backoff) if it did not answer."""
         t = self.target
         self._count(setups=1)
+        unreachable = self._unreachable()
+        if unreachable:  # the wheel's set-up holds the GIL for seconds on a dead master
+            self.last_error = unreachable
+            self.mark_down(unreachable)
+            return False
         self.store = self._store_class()
         rc = self._bounded(
             "setup",
@@ -134,6 +143,20 @@ class MooncakeClient:
                 self.config.mooncake_timeout_s,
             )
         return True
+
+    def _unreachable(self) -> str:
+        """Why the master's RPC port or the metadata server refuses a TCP connection ("" = ok)."""
+        meta = urlsplit(self.target.metadata)
+        ends = [("master", self.target.master)]
+        if meta.scheme in ("http", "https") and meta.hostname:
+            ends.append(("metadata server", f"{meta.hostname}:{meta.port or 80}"))
+        for what, end in ends:
+            host, port = end.rsplit(":", 1)
+            try:
+                socket.create_connection((host, int(port)), self.config.connect_timeout_s).close()
+            except OSError as e:
+                return f"{what} {end} unreachable: {e}"
+        return ""
 
     def call(self, what: str, fn: Callable[[Any], T]) -> T | None:
         """fn(store) on the worker, bounded; None (counted) when down, stuck, timed out or raised."""
