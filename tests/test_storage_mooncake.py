@@ -21,7 +21,7 @@ from kvstrata.storage.base import encode_header, open_storage
 from kvstrata.storage.mooncake_client import used_in_this_process
 from kvstrata.storage.mooncake_master import MooncakeMaster, free_port
 from kvstrata.storage.mooncake_store import MooncakeStore
-from kvstrata.storage.units import PagePart, open_unit_storage
+from kvstrata.storage.units import PagePart, UnitLayout, open_unit_storage
 
 try:
     from tests.mooncake_server import FAST, master
@@ -316,3 +316,23 @@ def test_a_process_forked_after_a_client_was_used_is_refused_not_hung(
         child.join(timeout=10)
         if child.is_alive():
             child.kill()
+
+
+def test_a_whole_page_unit_moves_zero_copy_from_a_registered_host_pool(
+    shared_master: MooncakeMaster,
+) -> None:
+    """A unit layout of one unit per page: puts from and gets into registered host memory
+    (as the engine's host pool is registered) move no byte through the staging area."""
+    full = KVShape(2, 2, 16, 8)
+    whole = PagePart(full, (0, 2), (0, 2))
+    store = open_unit_storage(
+        shared_master.url(prefix="zc:"), whole, FAST, layout=UnitLayout(full, 2, 2)
+    )
+    host = np.random.default_rng(1).integers(0, 255, (6, full.page_nbytes), dtype=np.uint8)
+    assert store.register_buffer(host)
+    assert store.put([1, 2, 3], list(host[:3])) == 3
+    assert store.get([1, 2, 3], list(host[3:])) == 3
+    np.testing.assert_array_equal(host[3:], host[:3])
+    st = store.stats()
+    assert st["zero_copy_pages"] == 6 and st["staged_pages"] == 0, st
+    store.close()

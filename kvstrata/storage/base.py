@@ -173,6 +173,13 @@ _BUILTIN_MODULES = (
 )
 
 
+def register_host_memory(storage: object, array: np.ndarray) -> bool:
+    """Offer host memory (a host pool's bytes) to a backend that can move pages in it zero-copy
+    (mooncake: registered with its client); False where the backend has no such path."""
+    register = getattr(storage, "register_buffer", None)
+    return bool(register(array)) if register is not None else False
+
+
 def url_scheme(url: str) -> str:
     """The scheme of a storage URL; a plain path (no "://") is the file backend."""
     if not isinstance(url, str) or not url:

@@ -36,7 +36,13 @@ import torch
 import xxhash
 
 from kvstrata.memory.layout import KVShape
-from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage, url_scheme
+from kvstrata.storage.base import (
+    StorageBackend,
+    StorageConfig,
+    open_storage,
+    register_host_memory,
+    url_scheme,
+)
 from kvstrata.storage.file_dirs import parse_file_url, refuse_whole_page_dir
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.mooncake_url import mooncake_sibling_url
@@ -167,6 +173,7 @@ class UnitStorage:
         self.blocks = layout.blocks(part)
         whole = PagePart(part.full, (0, part.full.num_layers), (0, part.full.num_kv_heads))
         self.all_blocks = layout.blocks(whole)  # every rank's units of a page
+        self._one_unit = len(self.blocks) == 1  # a unit is this part's whole page: no cut, no paste
         self.pending = pending
         self.page_nbytes = part.shape.page_nbytes
         self._marker = layout.marker()
@@ -206,14 +213,21 @@ class UnitStorage:
         """Leading pages whose commit marker is in (all their units were written)."""
         return self.commits.exists_prefix([self.layout.commit_key(k) for k in keys])
 
+    def register_buffer(self, array: np.ndarray) -> bool:
+        """Host memory for zero-copy unit transfers (used where a unit is a whole part page)."""
+        return register_host_memory(self.units, array)
+
     def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
         """Read this rank's units of `keys` into out[i] (part pages); leading pages read OK."""
         per = len(self.blocks)
         ukeys = [u for k in keys for u in self._unit_keys(k)]
-        bufs = [np.empty(self.layout.unit_nbytes, np.uint8) for _ in ukeys]
-        n = self.units.get(ukeys, bufs) // per
-        for i in range(n):
-            self._paste(bufs[i * per : (i + 1) * per], out[i])
+        if self._one_unit:  # straight into the pages (zero-copy where they are registered)
+            n = self.units.get(ukeys, [o.reshape(-1).view(np.uint8) for o in out])
+        else:
+            bufs = [np.empty(self.layout.unit_nbytes, np.uint8) for _ in ukeys]
+            n = self.units.get(ukeys, bufs) // per
+            for i in range(n):
+                self._paste(bufs[i * per : (i + 1) * per], out[i])
         self._count(units_read=n * per, unit_bytes_read=n * per * self.layout.unit_nbytes)
         return n
 
