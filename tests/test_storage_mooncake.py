@@ -336,3 +336,24 @@ def test_a_whole_page_unit_moves_zero_copy_from_a_registered_host_pool(
     st = store.stats()
     assert st["zero_copy_pages"] == 6 and st["staged_pages"] == 0, st
     store.close()
+
+
+@pytest.mark.slow
+def test_a_full_store_skips_puts_and_evicted_pages_are_misses(own_master: MooncakeMaster) -> None:
+    """40 MiB into a 16 MiB segment: what does not fit is a counted skip, what Mooncake evicts
+    is a miss, and every page that is read has exactly its bytes (nothing assumes durability)."""
+    big = 1 << 20
+    store = open_storage(own_master.url(segment="16m", buffer="16m", prefix="full:"), big, FAST)
+    pages = [np.full(big, i, np.uint8) for i in range(40)]
+    stored = [store.put([i + 1], [pages[i]]) for i in range(40)]
+    st = store.stats()
+    assert st["puts"] == sum(stored) < 40 and st["put_skipped"] == 40 - sum(stored)
+    assert st["server_errors"] == 40 - sum(stored) and st["connection_errors"] == 0
+    out, readable = np.zeros(big, np.uint8), 0
+    for i in range(40):
+        if store.get([i + 1], [out]) == 1:
+            readable += 1
+            assert (out == i).all(), i
+    assert 0 < readable <= sum(stored) and store.stats()["corrupt"] == 0
+    store.check_integrity()
+    store.close()
