@@ -38,7 +38,24 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         False,
     ),
     "storage": (
-        frozenset({"put_ratio", "get_ratio", "put_gbps", "get_gbps", "by_page_size", "sealed"}),
+        frozenset(
+            {
+                "put_ratio",
+                "get_ratio",
+                "put_gbps",
+                "get_gbps",
+                "by_page_size",
+                "file_probe_ms",
+                "mooncake_put_ratio",
+                "mooncake_get_ratio",
+                "mooncake_probe_ms",
+                "mooncake_probe_base_ms",
+                "redis_put_ratio",
+                "redis_get_ratio",
+                "redis_probe_ms",
+                "sealed",
+            }
+        ),
         False,
     ),
     "consensus": (

@@ -51,6 +51,7 @@ RUN_CASES = [
     (["--cp", "64"], ["64 local ranks", "CPU cores"]),
     (["--storage-url", "ftp://h/d"], ["--storage-url", "scheme"]),
     (["--storage-url", "file:///nonexistent-kv/x/y"], ["--storage-url", "does not exist"]),
+    (["--storage-url", "mooncake://127.0.0.1"], ["--storage-url", "HOST:RPC_PORT"]),
 ]
 
 

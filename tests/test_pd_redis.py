@@ -5,6 +5,7 @@ only the last page; the output equals transformers' greedy tokens."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,18 @@ CKPT = {"seed": 4, "max_position_embeddings": 512}
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict]:
-    tmp = tmp_path_factory.mktemp("pdr-logs")
     redis = RedisServer().start()
-    l3 = ["--storage-url", redis.url, "--prefetch-policy", "wait_complete"]
+    try:
+        with shared_l3_workers(tmp_path_factory.mktemp("pdr-logs"), ckpt, redis.url) as w:
+            yield w
+    finally:
+        redis.stop()
+
+
+@contextmanager
+def shared_l3_workers(tmp: Path, ckpt: Path, url: str) -> Iterator[dict]:
+    """A prefill and two decode workers sharing the L3 at `url` (also used by the mooncake test)."""
+    l3 = ["--storage-url", url, "--prefetch-policy", "wait_complete"]
     servers: list[Server] = []
     try:
         (p,) = start_all([(worker_args(ckpt, "--role", "prefill", *l3), tmp / "p.log")])
@@ -38,12 +48,15 @@ def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
     finally:
         for s in servers:
             s.stop()
-        redis.stop()
     for log in tmp.glob("*.log"):
         assert "Traceback" not in log.read_text(), log.read_text()
 
 
 def test_prefix_in_shared_redis_is_not_sent(workers: dict, ckpt: Path) -> None:
+    assert_prefix_not_sent(workers, ckpt)
+
+
+def assert_prefix_not_sent(workers: dict, ckpt: Path) -> None:
     page_bytes = info(workers["p"])["layout"]["page_bytes"]
     first = complete(workers["d1"], PROMPT)
     assert first.status_code == 200, first.text

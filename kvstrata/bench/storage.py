@@ -1,4 +1,5 @@
-"""`kvstrata bench storage`: file backend put/get vs plain sequential file I/O of the same bytes.
+"""`kvstrata bench storage`: file backend put/get vs plain sequential file I/O of the same bytes;
+mooncake and redis beside it vs their own clients (kvstrata.bench.storage_net).
 
 Ours: `FileStore.put` / `FileStore.get` in batches of `BATCH` pages (one file per page, header +
 xxh3-64 checksum, temp file + rename on write, checksum verify + mtime touch on read).
@@ -187,10 +188,26 @@ def run_storage_bench(quick: bool, base_dir: str) -> dict[str, Any]:
 
 @BENCHES.register("storage")
 def bench_storage(quick: bool) -> dict[str, Any]:
-    """File backend put/get of 1 GiB (quick: 128 MiB) vs plain sequential I/O of the same bytes,
-    and the tree's metadata per cached page (1M pages; quick: 100k)."""
+    """File backend put/get of 1 GiB (quick: 128 MiB) vs plain sequential I/O of the same bytes;
+    mooncake and redis put/get of 512 MiB (quick: 128 MiB) of 2 MiB pages vs a plain loop of
+    their own clients; probe latency of 1,000 keys on each; and the tree's metadata per cached
+    page (1M pages; quick: 100k)."""
     from kvstrata.bench.radix import metadata_bytes_per_page
+    from kvstrata.bench.storage_net import NET_KEYS, bench_mooncake, bench_redis, file_probe_ms
 
     report = run_storage_bench(quick, tempfile.gettempdir())
+    root = tempfile.mkdtemp(prefix="kvstrata-bench-probe-")
+    try:
+        report["file_probe_ms"] = file_probe_ms(root)["probe_ms"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for name, bench in (("mooncake", bench_mooncake), ("redis", bench_redis)):
+        net = bench(quick)
+        report[name] = net
+        for key in NET_KEYS:
+            if key in net:
+                report[f"{name}_{key}"] = net[key]
+        if "skipped" in net:
+            report[f"{name}_skipped"] = net["skipped"]
     report["metadata_bytes_per_page"] = metadata_bytes_per_page(100_000 if quick else 1_000_000)
     return report

@@ -15,7 +15,9 @@ class CacheConfig:
     device_pages: int = doc(256, "L1 capacity in pages (device KV pool)")
     host_pages: int = doc(1024, "L2 capacity in pages (host KV pool); 0 disables L2")
     storage_url: str = doc(
-        "", "L3 storage URL (file:///dir, a path, redis://host:port/db); empty disables L3"
+        "",
+        "L3 storage URL (file:///dir, a path, redis://host:port/db, "
+        "mooncake://host:rpc_port?metadata=URL&segment=BYTES); empty disables L3",
     )
     eviction: str = doc("lru", "eviction policy name (lru, lfu)")
     write_policy: str = doc(

@@ -123,6 +123,13 @@ def check_storage_url(url: str, option: str, create_dir: bool = True) -> None:
     if scheme not in backends.names():
         known = ", ".join(backends.names())
         raise InputError(f"{option} {url!r}: unknown storage URL scheme {scheme!r}; known: {known}")
+    if scheme == "mooncake":
+        from kvstrata.storage.mooncake_url import parse_mooncake_url
+
+        try:
+            parse_mooncake_url(url)
+        except ValueError as e:
+            raise InputError(f"{option}: {e}") from None
     if scheme != "file":
         return
     root = parse_file_url(url)

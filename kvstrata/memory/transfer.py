@@ -12,10 +12,12 @@ import queue
 import threading
 from collections.abc import Callable
 
+import torch
+
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
 from kvstrata.memory.copy_engine import CopyEngine
 from kvstrata.memory.pool import DevicePool, HostPool
-from kvstrata.storage.base import StorageBackend
+from kvstrata.storage.base import StorageBackend, register_host_memory
 
 PREFETCH_CHUNK = 32
 """Pages read per storage call; a stopped prefetch ends at a chunk boundary."""
@@ -34,6 +36,8 @@ class TensorMover:
         # ops, or plain jobs (callables) that run in order with them and report nothing
         self._jobs: queue.Queue[TransferOp | Callable[[], None] | None] = queue.Queue()
         self._worker: threading.Thread | None = None
+        if storage is not None and host is not None:  # pages then move zero-copy where it can
+            register_host_memory(storage, host.data.view(torch.uint8).numpy())
         if storage is not None:
             self._worker = threading.Thread(
                 target=self._storage_loop, name="kvstrata-storage", daemon=True

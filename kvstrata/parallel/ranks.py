@@ -56,6 +56,7 @@ from kvstrata.parallel.rank_report import PageWatch, rank_result
 from kvstrata.parallel.spec import place_speculator
 from kvstrata.parallel.tp import head_range, shard_tp
 from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.mooncake_client import used_in_this_process
 from kvstrata.storage.units import open_unit_storage
 from kvstrata.workloads.feed import StaticWorkload, Workload, drive
 
@@ -339,4 +340,6 @@ def run_distributed(
     engine_cfg = dataclasses.replace(engine_cfg, model=str(resolve_model_path(engine_cfg)))
     workload = StaticWorkload(list(requests)) if isinstance(requests, list) else requests
     args = (engine_cfg, cache_cfg, storage_cfg, workload, options or RankOptions())
-    return run_ranks(rank_loop, dist_cfg, args=args, timeout_s=timeout_s)
+    # a Mooncake client set up in this process makes forked ranks hang in theirs: spawn then
+    start = "spawn" if used_in_this_process() else None
+    return run_ranks(rank_loop, dist_cfg, args=args, start_method=start, timeout_s=timeout_s)

@@ -2,7 +2,8 @@
 
 A backend stores whole pages (numpy uint8 buffers of exactly `page_nbytes`) under 128-bit page
 keys. Backends are chosen by URL scheme through `STORAGE_BACKENDS` (`file://DIR` or a plain path
--> file backend, `redis://host:port/db` -> redis). I/O trouble (lost connection, corrupt or
+-> file backend, `redis://host:port/db` -> redis, `mooncake://host:rpc_port?metadata=...` -> Mooncake
+Store). I/O trouble (lost connection, corrupt or
 truncated page) never raises into the serving path: it is a miss or a skipped put, counted in
 `stats()`. Bad configuration at construction is a ValueError naming the parameter.
 
@@ -36,7 +37,7 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class StorageConfig:
-    """L3 storage backend options (file and redis backends)."""
+    """L3 storage backend options (file, redis and mooncake backends)."""
 
     max_bytes: int = doc(
         0, "file backend: size cap of the directory in bytes (0 = unbounded); LRU clean-up"
@@ -70,13 +71,24 @@ class StorageConfig:
         "redis backend: expiry of stored pages in seconds (0 = none; use redis maxmemory-policy for LRU)",
     )
     redis_batch_pages: int = doc(32, "redis backend: pages per pipelined round trip")
+    mooncake_batch_pages: int = doc(
+        16, "mooncake backend: pages per batched transfer (its staging area holds this many)"
+    )
+    mooncake_timeout_s: float = doc(
+        5.0, "mooncake backend: bound on every client call; one that outlives it marks it down"
+    )
+    mooncake_setup_timeout_s: float = doc(
+        15.0, "mooncake backend: bound on joining the master (the client's set-up)"
+    )
     socket_timeout_s: float = doc(1.0, "redis backend: socket read/write timeout in seconds")
-    connect_timeout_s: float = doc(0.5, "redis backend: socket connect timeout in seconds")
+    connect_timeout_s: float = doc(
+        0.5, "redis/mooncake backends: socket connect timeout in seconds (mooncake: reachability)"
+    )
     reconnect_backoff_s: float = doc(
-        0.2, "redis backend: first wait after a connection failure before retrying"
+        0.2, "redis/mooncake backends: first wait after a connection failure before retrying"
     )
     reconnect_backoff_max_s: float = doc(
-        5.0, "redis backend: the wait doubles per failure up to this"
+        5.0, "redis/mooncake backends: the wait doubles per failure up to this"
     )
     emulate_read_s_per_page: float = doc(
         0.0,
@@ -98,7 +110,7 @@ class StorageConfig:
         "default owner-only, 0600 and 0700",
     )
     require_reachable_at_start: bool = doc(
-        True, "redis backend: an unreachable server at construction is a ValueError"
+        True, "redis/mooncake backends: an unreachable server at construction is a ValueError"
     )
 
     def __post_init__(self) -> None:
@@ -108,6 +120,8 @@ class StorageConfig:
             raise ValueError(f"evict_to_fraction must be in (0, 1], got {self.evict_to_fraction}")
         if self.redis_batch_pages < 1:
             raise ValueError(f"redis_batch_pages must be >= 1, got {self.redis_batch_pages}")
+        if self.mooncake_batch_pages < 1:
+            raise ValueError(f"mooncake_batch_pages must be >= 1, got {self.mooncake_batch_pages}")
         if self.redis_ttl_s < 0:
             raise ValueError(f"redis_ttl_s must be >= 0, got {self.redis_ttl_s}")
         for name in (
@@ -115,6 +129,8 @@ class StorageConfig:
             "connect_timeout_s",
             "reconnect_backoff_s",
             "rescan_interval_s",
+            "mooncake_timeout_s",
+            "mooncake_setup_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -171,7 +187,15 @@ _BUILTIN_MODULES = (
     "kvstrata.storage.file_store",
     "kvstrata.storage.redis_store",
     "kvstrata.storage.memory_store",
+    "kvstrata.storage.mooncake_store",
 )
+
+
+def register_host_memory(storage: object, array: np.ndarray) -> bool:
+    """Offer host memory (a host pool's bytes) to a backend that can move pages in it zero-copy
+    (mooncake: registered with its client); False where the backend has no such path."""
+    register = getattr(storage, "register_buffer", None)
+    return bool(register(array)) if register is not None else False
 
 
 def url_scheme(url: str) -> str:

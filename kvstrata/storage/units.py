@@ -12,12 +12,14 @@ No rank number, world size or tp/pp/cp degree enters a key, so a page written un
 is read unit by unit under tp=1 (or any aligned layout), each rank reading only its units.
 
 Visibility: a page is visible (exists_prefix) only once its *commit marker* is stored, in a
-separate small-value store next to the units (file: DIR/commits, redis: prefix + "commit:").
+separate small-value store next to the units (file: DIR/commits, redis and mooncake: key
+prefix + "commit:").
 The marker is written after every unit of the page is in: at once by a single rank
 (commit_on_put), or under several ranks by one rank once the step consensus agreed that every
 rank wrote its units (DistMover.release). A rank killed mid-write leaves units without a marker:
 never visible, overwritten by the next write of the same page, and removed once stale
-(kvstrata.storage.unit_sweep: a pending record per page on file, an expiry on redis).
+(kvstrata.storage.unit_sweep: a pending record per page on file, an expiry on redis; Mooncake
+evicts them under memory pressure like any object).
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ from kvstrata.storage.base import (
     StorageBackend,
     StorageConfig,
     open_storage,
+    register_host_memory,
     url_scheme,
 )
 from kvstrata.storage.file_dirs import parse_file_url, refuse_whole_page_dir
 from kvstrata.storage.file_store import FileStore
+from kvstrata.storage.mooncake_url import mooncake_sibling_url
 from kvstrata.storage.redis_store import RedisStore
 from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer, read_key_file
 from kvstrata.storage.unit_sweep import FilePending, RedisExpiry
@@ -168,8 +172,11 @@ def split_file_cap(
 
 def commit_store_url(url: str, config: StorageConfig) -> tuple[str, StorageConfig]:
     """Where the commit markers of the unit store at `url` live (a sibling namespace)."""
-    if url_scheme(url) == "file":
+    scheme = url_scheme(url)
+    if scheme == "file":
         return str(parse_file_url(url) / "commits"), config
+    if scheme == "mooncake":
+        return mooncake_sibling_url(url, "commit:"), config
     return url, dataclasses.replace(config, redis_key_prefix=config.redis_key_prefix + "commit:")
 
 
@@ -196,6 +203,7 @@ class UnitStorage:
         self.blocks = layout.blocks(part)
         whole = PagePart(part.full, (0, part.full.num_layers), (0, part.full.num_kv_heads))
         self.all_blocks = layout.blocks(whole)  # every rank's units of a page
+        self._one_unit = len(self.blocks) == 1  # a unit is this part's whole page: no cut, no paste
         self.pending = pending
         self.page_nbytes = part.shape.page_nbytes
         self._marker = layout.marker()
@@ -235,14 +243,21 @@ class UnitStorage:
         """Leading pages whose commit marker is in (all their units were written)."""
         return self.commits.exists_prefix([self.layout.commit_key(k) for k in keys])
 
+    def register_buffer(self, array: np.ndarray) -> bool:
+        """Host memory for zero-copy unit transfers (used where a unit is a whole part page)."""
+        return register_host_memory(self.units, array)
+
     def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
         """Read this rank's units of `keys` into out[i] (part pages); leading pages read OK."""
         per = len(self.blocks)
         ukeys = [u for k in keys for u in self._unit_keys(k)]
-        bufs = [np.empty(self.layout.unit_nbytes, np.uint8) for _ in ukeys]
-        n = self.units.get(ukeys, bufs) // per
-        for i in range(n):
-            self._paste(bufs[i * per : (i + 1) * per], out[i])
+        if self._one_unit:  # straight into the pages (zero-copy where they are registered)
+            n = self.units.get(ukeys, [o.reshape(-1).view(np.uint8) for o in out])
+        else:
+            bufs = [np.empty(self.layout.unit_nbytes, np.uint8) for _ in ukeys]
+            n = self.units.get(ukeys, bufs) // per
+            for i in range(n):
+                self._paste(bufs[i * per : (i + 1) * per], out[i])
         self._count(units_read=n * per, unit_bytes_read=n * per * self.layout.unit_nbytes)
         return n
 
@@ -328,8 +343,8 @@ def open_unit_storage(
     layout: UnitLayout | None = None,
     crash_after_units: int = 0,
 ) -> UnitStorage:
-    """The unit store at `url` (any registered backend) seen through `part` of every page;
-    with config.key_file every unit value is sealed (kvstrata.storage.sealed)."""
+    """The unit store at `url` (file, redis, mooncake or any registered backend) seen through
+    `part` of every page; with config.key_file every unit value is sealed (kvstrata.storage.sealed)."""
     config = config or StorageConfig()
     layout = layout or UnitLayout(part.full)
     redis_units = url_scheme(url) != "file"

@@ -1,0 +1,96 @@
+"""Engines over a real Mooncake Store as L3: a fresh engine hits what another backed up, and a
+master killed (kill -9) mid-run and restarted changes no output (only hits; the counters show
+the failures).
+
+Mooncake keeps an object in the memory segment of a live client: a standalone mooncake_client
+holds the segment (a node's long-lived memory); the engines' clients contribute none, so what
+they wrote outlives them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cache.config import CacheConfig
+from kvstrata.engine.build import build_engine
+from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.request import Request
+from kvstrata.storage.mooncake_master import MooncakeMaster
+from tests.mooncake_server import FAST, held_store
+from tests.test_engine_cache import PAGE, assert_same, ckpt, conversation, model, run_turns
+
+pytestmark = pytest.mark.slow  # a mooncake_master, a segment holder and engines
+__all__ = ["ckpt", "model"]  # fixtures shared with the engine cache tests
+LENIENT = dataclasses.replace(FAST, require_reachable_at_start=False)
+
+
+@pytest.fixture
+def mc() -> Iterator[tuple[MooncakeMaster, str]]:
+    """A master, a segment holder and the URL the engines use (no segment of their own)."""
+    with held_store() as (m, url):
+        yield m, url
+
+
+def turns_with(
+    model,  # noqa: ANN001
+    url: str,
+    prompts: list[list[int]],
+    between: Callable[[int], None] = lambda turn: None,
+) -> tuple[list[Request], dict[str, int | float]]:
+    """run_turns' loop over mooncake, calling between(k) after turn k; requests + L3 stats."""
+    cfg = CacheConfig(
+        page_size=PAGE, device_pages=64, host_pages=64, storage_url=url,
+        prefetch_policy="wait_complete",
+    )  # fmt: skip
+    built = build_engine(
+        EngineConfig(tiers="l1_l2_l3", max_batch_tokens=1024), cfg, LENIENT, model=model
+    )
+    eng, results = built.engine, []
+    for k, prompt in enumerate(prompts):
+        req = Request(f"t{k}", prompt, max_new_tokens=4, keep_logits=True)
+        eng.submit(req)
+        while eng.has_work():
+            eng.step()
+            eng.check_integrity()
+        eng.drain()
+        eng.check_integrity()
+        results.append(req)
+        between(k)
+    storage = built.engine.cache.mover.storage if built.engine.cache else None  # type: ignore[union-attr]
+    stats = storage.stats() if storage is not None else {}
+    built.close()
+    return results, stats
+
+
+def test_a_fresh_engine_hits_what_another_backed_up(model, mc, tmp_path: Path) -> None:  # noqa: ANN001, F811
+    _, url = mc
+    prompts = conversation(3, seed=31)
+    ref = run_turns(model, "none", tmp_path / "unused", prompts)
+    first, st = turns_with(model, url, prompts)
+    assert st["put_skipped"] == 0 and st["puts"] > 0 and st["corrupt"] == 0
+    second, _ = turns_with(model, url, prompts)
+    assert_same(ref, first)
+    assert_same(ref, second)
+    assert second[0].hits == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
+
+
+def test_master_killed_mid_run_and_restarted_changes_no_output(model, mc, tmp_path: Path) -> None:  # noqa: ANN001, F811
+    m, url = mc
+    prompts = conversation(6, seed=32)
+    ref = run_turns(model, "none", tmp_path / "unused", prompts)
+
+    def between(turn: int) -> None:
+        if turn == 1:
+            m.kill()  # kill -9: the master and every object it placed are gone
+        if turn == 3:
+            m.start()  # same ports, empty; the clients re-join by themselves
+
+    got, st = turns_with(model, url, prompts, between)
+    assert_same(ref, got)
+    assert st["connection_errors"] >= 1 and st["put_skipped"] > 0, st
+    assert st["reconnects"] >= 1 and st["corrupt"] == 0, st
+    again, _ = turns_with(model, url, prompts)  # after the restart: a fresh engine, same output
+    assert_same(ref, again)
