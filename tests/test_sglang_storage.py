@@ -8,6 +8,7 @@ tests/sglang_contract.py holds the contract tests against the real sglang packag
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SGLANG_PATH = ROOT / ".venv" / "sglang-extra"  # scripts/setup_sglang.sh installs sglang there
 
 
 def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    assert (SGLANG_PATH / "sglang").is_dir(), (
+        f"{SGLANG_PATH} lacks sglang: bash scripts/setup_sglang.sh"
+    )
     return subprocess.run(
         [sys.executable, "-W", "ignore", *args],
         cwd=ROOT,
@@ -25,6 +30,7 @@ def _run(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=timeout_s,
         check=False,
+        env={**os.environ, "PYTHONPATH": f"{SGLANG_PATH}{os.pathsep}{ROOT}"},
     )
 
 

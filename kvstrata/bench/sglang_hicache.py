@@ -102,4 +102,11 @@ def run_sglang_bench(quick: bool, base_dir: str) -> dict[str, Any]:
 @BENCHES.register("sglang")
 def bench_sglang(quick: bool) -> dict[str, Any]:
     """Our store as SGLang's HiCache L3 vs SGLang's own file backend, same calls and pages."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            "bench sglang needs the sglang package: bash scripts/setup_sglang.sh, then "
+            "PYTHONPATH=.venv/sglang-extra .venv/bin/kvstrata bench sglang"
+        ) from None
     return run_sglang_bench(quick, tempfile.gettempdir())

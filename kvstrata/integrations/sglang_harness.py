@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -27,7 +28,11 @@ def host_pool(
     dtype: torch.dtype = torch.bfloat16,
     layout: str = "layer_first",
 ) -> MHATokenToKVPoolHost:
-    """An MHA host pool (CPU, not pinned) of `tokens` device tokens x 2, as SGLang sizes it."""
+    """An MHA host pool (CPU, not pinned) of `tokens` device tokens x 2, as SGLang sizes it.
+
+    Its host-memory budget is set to what the pool takes (SGLang's own budget scope): without
+    it SGLang refuses any pool while free memory is under its fixed reserve, which on a shared
+    24 GiB test machine depends on what else runs."""
     dev = MHATokenToKVPool(
         tokens,
         page_size,
@@ -40,6 +45,12 @@ def host_pool(
         start_layer=0,
         end_layer=layers,
     )
+    pool_bytes = (2 * tokens + 2 * page_size) * 2 * layers * heads * head_dim * dtype.itemsize
+    with host_memory_budget_scope(pool_bytes):
+        return _host(dev, page_size, layout)
+
+
+def _host(dev: MHATokenToKVPool, page_size: int, layout: str) -> MHATokenToKVPoolHost:
     return MHATokenToKVPoolHost(
         dev.get_device_pool_infos()[0].buffer_info,
         2.0,
