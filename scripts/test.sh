@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+bash scripts/setup_sglang.sh  # the sglang package for the HiCache integration tests
 bash scripts/apt_need.sh /usr/bin/redis-server redis-server
 # the house checks over every file (no folder skipped), before the tests
 .venv/bin/ruff check --no-cache .
