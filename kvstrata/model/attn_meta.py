@@ -32,7 +32,9 @@ class AttnMeta:
     rest_rows: torch.Tensor | None = None
     rest_slots: torch.Tensor | None = None
     _slots: list[torch.Tensor] = field(default_factory=list, repr=False)
-    _decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
     _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def last_rows(self, rows: torch.Tensor) -> AttnMeta:
