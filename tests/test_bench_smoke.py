@@ -78,6 +78,25 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         ),
         True,
     ),
+    "decode": (
+        frozenset(
+            {
+                f"{d}_{k}"
+                for d in ("float32", "bfloat16")
+                for k in (
+                    "hf_generate_tps",
+                    "b1_tps",
+                    "b4_tps",
+                    "b4_tpot_p50_ms",
+                    "b4_python_ms",
+                    "b4_memory_bound_step_ms",
+                    "b1_tps_vs_hf",
+                    "python_top_b8",
+                )
+            }
+        ),
+        True,
+    ),
     "admission": (
         frozenset(
             {

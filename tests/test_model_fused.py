@@ -200,17 +200,23 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("table,min_run,gathers", CASES)
 def test_page_runs_are_read_in_place(
     ckpts: tuple[Path, Path],
     table: list[int],
     min_run: int,
     gathers: int,
+    native: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Decode and continued chunks read runs of consecutive pages in place, no gather."""
+    """Decode and continued chunks read runs of consecutive pages in place, no gather; the
+    native batched decode kernel reads every page in place, however fragmented."""
     monkeypatch.setattr(runs_mod, "MIN_RUN_TOKENS", min_run)  # tiny pages here
     model, hf = load_model(ckpts[0]), load_hf(ckpts[0])
+    for layer in model.model.layers:
+        layer.self_attn.native_decode = native
+    gathers = 0 if native else gathers
     n = 4 * len(table) - 1  # + 1 decoded: every page of the table used
     toks = tokens(n, seed=6)
     assert MAX_RUNS < 9

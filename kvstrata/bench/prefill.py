@@ -69,11 +69,11 @@ def serve(eng: Engine, tokens: list[int], new: int) -> Request:
 class HF:
     """The plain transformers reference on the same checkpoint."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32, attn_implementation="sdpa"
+            str(path), dtype=getattr(torch, dtype), attn_implementation="sdpa"
         ).eval()
 
     def prefill(self, tokens: list[int]) -> int:

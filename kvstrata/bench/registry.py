@@ -27,6 +27,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.parallel",
     "kvstrata.bench.spec",
     "kvstrata.bench.prefill",
+    "kvstrata.bench.decode",
     "kvstrata.bench.pd",
     "kvstrata.bench.sglang_hicache",
 )

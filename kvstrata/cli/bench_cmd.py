@@ -14,7 +14,7 @@ from rich.table import Table
 from kvstrata.bench.registry import load_benches
 from kvstrata.cli import validate
 
-BENCH_OPTIONS = ("url", "sessions", "concurrency", "model", "out")
+BENCH_OPTIONS = ("url", "sessions", "concurrency", "model", "out", "vllm_url")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--concurrency", type=int, default=None, help="sessions at once")
     serve.add_argument("--model", default=None, help="checkpoint our server loads")
     serve.add_argument("--out", type=Path, default=None, help="directory of the plot and logs")
+    decode = p.add_argument_group("bench decode", "options of the decode benchmark only")
+    decode.add_argument("--vllm-url", default=None, help="also drive this vLLM server")
     p.set_defaults(func=run)
 
 

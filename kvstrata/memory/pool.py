@@ -81,16 +81,20 @@ class DevicePool:
         self.data = zeros_huge(
             shape.device_shape(self.capacity_local), shape.torch_dtype, self.device
         )
+        # each layer's K and V views made once: a forward asks for them 2 x layers times, and
+        # indexing a 6-D tensor was the largest Python cost of a decode step (bench decode)
+        self._k = [self.data[layer, 0] for layer in range(shape.num_layers)]
+        self._v = [self.data[layer, 1] for layer in range(shape.num_layers)]
 
     def k(self, layer: int) -> torch.Tensor:
         """[capacity_local, page_size, kv_heads, head_dim] view of layer `layer`'s keys."""
         self._check_layer(layer)
-        return self.data[layer, 0]
+        return self._k[layer]
 
     def v(self, layer: int) -> torch.Tensor:
         """[capacity_local, page_size, kv_heads, head_dim] view of layer `layer`'s values."""
         self._check_layer(layer)
-        return self.data[layer, 1]
+        return self._v[layer]
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.shape.num_layers:

@@ -8,6 +8,8 @@ Each sequence takes the cheapest exact route (all are the same softmax, fp32 equ
 tolerance; see `PagedAttention._attend`):
 - first chunk (nothing cached before it): a causal kernel over the chunk's own K/V; the pool is
   only written, never read back;
+- every sequence of the forward one new token (batched decode, CPU): one native kernel over
+  the whole batch reads each sequence's pages where they are (paged_decode.py);
 - one new token (decode): every key visible, so no mask; pages at consecutive ids are read in
   place, one slice of the pool per run of them (if the runs are few and long: page_runs; one
   kernel each, merged by log-sum-exp on CPU); more fragmented contexts are gathered whole
@@ -30,6 +32,7 @@ from torch import nn
 
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, apply_rotary
+from kvstrata.model.paged_decode import paged_decode, usable
 from kvstrata.model.prepack import Prepacked, prepack_module, run_linear
 
 sdpa = nn.functional.scaled_dot_product_attention
@@ -79,6 +82,7 @@ class PagedAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.gqa = heads != kv_heads
         self.split_prefix = True  # CPU: see route(); False forces the masked prefix kernel
+        self.native_decode = True  # CPU: batched decode by paged_decode; False: per sequence
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
@@ -124,6 +128,10 @@ class PagedAttention(nn.Module):
         if rows is not None:  # only these queries: each reads its whole context from the pool
             q, k, v, meta = q[rows], k[rows], v[rows], meta.last_rows(rows)
         t = q.shape[0]
+        if self.native_decode and meta.all_decode and usable(q, k_pool, v_pool):
+            flat, starts, ctx = meta.decode_tables  # one kernel, pages read in place
+            out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [S, heads, dim]
+            return run_linear(self.o_proj, self.o_packed, out.view(t, self.heads * self.head_dim))
         if k_flat.dtype != q.dtype:  # attend to the K/V as stored, as a cached read would
             k, v = k.to(k_flat.dtype).to(q.dtype), v.to(v_flat.dtype).to(q.dtype)
         if len(meta.seq_lens) == 1:  # one sequence: no per-sequence slicing or copy back

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.model.page_runs import page_runs, write_plan
+from kvstrata.model.paged_decode import flat_tables
 
 
 @dataclass
@@ -31,6 +32,9 @@ class AttnMeta:
     rest_rows: torch.Tensor | None = None
     rest_slots: torch.Tensor | None = None
     _slots: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
     _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def last_rows(self, rows: torch.Tensor) -> AttnMeta:
@@ -43,6 +47,20 @@ class AttnMeta:
             self.slots[rows], ones, self.ctx_lens, self.page_tables, self.page_size,
             [True] * len(ones), self.positions[rows], self.runs,
         )  # fmt: skip
+
+    @property
+    def all_decode(self) -> bool:
+        """True when every sequence adds one token at its end (the batched decode route)."""
+        return all(n == 1 for n in self.seq_lens) and all(self.tail)
+
+    @property
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat page tables [P], each sequence's start in them [S] and ctx_lens [S] (int64,
+        host) for paged_decode; built on first use, shared by every layer."""
+        if self._decode is None:
+            flat, starts = flat_tables(self.page_tables)
+            self._decode = (flat, starts, torch.tensor(self.ctx_lens, dtype=torch.long))
+        return self._decode
 
     @property
     def ctx_slots(self) -> list[torch.Tensor]:

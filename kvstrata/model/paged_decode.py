@@ -1,0 +1,76 @@
+"""Batched decode attention read where the pages are (`_paged_decode.c`): one new token per
+sequence, sequences of different lengths in one call, no gather copy of K/V.
+
+CPU only (fp32 or bf16 pools); attention.py takes this route for a forward whose every
+sequence decodes one token, and keeps its per-sequence routes for everything else (and for
+CUDA, behind the same PagedAttention interface).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    from kvstrata.model import _paged_decode as _native
+except ImportError:  # not built (an old checkout): attention.py keeps its other routes
+    _native = None
+
+_KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available() -> bool:
+    """True where the native kernel is built."""
+    return _native is not None
+
+
+def isa() -> str:
+    """The instruction set its inner loops run with: "avx512f", "avx2" or "portable"."""
+    return _native.isa() if _native is not None else "not built"
+
+
+def usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """True where paged_decode can run these tensors: CPU, contiguous fp32/bf16 pools."""
+    return (
+        _native is not None
+        and q.device.type == "cpu"
+        and k_pool.device.type == "cpu"
+        and k_pool.dtype in _KV_DTYPES
+        and v_pool.dtype == k_pool.dtype
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+    )
+
+
+def flat_tables(page_tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's page table in one int64 tensor [P] and each one's start [S]."""
+    counts = [t.numel() for t in page_tables]
+    starts = torch.tensor([0, *counts[:-1]], dtype=torch.long).cumsum(0)
+    flat = torch.cat([t.to(torch.long) for t in page_tables]).contiguous()
+    return flat, starts
+
+
+def paged_decode(
+    q: torch.Tensor,  # [S, heads, dim] one query token per sequence
+    k_pool: torch.Tensor,  # [capacity, page_size, kv_heads, dim] one layer's keys
+    v_pool: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor],  # flat_tables(page_tables)
+    ctx_lens: torch.Tensor,  # [S] int64: positions 0 .. ctx-1 visible (the new one included)
+) -> torch.Tensor:  # [S, heads, dim] in q's dtype
+    """Softmax(q K^T / sqrt(dim)) V of each sequence over its whole context, from the pages."""
+    if _native is None:
+        raise RuntimeError("kvstrata.model._paged_decode is not built: run `pip install -e .`")
+    s, heads, dim = q.shape
+    _, page, kv_heads, _ = k_pool.shape
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty_like(qf)
+    flat, starts = tables
+    lens = ctx_lens.to(torch.long).contiguous()
+    _native.decode(
+        out.data_ptr(), qf.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+        flat.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+        s, heads, kv_heads, dim, page, k_pool.dtype == torch.bfloat16,
+        1.0 / math.sqrt(dim), torch.get_num_threads(),
+    )  # fmt: skip
+    return out.to(q.dtype)
