@@ -9,13 +9,19 @@ of turn t > 0 is the full blocks of turn t-1's prompt.
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from kvstrata.bench.vllm_bench import multi_turn
+from kvstrata.bench.vllm_server import VllmServer
+from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.memory.layout import KVShape
 from kvstrata.model.smollm2 import ensure_smollm2
-from tests.vllm_server import VllmServer
+from kvstrata.storage.file_store import PAGE_SUFFIX
+from kvstrata.storage.units import UnitLayout
 
 pytestmark = pytest.mark.slow
 
@@ -25,15 +31,7 @@ SESSIONS, TURNS, FIRST, GROW, OUT = 3, 3, 160, 48, 4
 
 def workload() -> list[list[int]]:
     """Prompts in send order: turn by turn, each session once per turn."""
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(100, 40000, FIRST).tolist() for _ in range(SESSIONS)]
-    out = []
-    for t in range(TURNS):
-        for s in range(SESSIONS):
-            if t:
-                prompts[s] = prompts[s] + rng.integers(100, 40000, GROW).tolist()
-            out.append(list(prompts[s]))
-    return out
+    return multi_turn(SESSIONS, TURNS, FIRST, GROW)
 
 
 def expected_cached(prompts: list[list[int]]) -> list[int]:
@@ -49,6 +47,36 @@ def model() -> Path:
     return ensure_smollm2()
 
 
+def corrupt_unit(l3: Path, model: Path, prompt: list[int], page: int) -> None:
+    """Flip one payload byte of the first storage unit of `page` of `prompt` in the file L3."""
+    ns = Namespace(model_fingerprint=str(model), kv_dtype="float32", page_size=BLOCK)
+    key = page_keys(prompt[: (page + 1) * BLOCK], ns)[page]
+    # SmolLM2: 30 layers, 3 KV heads of 64; units of 1 layer x 1 head
+    unit = UnitLayout(KVShape(30, 3, 64, BLOCK)).unit_key(key, ((0, 1), (0, 1)))
+    name = f"{unit:032x}"
+    path = l3 / name[:2] / f"{name}{PAGE_SUFFIX}"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def tier_hits(server: VllmServer, tier: str) -> float:
+    """vllm:kvstrata_hit_tokens_total for `tier` from the server's /metrics (0 if absent)."""
+    pat = re.compile(
+        r'^vllm:kvstrata_hit_tokens_total\{[^}]*tier="' + tier + r'"[^}]*\} (\S+)$', re.M
+    )
+    m = pat.search(server.metrics())
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_tier_hits(server: VllmServer, tier: str, want: float, timeout_s: float = 30) -> float:
+    """The tier's counter once it reached `want` (stats ride the engine's outputs), or the last."""
+    deadline = time.monotonic() + timeout_s
+    while (got := tier_hits(server, tier)) < want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return got
+
+
 def run(server: VllmServer, prompts: list[list[int]]) -> tuple[list[str], list[int]]:
     outs = [server.complete(p, max_tokens=OUT) for p in prompts]
     return [o.text for o in outs], [o.cached_tokens for o in outs]
@@ -59,17 +87,26 @@ def test_vllm_with_kvstrata_l2_then_l3_after_restart(model: Path, tmp_path: Path
     with VllmServer(model, tmp_path / "vllm_alone.log") as alone:
         texts_alone, cached_alone = run(alone, prompts)
     assert cached_alone != expected_cached(prompts), "the workload must exceed vLLM's KV space"
-    extra = {"host_pages": 256, "storage_url": f"file://{tmp_path / 'l3'}"}
+    extra = {
+        "host_pages": 256,
+        "storage_url": f"file://{tmp_path / 'l3'}",
+        "check_integrity": True,  # tree and pools checked after every step: a fault stops vLLM
+    }
     with VllmServer(model, tmp_path / "vllm_kvstrata.log", connector=extra) as kvs:
         texts, cached = run(kvs, prompts)
+        assert tier_hits(kvs, "L2") > 0 and tier_hits(kvs, "L3") == 0
     assert texts == texts_alone
     assert cached == expected_cached(prompts)
     # a fresh server (empty L2, vLLM's cache cold) on the same L3: every prompt's full
     # blocks but the one holding its last token come back from storage
     last = prompts[-SESSIONS:]
+    corrupt_unit(tmp_path / "l3", model, last[0], page=2)  # session 0 reads 2 pages, recomputes
     with VllmServer(model, tmp_path / "vllm_restart.log", connector=extra) as again:
         texts2, cached2 = run(again, last)
         salted = again.complete(last[0], max_tokens=OUT, salt="tenant-b")
+        # vLLM's own cache and kvstrata's L2 started cold: every cached token came from L3
+        assert wait_tier_hits(again, "L3", sum(cached2)) == sum(cached2)
+        assert tier_hits(again, "L2") == 0
     assert texts2 == texts[-SESSIONS:]
-    assert cached2 == [(len(p) - 1) // BLOCK * BLOCK for p in last]
+    assert cached2 == [2 * BLOCK] + [(len(p) - 1) // BLOCK * BLOCK for p in last[1:]]
     assert salted.cached_tokens == 0 and salted.text == texts2[0]

@@ -28,6 +28,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.spec",
     "kvstrata.bench.prefill",
     "kvstrata.bench.pd",
+    "kvstrata.bench.vllm_bench",
 )
 
 

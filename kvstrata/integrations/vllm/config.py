@@ -38,6 +38,7 @@ class VllmConnectorConfig:
     eviction: str = doc("lru", "L2 eviction policy name (lru, lfu)")
     tenant_salt: str = doc("", "salt of every key (a request's cache_salt joins it)")
     model_fingerprint: str = doc("", "identity of the weights in the keys ('' : vLLM's model name)")
+    check_integrity: bool = doc(False, "check the tree and pools after every step (tests)")
 
     def __post_init__(self) -> None:
         for name in ("host_pages", "host_bytes", "page_size"):
@@ -81,6 +82,8 @@ class VllmConnectorConfig:
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
+    if tp is bool and isinstance(value, bool):
+        return value
     if tp is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
     if tp is float and isinstance(value, int | str) and not isinstance(value, bool):

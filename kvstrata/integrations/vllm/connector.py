@@ -23,6 +23,12 @@ from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.metadata import StepJobs
 from kvstrata.integrations.vllm.scheduler import SchedulerSide
 from kvstrata.integrations.vllm.spec import kv_spec
+from kvstrata.integrations.vllm.stats import (
+    BYTES_PREFIX,
+    HIT_PREFIX,
+    KvstrataPromMetrics,
+    KvstrataStats,
+)
 from kvstrata.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -76,6 +82,30 @@ class KvstrataConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self.worker_side = WorkerSide(config, spec, get_tensor_model_parallel_rank())
+
+    # ---- stats (either role) ------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KvstrataStats | None:
+        if self.scheduler_side is not None:
+            data = {HIT_PREFIX + t: n for t, n in self.scheduler_side.take_hit_tokens().items()}
+        else:
+            moved = self._worker().take_moved_bytes().items()
+            data = {BYTES_PREFIX + k: n for k, n in moved}
+        stats = KvstrataStats(data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstrataStats:
+        return KvstrataStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvstrataPromMetrics:
+        return KvstrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker role --------------------------------------------------------------------------
     def _worker(self) -> WorkerSide:

@@ -89,6 +89,8 @@ class SchedulerSide:
         )
         self.requests: dict[str, RequestState] = {}
         self.load_errors: set[int] = set()
+        self.check_each_step = config.check_integrity
+        self.hit_tokens = {"L2": 0, "L3": 0}  # tokens vLLM took from each tier, since last taken
 
     # ---- vLLM's scheduler calls ---------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
@@ -148,6 +150,9 @@ class SchedulerSide:
             st.lease.release()
             return
         self._bind(st)
+        from_l3 = min(num_external, st.lease.hits.storage * self.page)
+        self.hit_tokens["L3"] += from_l3
+        self.hit_tokens["L2"] += num_external - from_l3
 
     def _bind(self, st: RequestState) -> None:
         """Bind each transit page of the request to its vLLM blocks (-1: not copied)."""
@@ -180,6 +185,8 @@ class SchedulerSide:
         jobs = self.mover.take_jobs()
         jobs.failed_blocks = sorted(self.load_errors)
         self.load_errors.clear()
+        if self.check_each_step:
+            self.cache.check_integrity()
         return jobs
 
     def _commit(self, st: RequestState, upto: int) -> None:
@@ -205,6 +212,10 @@ class SchedulerSide:
         st = self.requests.pop(request.request_id, None)
         if st is not None:
             st.lease.release()
+
+    def take_hit_tokens(self) -> dict[str, int]:
+        out, self.hit_tokens = self.hit_tokens, {"L2": 0, "L3": 0}
+        return out
 
     def report(self, results: dict[int, int]) -> None:
         self.mover.report(results)

@@ -37,6 +37,7 @@ class WorkerSide:
             part = PagePart(spec.full_shape, (0, spec.num_layers), spec.heads_of(tp_rank))
             self.storage = open_unit_storage(config.storage_url, part, StorageConfig())
         self.blocks: BlockLayout | None = None
+        self.check_each_step = config.check_integrity
         self.results: dict[int, int] = {}
         self.load_errors: set[int] = set()
         self.moved_bytes = {"load": 0, "store": 0, "backup": 0, "prefetch": 0}
@@ -55,6 +56,13 @@ class WorkerSide:
     def after_forward(self, jobs: StepJobs) -> None:
         for job in jobs.stores:
             self.results[job.op_id] = self._copy(job, to_vllm=False)
+        if self.check_each_step:
+            self.check_integrity()
+
+    def take_moved_bytes(self) -> dict[str, int]:
+        out = self.moved_bytes
+        self.moved_bytes = dict.fromkeys(out, 0)
+        return out
 
     def take_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()

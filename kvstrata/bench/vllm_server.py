@@ -1,8 +1,9 @@
-"""A real `vllm serve` (vLLM's CPU build, in .venv-vllm) for the connector tests and the bench.
+"""A real `vllm serve` (vLLM's CPU build, in .venv-vllm) for `kvstrata bench vllm` and the tests.
 
 `VllmServer(model, connector=..., ...)` starts it on a free port with greedy-friendly options,
-waits for /health within `startup_s` (the error names the log file), and `complete()` sends one
-completion by token ids, returning the text and vLLM's cached-token count.
+waits for /health within `startup_s` (the error names the log file), and `complete()` streams one
+completion by token ids, returning the text, vLLM's cached-token count and the time to the first
+token.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin" / "vllm"
 CONNECTOR_MODULE = "kvstrata.integrations.vllm.connector"
 
@@ -47,6 +48,7 @@ class Completion:
     text: str
     cached_tokens: int
     prompt_tokens: int
+    ttft_s: float
 
 
 class VllmServer:
@@ -147,6 +149,8 @@ class VllmServer:
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         if salt is not None:
             body["cache_salt"] = salt
