@@ -80,6 +80,7 @@ COVERED_ELSEWHERE = {
     "spec": "tests/test_bench_spec.py",
     "parallel": "tests/test_parallel_kv.py",
     "pd": "tests/test_bench_pd.py",
+    "vllm": "tests/test_bench_vllm.py",
 }
 """Benches whose --quick run has its own test (they need servers, ranks or a draft)."""
 

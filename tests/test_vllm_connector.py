@@ -22,6 +22,7 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.model.smollm2 import ensure_smollm2
 from kvstrata.storage.file_store import PAGE_SUFFIX
 from kvstrata.storage.units import UnitLayout
+from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -82,10 +83,19 @@ def run(server: VllmServer, prompts: list[list[int]]) -> tuple[list[str], list[i
     return [o.text for o in outs], [o.cached_tokens for o in outs]
 
 
-def test_vllm_with_kvstrata_l2_then_l3_after_restart(model: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def alone(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], list[int]]:
+    """vLLM without the connector on the workload: its texts and cached counts."""
+    log = tmp_path_factory.mktemp("alone") / "vllm_alone.log"
+    with VllmServer(model, log) as server:
+        return run(server, workload())
+
+
+def test_vllm_with_kvstrata_l2_then_l3_after_restart(
+    model: Path, tmp_path: Path, alone: tuple[list[str], list[int]]
+) -> None:
     prompts = workload()
-    with VllmServer(model, tmp_path / "vllm_alone.log") as alone:
-        texts_alone, cached_alone = run(alone, prompts)
+    texts_alone, cached_alone = alone
     assert cached_alone != expected_cached(prompts), "the workload must exceed vLLM's KV space"
     extra = {
         "host_pages": 256,
@@ -110,3 +120,24 @@ def test_vllm_with_kvstrata_l2_then_l3_after_restart(model: Path, tmp_path: Path
     assert texts2 == texts[-SESSIONS:]
     assert cached2 == [2 * BLOCK] + [(len(p) - 1) // BLOCK * BLOCK for p in last[1:]]
     assert salted.cached_tokens == 0 and salted.text == texts2[0]
+
+
+def test_redis_l3_killed_mid_run_is_a_miss_not_a_hang(
+    model: Path, tmp_path: Path, alone: tuple[list[str], list[int]]
+) -> None:
+    prompts = workload()
+    with RedisServer() as redis:
+        extra = {"host_pages": 256, "storage_url": redis.url, "check_integrity": True}
+        with VllmServer(model, tmp_path / "vllm_redis.log", connector=extra) as kvs:
+            first = run(kvs, prompts[:SESSIONS])
+            assert redis_keys(redis.port) > 0, "write-through pages were backed up to redis"
+            redis.kill()
+            rest = run(kvs, prompts[SESSIONS:])  # L3 probes and backups fail: misses
+    assert first[0] + rest[0] == alone[0]
+    assert first[1] + rest[1] == expected_cached(prompts)  # L2 still holds every history
+
+
+def redis_keys(port: int) -> int:
+    import redis as redis_client
+
+    return int(redis_client.Redis(port=port).dbsize())

@@ -159,15 +159,25 @@ class VllmServer:
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
+        start = time.monotonic()
+        ttft, parts, usage = 0.0, [], {}
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            out = json.loads(r.read())
-        usage = out["usage"]
+            for raw in r:
+                line = raw.decode().strip()
+                payload = line[5:].strip() if line.startswith("data:") else ""
+                if not payload.startswith("{"):
+                    continue  # blank separators, comments, [DONE]
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise RuntimeError(f"vLLM streamed an error: {chunk['error']}")
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text") and not parts:
+                        ttft = time.monotonic() - start
+                    parts.append(choice.get("text") or "")
+                usage = chunk.get("usage") or usage
         details = usage.get("prompt_tokens_details") or {}
-        return Completion(
-            out["choices"][0]["text"],
-            int(details.get("cached_tokens") or 0),
-            usage["prompt_tokens"],
-        )
+        cached = int(details.get("cached_tokens") or 0)
+        return Completion("".join(parts), cached, int(usage.get("prompt_tokens", 0)), ttft)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
