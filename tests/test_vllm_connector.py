@@ -10,9 +10,11 @@ of turn t > 0 is the full blocks of turn t-1's prompt.
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvstrata.bench.vllm_bench import multi_turn
@@ -23,6 +25,7 @@ from kvstrata.model.smollm2 import ensure_smollm2
 from kvstrata.storage.file_store import PAGE_SUFFIX
 from kvstrata.storage.units import UnitLayout
 from tests.redis_server import RedisServer
+from tests.tiny_models import make_llama
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +144,46 @@ def redis_keys(port: int) -> int:
     import redis as redis_client
 
     return int(redis_client.Redis(port=port).dbsize())
+
+
+def tiny_tp_model(path: Path, smollm2: Path) -> Path:
+    """A random Llama vLLM's CPU attention takes (4 heads, 2 KV heads of 64) with SmolLM2's
+    tokenizer, so tensor parallel 2 gives each worker one KV head."""
+    make_llama(
+        path,
+        seed=3,
+        vocab_size=49152,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+    )
+    for f in smollm2.iterdir():
+        if "token" in f.name or f.name in ("vocab.json", "merges.txt"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
+    tiny = tiny_tp_model(tmp_path / "tiny", model)
+    extra = {"host_pages": 64, "storage_url": f"file://{tmp_path / 'l3'}", "check_integrity": True}
+    rng = np.random.default_rng(1)
+    prompt, other = rng.integers(100, 40000, 200).tolist(), rng.integers(100, 40000, 100).tolist()
+    tp2 = VllmServer(
+        tiny,
+        tmp_path / "vllm_tp2.log",
+        connector=extra,
+        extra_args=("--tensor-parallel-size", "2"),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    with tp2:
+        first = tp2.complete(prompt, max_tokens=OUT)
+        tp2.complete(other, max_tokens=OUT)  # more steps: the first prompt's backups run
+    # each TP=2 worker stored its own KV head as units; TP=1 reads both heads' units
+    with VllmServer(tiny, tmp_path / "vllm_tp1.log", connector=extra) as tp1:
+        again = tp1.complete(prompt, max_tokens=OUT)
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+    assert again.text == first.text
