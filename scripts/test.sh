@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 bash scripts/setup_sglang.sh  # the sglang package for the HiCache integration tests
 bash scripts/apt_need.sh /usr/bin/redis-server redis-server
+# vLLM's CPU build in its own venv (its pins clash with ours): the connector tests run it
+bash scripts/setup_vllm.sh
 # the house checks over every file (no folder skipped), before the tests
 .venv/bin/ruff check --no-cache .
 .venv/bin/ruff format --check --no-cache .

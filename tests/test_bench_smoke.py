@@ -117,6 +117,7 @@ COVERED_ELSEWHERE = {
     "parallel": "tests/test_parallel_kv.py",
     "pd": "tests/test_bench_pd.py",
     "sglang": "tests/test_sglang_storage.py",
+    "vllm": "tests/test_bench_vllm.py",
 }
 """Benches whose --quick run has its own test (they need servers, ranks or a draft)."""
 

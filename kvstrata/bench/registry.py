@@ -30,6 +30,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.decode",
     "kvstrata.bench.pd",
     "kvstrata.bench.sglang_hicache",
+    "kvstrata.bench.vllm_bench",
 )
 
 

@@ -1,1 +1,2 @@
-"""Engines that use kvstrata from the outside (SGLang HiCache L3). Nothing below imports this."""
+"""Adapters that let other serving engines use kvstrata's tiers (vLLM KV connector, SGLang
+HiCache storage), one module or subpackage per engine. Nothing below imports this."""

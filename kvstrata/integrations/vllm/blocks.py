@@ -1,0 +1,95 @@
+"""vLLM's per-layer paged KV tensors seen as kvstrata pages.
+
+Host page (kvstrata's canonical layout): [num_layers, 2, page_size, kv_heads, head_dim]; a page
+of page_size = r x block_size tokens is r vLLM blocks in order. vLLM's layer tensor layout
+depends on its attention backend. Each known one is turned into a block-first view whose
+trailing dims are a permutation of the host's [2, block, heads, dim]:
+    cpu                    [num_blocks, kv_heads, block, 2*head_dim] (K rows, then V rows, per
+                           head: viewed as [n, heads, 2, block, dim])  (vLLM's CPU attention)
+    kv_blocks_heads_tokens [2, num_blocks, kv_heads, block, head_dim]
+    kv_blocks_tokens_heads [2, num_blocks, block, kv_heads, head_dim]
+    blocks_kv_tokens_heads [num_blocks, 2, block, kv_heads, head_dim]
+Any other shape is refused by name at registration. One indexed copy per layer and direction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.integrations.vllm.metadata import BlockCopy
+from kvstrata.integrations.vllm.spec import KVSpec
+from kvstrata.memory.pool import HostPool
+
+Shape = tuple[int, ...]
+# name -> (layer shape from (blocks, heads, block, dim), block-first view, permutation of the
+# host's [N, 2, block, heads, dim] slice into that view's [N, ...] order)
+_LAYOUTS: dict[str, tuple[Callable[..., Shape], Callable[..., torch.Tensor], Shape]] = {
+    "cpu": (
+        lambda n, h, b, d: (n, h, b, 2 * d),
+        lambda t, n, h, b, d: t.view(n, h, 2, b, d),
+        (0, 3, 1, 2, 4),
+    ),
+    "kv_blocks_heads_tokens": (
+        lambda n, h, b, d: (2, n, h, b, d),
+        lambda t, n, h, b, d: t.transpose(0, 1),
+        (0, 1, 3, 2, 4),
+    ),
+    "kv_blocks_tokens_heads": (
+        lambda n, h, b, d: (2, n, b, h, d),
+        lambda t, n, h, b, d: t.transpose(0, 1),
+        (0, 1, 2, 3, 4),
+    ),
+    "blocks_kv_tokens_heads": (
+        lambda n, h, b, d: (n, 2, b, h, d),
+        lambda t, n, h, b, d: t,
+        (0, 1, 2, 3, 4),
+    ),
+}
+
+
+@dataclass
+class BlockLayout:
+    """Block-first views of the worker's layer tensors and the permutation into them."""
+
+    views: list[torch.Tensor]
+    name: str
+    spec: KVSpec
+
+    @classmethod
+    def of(cls, layers: list[torch.Tensor], spec: KVSpec) -> BlockLayout:
+        if len(layers) != spec.num_layers:
+            raise ValueError(
+                f"vLLM registered {len(layers)} KV layers, the model has {spec.num_layers}"
+            )
+        shape = tuple(layers[0].shape)
+        h, b, d = spec.local_heads, spec.block_size, spec.head_dim
+        for name, (make, view, _) in _LAYOUTS.items():
+            n = shape[1] if name.startswith("kv_") else shape[0]
+            if shape == make(n, h, b, d):
+                return cls([view(t, n, h, b, d) for t in layers], name, spec)
+        raise ValueError(
+            f"kvstrata does not know vLLM's KV layer layout {shape} (known: {', '.join(_LAYOUTS)})"
+        )
+
+    def copy(self, host: HostPool, pages: Sequence[BlockCopy], to_vllm: bool) -> None:
+        """Copy each page's blocks (skipping -1) between the host pool and vLLM, every layer."""
+        triples = [(p.host_id, j, blk) for p in pages for j, blk in enumerate(p.blocks) if blk >= 0]
+        if not triples:
+            return
+        s = self.spec
+        r = s.page_size // s.block_size
+        slot, off, idx = (torch.tensor(col, dtype=torch.long) for col in zip(*triples, strict=True))
+        # [capacity, layers, 2, r, block, heads, dim]: a page's r blocks in token order
+        host_view = host.data.view(
+            host.capacity_local, s.num_layers, 2, r, s.block_size, s.local_heads, s.head_dim
+        )
+        perm = _LAYOUTS[self.name][2]
+        inverse = tuple(perm.index(i) for i in range(len(perm)))
+        for layer, view in enumerate(self.views):
+            if to_vllm:  # host slice [N, 2, block, heads, dim]
+                view[idx] = host_view[slot, layer, :, off].permute(*perm)
+            else:
+                host_view[slot, layer, :, off] = view[idx].permute(*inverse)

@@ -1,0 +1,100 @@
+"""The connector's options, read from vLLM's `kv_connector_extra_config` by field name.
+
+Every key is validated when vLLM builds the connector: an unknown key or a bad value raises
+ConnectorConfigError, one line that names the key, before any byte is moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+from kvstrata.cache.policies import EVICTION, PREFETCH
+from kvstrata.configtools import doc
+
+SUPPORTED_WRITE_POLICIES = ("write_through",)
+"""vLLM owns L1 and frees a block once its request ends: a page is copied to L2 while vLLM
+still holds it (write-through); policies that copy later (on eviction, after N hits) would read
+blocks vLLM has already reused."""
+
+
+class ConnectorConfigError(ValueError):
+    """A bad `kv_connector_extra_config`: the message is one line naming the key."""
+
+
+@dataclass(frozen=True)
+class VllmConnectorConfig:
+    """kvstrata's tiers under vLLM: L2 host pages, L3 storage, keys and policies."""
+
+    host_pages: int = doc(0, "L2 capacity in kvstrata pages (0: derived from host_bytes)")
+    host_bytes: int = doc(0, "L2 capacity in bytes when host_pages is 0 (per vLLM worker)")
+    page_size: int = doc(0, "tokens per kvstrata page; 0: vLLM's block size (else a multiple)")
+    storage_url: str = doc("", "L3 storage URL (file:///dir, redis://host:port/db); empty: none")
+    write_policy: str = doc("write_through", "L1->L2 backup (write_through only under vLLM)")
+    prefetch_policy: str = doc("timeout", "L3->L2 prefetch: best_effort, wait_complete, timeout")
+    prefetch_timeout_base_s: float = doc(2.0, "timeout policy: fixed part of the budget (s)")
+    prefetch_timeout_per_page_s: float = doc(0.01, "timeout policy: budget added per page (s)")
+    eviction: str = doc("lru", "L2 eviction policy name (lru, lfu)")
+    tenant_salt: str = doc("", "salt of every key (a request's cache_salt joins it)")
+    model_fingerprint: str = doc("", "identity of the weights in the keys ('' : vLLM's model name)")
+    check_integrity: bool = doc(False, "check the tree and pools after every step (tests)")
+
+    def __post_init__(self) -> None:
+        for name in ("host_pages", "host_bytes", "page_size"):
+            if getattr(self, name) < 0:
+                _bad(name, getattr(self, name), "must be >= 0")
+        if not self.host_pages and not self.host_bytes:
+            _bad("host_pages", 0, "host_pages or host_bytes must be > 0 (the L2 pool)")
+        if self.write_policy not in SUPPORTED_WRITE_POLICIES:
+            _bad("write_policy", self.write_policy, f"must be one of {SUPPORTED_WRITE_POLICIES}")
+        for name, registry in (("prefetch_policy", PREFETCH), ("eviction", EVICTION)):
+            try:
+                registry.get(getattr(self, name))
+            except ValueError as exc:
+                raise ConnectorConfigError(f"kv_connector_extra_config[{name!r}]: {exc}") from None
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_page_s"):
+            if getattr(self, name) < 0:
+                _bad(name, getattr(self, name), "must be >= 0")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> VllmConnectorConfig:
+        """Build from vLLM's extra config; unknown keys and wrongly typed values are refused."""
+        extra = dict(extra or {})
+        hints = get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key, value in extra.items():
+            if key not in names:
+                raise ConnectorConfigError(
+                    f"kv_connector_extra_config[{key!r}]: unknown key; known: {', '.join(sorted(names))}"
+                )
+            extra[key] = _coerce(key, value, hints[key])
+        return cls(**extra)
+
+    def resolved_host_pages(self, page_nbytes: int) -> int:
+        """L2 pages: host_pages, or as many whole pages as host_bytes holds."""
+        if self.host_pages:
+            return self.host_pages
+        pages = self.host_bytes // page_nbytes
+        if pages < 1:
+            _bad("host_bytes", self.host_bytes, f"holds no page of {page_nbytes} bytes")
+        return pages
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    if tp is float and isinstance(value, int | str) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, tp):
+        _bad(key, value, f"must be a {tp.__name__}")
+    return value
+
+
+def _bad(key: str, value: Any, why: str) -> None:
+    raise ConnectorConfigError(f"kv_connector_extra_config[{key!r}] = {value!r}: {why}")

@@ -1,0 +1,177 @@
+"""KvstrataConnector: the class vLLM loads by module path (`kv_connector_module_path`).
+
+It only routes vLLM's calls: the scheduler role to SchedulerSide (kvstrata's cache manager),
+the worker role to WorkerSide (host pool, L3, copies). Jobs go down in StepMeta; each op's
+pages-moved count comes back in StepResults, which vLLM aggregates over the tensor-parallel
+workers with `aggregate` (the minimum: an op counts only as far as every worker got).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvstrata.integrations.vllm.config import VllmConnectorConfig
+from kvstrata.integrations.vllm.metadata import StepJobs
+from kvstrata.integrations.vllm.scheduler import SchedulerSide
+from kvstrata.integrations.vllm.spec import kv_spec
+from kvstrata.integrations.vllm.stats import (
+    BYTES_PREFIX,
+    HIT_PREFIX,
+    KvstrataPromMetrics,
+    KvstrataStats,
+)
+from kvstrata.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    """Scheduler -> workers: this step's jobs."""
+
+    jobs: StepJobs = field(default_factory=StepJobs)
+
+
+@dataclass
+class StepResults(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: pages moved per op id."""
+
+    moved: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StepResults:
+        assert isinstance(other, StepResults)
+        keys = self.moved.keys() | other.moved.keys()
+        return StepResults({k: min(self.moved.get(k, 0), other.moved.get(k, 0)) for k in keys})
+
+
+class KvstrataConnector(KVConnectorBase_V1):
+    """vLLM's KV connector API over kvstrata's L2 host pages and L3 storage."""
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        config = VllmConnectorConfig.from_extra(extra)
+        spec = kv_spec(vllm_config, config)
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(config, spec)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker_side = WorkerSide(config, spec, get_tensor_model_parallel_rank())
+
+    # ---- stats (either role) ------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KvstrataStats | None:
+        if self.scheduler_side is not None:
+            data = {HIT_PREFIX + t: n for t, n in self.scheduler_side.take_hit_tokens().items()}
+        else:
+            moved = self._worker().take_moved_bytes().items()
+            data = {BYTES_PREFIX + k: n for k, n in moved}
+        stats = KvstrataStats(data)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstrataStats:
+        return KvstrataStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvstrataPromMetrics:
+        return KvstrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ---- worker role --------------------------------------------------------------------------
+    def _worker(self) -> WorkerSide:
+        assert self.worker_side is not None, "a worker call on the scheduler's connector"
+        return self.worker_side
+
+    def _jobs(self) -> StepJobs:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMeta), type(meta)
+        return meta.jobs
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker().before_forward(self._jobs())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv completes every load before it returns
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # stores run whole in wait_for_save, after the forward wrote the blocks
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._worker().after_forward(self._jobs())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_errors()
+
+    def build_connector_worker_meta(self) -> StepResults | None:
+        moved = self._worker().take_results()
+        return StepResults(moved) if moved else None
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+
+    # ---- scheduler role -----------------------------------------------------------------------
+    def _sched(self) -> SchedulerSide:
+        assert self.scheduler_side is not None, "a scheduler call on a worker's connector"
+        return self.scheduler_side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_block_ids()[0]
+        self._sched().update_state_after_alloc(request, list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return StepMeta(self._sched().build_connector_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        results = connector_output.kv_connector_worker_meta
+        if isinstance(results, StepResults):
+            self._sched().report(results.moved)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._sched().request_finished(request)
+        return False, None

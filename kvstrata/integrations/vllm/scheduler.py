@@ -1,0 +1,247 @@
+"""The connector's scheduler side: vLLM's prefix hit is L1; kvstrata's cache manager adds L2/L3.
+
+One HiCache over three tiers decides everything: its device tier holds *transit* pages (a
+transit id names the vLLM blocks of one page of a running request, bound in JobMover), its host
+tier is the workers' host pools (same ids on every worker), its storage the L3 backend the
+workers open. Each vLLM request drives one Lease, as our own engine's admission does:
+
+    get_num_new_matched_tokens: open the lease, advance it (match, L3 probe, prefetch under the
+        policy); while it waits on L3 the answer is "ask again" and vLLM schedules others;
+        ready: the tokens past vLLM's own hit that the match holds in L2 (L3 pages landed in L2)
+    update_state_after_alloc: admit (transit pages + the L2 -> vLLM load), bind transit ids
+    build_connector_meta: commit the full pages this step computes (insert -> write-through
+        store, which the workers run after the forward), then ship the step's jobs
+    request_finished: release (the stores already ran in the step that computed the pages)
+
+A transit copy in the tree is dropped as soon as no lease holds it: vLLM may reuse the block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstrata.cache.chain import PageChain
+from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.keys import Namespace
+from kvstrata.cache.lease import Lease, LeaseState
+from kvstrata.cache.manager import HiCache
+from kvstrata.cache.radix import Match
+from kvstrata.integrations.vllm.config import VllmConnectorConfig
+from kvstrata.integrations.vllm.metadata import StepJobs
+from kvstrata.integrations.vllm.mover import JobMover
+from kvstrata.integrations.vllm.spec import KVSpec
+from kvstrata.memory.allocator import PageAllocator
+
+TRANSIT_PAGES = 1 << 16
+"""Transit ids: far more than any vLLM KV space holds pages, so transit allocation never evicts
+(an eviction would demote a transit page whose vLLM block may be gone)."""
+
+
+@dataclass
+class RequestState:
+    """What the connector keeps of one vLLM request between its calls."""
+
+    request: Any  # vllm.v1.request.Request (live: its token ids grow)
+    lease: Lease
+    blocks: list[int] = field(default_factory=list)  # the request's vLLM block ids, in order
+    vllm_hit: int = 0  # tokens vLLM's own prefix cache provided at admission
+    external: int = 0  # tokens this connector told vLLM it loads
+    fresh: bool = False  # admitted this step: `blocks` already lists every block it has
+
+
+class SchedulerSide:
+    """Drives one HiCache for every request vLLM schedules (see module doc)."""
+
+    def __init__(self, config: VllmConnectorConfig, spec: KVSpec) -> None:
+        self.spec = spec
+        self.page = spec.page_size
+        self.ratio = spec.page_size // spec.block_size
+        host_pages = config.resolved_host_pages(spec.page_nbytes)
+        cache_config = CacheConfig(
+            page_size=spec.page_size,
+            device_pages=TRANSIT_PAGES,
+            host_pages=host_pages,
+            storage_url=config.storage_url,
+            eviction=config.eviction,
+            write_policy=config.write_policy,
+            prefetch_policy=config.prefetch_policy,
+            prefetch_timeout_base_s=config.prefetch_timeout_base_s,
+            prefetch_timeout_per_page_s=config.prefetch_timeout_per_page_s,
+            results_per_step=64,
+        )
+        self.mover = JobMover()
+        self.cache = HiCache(
+            cache_config,
+            PageAllocator(TRANSIT_PAGES),
+            PageAllocator(host_pages),
+            self.mover,
+            has_storage=bool(config.storage_url),
+            page_nbytes=spec.page_nbytes,
+        )
+        self.ns = Namespace(
+            model_fingerprint=spec.fingerprint,
+            kv_dtype=spec.dtype,
+            tenant_salt=config.tenant_salt,
+            page_size=spec.page_size,
+        )
+        self.requests: dict[str, RequestState] = {}
+        self.load_errors: set[int] = set()
+        self.check_each_step = config.check_integrity
+        self.hit_tokens = {"L2": 0, "L3": 0}  # tokens vLLM took from each tier, since last taken
+
+    # ---- vLLM's scheduler calls ---------------------------------------------------------------
+    def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        self.cache.step()
+        st = self.requests.get(request.request_id)
+        if st is not None and st.lease.state is LeaseState.ADMITTED:
+            st.lease.release()  # preempted: vLLM freed its blocks and schedules it afresh
+            st = None
+        if st is None or st.lease.state is LeaseState.RELEASED:
+            st = self.requests[request.request_id] = RequestState(request, self._open(request))
+        if not st.lease.advance(time.monotonic(), can_schedule=True):
+            return None, False  # L3 still answering or prefetching: vLLM runs others meanwhile
+        assert st.lease.match is not None
+        st.vllm_hit = num_computed
+        st.external = self._loadable(st.lease.match, num_computed)
+        return st.external, False
+
+    def _open(self, request: Any) -> Lease:
+        prompt = list(request.prompt_token_ids)
+        max_tokens = int(getattr(request, "max_tokens", 0) or 0)
+        pages_needed = -(-(len(prompt) + max_tokens) // self.page)
+        return Lease(
+            self.cache,
+            PageChain.from_tokens(prompt, self._namespace(request)),
+            len(prompt),
+            pages_needed,
+            self.page,
+        )
+
+    def _namespace(self, request: Any) -> Namespace:
+        """The request's cache_salt joins the tenant salt: two salts never share a page."""
+        salt = getattr(request, "cache_salt", None)
+        if not salt:
+            return self.ns
+        return dataclasses.replace(self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{salt}")
+
+    def _loadable(self, m: Match, num_computed: int) -> int:
+        """Tokens past vLLM's hit that L2 provides: the match, unless a page past vLLM's hit
+        is only a transit copy (another running request's blocks, which vLLM did not share)."""
+        if m.device_pages * self.page > num_computed:
+            return 0
+        return max(0, m.pages * self.page - num_computed)
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external: int
+    ) -> None:
+        st = self.requests.get(request.request_id)
+        if st is None or st.lease.state is not LeaseState.READY:
+            return
+        st.blocks = list(block_ids)
+        st.fresh = True
+        if not st.lease.admit():
+            if num_external:  # we promised tokens we cannot load: vLLM recomputes them
+                first = st.vllm_hit // self.spec.block_size
+                last = (st.vllm_hit + num_external) // self.spec.block_size
+                self.load_errors.update(st.blocks[first:last])
+            st.lease.release()
+            return
+        self._bind(st)
+        from_l3 = min(num_external, st.lease.hits.storage * self.page)
+        self.hit_tokens["L3"] += from_l3
+        self.hit_tokens["L2"] += num_external - from_l3
+
+    def _bind(self, st: RequestState) -> None:
+        """Bind each transit page of the request to its vLLM blocks (-1: not copied)."""
+        lease, block = st.lease, self.spec.block_size
+        m = lease.match
+        assert m is not None
+        load_lo, load_hi = st.vllm_hit // block, (st.vllm_hit + st.external) // block
+        for i, transit in enumerate(lease.page_table):
+            first = i * self.ratio
+            ids = []
+            for b in range(first, first + self.ratio):
+                loaded = i < m.pages and not (load_lo <= b < load_hi)
+                ids.append(-1 if loaded or b >= len(st.blocks) else st.blocks[b])
+            self.mover.bind(transit, tuple(ids))
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepJobs:
+        self.cache.step()
+        for req_id, new_blocks in _new_blocks(scheduler_output):
+            st = self.requests.get(req_id)
+            if st is not None and st.lease.state is LeaseState.ADMITTED:
+                if not st.fresh and new_blocks:
+                    st.blocks.extend(new_blocks)
+                    self._bind(st)
+                st.fresh = False
+        for req_id, upto in _computed_after_step(scheduler_output):
+            st = self.requests.get(req_id)
+            if st is not None and st.lease.state is LeaseState.ADMITTED:
+                self._commit(st, upto)
+        self._drop_transit()
+        jobs = self.mover.take_jobs()
+        jobs.failed_blocks = sorted(self.load_errors)
+        self.load_errors.clear()
+        if self.check_each_step:
+            self.cache.check_integrity()
+        return jobs
+
+    def _commit(self, st: RequestState, upto: int) -> None:
+        """Full pages computed by the end of this step join the tree (write-through stores)."""
+        lease = st.lease
+        n_full = min(upto // self.page, len(st.blocks) // self.ratio)
+        have = lease.chain.pages
+        if n_full > have:
+            tokens = list(st.request.all_token_ids)[have * self.page : n_full * self.page]
+            lease.extend_tokens(tokens)
+        lease.commit(n_full * self.page)
+
+    def _drop_transit(self) -> None:
+        """Forget transit copies no lease holds (leaves first): vLLM may reuse their blocks."""
+        tiers = self.cache.tiers
+        for node in reversed(list(self.cache.tree.nodes())):
+            if node.device is None or not node.evictable or node.has_device_child():
+                continue
+            if node.host is not None or not node.children:
+                tiers.drop_device(node)
+
+    def request_finished(self, request: Any) -> None:
+        st = self.requests.pop(request.request_id, None)
+        if st is not None:
+            st.lease.release()
+
+    def take_hit_tokens(self) -> dict[str, int]:
+        out, self.hit_tokens = self.hit_tokens, {"L2": 0, "L3": 0}
+        return out
+
+    def report(self, results: dict[int, int]) -> None:
+        self.mover.report(results)
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+
+def _new_blocks(out: Any) -> list[tuple[str, list[int]]]:
+    """(request id, vLLM blocks newly given to it this step) for every scheduled request."""
+    pairs = [(r.req_id, list(r.block_ids[0])) for r in out.scheduled_new_reqs]
+    cached = out.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        blocks = cached.new_block_ids[i]
+        pairs.append((req_id, list(blocks[0]) if blocks else []))
+    return pairs
+
+
+def _computed_after_step(out: Any) -> list[tuple[str, int]]:
+    """(request id, tokens whose KV exists once this step's forward ran)."""
+    pairs = [
+        (r.req_id, r.num_computed_tokens + out.num_scheduled_tokens.get(r.req_id, 0))
+        for r in out.scheduled_new_reqs
+    ]
+    cached = out.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        upto = cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(req_id, 0)
+        pairs.append((req_id, upto))
+    return pairs

@@ -1,0 +1,108 @@
+"""The connector's worker side: moves page bytes between vLLM's paged KV and the host pool.
+
+Each vLLM worker holds a host pool of its own KV heads (the same page ids on every worker,
+decided by the scheduler side) and opens the L3 store as topology-free units of its heads
+(kvstrata.storage.units), so a page stored at one tensor-parallel size is read at another.
+A step runs its jobs in order: L3 jobs and L2 -> vLLM loads before the forward, vLLM -> L2
+stores after it (they read blocks this forward writes). Each op's pages-moved count goes back to
+the scheduler side; storage trouble is a short count (a miss), never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvstrata.cache.ops import BACKUP, PREFETCH, PROBE
+from kvstrata.integrations.vllm.blocks import BlockLayout
+from kvstrata.integrations.vllm.config import VllmConnectorConfig
+from kvstrata.integrations.vllm.metadata import CopyJob, StepJobs, StorageJob
+from kvstrata.integrations.vllm.spec import KVSpec
+from kvstrata.memory.pool import HostPool
+from kvstrata.storage.base import StorageBackend, StorageConfig
+from kvstrata.storage.units import PagePart, open_unit_storage
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """One vLLM worker's host pool, L3 view and copies (see module doc)."""
+
+    def __init__(self, config: VllmConnectorConfig, spec: KVSpec, tp_rank: int) -> None:
+        self.spec = spec
+        self.host = HostPool(spec.local_shape, config.resolved_host_pages(spec.page_nbytes))
+        self.storage: StorageBackend | None = None
+        if config.storage_url:
+            part = PagePart(spec.full_shape, (0, spec.num_layers), spec.heads_of(tp_rank))
+            self.storage = open_unit_storage(config.storage_url, part, StorageConfig())
+        self.blocks: BlockLayout | None = None
+        self.check_each_step = config.check_integrity
+        self.results: dict[int, int] = {}
+        self.load_errors: set[int] = set()
+        self.moved_bytes = {"load": 0, "store": 0, "backup": 0, "prefetch": 0}
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.blocks = BlockLayout.of(list(kv_caches.values()), self.spec)
+
+    # ---- a step -------------------------------------------------------------------------------
+    def before_forward(self, jobs: StepJobs) -> None:
+        self.load_errors.update(jobs.failed_blocks)
+        for sjob in jobs.storage:
+            self.results[sjob.op_id] = self._storage(sjob)
+        for job in jobs.loads:
+            self.results[job.op_id] = self._copy(job, to_vllm=True)
+
+    def after_forward(self, jobs: StepJobs) -> None:
+        for job in jobs.stores:
+            self.results[job.op_id] = self._copy(job, to_vllm=False)
+        if self.check_each_step:
+            self.check_integrity()
+
+    def take_moved_bytes(self) -> dict[str, int]:
+        out = self.moved_bytes
+        self.moved_bytes = dict.fromkeys(out, 0)
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        out, self.load_errors = self.load_errors, set()
+        return out
+
+    def take_results(self) -> dict[int, int]:
+        out, self.results = self.results, {}
+        return out
+
+    # ---- moves --------------------------------------------------------------------------------
+    def _copy(self, job: CopyJob, to_vllm: bool) -> int:
+        assert self.blocks is not None, "vLLM did not register its KV caches"
+        self.blocks.copy(self.host, job.pages, to_vllm)
+        kind = "load" if to_vllm else "store"
+        self.moved_bytes[kind] += len(job.pages) * self.spec.page_nbytes
+        return len(job.pages)
+
+    def _storage(self, job: StorageJob) -> int:
+        if self.storage is None:
+            return 0
+        try:
+            if job.kind == PROBE:
+                return self.storage.exists_prefix(list(job.keys))
+            pages = [self.host.page_bytes(h) for h in job.host_ids]
+            if job.kind == BACKUP:
+                done = self.storage.put(list(job.keys), pages)
+            else:
+                assert job.kind == PREFETCH, job.kind
+                done = self.storage.get(list(job.keys), pages)
+        except Exception as exc:  # noqa: BLE001 - unreachable or broken storage is a miss
+            log.warning("kvstrata: L3 %s of %d pages failed: %s", job.kind, len(job.keys), exc)
+            return 0
+        self.moved_bytes[job.kind] += done * self.spec.page_nbytes
+        return done
+
+    def check_integrity(self) -> None:
+        self.host.check_integrity()
+        if self.storage is not None:
+            self.storage.check_integrity()
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()

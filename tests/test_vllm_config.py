@@ -1,0 +1,47 @@
+"""The vLLM connector's extra config: every bad key or value is one line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstrata.integrations.vllm.config import ConnectorConfigError, VllmConnectorConfig
+
+
+def refused(extra: dict) -> str:
+    with pytest.raises(ConnectorConfigError) as exc:
+        VllmConnectorConfig.from_extra(extra)
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_fields_by_name() -> None:
+    cfg = VllmConnectorConfig.from_extra(
+        {"host_pages": "64", "storage_url": "file:///tmp/x", "prefetch_policy": "wait_complete"}
+    )
+    assert (cfg.host_pages, cfg.prefetch_policy) == (64, "wait_complete")
+    assert VllmConnectorConfig.from_extra({"host_bytes": 4096}).resolved_host_pages(1000) == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"host_pages": 8, "hots_pages": 1}, "'hots_pages'"),
+        ({"host_pages": "many"}, "'host_pages'"),
+        ({"host_pages": -1}, "'host_pages'"),
+        ({}, "'host_pages'"),
+        ({"host_pages": 8, "write_policy": "write_back"}, "'write_policy'"),
+        ({"host_pages": 8, "prefetch_policy": "eager"}, "'prefetch_policy'"),
+        ({"host_pages": 8, "eviction": "fifo"}, "'eviction'"),
+        ({"host_pages": 8, "check_integrity": "yes"}, "'check_integrity'"),
+        ({"host_pages": 8, "prefetch_timeout_base_s": -1.0}, "'prefetch_timeout_base_s'"),
+    ],
+)
+def test_bad_values_name_the_key(extra: dict, named: str) -> None:
+    assert named in refused(extra)
+
+
+def test_host_bytes_too_small_for_a_page() -> None:
+    cfg = VllmConnectorConfig.from_extra({"host_bytes": 10})
+    with pytest.raises(ConnectorConfigError, match="'host_bytes'"):
+        cfg.resolved_host_pages(1000)

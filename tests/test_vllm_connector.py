@@ -1,0 +1,189 @@
+"""kvstrata inside the real vLLM (CPU build, .venv-vllm): outputs, exact cached tokens, L3.
+
+One multi-turn workload, sessions round robin, whose histories exceed vLLM's KV space (16
+blocks of 32 tokens): vLLM alone evicts what the next turn needs; with kvstrata every turn's
+shared prefix comes back from L2 (host pages) or, after a restart, from L3 (file store).
+Every turn's prompt is the previous turn's prompt plus new tokens, so the exact cached count
+of turn t > 0 is the full blocks of turn t-1's prompt.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstrata.bench.vllm_bench import multi_turn
+from kvstrata.bench.vllm_server import VllmServer
+from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.memory.layout import KVShape
+from kvstrata.model.smollm2 import ensure_smollm2
+from kvstrata.storage.file_store import PAGE_SUFFIX
+from kvstrata.storage.units import UnitLayout
+from tests.redis_server import RedisServer
+from tests.tiny_models import make_llama
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32
+SESSIONS, TURNS, FIRST, GROW, OUT = 3, 3, 160, 48, 4
+
+
+def workload() -> list[list[int]]:
+    """Prompts in send order: turn by turn, each session once per turn."""
+    return multi_turn(SESSIONS, TURNS, FIRST, GROW)
+
+
+def expected_cached(prompts: list[list[int]]) -> list[int]:
+    """Full blocks of the same session's previous prompt (0 on a first turn)."""
+    return [
+        0 if i < SESSIONS else len(prompts[i - SESSIONS]) // BLOCK * BLOCK
+        for i in range(len(prompts))
+    ]
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return ensure_smollm2()
+
+
+def corrupt_unit(l3: Path, model: Path, prompt: list[int], page: int) -> None:
+    """Flip one payload byte of the first storage unit of `page` of `prompt` in the file L3."""
+    ns = Namespace(model_fingerprint=str(model), kv_dtype="float32", page_size=BLOCK)
+    key = page_keys(prompt[: (page + 1) * BLOCK], ns)[page]
+    # SmolLM2: 30 layers, 3 KV heads of 64; units of 1 layer x 1 head
+    unit = UnitLayout(KVShape(30, 3, 64, BLOCK)).unit_key(key, ((0, 1), (0, 1)))
+    name = f"{unit:032x}"
+    path = l3 / name[:2] / f"{name}{PAGE_SUFFIX}"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def tier_hits(server: VllmServer, tier: str) -> float:
+    """vllm:kvstrata_hit_tokens_total for `tier` from the server's /metrics (0 if absent)."""
+    pat = re.compile(
+        r'^vllm:kvstrata_hit_tokens_total\{[^}]*tier="' + tier + r'"[^}]*\} (\S+)$', re.M
+    )
+    m = pat.search(server.metrics())
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_tier_hits(server: VllmServer, tier: str, want: float, timeout_s: float = 30) -> float:
+    """The tier's counter once it reached `want` (stats ride the engine's outputs), or the last."""
+    deadline = time.monotonic() + timeout_s
+    while (got := tier_hits(server, tier)) < want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return got
+
+
+def run(server: VllmServer, prompts: list[list[int]]) -> tuple[list[str], list[int]]:
+    outs = [server.complete(p, max_tokens=OUT) for p in prompts]
+    return [o.text for o in outs], [o.cached_tokens for o in outs]
+
+
+@pytest.fixture(scope="module")
+def alone(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], list[int]]:
+    """vLLM without the connector on the workload: its texts and cached counts."""
+    log = tmp_path_factory.mktemp("alone") / "vllm_alone.log"
+    with VllmServer(model, log) as server:
+        return run(server, workload())
+
+
+def test_vllm_with_kvstrata_l2_then_l3_after_restart(
+    model: Path, tmp_path: Path, alone: tuple[list[str], list[int]]
+) -> None:
+    prompts = workload()
+    texts_alone, cached_alone = alone
+    assert cached_alone != expected_cached(prompts), "the workload must exceed vLLM's KV space"
+    extra = {
+        "host_pages": 256,
+        "storage_url": f"file://{tmp_path / 'l3'}",
+        "check_integrity": True,  # tree and pools checked after every step: a fault stops vLLM
+    }
+    with VllmServer(model, tmp_path / "vllm_kvstrata.log", connector=extra) as kvs:
+        texts, cached = run(kvs, prompts)
+        assert tier_hits(kvs, "L2") > 0 and tier_hits(kvs, "L3") == 0
+    assert texts == texts_alone
+    assert cached == expected_cached(prompts)
+    # a fresh server (empty L2, vLLM's cache cold) on the same L3: every prompt's full
+    # blocks but the one holding its last token come back from storage
+    last = prompts[-SESSIONS:]
+    corrupt_unit(tmp_path / "l3", model, last[0], page=2)  # session 0 reads 2 pages, recomputes
+    with VllmServer(model, tmp_path / "vllm_restart.log", connector=extra) as again:
+        texts2, cached2 = run(again, last)
+        salted = again.complete(last[0], max_tokens=OUT, salt="tenant-b")
+        # vLLM's own cache and kvstrata's L2 started cold: every cached token came from L3
+        assert wait_tier_hits(again, "L3", sum(cached2)) == sum(cached2)
+        assert tier_hits(again, "L2") == 0
+    assert texts2 == texts[-SESSIONS:]
+    assert cached2 == [2 * BLOCK] + [(len(p) - 1) // BLOCK * BLOCK for p in last[1:]]
+    assert salted.cached_tokens == 0 and salted.text == texts2[0]
+
+
+def test_redis_l3_killed_mid_run_is_a_miss_not_a_hang(
+    model: Path, tmp_path: Path, alone: tuple[list[str], list[int]]
+) -> None:
+    prompts = workload()
+    with RedisServer() as redis:
+        extra = {"host_pages": 256, "storage_url": redis.url, "check_integrity": True}
+        with VllmServer(model, tmp_path / "vllm_redis.log", connector=extra) as kvs:
+            first = run(kvs, prompts[:SESSIONS])
+            assert redis_keys(redis.port) > 0, "write-through pages were backed up to redis"
+            redis.kill()
+            rest = run(kvs, prompts[SESSIONS:])  # L3 probes and backups fail: misses
+    assert first[0] + rest[0] == alone[0]
+    assert first[1] + rest[1] == expected_cached(prompts)  # L2 still holds every history
+
+
+def redis_keys(port: int) -> int:
+    import redis as redis_client
+
+    return int(redis_client.Redis(port=port).dbsize())
+
+
+def tiny_tp_model(path: Path, smollm2: Path) -> Path:
+    """A random Llama vLLM's CPU attention takes (4 heads, 2 KV heads of 64) with SmolLM2's
+    tokenizer, so tensor parallel 2 gives each worker one KV head."""
+    make_llama(
+        path,
+        seed=3,
+        vocab_size=49152,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+    )
+    for f in smollm2.iterdir():
+        if "token" in f.name or f.name in ("vocab.json", "merges.txt"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
+    tiny = tiny_tp_model(tmp_path / "tiny", model)
+    extra = {"host_pages": 64, "storage_url": f"file://{tmp_path / 'l3'}", "check_integrity": True}
+    rng = np.random.default_rng(1)
+    prompt, other = rng.integers(100, 40000, 200).tolist(), rng.integers(100, 40000, 100).tolist()
+    tp2 = VllmServer(
+        tiny,
+        tmp_path / "vllm_tp2.log",
+        connector=extra,
+        extra_args=("--tensor-parallel-size", "2"),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    with tp2:
+        first = tp2.complete(prompt, max_tokens=OUT)
+        tp2.complete(other, max_tokens=OUT)  # more steps: the first prompt's backups run
+    # each TP=2 worker stored its own KV head as units; TP=1 reads both heads' units
+    with VllmServer(tiny, tmp_path / "vllm_tp1.log", connector=extra) as tp1:
+        again = tp1.complete(prompt, max_tokens=OUT)
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
+    assert again.text == first.text
