@@ -10,6 +10,6 @@ bash scripts/setup_vllm.sh
 # the house checks over every file (no folder skipped), before the tests
 .venv/bin/ruff check --no-cache .
 .venv/bin/ruff format --check --no-cache .
-# xdist's default distribution: no test depends on another having run first (each builds its own
-# state; tests/conftest.py's tiny checkpoints are built once per worker)
-exec .venv/bin/python -m pytest -n 2 -p no:cacheprovider "$@"
+# loadfile: a file's tests run together in one worker (fewer server starts per file; tests no longer
+# depend on order, and tests/conftest.py's tiny checkpoints are built once per worker)
+exec .venv/bin/python -m pytest -n 2 --dist loadfile -p no:cacheprovider "$@"
