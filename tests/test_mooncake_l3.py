@@ -20,10 +20,11 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.storage.mooncake_master import MooncakeMaster
 from tests.mooncake_server import FAST, held_store
-from tests.test_engine_cache import PAGE, assert_same, ckpt, conversation, model, run_turns
+from tests.test_engine_cache import CKPT, PAGE, assert_same, conversation, model, run_turns
 
 pytestmark = pytest.mark.slow  # a mooncake_master, a segment holder and engines
-__all__ = ["ckpt", "model"]  # fixtures shared with the engine cache tests
+# the engine cache tests' checkpoint (conftest's ckpt builds it) and model fixture
+__all__ = ["CKPT", "model"]
 LENIENT = dataclasses.replace(FAST, require_reachable_at_start=False)
 
 

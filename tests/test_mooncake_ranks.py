@@ -13,15 +13,15 @@ from kvstrata.engine.request import Request
 from kvstrata.storage.units import PagePart, UnitLayout
 from tests.mooncake_server import held_store
 from tests.test_dist_engine import assert_logits
-from tests.test_parallel_kv import FULL, _canonical, _read, ckpt, recompute, run
+from tests.test_parallel_kv import CKPT, FULL, _canonical, _read, recompute, run
 
 pytestmark = pytest.mark.slow  # a mooncake_master, a segment holder and rank processes
-__all__ = ["ckpt", "recompute"]  # fixtures shared with the parallel KV tests
+__all__ = ["CKPT", "recompute"]  # the parallel KV tests' checkpoint and recompute fixture
 
 
 def test_tp2_ranks_write_only_their_units_and_a_tp1_reader_hits_them(
-    ckpt: Path,  # noqa: F811
-    recompute: dict[str, Request],  # noqa: F811
+    ckpt: Path,
+    recompute: dict[str, Request],
     tmp_path: Path,
 ) -> None:
     with held_store() as (_, url):

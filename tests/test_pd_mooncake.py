@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.mooncake_server import master
-from tests.test_pd_redis import assert_prefix_not_sent, ckpt, shared_l3_workers
+from tests.test_pd_redis import CKPT, assert_prefix_not_sent, shared_l3_workers
 
 pytestmark = pytest.mark.slow  # a mooncake_master and three worker processes
-__all__ = ["ckpt"]  # the checkpoint fixture, shared with the redis test
+__all__ = ["CKPT"]  # the redis test's checkpoint (conftest's ckpt builds it)
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict]:  # noqa: F811
+def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict]:
     m = master()
     try:
         url = m.url(segment="32m", buffer="16m")
@@ -28,5 +28,5 @@ def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
         m.stop()
 
 
-def test_prefix_in_shared_mooncake_is_not_sent(workers: dict, ckpt: Path) -> None:  # noqa: F811
+def test_prefix_in_shared_mooncake_is_not_sent(workers: dict, ckpt: Path) -> None:
     assert_prefix_not_sent(workers, ckpt)
