@@ -114,7 +114,7 @@ def serve(
     page = cache.config.page_size
     chain = keys
     if isinstance(keys, PageChain):  # its keys, hashed apart (the lease's chain stays lazy)
-        keys = PageChain(keys.seed, page, keys.data, []).keys_upto(keys.pages)
+        keys = PageChain(keys.seed, page, keys.data, [], keys.width).keys_upto(keys.pages)
     lease = Lease(cache, chain, len(keys) * page + 1, len(keys), page)
     for _ in range(max_steps):
         if lease.advance(0.0, can_schedule=False):

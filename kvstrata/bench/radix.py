@@ -43,6 +43,8 @@ from kvstrata.cache.radix import RadixTree
 
 PAGE = 64
 NS = Namespace(model_fingerprint="bench", page_size=PAGE)
+SMOLLM2_VOCAB = 49_152
+"""The served model's vocab: its ids fit 16 bits, so the tree keeps 2 bytes a token."""
 
 
 def shared_prefix_set(
@@ -275,30 +277,30 @@ def hash_ns_per_token(tokens: int) -> float:
     return (time.perf_counter() - t0) / tokens * 1e9
 
 
-def metadata_bytes_per_page(pages: int) -> float:
+def metadata_bytes_per_page(pages: int, vocab_size: int | None = SMOLLM2_VOCAB) -> float:
     """Bytes the tree retains per cached page (keys, device ids, nodes), measured by tracemalloc.
 
     Keys are made inside the measurement and the request's own lists dropped, so the 128-bit key
-    objects the tree keeps are counted; so are the token bytes each node keeps (4 bytes per token,
-    as the engine inserts them).
+    objects the tree keeps are counted; so are the token bytes each node keeps, as the engine
+    inserts them: 2 bytes a token for a vocab that fits 16 bits (the default, SmolLM2's), 4 for
+    a larger or unknown one (`vocab_size=None`). Tokens are random ids (seeded), so no two
+    sequences share a page and every page is counted once.
     """
-    seqs = [
-        np.arange(i * 1000 * PAGE, (i + 1) * 1000 * PAGE, dtype=np.int64) % 2**31
-        for i in range(pages // 1000)
-    ]
+    rng = np.random.default_rng(3)
+    high = 2**31 if vocab_size is None else vocab_size
+    seqs = [rng.integers(0, high, 1000 * PAGE, dtype=np.int32) for _ in range(pages // 1000)]
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     tree = RadixTree()
     next_id = 0
     for seq in seqs:
-        chain = PageChain.from_tokens(seq, NS)
+        chain = PageChain.from_tokens(seq, NS, vocab_size)
         keys = chain.keys_upto(chain.pages)
-        tree.insert(
-            keys, list(range(next_id, next_id + len(keys))), chain.tokens(0, len(keys)), chain.seed
-        )
+        ids = list(range(next_id, next_id + len(keys)))
+        tree.insert(keys, ids, chain.tokens(0, len(keys)), chain.seed, None, chain.width)
         next_id += len(keys)
-        del keys, chain
+        del keys, chain, ids
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
@@ -352,4 +354,7 @@ def bench_radix(quick: bool) -> dict[str, Any]:
         "long_200k_match_s": long["match_s"],
         "hash_ns_per_token": hash_ns_per_token(200_000),
         "metadata_bytes_per_page": metadata_bytes_per_page(100_000 if quick else 1_000_000),
+        "metadata_bytes_per_page_int32_tokens": metadata_bytes_per_page(
+            100_000 if quick else 1_000_000, None
+        ),
     }

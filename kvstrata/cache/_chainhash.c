@@ -2,14 +2,17 @@
  * token-index walk (admission's match; see radix.py). Both only read bytes and dicts; all tier
  * state stays in Python.
  *
- * key(page i) = xxh3-128(token bytes of page i, seed = low 64 bits of key(page i-1)), as a
- * 128-bit Python int (high 64 bits << 64 | low 64), the value python-xxhash's
- * xxh3_128_intdigest gives. The Python loop cost ~0.35 us a page (a slice, a call, a seed mask,
+ * key(page i) = xxh3-128(int32 token bytes of page i, seed = low 64 bits of key(page i-1)), as
+ * a 128-bit Python int (high 64 bits << 64 | low 64), the value python-xxhash's
+ * xxh3_128_intdigest gives. The data may hold the ids at 2 bytes each (a vocab that fits 16
+ * bits: the tree keeps half the bytes); each page is widened to int32 before it is hashed, so
+ * a page's key never depends on how its ids were stored. The Python loop cost ~0.35 us a page (a slice, a call, a seed mask,
  * an int); here the hashing runs without the GIL and only the result ints are made under it.
  * xxhash is used header-only (Debian's libxxhash-dev), so nothing is linked at run time.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 #define XXH_INLINE_ALL
@@ -41,24 +44,47 @@ static int check_span(Py_ssize_t len, Py_ssize_t page, Py_ssize_t start, Py_ssiz
     return 0;
 }
 
-/* chain_keys(data, page_bytes, key, start, stop) -> list[int]: the keys of the whole pages in
- * data[start:stop], chained after `key` (only its low 64 bits are read). */
+/* The key of one page of `tokens` ids stored `width` bytes each (2: unsigned 16-bit, widened
+ * into `wide`, room for `tokens` int32; 4: native int32, hashed in place). */
+static XXH128_hash_t hash_page(const char *at, Py_ssize_t tokens, int width, uint32_t *wide,
+                               unsigned long long seed) {
+    if (width == 4)
+        return XXH3_128bits_withSeed(at, (size_t)tokens * 4, seed);
+    for (Py_ssize_t t = 0; t < tokens; t++) {
+        uint16_t id; /* memcpy: the data need not be 2-byte aligned */
+        memcpy(&id, at + 2 * t, 2);
+        wide[t] = id;
+    }
+    return XXH3_128bits_withSeed(wide, (size_t)tokens * 4, seed);
+}
+
+/* chain_keys(data, page_bytes, key, start, stop, width=4) -> list[int]: the keys of the whole
+ * pages in data[start:stop] (ids stored `width` bytes each: 2 or 4), chained after `key` (only
+ * its low 64 bits are read). */
 static PyObject *chain_keys(PyObject *self, PyObject *args) {
     Py_buffer buf;
     Py_ssize_t page, start, stop;
+    int width = 4;
     PyObject *key;
-    if (!PyArg_ParseTuple(args, "y*nOnn", &buf, &page, &key, &start, &stop))
+    if (!PyArg_ParseTuple(args, "y*nOnn|i", &buf, &page, &key, &start, &stop, &width))
         return NULL;
     PyObject *out = NULL;
     XXH128_hash_t *hashes = NULL;
+    uint32_t *wide = NULL;
     if (check_span(buf.len, page, start, stop) < 0)
         goto done;
+    if ((width != 2 && width != 4) || page % width) {
+        PyErr_Format(PyExc_ValueError,
+                     "token width must be 2 or 4 and divide page_bytes %zd, got %d", page, width);
+        goto done;
+    }
     unsigned long long seed = PyLong_AsUnsignedLongLongMask(key);
     if (seed == (unsigned long long)-1 && PyErr_Occurred())
         goto done;
     Py_ssize_t n = (stop - start) / page;
     hashes = PyMem_RawMalloc(sizeof(XXH128_hash_t) * (n ? n : 1));
-    if (hashes == NULL) {
+    wide = width == 2 ? PyMem_RawMalloc((size_t)page * 2) : NULL; /* one page as int32 */
+    if (hashes == NULL || (width == 2 && wide == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
@@ -66,7 +92,7 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     /* the buffer stays exported while the GIL is released (callers pass bytes: immutable) */
     PyThreadState *released = n >= RELEASE_GIL_PAGES ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n; i++, at += page) {
-        hashes[i] = XXH3_128bits_withSeed(at, (size_t)page, seed);
+        hashes[i] = hash_page(at, page / width, width, wide, seed);
         seed = hashes[i].low64;
     }
     if (released != NULL)
@@ -81,6 +107,7 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     }
 done:
     PyMem_RawFree(hashes);
+    PyMem_RawFree(wide);
     PyBuffer_Release(&buf);
     return out;
 }
@@ -155,8 +182,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"chain_keys", chain_keys, METH_VARARGS,
-     "chain_keys(data, page_bytes, key, start, stop) -> keys of the whole pages in "
-     "data[start:stop], chained after key"},
+     "chain_keys(data, page_bytes, key, start, stop, width=4) -> keys of the whole pages in "
+     "data[start:stop] (ids of `width` bytes, hashed as int32), chained after key"},
     {"token_walk", token_walk, METH_VARARGS,
      "token_walk(index, data, limit, page) -> (nodes, off, cut): the token-index path of "
      "data[:limit]"},

@@ -110,13 +110,37 @@ def page_keys(
 
 
 def chain_keys(
-    data: bytes | memoryview, page_bytes: int, key: int, start: int = 0, stop: int | None = None
+    data: bytes | memoryview,
+    page_bytes: int,
+    key: int,
+    start: int = 0,
+    stop: int | None = None,
+    width: int = 4,
 ) -> list[int]:
-    """Keys of the whole pages in data[start:stop] (int32 token bytes), chained after `key` (the
-    key of the page before, or a namespace seed). The one place the chain step is taken: native
-    (`_chainhash.c`: xxh3-128 of each page seeded by the previous key's low 64 bits, the value
-    of `xxhash.xxh3_128_intdigest(page, key & (2**64 - 1))`), about 4x the Python loop's speed."""
-    return native_chain_keys(data, page_bytes, key, start, len(data) if stop is None else stop)
+    """Keys of the whole pages in data[start:stop] (token ids stored `width` bytes each: 4 as
+    int32, 2 as uint16), chained after `key` (the key of the page before, or a namespace seed).
+    The one place the chain step is taken: native (`_chainhash.c`: xxh3-128 of each page's
+    int32 bytes seeded by the previous key's low 64 bits, the value of
+    `xxhash.xxh3_128_intdigest(page, key & (2**64 - 1))`), about 4x the Python loop's speed. A
+    2-byte page is widened to int32 first: its key equals the int32 page's."""
+    stop = len(data) if stop is None else stop
+    return native_chain_keys(data, page_bytes, key, start, stop, width)
+
+
+def token_width(vocab_size: int | None) -> int:
+    """Bytes per stored token id: 2 when every id of the vocab fits 16 bits, else 4 (also when
+    the vocab is unknown). One namespace's chains all come from one model, so one width."""
+    return 2 if vocab_size is not None and vocab_size <= 2**16 else 4
+
+
+def token_bytes(arr: np.ndarray, width: int) -> bytes:
+    """The bytes of validated int32 ids (`as_token_array`) stored `width` bytes each."""
+    if width == 4:
+        return arr.tobytes()
+    unsigned = arr.view(np.uint32)
+    if arr.size and unsigned.item(unsigned.argmax()) >= 2**16:
+        raise ValueError(f"token id {int(arr.max())} does not fit the 2-byte width of its chain")
+    return arr.astype(np.uint16).tobytes()
 
 
 def key_hex(key: int) -> str:

@@ -147,7 +147,7 @@ class Lease:
             at = self.match.pages  # type: ignore[union-attr]
             tokens = self.chain.tokens(at, at + len(want))
             self.prefetch = self.cache.start_prefetch(
-                want, self.locked, now_s, tokens, self.chain.seed
+                want, self.locked, now_s, tokens, self.chain.seed, self.chain.width
             )
         self.state = LeaseState.PREFETCHING if self.prefetch else LeaseState.READY
 

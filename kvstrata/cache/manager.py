@@ -137,7 +137,8 @@ class HiCache:
         pages: the caller's, except where another request cached a page first)."""
         assert self.tree.depth(below) == start, "`below` must end the chain's first pages"
         keys = chain.keys_upto(stop)[start:]
-        node = self.insert(keys, device_ids, chain.tokens(start, stop), chain.seed, below)
+        tokens = chain.tokens(start, stop)
+        node = self.insert(keys, device_ids, tokens, chain.seed, below, chain.width)
         parts, walk = [], node
         while walk is not below:  # the nodes under `below` the insert walked (one or a few)
             assert walk is not None and walk.device is not None
@@ -152,10 +153,11 @@ class HiCache:
         tokens: bytes | None = None,
         seed: int = 0,
         below: Node | None = None,
+        width: int = 4,
     ) -> Node:
         """Cache full pages the caller computed (or matched); ownership of the ids passes to the
-        tree. tokens/seed/below: as RadixTree.insert takes them."""
-        node, spare = self.tree.insert(keys, device_ids, tokens, seed, below)
+        tree. tokens/seed/below/width: as RadixTree.insert takes them."""
+        node, spare = self.tree.insert(keys, device_ids, tokens, seed, below, width)
         self.owned.difference_update(device_ids)
         if spare:
             self.tiers.device.free(spare)
@@ -183,9 +185,10 @@ class HiCache:
         now_s: float = 0.0,
         tokens: bytes | None = None,
         seed: int = 0,
+        width: int = 4,
     ) -> TransferOp | None:
         """Read the leading pages of `keys` that storage has into L2, under `parent`
-        (tokens/seed: their token bytes, which the landed pages take into the tree)."""
+        (tokens/seed/width: their token bytes, which the landed pages take into the tree)."""
         if not self.has_storage or not keys:
             return None
         host_ids = self.tiers.alloc_host(len(keys))
@@ -193,7 +196,7 @@ class HiCache:
             return None
         parent.pins += 1
         op = TransferOp(PREFETCH, [], host_ids, keys=list(keys), node=parent, started_s=now_s)
-        op.tokens, op.seed = tokens, seed
+        op.tokens, op.seed, op.width = tokens, seed, width
         self._submit(op)
         return op
 
@@ -318,7 +321,7 @@ class HiCache:
             if tokens is not None:
                 tokens = tokens[: ok * (len(tokens) // len(op.keys))]
             walked = self.tree.insert_host(
-                parent, op.keys[:ok], op.dst[:ok], spare, tokens, op.seed
+                parent, op.keys[:ok], op.dst[:ok], spare, tokens, op.seed, op.width
             )
             for node, fresh in walked:
                 if fresh:

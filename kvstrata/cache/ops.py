@@ -31,9 +31,11 @@ class TransferOp:
     keys: list[int] = field(default_factory=list)
     """Page keys of the moved pages (storage side of backup/prefetch; informative otherwise)."""
     tokens: bytes | None = None
-    """prefetch only: the pages' int32 token bytes, which the pages take into the tree."""
+    """prefetch only: the pages' token bytes, which the pages take into the tree."""
     seed: int = 0
     """prefetch only: the namespace seed of `tokens` (for pages hung under the root)."""
+    width: int = 4
+    """prefetch only: bytes per token id in `tokens` (2 or 4)."""
     node: Node | None = None
     """The tree node the op works for: its last covered node (load/store/backup) or parent (prefetch)."""
     handle: Any = None

@@ -2,12 +2,13 @@
 
 Each edge holds a run of page keys and, per tier, where those pages live: `device` (L1 logical page
 ids), `host` (L2 host page ids) and `in_storage` (written to L3). An edge may also hold its pages'
-token bytes (int32): then it is found by them too, so a request's prompt is matched without
-hashing it (`match_chain`); the keys of the matched pages come from the nodes. Children are
-indexed twice: by first key (`children`, every node) and by the first page's token bytes
-(`tindex`, nodes with tokens; at the root one index per namespace seed, `RadixTree.top`). Token
-bytes are an in-memory index only: a page's identity stays its chained xxh3 key, and
-`check_integrity` rehashes every node's tokens to its keys. Tier invariants:
+token bytes (2 or 4 bytes an id, one width per namespace: `RadixTree.widths`): then it is found
+by them too, so a request's prompt is matched without hashing it (`match_chain`); the keys of
+the matched pages come from the nodes. Children are indexed twice: by first key (`children`,
+every node) and by the first page's token bytes (`tindex`, nodes with tokens; at the root one
+index per namespace seed, `RadixTree.top`). Token bytes are an in-memory index only: a page's
+identity stays its chained xxh3 key, and `check_integrity` rehashes every node's tokens to its
+keys. Tier invariants:
 - every node except the root is on the device, on the host, or both;
 - the device-resident nodes are closed under ancestors (eviction from L1 is leaf-first), so a
   match is an L1 prefix followed by host-only pages;
@@ -45,6 +46,8 @@ class RadixTree:
         self.clock = 0
         # per namespace seed: the root's children with tokens, by their first page's bytes
         self.top: dict[int, dict[bytes, Node]] = {}
+        # per namespace seed: bytes per token id of its nodes' tokens (2 or 4; chain.py)
+        self.widths: dict[int, int] = {}
 
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, keys: list[int], touch: bool = True) -> Match:
@@ -103,6 +106,11 @@ class RadixTree:
         rest of the chain is hashed and the walk goes on by key (same result as `match`)."""
         if chain.data is None:
             return self.match(chain.keys[:n_pages], touch)
+        if self.widths.get(chain.seed, chain.width) != chain.width:
+            raise ValueError(
+                f"a chain of {chain.width}-byte token ids against a tree holding "
+                f"{self.widths[chain.seed]}-byte ones in the same namespace"
+            )
         self.clock += 1
         limit = min(n_pages, chain.pages) * chain.page_bytes
         device_ids: list[int] = []
@@ -162,10 +170,13 @@ class RadixTree:
             parent.tindex = {}
         return parent.tindex
 
-    def _give_tokens(self, node: Node, tokens: bytes, seed: int) -> None:
-        """`node` learns its pages' token bytes and joins its parent's token index."""
+    def _give_tokens(self, node: Node, tokens: bytes, seed: int, width: int) -> None:
+        """`node` learns its pages' token bytes (`width` bytes an id) and joins its parent's
+        token index."""
         p = len(tokens) // len(node.keys)
         assert p * len(node.keys) == len(tokens), "token bytes misaligned with keys"
+        known = self.widths.setdefault(seed, width)
+        assert known == width, f"{width}-byte token ids into a namespace of {known}-byte ones"
         node.tokens = tokens
         node.seed = seed if node.parent is self.root else None
         index, first = self._index_of(node), tokens[:p]  # one slice: its hash is kept
@@ -210,14 +221,15 @@ class RadixTree:
         tokens: bytes | None = None,
         seed: int = 0,
         below: Node | None = None,
+        width: int = 4,
     ) -> tuple[Node, list[int]]:
         """Cache `keys` with their L1 pages. Returns (last node, ids the caller must free).
 
         Pages already on the device keep their existing ids (the caller's duplicates come back
         to be freed); matched nodes that had left the device adopt the caller's ids. The tree
         keeps its own copies of the id lists (slices), never the caller's list. `tokens`: the
-        pages' token bytes (and `seed`, their namespace's root key): new nodes, and walked
-        nodes without tokens, take theirs. `below`: the keys continue the path to this node
+        pages' token bytes (and `seed`, their namespace's root key; `width`, bytes per id): new
+        nodes, and walked nodes without tokens, take theirs. `below`: the keys continue the path to this node
         (the root if None), which the caller holds locked, so the walk starts there.
         """
         assert len(keys) == len(device_ids), "one device page per key"
@@ -231,7 +243,7 @@ class RadixTree:
         while i < total:
             child = node.children.get(keys[i])
             if child is None:
-                node = self._add_leaf(node, keys[i:], ids[i:], None, (tokens, i * p, seed))
+                node = self._add_leaf(node, keys[i:], ids[i:], None, (tokens, i * p, seed, width))
                 break
             edge = child.keys
             n = len(edge)
@@ -242,7 +254,7 @@ class RadixTree:
             if child.device is None:  # the node had left the device: it adopts the caller's ids
                 child.device = ids[i : i + n]
             if tokens is not None and child.tokens is None:
-                self._give_tokens(child, tokens[i * p : (i + n) * p], seed)
+                self._give_tokens(child, tokens[i * p : (i + n) * p], seed, width)
             held += child.device
             node, i = child, i + n
         return node, _duplicates(ids, held)
@@ -253,15 +265,16 @@ class RadixTree:
         keys: list[int],
         device: list[int] | None,
         host: list[int] | None,
-        tokens_from: tuple[bytes | None, int, int],
+        tokens_from: tuple[bytes | None, int, int, int],
     ) -> Node:
         """A new leaf under `parent`, keeping the id lists given (callers pass fresh slices);
-        tokens_from: (the request's token bytes or None, this leaf's first byte, the seed)."""
+        tokens_from: (the request's token bytes or None, this leaf's first byte, the seed, bytes
+        per id)."""
         leaf = Node(parent, keys, device, host, self.clock)
         parent.children[keys[0]] = leaf
-        tokens, at, seed = tokens_from
+        tokens, at, seed, width = tokens_from
         if tokens is not None:
-            self._give_tokens(leaf, tokens[at:], seed)
+            self._give_tokens(leaf, tokens[at:], seed, width)
         return leaf
 
     def insert_host(
@@ -272,10 +285,12 @@ class RadixTree:
         spare: list[int],
         tokens: bytes | None = None,
         seed: int = 0,
+        width: int = 4,
     ) -> list[tuple[Node, bool]]:
         """Hang pages read from storage under `parent` as host pages marked stored. Returns the
         nodes walked, each with True where it got its host ids here; the ids of pages that
-        already had a host copy go to `spare` for the caller to free. `tokens`/`seed`: `insert`'s.
+        already had a host copy go to `spare` for the caller to free. `tokens`/`seed`/`width`:
+        `insert`'s.
         """
         assert len(keys) == len(host_ids), "one host page per key"
         p = len(tokens) // len(keys) if tokens and keys else 0
@@ -284,7 +299,7 @@ class RadixTree:
             child = node.children.get(keys[i])
             if child is None:
                 leaf = self._add_leaf(
-                    node, keys[i:], None, list(host_ids[i:]), (tokens, i * p, seed)
+                    node, keys[i:], None, list(host_ids[i:]), (tokens, i * p, seed, width)
                 )
                 leaf.in_storage = True
                 walked.append((leaf, True))
@@ -298,7 +313,7 @@ class RadixTree:
             else:
                 spare.extend(host_ids[i : i + n])
             if tokens is not None and child.tokens is None:
-                self._give_tokens(child, tokens[i * p : (i + n) * p], seed)
+                self._give_tokens(child, tokens[i * p : (i + n) * p], seed, width)
             child.in_storage = True
             walked.append((child, fresh))
             node, i = child, i + n

@@ -49,7 +49,9 @@ def _check_tokens(tree: RadixTree, node: Node) -> None:
     tokens, parent = node.tokens, node.parent
     assert tokens is not None and parent is not None
     p = len(tokens) // len(node.keys)
-    assert p and p % 4 == 0 and p * len(node.keys) == len(tokens), "tokens misaligned with keys"
+    width = tree.widths.get(_namespace_seed(tree, node), 0)
+    assert width in (2, 4), "a namespace with tokens has no token width"
+    assert p and p % width == 0 and p * len(node.keys) == len(tokens), "tokens misaligned"
     if parent is tree.root:
         assert node.seed is not None, "a child of the root with tokens has no seed"
         index, chained_from = tree.top.get(node.seed, {}), node.seed
@@ -57,6 +59,15 @@ def _check_tokens(tree: RadixTree, node: Node) -> None:
         assert node.seed is None, "only children of the root carry a seed"
         index, chained_from = parent.tindex or {}, parent.keys[-1]
     assert index.get(tokens[:p]) is node, "node with tokens missing from its token index"
-    assert chain_keys(tokens, p, chained_from) == node.keys, "tokens do not rehash to the keys"
+    rehashed = chain_keys(tokens, p, chained_from, width=width)
+    assert rehashed == node.keys, "tokens do not rehash to the keys"
     for child in (node.tindex or {}).values():
         assert child.parent is node and child.tokens is not None, "stale token index entry"
+
+
+def _namespace_seed(tree: RadixTree, node: Node) -> int | None:
+    """The seed its ancestor under the root carries (nodes with tokens have parents with
+    tokens up to the root: a token index is reached from the root only)."""
+    while node.parent is not tree.root:
+        node = node.parent  # type: ignore[assignment]
+    return node.seed

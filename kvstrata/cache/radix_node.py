@@ -1,6 +1,6 @@
 """Nodes and matches of the paged radix tree (radix.py), and the edge-compare helpers of its walks.
 
-A node is one edge: a run of page keys (and, where known, their int32 token bytes) sharing one
+A node is one edge: a run of page keys (and, where known, their token bytes) sharing one
 tier state. Tensor-free.
 """
 
@@ -47,7 +47,7 @@ class Node:
         self.pins = 0
         self.hits = 0
         self.last_access = clock
-        self.tokens: bytes | None = None  # int32 token bytes of the edge's pages, if known
+        self.tokens: bytes | None = None  # token bytes of the edge's pages, if known
         self.tindex: dict[bytes, Node] | None = None  # children with tokens, by first page bytes
         self.seed: int | None = None  # namespace seed of a child of the root with tokens
 
