@@ -6,6 +6,7 @@ model; matmul and gather counts are exact, so a fast path that silently stopped 
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -133,19 +134,61 @@ def test_weights_replaced_after_fuse_are_used(ckpts: tuple[Path, Path]) -> None:
     assert ops["mm"] == FUSED_MM
 
 
+def _held_bytes(model: DecoderLM) -> int:
+    """Bytes of the distinct storages the model's parameters hold (placeholders hold none)."""
+    held = {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()
+    }
+    return sum(n for ptr, n in held.items() if ptr)
+
+
+def test_prepacked_linears_hold_no_plain_copy(ckpts: tuple[Path, Path]) -> None:
+    """Prepacked, every projection's plain weight is released (a meta placeholder) and the
+    checkpoint file is no longer mapped: the packed copy is the only one. The plain weights
+    come back bit-exactly through the state dict, a load and a move; the logits equal
+    transformers' throughout, and an in-place edit of a placeholder is refused."""
+    model = load_model(ckpts[0])
+    gc.collect()
+    mapped = (ckpts[0] / "model.safetensors").resolve()
+    assert str(mapped) not in Path("/proc/self/maps").read_text()  # a plain model maps it
+    plain = load_model(ckpts[0], prepack=False)
+    released = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    assert released and all(n.endswith("_proj.weight") for n in released)
+    kept = [p for n, p in plain.named_parameters() if not n.endswith("_proj.weight")]
+    assert _held_bytes(model) == sum(p.nbytes for p in kept)  # embedding, norms, biases only
+    assert _held_bytes(plain) == sum(p.nbytes for p in plain.parameters())
+    want = plain.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    toks, table = tokens(15, seed=3), [2, 3, 4, 5, 6]
+    got, ops = prefill_then_decode(model, toks, table)
+    ref = hf_logits(load_hf(ckpts[0]), [*toks, int(got[len(toks) - 1].argmax())])
+    assert ops["packed"] == FUSED_MM and rel_err(got, ref) <= TOL
+    moved = model.to("cpu")  # a move unpacks: plain weights back, only the head stays packed
+    assert _held_bytes(moved) == _held_bytes(plain)
+    got, ops = prefill_then_decode(moved, toks, table)
+    assert ops["packed"] == 1 and rel_err(got, ref) <= TOL
+    edited = load_model(ckpts[0])
+    edited.model.layers[0].self_attn.o_proj.weight.copy_(
+        want["model.layers.0.self_attn.o_proj.weight"]
+    )
+    with pytest.raises(RuntimeError, match="edited in place"):
+        prefill_then_decode(edited, toks, table)
+
+
 def _tp_logits(ctx: RankContext, path: Path, toks: list[int]) -> tuple[list, int, bool]:
     full = load_model(path)
     local = shard_tp(full, ctx.config.tp, ctx.tp_rank, ctx.tp_group)
     s, r = full.spec, ctx.tp_rank
-    attn, full_attn = local.model.layers[0].self_attn, full.model.layers[0].self_attn
+    attn = local.model.layers[0].self_attn
+    full_state, at = full.state_dict(), "model.layers.0.self_attn."  # plain weights re-derived
     q, kv = s.num_heads // 2 * s.head_dim, s.num_kv_heads // 2 * s.head_dim
     parts = [
-        full_attn.q_proj.weight[r * q : (r + 1) * q],
-        full_attn.k_proj.weight[r * kv : (r + 1) * kv],
-        full_attn.v_proj.weight[r * kv : (r + 1) * kv],
+        full_state[at + "q_proj.weight"][r * q : (r + 1) * q],
+        full_state[at + "k_proj.weight"][r * kv : (r + 1) * kv],
+        full_state[at + "v_proj.weight"][r * kv : (r + 1) * kv],
     ]
-    assert attn.fused is not None
-    same = torch.equal(attn.fused.weight, torch.cat(parts))  # this rank's slices, fused
+    assert attn.fused is not None and attn.fused.packed is not None
+    same = torch.equal(attn.fused.packed.dense(), torch.cat(parts))  # this rank's slices, fused
     logits, ops = prefill_then_decode(local, toks, [0, 1, 2, 3, 4])
     # o_proj and down_proj are all-reduce wrappers there: their own forward, not prepacked
     assert ops["packed"] == 2 * LAYERS + 1

@@ -33,7 +33,13 @@ from torch import nn
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, apply_rotary
 from kvstrata.model.paged_decode import paged_decode, usable
-from kvstrata.model.prepack import Prepacked, prepack_module, run_linear
+from kvstrata.model.prepack import (
+    PackOwner,
+    Prepacked,
+    prepack_module,
+    run_linear,
+    unpack_module,
+)
 
 sdpa = nn.functional.scaled_dot_product_attention
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, lse); CPU
@@ -65,7 +71,7 @@ def route(meta: AttnMeta, s: int, split_prefix: bool) -> str:
     return "split_prefix" if split_prefix else "masked_prefix"
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(PackOwner):
     """Multi-head attention with grouped K/V heads (GQA) reading and writing a paged pool."""
 
     def __init__(
@@ -91,9 +97,23 @@ class PagedAttention(nn.Module):
         self.o_packed: Prepacked | None = None
 
     def fuse(self, prepack: bool = False) -> None:
-        """q_proj, k_proj and v_proj as one matmul (see Fused); `prepack`: oneDNN layouts too."""
+        """q_proj, k_proj and v_proj as one matmul (see Fused); `prepack`: oneDNN layouts too
+        (the plain weights released)."""
+        self.unpack()
         self.fused = Fused.build([self.q_proj, self.k_proj, self.v_proj], prepack)
         self.o_packed = prepack_module(self.o_proj) if prepack else None
+
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        out = {} if self.fused is None else self.fused.dense_parts(("q_proj", "k_proj", "v_proj"))
+        if self.o_packed is not None and self.o_packed.released:
+            out["o_proj.weight"] = self.o_packed.dense()
+        return out
+
+    def unpack(self) -> None:
+        if self.fused is not None:
+            self.fused.unpack([self.q_proj, self.k_proj, self.v_proj])
+        unpack_module(self.o_proj, self.o_packed)
+        self.o_packed = None
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -105,6 +125,8 @@ class PagedAttention(nn.Module):
             y = self.fused(x).view(t, h + 2 * kv, d)  # heads: q ... | k ... | v ...
             qk = apply_rotary(y[:, : h + kv], cos, sin)  # one rotation for q and k together
             return qk[:, :h], qk[:, h:], y[:, h + kv :]
+        if self.fused is not None:  # a part was replaced: the others' plain weights back
+            self.fused.unpack(parts)
         q = apply_rotary(self.q_proj(x).view(t, h, d), cos, sin)
         k = apply_rotary(self.k_proj(x).view(t, kv, d), cos, sin)
         return q, k, self.v_proj(x).view(t, kv, d)

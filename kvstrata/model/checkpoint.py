@@ -155,16 +155,18 @@ def load_model(
     path: str | Path, dtype: str = "float32", device: str = "cpu", prepack: bool = True
 ) -> DecoderLM:
     """DecoderLM with the checkpoint's weights, in `dtype`, on `device`, in eval mode;
-    `prepack`: CPU fp32 linears also in oneDNN's layout (DecoderLM.fuse)."""
+    `prepack`: CPU fp32 linears also in oneDNN's layout (DecoderLM.fuse), their plain weights
+    released (model/prepack.py)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     root = Path(path)
     spec = parse_spec(read_config(root))
     with torch.device("meta"):
         model = DecoderLM(spec, dtype)
-    result = model.load_state_dict(
-        _state_dict(root, spec, DTYPES[dtype]), strict=False, assign=True
-    )
+    state = _state_dict(root, spec, DTYPES[dtype])
+    mapped = {t.untyped_storage().data_ptr() for t in state.values()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(
             f"checkpoint {root} does not match {spec.architecture}: "
@@ -173,4 +175,20 @@ def load_model(
     model.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)  # was on meta
     model.fingerprint = fingerprint(root)
     # fused on the device: views of the moved weights
-    return model.to(device).eval().fuse(prepack)
+    model = model.to(device).eval().fuse(prepack)
+    if prepack and _copy_out(model, mapped):
+        model.pack_head()  # its weight moved: packed again from the copy
+    return model
+
+
+def _copy_out(model: DecoderLM, mapped: set[int]) -> bool:
+    """Copy the parameters still backed by the checkpoint file into memory of their own; True
+    if any was. safetensors maps the whole file, and one tensor left in it keeps every page the
+    load touched resident: prepacked, the released linears (most of the file) would stay in
+    RSS for the embedding and norms. The Parameter objects stay (in place: `.data`)."""
+    moved = False
+    for param in model.parameters():
+        if param.device.type == "cpu" and param.untyped_storage().data_ptr() in mapped:
+            param.data = param.detach().clone()
+            moved = True
+    return moved

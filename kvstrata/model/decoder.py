@@ -209,6 +209,11 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse(prepack)
             layer.mlp.fuse(prepack)
+        return self.pack_head(prepack)
+
+    def pack_head(self, prepack: bool = True) -> DecoderLM:
+        """The LM head in oneDNN's layout (`prepack`), its plain weight kept: tied, it is the
+        embedding; untied, the MTP head and context parallelism read it directly."""
         self.head_packed = Prepacked.build(self._head_weight(), None) if prepack else None
         return self
 

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvstrata.model.prepack import Prepacked, prepack_module, run_linear
+from kvstrata.model.prepack import (
+    EDITED,
+    PackOwner,
+    Prepacked,
+    is_placeholder,
+    prepack_module,
+    run_linear,
+    unpack_module,
+)
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +48,9 @@ class Fused:
 
     Building it makes each part's weight (and bias) a view into the fused tensor, so the parts
     keep their Hugging Face names in the state dict, an in-place load (`copy_`) updates both,
-    and no weight is held twice. Not a module: the fused tensor is no extra state-dict entry.
+    and no weight is held twice. Prepacked, the fused tensor is released (model/prepack.py):
+    the parts' weights are views of its placeholder, and `unpack` derives the plain tensor
+    back. Not a module: the fused tensor is no extra state-dict entry.
     Invariant checked by `holds()` before every use: each part still holds exactly its view. A
     part whose weight was replaced afterwards (load_state_dict(assign=True), a new Parameter,
     a move to another device) makes the caller fall back to the separate parts, never to stale
@@ -55,21 +65,27 @@ class Fused:
         return cls(parts, prepack) if len(with_bias) == 1 else None
 
     def __init__(self, parts: Sequence[nn.Linear], prepack: bool = False) -> None:
-        self.weight = torch.cat([p.weight.detach() for p in parts])  # [sum(out), in]
+        weight = torch.cat([p.weight.detach() for p in parts])  # [sum(out), in]
         biases = [p.bias for p in parts]
         if any(b is None for b in biases) and not all(b is None for b in biases):
             raise ValueError("Fused: all parts need a bias, or none")
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        start = 0
-        for p in parts:
-            rows = slice(start, start + p.out_features)
-            p.weight = nn.Parameter(self.weight[rows], requires_grad=False)
+        ends = torch.tensor([p.out_features for p in parts]).cumsum(0).tolist()
+        self.rows = [slice(a, b) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+        # an in-place load into a part bumps the fused tensor's version too (views share it)
+        self.packed = Prepacked.build(weight, self.bias) if prepack else None
+        if self.packed is not None:
+            weight = self.packed.release()  # the packed copy is the only one
+        self._bind(parts, weight)
+
+    def _bind(self, parts: Sequence[nn.Module], weight: torch.Tensor) -> None:
+        """Each part's weight (and bias) becomes its rows of `weight` (and of the fused bias)."""
+        self.weight = weight
+        for p, rows in zip(parts, self.rows, strict=True):
+            p.weight = nn.Parameter(weight[rows], requires_grad=False)
             if self.bias is not None:
                 p.bias = nn.Parameter(self.bias[rows], requires_grad=False)
-            start = rows.stop
         self._views = [(p.weight, p.weight.data_ptr(), p.bias, _address(p.bias)) for p in parts]
-        # an in-place load into a part bumps the fused tensor's version too (views share it)
-        self.packed = Prepacked.build(self.weight, self.bias) if prepack else None
 
     def holds(self, parts: Sequence[nn.Module]) -> bool:
         """True if `parts` are still the fused linears, each holding its view (a few us)."""
@@ -81,10 +97,35 @@ class Fused:
                 return False
         return True
 
+    def dense_parts(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The released parts' plain weights (rows of one re-derived tensor), by state-dict
+        name (`names`: the parts' attribute names); empty unless released."""
+        if self.packed is None or not self.packed.released:
+            return {}
+        dense = self.packed.dense()
+        return {f"{n}.weight": dense[r] for n, r in zip(names, self.rows, strict=True)}
+
+    def unpack(self, parts: Sequence[nn.Module]) -> None:
+        """The plain fused tensor back (re-derived) and the packed copy dropped: parts still
+        holding their placeholder views get views of it; a replaced part keeps its own."""
+        packed, self.packed = self.packed, None
+        if packed is None or not packed.released:
+            return
+        dense = packed.dense()
+        if self.holds(parts):
+            self._bind(parts, dense)
+            return
+        self.weight = dense  # a part was replaced: the caller runs the parts from now on
+        for p, rows, (view, *_) in zip(parts, self.rows, self._views, strict=True):
+            if getattr(p, "weight", None) is view:
+                p.weight = nn.Parameter(dense[rows], requires_grad=False)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(out)]
         packed = self.packed
         if packed is not None and packed.holds(self.weight, self.bias):
             return packed(x)
+        if is_placeholder(self.weight):
+            raise RuntimeError(EDITED)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -92,7 +133,7 @@ def _address(t: torch.Tensor | None) -> int:
     return -1 if t is None else t.data_ptr()
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(PackOwner):
     """down(silu(gate(x)) * up(x)), the Llama/Qwen2 MLP."""
 
     def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype) -> None:
@@ -104,15 +145,31 @@ class SwiGLU(nn.Module):
         self.down_packed: Prepacked | None = None
 
     def fuse(self, prepack: bool = False) -> None:
-        """gate_proj and up_proj as one matmul (see Fused); `prepack`: oneDNN layouts too."""
+        """gate_proj and up_proj as one matmul (see Fused); `prepack`: oneDNN layouts too (the
+        plain weights released)."""
+        self.unpack()
         self.fused = Fused.build([self.gate_proj, self.up_proj], prepack)
         self.down_packed = prepack_module(self.down_proj) if prepack else None
+
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        out = {} if self.fused is None else self.fused.dense_parts(("gate_proj", "up_proj"))
+        if self.down_packed is not None and self.down_packed.released:
+            out["down_proj.weight"] = self.down_packed.dense()
+        return out
+
+    def unpack(self) -> None:
+        if self.fused is not None:
+            self.fused.unpack([self.gate_proj, self.up_proj])
+        unpack_module(self.down_proj, self.down_packed)
+        self.down_packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         f = self.fused
         if f is not None and f.holds([self.gate_proj, self.up_proj]):
             gate, up = f(x).chunk(2, dim=-1)  # [T, inter] each (views)
         else:
+            if f is not None:  # a part was replaced: the other's plain weight back
+                f.unpack([self.gate_proj, self.up_proj])
             gate, up = self.gate_proj(x), self.up_proj(x)
         # in place: gate and up are this call's own temporaries, [T, inter] each
         act = nn.functional.silu(gate, inplace=True).mul_(up)

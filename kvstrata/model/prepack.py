@@ -3,16 +3,25 @@
 `F.linear` on CPU re-reads the plain [out, in] weight for every call; oneDNN's linear with a
 weight reordered once into its own blocked layout measured, on 2 cores with SmolLM2's shapes,
 0.84-0.92 of F.linear's time at 2048 rows (prefill) and 0.21-0.49 at 4 rows (batched decode);
-logits stay within float tolerance of transformers' forward. The price is one more copy of each
-packed weight in host memory (SmolLM2: model RSS 618 MiB plain, 1380 MiB packed), so it is a
-choice (`EngineConfig.prepack_weights`).
+logits stay within float tolerance of transformers' forward (`EngineConfig.prepack_weights`).
 
-Invariant: a Prepacked is used only while its source weight is unchanged — the same tensor,
-storage and version counter (an in-place `copy_` bumps it) — and the same bias; otherwise the
-caller runs the plain module, never stale weights.
+The packed weight is the only copy: once packed, the plain weight is released (`release`) and
+the module holds a placeholder of the same shape and dtype on the meta device (no storage; a
+read of it fails loudly). The plain weight is re-derived from the packed one, bit-exactly
+(`dense`), where it is needed: the state dict (`PackOwner`'s hook), a load into the module or
+a move (`unpack` first), a fallback to the separate parts. SmolLM2's model RSS, plain 618 MiB,
+was 1,379 MiB when both copies were kept (the LM head keeps its plain weight: it is the tied
+embedding there, and other code reads an untied head's weight directly).
+
+Invariant: a Prepacked is used only while its source weight is unchanged — the same tensor
+(the placeholder once released), storage and version counter (an in-place `copy_` bumps it) —
+and the same bias; otherwise the caller runs the plain module, never stale weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +51,22 @@ class Prepacked:
         """A Prepacked of `weight`, or None where it cannot be used (see can_prepack)."""
         return cls(weight, bias) if can_prepack(weight) else None
 
+    def release(self) -> nn.Parameter:
+        """Drop the reference to the plain weight; returns the placeholder its owner puts in its
+        place (which `holds` checks from now on). The plain storage is freed once the owner
+        lets go of it too."""
+        self.weight = placeholder(self.weight.shape, self.weight.dtype)
+        self._at = (self.weight.data_ptr(), self.weight._version, _version(self.bias))
+        return self.weight
+
+    @property
+    def released(self) -> bool:
+        return is_placeholder(self.weight)
+
+    def dense(self) -> torch.Tensor:
+        """The plain weight [out, in], re-derived from the packed one (bit-exact; a new tensor)."""
+        return self.packed.to_dense()
+
     def holds(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """True while `weight`/`bias` are still the tensors packed, unchanged (a few us)."""
         return (
@@ -58,12 +83,36 @@ def _version(t: torch.Tensor | None) -> int:
     return -1 if t is None else t._version
 
 
+def placeholder(shape: torch.Size, dtype: torch.dtype) -> nn.Parameter:
+    """What a module holds where a released plain weight was: its shape and dtype, no storage."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+def is_placeholder(t: torch.Tensor | None) -> bool:
+    return t is not None and t.device.type == "meta"
+
+
+EDITED = (
+    "a prepacked weight was edited in place; load weights with load_state_dict (it unpacks "
+    "first) or call unpack() before editing them"
+)
+
+
 def prepack_module(linear: nn.Module) -> Prepacked | None:
-    """A plain nn.Linear's weight packed; None for anything else (a tensor-parallel wrapper
-    runs its own forward)."""
+    """A plain nn.Linear's weight packed, the module's plain weight released (the packed one is
+    the only copy); None for anything else (a tensor-parallel wrapper runs its own forward)."""
     if type(linear) is not nn.Linear:
         return None
-    return Prepacked.build(linear.weight, linear.bias)
+    packed = Prepacked.build(linear.weight, linear.bias)
+    if packed is not None:
+        linear.weight = packed.release()
+    return packed
+
+
+def unpack_module(linear: nn.Module, packed: Prepacked | None) -> None:
+    """Give `linear` its plain weight back from `packed`, if it still holds the placeholder."""
+    if packed is not None and packed.released and getattr(linear, "weight", None) is packed.weight:
+        linear.weight = nn.Parameter(packed.dense(), requires_grad=False)
 
 
 def run_linear(linear: nn.Module, packed: Prepacked | None, x: torch.Tensor) -> torch.Tensor:
@@ -71,4 +120,41 @@ def run_linear(linear: nn.Module, packed: Prepacked | None, x: torch.Tensor) -> 
     weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
     if packed is not None and packed.holds(weight, bias):  # type: ignore[arg-type]
         return packed(x)
+    if is_placeholder(weight):
+        raise RuntimeError(EDITED)
     return linear(x)
+
+
+class PackOwner(nn.Module):
+    """A module whose linears may hold placeholders for released plain weights (see the module
+    doc). Its state dict carries the re-derived plain weights under their usual names, and a
+    load into it or a move of it unpacks first, so both see plain weights. Subclasses say
+    which entries are released (`dense_weights`) and how to take them back (`unpack`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_state_dict_post_hook(_dense_state)
+        self.register_load_state_dict_pre_hook(_unpack_before_load)
+
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        """Plain weights re-derived for every released place, by state-dict name relative to
+        this module (empty when nothing is released)."""
+        raise NotImplementedError
+
+    def unpack(self) -> None:
+        """Plain weights back in every released place; the packed copies dropped."""
+        raise NotImplementedError
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
+        self.unpack()  # a move or cast reads the plain weights (and packs are CPU fp32 only)
+        return super()._apply(fn, recurse)
+
+
+def _dense_state(module: PackOwner, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+    for name, tensor in module.dense_weights().items():
+        if is_placeholder(state.get(prefix + name)):
+            state[prefix + name] = tensor
+
+
+def _unpack_before_load(module: PackOwner, *_args: Any) -> None:
+    module.unpack()
