@@ -145,8 +145,9 @@ def _held_bytes(model: DecoderLM) -> int:
 def test_prepacked_linears_hold_no_plain_copy(ckpts: tuple[Path, Path]) -> None:
     """Prepacked, every projection's plain weight is released (a meta placeholder) and the
     checkpoint file is no longer mapped: the packed copy is the only one. The plain weights
-    come back bit-exactly through the state dict, a load and a move; the logits equal
-    transformers' throughout, and an in-place edit of a placeholder is refused."""
+    come back bit-exactly through the state dict and a move; the logits equal transformers'
+    throughout; a linear packed alone still runs when called directly, a fused part and an
+    in-place edit of a placeholder are refused with a clear error."""
     model = load_model(ckpts[0])
     gc.collect()
     mapped = (ckpts[0] / "model.safetensors").resolve()
@@ -163,6 +164,11 @@ def test_prepacked_linears_hold_no_plain_copy(ckpts: tuple[Path, Path]) -> None:
     got, ops = prefill_then_decode(model, toks, table)
     ref = hf_logits(load_hf(ckpts[0]), [*toks, int(got[len(toks) - 1].argmax())])
     assert ops["packed"] == FUSED_MM and rel_err(got, ref) <= TOL
+    attn, plain_attn = model.model.layers[0].self_attn, plain.model.layers[0].self_attn
+    x = torch.randn(3, attn.o_proj.in_features)
+    assert rel_err(attn.o_proj(x), plain_attn.o_proj(x)) <= TOL  # packed alone: callable
+    with pytest.raises(RuntimeError, match="plain weight was released"):
+        attn.q_proj(torch.randn(3, attn.q_proj.in_features))  # a fused part: refused
     moved = model.to("cpu")  # a move unpacks: plain weights back, only the head stays packed
     assert _held_bytes(moved) == _held_bytes(plain)
     got, ops = prefill_then_decode(moved, toks, table)

@@ -31,6 +31,14 @@ class EngineConfig:
         0, "prefill chunk cap: new tokens per sequence per forward (0 = the step's budget)"
     )
     max_batch_tokens: int = doc(2048, "new tokens per forward across the batch")
+    # A step's time grows with its prefill tokens, and every decoding request waits for the
+    # step: this budget bounds the steps that carry decodes (vLLM's chunked-prefill budget,
+    # decodes first), trading the waiting prompts' TTFT for the running requests' TPOT.
+    decode_step_tokens: int = doc(
+        0,
+        "decode-latency budget: new tokens per forward while any request decodes (every decode "
+        "first, prefill chunks fill the rest); 0 = max_batch_tokens",
+    )
     max_running: int = doc(8, "requests decoding at once")
     admission_lookahead: int = doc(
         4, "waiting requests whose leases match, probe and prefetch at once (no head-of-line wait)"
@@ -38,8 +46,8 @@ class EngineConfig:
     threads: int = doc(0, "torch CPU threads; 0 = torch's default")
     prepack_weights: bool = doc(
         True,
-        "CPU fp32: linear weights also kept in oneDNN's blocked layout (faster matmuls; one "
-        "more copy of those weights: SmolLM2's RSS 618 -> 1380 MiB)",
+        "CPU fp32: linear weights kept in oneDNN's blocked layout instead of the plain one "
+        "(faster matmuls; the tied LM head keeps both: SmolLM2's model RSS 619 -> 744 MiB)",
     )
     spec_draft: str = doc(
         "",
@@ -60,3 +68,13 @@ class EngineConfig:
             raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
         if self.chunk_tokens > self.max_batch_tokens:
             raise ValueError("chunk_tokens must be <= max_batch_tokens")
+        if not 0 <= self.decode_step_tokens <= self.max_batch_tokens:
+            raise ValueError(
+                f"decode_step_tokens must be in [0, max_batch_tokens={self.max_batch_tokens}], "
+                f"got {self.decode_step_tokens}"
+            )
+        if 0 < self.decode_step_tokens <= self.max_running:  # else a prompt could wait for ever
+            raise ValueError(
+                f"decode_step_tokens must be more than max_running={self.max_running} (room "
+                f"for a prefill chunk beside every decode), got {self.decode_step_tokens}"
+            )

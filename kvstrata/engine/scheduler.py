@@ -1,9 +1,10 @@
 """The scheduler: who waits, who runs, and what each running request feeds the next forward.
 
 It owns the waiting and running lists. Admission goes through the KV manager (the one owner of
-every lease); the batch is planned under the token budget (decodes first, then prefill chunks)
-and any further budget term (`BatchLimit`: CP's gather scratch bytes), with requests dropped
-from the end of the plan until it fits. Preemption, prefix-cache reset and abort change these
+every lease); the batch is planned under the token budget (decodes first, then prefill chunks;
+a smaller one while requests decode, `EngineConfig.decode_step_tokens`) and any further budget
+term (`BatchLimit`: CP's gather scratch bytes), with requests dropped from the end of the plan
+until it fits. Preemption, prefix-cache reset and abort change these
 lists too, so they live here. Every decision reads agreed state only: all ranks plan alike.
 """
 
@@ -94,6 +95,8 @@ class Scheduler:
             if req.state is State.DECODE and budget:
                 work.append((req, [req.output[-1]]))
                 budget -= 1
+        if work and self.config.decode_step_tokens:  # the decode-latency budget holds
+            budget = min(budget, max(0, self.config.decode_step_tokens - len(work)))
         for req in self.running:
             if req.state is State.PREFILL and budget and not req.remote:
                 seq = req.prefill_tokens

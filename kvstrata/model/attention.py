@@ -33,13 +33,7 @@ from torch import nn
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, apply_rotary
 from kvstrata.model.paged_decode import paged_decode, usable
-from kvstrata.model.prepack import (
-    PackOwner,
-    Prepacked,
-    prepack_module,
-    run_linear,
-    unpack_module,
-)
+from kvstrata.model.prepack import PackOwner, pack_linear, plain_linear
 
 sdpa = nn.functional.scaled_dot_product_attention
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, lse); CPU
@@ -94,26 +88,22 @@ class PagedAttention(PackOwner):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=o_bias, dtype=dtype)
         self.fused: Fused | None = None  # q, k, v in one matmul, once fuse() ran
-        self.o_packed: Prepacked | None = None
 
     def fuse(self, prepack: bool = False) -> None:
         """q_proj, k_proj and v_proj as one matmul (see Fused); `prepack`: oneDNN layouts too
         (the plain weights released)."""
         self.unpack()
         self.fused = Fused.build([self.q_proj, self.k_proj, self.v_proj], prepack)
-        self.o_packed = prepack_module(self.o_proj) if prepack else None
+        if prepack:
+            self.o_proj = pack_linear(self.o_proj)
 
     def dense_weights(self) -> dict[str, torch.Tensor]:
-        out = {} if self.fused is None else self.fused.dense_parts(("q_proj", "k_proj", "v_proj"))
-        if self.o_packed is not None and self.o_packed.released:
-            out["o_proj.weight"] = self.o_packed.dense()
-        return out
+        return {} if self.fused is None else self.fused.dense_parts(("q_proj", "k_proj", "v_proj"))
 
     def unpack(self) -> None:
         if self.fused is not None:
             self.fused.unpack([self.q_proj, self.k_proj, self.v_proj])
-        unpack_module(self.o_proj, self.o_packed)
-        self.o_packed = None
+        self.o_proj = plain_linear(self.o_proj)
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -153,13 +143,13 @@ class PagedAttention(PackOwner):
         if self.native_decode and meta.all_decode and usable(q, k_pool, v_pool):
             flat, starts, ctx = meta.decode_tables  # one kernel, pages read in place
             out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [S, heads, dim]
-            return run_linear(self.o_proj, self.o_packed, out.view(t, self.heads * self.head_dim))
+            return self.o_proj(out.view(t, self.heads * self.head_dim))
         if k_flat.dtype != q.dtype:  # attend to the K/V as stored, as a cached read would
             k, v = k.to(k_flat.dtype).to(q.dtype), v.to(v_flat.dtype).to(q.dtype)
         if len(meta.seq_lens) == 1:  # one sequence: no per-sequence slicing or copy back
             out = self._attend(q, k, v, k_pool, v_pool, meta, 0)  # [1, heads, T, dim]
             out = out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim)
-            return run_linear(self.o_proj, self.o_packed, out)
+            return self.o_proj(out)
         out = torch.empty_like(q)  # [T, heads, head_dim]
         start = 0
         for s, n in enumerate(meta.seq_lens):
@@ -167,7 +157,7 @@ class PagedAttention(PackOwner):
             o = self._attend(q[rows], k[rows], v[rows], k_pool, v_pool, meta, s)
             out[rows] = o[0].transpose(0, 1)
             start += n
-        return run_linear(self.o_proj, self.o_packed, out.view(t, self.heads * self.head_dim))
+        return self.o_proj(out.view(t, self.heads * self.head_dim))
 
     def _attend(
         self,

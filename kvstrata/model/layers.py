@@ -18,9 +18,9 @@ from kvstrata.model.prepack import (
     PackOwner,
     Prepacked,
     is_placeholder,
-    prepack_module,
-    run_linear,
-    unpack_module,
+    pack_linear,
+    plain_linear,
+    refuse_released,
 )
 
 
@@ -70,6 +70,7 @@ class Fused:
         if any(b is None for b in biases) and not all(b is None for b in biases):
             raise ValueError("Fused: all parts need a bias, or none")
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self._guards: list[Any] = []  # the parts' forward pre-hooks while released
         ends = torch.tensor([p.out_features for p in parts]).cumsum(0).tolist()
         self.rows = [slice(a, b) for a, b in zip([0, *ends[:-1]], ends, strict=True)]
         # an in-place load into a part bumps the fused tensor's version too (views share it)
@@ -79,13 +80,16 @@ class Fused:
         self._bind(parts, weight)
 
     def _bind(self, parts: Sequence[nn.Module], weight: torch.Tensor) -> None:
-        """Each part's weight (and bias) becomes its rows of `weight` (and of the fused bias)."""
+        """Each part's weight (and bias) becomes its rows of `weight` (and of the fused bias);
+        parts of a placeholder refuse a direct call (prepack.refuse_released)."""
         self.weight = weight
         for p, rows in zip(parts, self.rows, strict=True):
             p.weight = nn.Parameter(weight[rows], requires_grad=False)
             if self.bias is not None:
                 p.bias = nn.Parameter(self.bias[rows], requires_grad=False)
         self._views = [(p.weight, p.weight.data_ptr(), p.bias, _address(p.bias)) for p in parts]
+        if is_placeholder(weight):
+            self._guards = [p.register_forward_pre_hook(refuse_released) for p in parts]
 
     def holds(self, parts: Sequence[nn.Module]) -> bool:
         """True if `parts` are still the fused linears, each holding its view (a few us)."""
@@ -111,6 +115,8 @@ class Fused:
         packed, self.packed = self.packed, None
         if packed is None or not packed.released:
             return
+        for guard in self._guards:
+            guard.remove()
         dense = packed.dense()
         if self.holds(parts):
             self._bind(parts, dense)
@@ -142,26 +148,22 @@ class SwiGLU(PackOwner):
         self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(inter, hidden, bias=bias, dtype=dtype)
         self.fused: Fused | None = None  # gate and up in one matmul, once fuse() ran
-        self.down_packed: Prepacked | None = None
 
     def fuse(self, prepack: bool = False) -> None:
         """gate_proj and up_proj as one matmul (see Fused); `prepack`: oneDNN layouts too (the
         plain weights released)."""
         self.unpack()
         self.fused = Fused.build([self.gate_proj, self.up_proj], prepack)
-        self.down_packed = prepack_module(self.down_proj) if prepack else None
+        if prepack:
+            self.down_proj = pack_linear(self.down_proj)
 
     def dense_weights(self) -> dict[str, torch.Tensor]:
-        out = {} if self.fused is None else self.fused.dense_parts(("gate_proj", "up_proj"))
-        if self.down_packed is not None and self.down_packed.released:
-            out["down_proj.weight"] = self.down_packed.dense()
-        return out
+        return {} if self.fused is None else self.fused.dense_parts(("gate_proj", "up_proj"))
 
     def unpack(self) -> None:
         if self.fused is not None:
             self.fused.unpack([self.gate_proj, self.up_proj])
-        unpack_module(self.down_proj, self.down_packed)
-        self.down_packed = None
+        self.down_proj = plain_linear(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         f = self.fused
@@ -173,7 +175,7 @@ class SwiGLU(PackOwner):
             gate, up = self.gate_proj(x), self.up_proj(x)
         # in place: gate and up are this call's own temporaries, [T, inter] each
         act = nn.functional.silu(gate, inplace=True).mul_(up)
-        return run_linear(self.down_proj, self.down_packed, act)
+        return self.down_proj(act)  # a PackedLinear once prepacked
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

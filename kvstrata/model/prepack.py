@@ -6,16 +6,20 @@ weight reordered once into its own blocked layout measured, on 2 cores with Smol
 logits stay within float tolerance of transformers' forward (`EngineConfig.prepack_weights`).
 
 The packed weight is the only copy: once packed, the plain weight is released (`release`) and
-the module holds a placeholder of the same shape and dtype on the meta device (no storage; a
-read of it fails loudly). The plain weight is re-derived from the packed one, bit-exactly
-(`dense`), where it is needed: the state dict (`PackOwner`'s hook), a load into the module or
-a move (`unpack` first), a fallback to the separate parts. SmolLM2's model RSS, plain 618 MiB,
-was 1,379 MiB when both copies were kept (the LM head keeps its plain weight: it is the tied
+the module holds a placeholder of the same shape and dtype on the meta device (no storage). A
+linear packed alone becomes a `PackedLinear` (its own forward runs the packed weight, so a
+direct call works); the parts of a fused matmul (layers.Fused) hold placeholder views and
+refuse a direct call with a clear error (an nn.Linear over a meta weight would silently read
+garbage). The plain weight is re-derived from the packed one, bit-exactly (`dense`), where it
+is needed: the state dict (hooks), a load into the module or a move (`PackOwner.unpack`
+first), a fallback to the separate parts. SmolLM2's model RSS, plain 619 MiB, was 1,379 MiB
+when both copies were kept; 744 MiB now (the LM head keeps its plain weight: it is the tied
 embedding there, and other code reads an untied head's weight directly).
 
 Invariant: a Prepacked is used only while its source weight is unchanged — the same tensor
 (the placeholder once released), storage and version counter (an in-place `copy_` bumps it) —
-and the same bias; otherwise the caller runs the plain module, never stale weights.
+and the same bias; otherwise the caller runs the plain module, never stale weights (and a
+released weight edited in place is an error: its plain values are gone).
 """
 
 from __future__ import annotations
@@ -99,20 +103,12 @@ EDITED = (
 
 
 def prepack_module(linear: nn.Module) -> Prepacked | None:
-    """A plain nn.Linear's weight packed, the module's plain weight released (the packed one is
-    the only copy); None for anything else (a tensor-parallel wrapper runs its own forward)."""
+    """A plain nn.Linear's weight packed beside it (the plain one kept: see `pack_linear` for
+    the packed-only module); None for anything else (a tensor-parallel wrapper runs its own
+    forward)."""
     if type(linear) is not nn.Linear:
         return None
-    packed = Prepacked.build(linear.weight, linear.bias)
-    if packed is not None:
-        linear.weight = packed.release()
-    return packed
-
-
-def unpack_module(linear: nn.Module, packed: Prepacked | None) -> None:
-    """Give `linear` its plain weight back from `packed`, if it still holds the placeholder."""
-    if packed is not None and packed.released and getattr(linear, "weight", None) is packed.weight:
-        linear.weight = nn.Parameter(packed.dense(), requires_grad=False)
+    return Prepacked.build(linear.weight, linear.bias)
 
 
 def run_linear(linear: nn.Module, packed: Prepacked | None, x: torch.Tensor) -> torch.Tensor:
@@ -120,16 +116,68 @@ def run_linear(linear: nn.Module, packed: Prepacked | None, x: torch.Tensor) -> 
     weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
     if packed is not None and packed.holds(weight, bias):  # type: ignore[arg-type]
         return packed(x)
-    if is_placeholder(weight):
-        raise RuntimeError(EDITED)
     return linear(x)
 
 
+class PackedLinear(nn.Linear):
+    """An nn.Linear whose weight lives only in oneDNN's layout (`packed`); `weight` is the
+    placeholder, `bias` the plain one. Its state dict entry is the re-derived plain weight."""
+
+    def __init__(self, linear: nn.Linear, packed: Prepacked) -> None:
+        w = linear.weight
+        super().__init__(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
+        self.packed = packed
+        self.weight = packed.release()
+        self.bias = linear.bias  # the Parameter the packed linear holds
+        self.register_state_dict_post_hook(_dense_own_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if not self.packed.holds(self.weight, self.bias):
+            raise RuntimeError(EDITED)
+        return self.packed(x)
+
+    def unpacked(self) -> nn.Linear:
+        """A plain nn.Linear of the same weights (re-derived) and the same bias Parameter."""
+        w = self.weight
+        plain = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
+        plain.weight = nn.Parameter(self.packed.dense(), requires_grad=False)
+        plain.bias = self.bias
+        return plain
+
+
+def _dense_own_weight(module: PackedLinear, state: dict[str, Any], prefix: str, _: Any) -> None:
+    if is_placeholder(state.get(prefix + "weight")):
+        state[prefix + "weight"] = module.packed.dense()
+
+
+def pack_linear(linear: nn.Module) -> nn.Module:
+    """A plain nn.Linear as a PackedLinear (its plain weight released) where it can be packed;
+    anything else as it is."""
+    if type(linear) is not nn.Linear:
+        return linear
+    packed = Prepacked.build(linear.weight, linear.bias)  # type: ignore[arg-type]
+    return linear if packed is None else PackedLinear(linear, packed)  # type: ignore[arg-type]
+
+
+def plain_linear(linear: nn.Module) -> nn.Module:
+    """A PackedLinear back as a plain nn.Linear; anything else as it is."""
+    return linear.unpacked() if isinstance(linear, PackedLinear) else linear
+
+
+def refuse_released(module: nn.Module, _args: Any) -> None:
+    """Forward pre-hook of a fused part holding a placeholder: its plain weight is gone."""
+    if is_placeholder(getattr(module, "weight", None)):
+        raise RuntimeError(
+            "this linear's plain weight was released (prepacked, fused with others): run it "
+            "through its owner or unpack() the owner first"
+        )
+
+
 class PackOwner(nn.Module):
-    """A module whose linears may hold placeholders for released plain weights (see the module
-    doc). Its state dict carries the re-derived plain weights under their usual names, and a
-    load into it or a move of it unpacks first, so both see plain weights. Subclasses say
-    which entries are released (`dense_weights`) and how to take them back (`unpack`)."""
+    """A module whose fused linears may hold placeholders for released plain weights (see the
+    module doc). Its state dict carries the re-derived plain weights under their usual names,
+    and a load into it or a move of it unpacks first, so both see plain weights. Subclasses
+    say which entries are released (`dense_weights`) and how to take them back (`unpack`)."""
 
     def __init__(self) -> None:
         super().__init__()
