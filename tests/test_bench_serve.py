@@ -12,7 +12,10 @@ import pytest
 from kvstrata.cli.main import main
 from tests.serve_helpers import Server
 
-KEYS = ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "hit_rate", "errors")
+KEYS = (
+    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tpot_p50_s", "output_tokens_per_s", "hit_rate",
+    "errors",
+)  # fmt: skip
 
 
 CKPT = {"seed": 5, "max_position_embeddings": 4096}
@@ -58,6 +61,9 @@ def test_bench_serve_starts_our_server_twice(ckpt: Path, tmp_path: Path) -> None
     assert direct["requests"] == 6 and direct["errors"] == 0
     assert direct["prompt_tokens"] == rep["cache_on"]["prompt_tokens"]
     assert direct["hit_rate"] > 0.3 and rep["ttft_p50_http_over_direct"] > 0
+    budget = rep["direct_budget"]  # the same load under the decode-latency budget
+    assert budget["requests"] == 6 and budget["errors"] == 0 and budget["tpot_p50_s"] > 0
+    assert rep["tpot_p50_s_budget_over_off"] > 0 and rep["ttft_p90_s_budget_over_off"] > 0
 
 
 @pytest.mark.slow

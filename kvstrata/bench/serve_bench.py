@@ -3,11 +3,13 @@
 Without --url it starts our server twice on a free port (default tiers, then --tiers none) and
 drives each with the same sessions; with --url it drives that server (any OpenAI-compatible
 engine) twice, the second time with a fresh `cache_salt` per request, so nothing is shared.
-Prints TTFT p50/p99, output tokens/s, hit rate; writes a PNG. Without --url it also measures the
-server's overhead: TTFT through HTTP of a full L1 hit over the engine's own TTFT for the same
-prompt tokens (an in-process engine with the same configs), interleaved, medians; and the same
-agent load driven straight into that in-process engine (`direct`), HTTP over direct for TTFT p50
-and wall time. Server and baseline use BENCH_THREADS torch threads each.
+Prints TTFT p50/p90/p99, TPOT p50, output tokens/s, hit rate; writes a PNG. Without --url it
+also measures the server's overhead: TTFT through HTTP of a full L1 hit over the engine's own
+TTFT for the same prompt tokens (an in-process engine with the same configs), interleaved,
+medians; and the same agent load driven straight into that in-process engine (`direct`), HTTP
+over direct for TTFT p50 and wall time; and that load once more with the decode-latency budget
+(`direct_budget`: `EngineConfig.decode_step_tokens` = DECODE_BUDGET), its TPOT p50 and TTFT p90
+over the unbudgeted run's. Server and baseline use BENCH_THREADS torch threads each.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ ENGINE_ARGS = [
     "--threads", str(BENCH_THREADS),
 ]  # fmt: skip
 OVERHEAD_REPEATS = 5
+DECODE_BUDGET = 256
+"""Tokens per step while requests decode, in the `direct_budget` run (decodes + prefill)."""
 
 
 @BENCHES.register("serve")
@@ -65,7 +69,7 @@ def serve_bench(
     )
     report["errors"] = on["errors"] + off["errors"]
     for mode, rep in (("on", on), ("off", off)):  # the scalars the table prints
-        for key in ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s", "hit_rate"):
+        for key in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "output_tokens_per_s", "hit_rate"):
             report[f"{key}_{mode}"] = rep[key]
     if "l1_hit_overhead" in report:
         report["l1_hit_http_over_engine"] = report["l1_hit_overhead"]["http_over_engine"]
@@ -73,6 +77,10 @@ def serve_bench(
         d = report["direct"]
         report["ttft_p50_http_over_direct"] = on["ttft_p50_s"] / d["ttft_p50_s"]
         report["wall_http_over_direct"] = on["wall_s"] / d["wall_s"]
+        b = report["direct_budget"]
+        for key in ("tpot_p50_s", "ttft_p90_s"):
+            report[f"{key}_budget"] = b[key]
+            report[f"{key}_budget_over_off"] = b[key] / d[key] if d[key] else 0.0
     return report
 
 
@@ -114,10 +122,11 @@ def _drive_ours(
             if srv.terminate() != 0:
                 raise RuntimeError(f"server ({mode}) did not exit 0; see {srv.log}")
     report["direct"] = _direct(path, spec, progress)
+    report["direct_budget"] = _direct(path, spec, progress, DECODE_BUDGET)
     return report
 
 
-def _engine(path: Path) -> Any:
+def _engine(path: Path, decode_step_tokens: int = 0) -> Any:
     """The in-process baseline: the server's cache_on configs (ENGINE_ARGS), built alike."""
     from kvstrata.cache.config import CacheConfig
     from kvstrata.engine.build import build_engine
@@ -125,20 +134,29 @@ def _engine(path: Path) -> Any:
     from kvstrata.model.checkpoint import load_model
 
     cfg = CacheConfig(page_size=64, device_pages=512, host_pages=1024)
-    ecfg = EngineConfig(model=str(path), tiers="l1_l2", threads=BENCH_THREADS)
+    ecfg = EngineConfig(
+        model=str(path),
+        tiers="l1_l2",
+        threads=BENCH_THREADS,
+        decode_step_tokens=decode_step_tokens,
+    )
     return build_engine(ecfg, cfg, model=load_model(path))
 
 
-def _direct(path: Path, spec: LoadSpec, progress: Progress) -> dict[str, Any]:
-    """The same agent load with no HTTP in between: the server's overhead on that load."""
+def _direct(
+    path: Path, spec: LoadSpec, progress: Progress, decode_step_tokens: int = 0
+) -> dict[str, Any]:
+    """The same agent load with no HTTP in between: the server's overhead on that load
+    (`decode_step_tokens`: the engine's decode-latency budget; 0 = off, as the server's)."""
     from kvstrata.bench.serve_direct import run_direct
     from kvstrata.model.checkpoint import load_model
     from kvstrata.serve.codec import open_codec
 
-    built = _engine(path)
+    built = _engine(path, decode_step_tokens)
+    name = "direct" + (f" budget {decode_step_tokens}" if decode_step_tokens else "")
     try:
         codec = open_codec(path, load_model(path).vocab_size)
-        res = run_direct(built.engine, codec, spec, _ticker(progress, "direct", spec))
+        res = run_direct(built.engine, codec, spec, _ticker(progress, name, spec))
         built.engine.check_integrity()
     finally:
         built.close()

@@ -168,7 +168,9 @@ def summarize(res: LoadResult) -> dict[str, Any]:
         "requests": len(res.turns),
         "errors": len(res.errors),
         "ttft_p50_s": _pct(ttfts, 0.50),
+        "ttft_p90_s": _pct(ttfts, 0.90),
         "ttft_p99_s": _pct(ttfts, 0.99),
+        "tpot_p50_s": _pct(_tpots(res), 0.50),
         "output_tokens_per_s": sum(t.completion_tokens for t in res.turns) / res.wall_s
         if res.wall_s
         else 0.0,
@@ -178,6 +180,16 @@ def summarize(res: LoadResult) -> dict[str, Any]:
         "ttft_by_turn_s": _by_turn(res),
         "error_messages": res.errors[:5],
     }
+
+
+def _tpots(res: LoadResult) -> list[float]:
+    """Per turn with 2+ output tokens, its time per output token after the first (vLLM's TPOT:
+    (e2e - TTFT) / (output tokens - 1)), sorted."""
+    return sorted(
+        (t.e2e_s - t.ttft_s) / (t.completion_tokens - 1)
+        for t in res.turns
+        if t.completion_tokens > 1
+    )
 
 
 def _pct(xs: list[float], q: float) -> float:
