@@ -283,7 +283,8 @@ def _check_memory(model: DecoderLM, cache: CacheConfig, dist_cfg: DistConfig, pa
     limit = model.spec.max_position_embeddings
     if cache.page_size > limit:
         raise ValueError(f"--page-size {cache.page_size} exceeds the model's {limit} positions")
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    # parameters, not the state dict: that re-derives every prepacked weight (model/prepack.py)
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
     validate.check_memory(
         [
             ("--device-pages", cache.device_pages * page),
