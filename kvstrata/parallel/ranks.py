@@ -156,7 +156,7 @@ class RankEngine:
         shape = rp.part.shape
         cp = ctx.config.cp
         self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
-        ns = Namespace(fp, shape.dtype, page_size=cache_cfg.page_size)
+        ns = Namespace(fp, shape.dtype, page_size=cache_cfg.page_size, kv_layout=shape.layout)
         parts = self._parts(engine_cfg, cache_cfg, storage_cfg, rp.part)
         self.mover: DistMover | None = parts.mover  # type: ignore[assignment]
         self.log = DecisionLog.from_config(ctx.config, ctx.rank, ctx.run_id, config_digest(check))
