@@ -118,7 +118,8 @@ def model_part(ctx: RankContext, full: Any, shape: KVShape) -> RankParts:
         model = stage = PipelineStage(tp_model, cfg.pp, ctx.pp_rank, ranks, ctx.pp_group)
     if cfg.cp > 1:
         model = CPModel(tp_model, cfg.cp, ctx.cp_rank, ctx.cp_group, stage)
-    heads = head_range(spec.num_kv_heads, cfg.tp, ctx.tp_rank)
+    # a latent page has no head axis: every tp rank holds all of it
+    heads = (0, 1) if shape.layout == "mla" else head_range(spec.num_kv_heads, cfg.tp, ctx.tp_rank)
     n = stage.end - stage.first if stage is not None else spec.num_layers
     return RankParts(model, PagePart(shape, layers, heads), stage, n)
 
@@ -205,7 +206,9 @@ class RankEngine:
             )
         delay = (o.delay, o.seed * 1000 + ctx.rank) if o.delay else None
         writer = ctx.tp_rank == 0 and ctx.pp_rank == 0  # commits its cp rank's pages
-        mover = DistMover(self.pool, host, storage, writer, delay)
+        # tp ranks holding the same latent units: only tp rank 0 writes them, all read them
+        units = part.shape.layout != "mla" or ctx.tp_rank == 0
+        mover = DistMover(self.pool, host, storage, writer, delay, unit_writer=units)
         return CacheParts(self.pool, host, mover, storage is not None)
 
     # ---- the step agreement --------------------------------------------------------------------
