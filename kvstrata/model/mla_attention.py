@@ -110,8 +110,7 @@ class MLAttention(nn.Module):
         write_rows(v_pool.view(-1, 1, half), latent[:, None, half:], meta)
         if rows is not None:  # only these queries: each reads its whole context from the pool
             q_nope, q_pe, meta = q_nope[rows], q_pe[rows], meta.last_rows(rows)
-        absorb = meta.all_decode if self.absorb is None else self.absorb
-        attend = self._absorbed if absorb else self._plain
+        absorb = self.absorbs(meta)
         out = torch.empty(
             q_nope.shape[0], self.d.heads, self.d.v_dim, dtype=q_nope.dtype, device=x.device
         )
@@ -120,9 +119,24 @@ class MLAttention(nn.Module):
             rows_s = slice(start, start + n)
             ctx = context_rows(k_pool, v_pool, meta, s).to(q_nope.dtype)  # [ctx, D]
             mask = None if n == 1 and meta.tail[s] else meta.masks[s]
-            out[rows_s] = attend(q_nope[rows_s], q_pe[rows_s], ctx, mask)
+            out[rows_s] = self.attend(q_nope[rows_s], q_pe[rows_s], ctx, mask, absorb)
             start += n
         return self.o_proj(out.flatten(1))
+
+    def absorbs(self, meta: AttnMeta) -> bool:
+        """Whether this forward attends in latent space (see `absorb`)."""
+        return meta.all_decode if self.absorb is None else self.absorb
+
+    def attend(
+        self,
+        q_nope: torch.Tensor,  # [n, heads, nope]
+        q_pe: torch.Tensor,  # [n, heads, rope] rotated
+        ctx: torch.Tensor,  # [ctx, D] the sequence's latent rows, in the queries' dtype
+        mask: torch.Tensor | None,  # [n, ctx] bool, True = may attend; None: all visible
+        absorb: bool,
+    ) -> torch.Tensor:
+        """Attention output of n queries over a context of latent rows  # [n, heads, v_dim]"""
+        return (self._absorbed if absorb else self._plain)(q_nope, q_pe, ctx, mask)
 
     def _plain(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor | None
