@@ -3,18 +3,22 @@ its pages through the cache tiers: cold, chunked, batched decode, absorbed = pla
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import xxhash
 
+from kvstrata.cache.keys import KEY_LAYOUT_VERSION, Namespace
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.model.deepseek import MLADecoderLM
 from kvstrata.model.mla_attention import MLAttention
+from kvstrata.storage.units import PagePart, UnitLayout
 from tests.test_engine_cache import assert_same, cached_pages, conversation, run_turns
 from tests.tiny_models import YARN_SCALING, hf_greedy, hf_logits, load_hf, rel_err
 
@@ -148,3 +152,21 @@ def test_prefix_hits_from_every_tier_equal_cold(model: DecoderLM, tmp_path: Path
     l3 = run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts)  # fresh engine, same store
     assert_same(ref, l3)
     assert l3[0].hits == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // 8}
+
+
+def test_latent_namespace_and_units() -> None:
+    """Latent pages get their own namespace (never a GQA page's key, same model or not) and
+    storage units cut by layer range only."""
+    gqa = Namespace("fp", "float32", page_size=PAGE)
+    mla = Namespace("fp", "float32", page_size=PAGE, kv_layout="mla")
+    assert gqa.seed() != mla.seed()
+    blob = json.dumps(["fp", "float32", KEY_LAYOUT_VERSION, "", PAGE]).encode()
+    assert gqa.seed() == xxhash.xxh3_128_intdigest(blob)  # GQA keys are what they always were
+    shape = KVShape.latent(3, 24, PAGE)
+    layout = UnitLayout(shape)
+    part = PagePart(shape, (0, 3), (0, 1))
+    assert layout.blocks(part) == [((n, n + 1), (0, 1)) for n in range(3)]
+    assert layout.unit_nbytes == PAGE * 24 * 4  # one layer's latent rows of a page
+    assert part.shape == shape and PagePart(shape, (1, 3), (0, 1)).shape.layout == "mla"
+    with pytest.raises(ValueError, match="even"):
+        KVShape.latent(3, 23, PAGE)
