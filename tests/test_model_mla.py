@@ -123,7 +123,7 @@ def test_batched_decode_equals_transformers(model: DecoderLM, hf: Any) -> None:
             assert rel_err(logits[s], ref) <= TOL
             seq.append(nxt[s])
         batch = SeqBatch.build([[t] for t in nxt], [len(q) - 1 for q in seqs], tables)
-        logits = model(batch, pool)  # every sequence one token: the absorbed (latent) path
+        logits = model(batch, pool)  # one token each: attention in latent space (absorbed)
     pool.check_integrity()
 
 
@@ -136,6 +136,10 @@ def test_absorbed_equals_plain(model: DecoderLM) -> None:
         out[absorb] = run_chunks(model, toks, [9, 1, 17])
     set_absorb(model, None)
     assert rel_err(out[True], out[False]) <= 1e-5
+    # by default the cheaper one: latent space below 16 * 22 / (24 + 16 - 20 - 10) = 35.2 queries
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn, MLAttention)
+    assert attn.absorbs(1) and attn.absorbs(35) and not attn.absorbs(36)
 
 
 def test_prefix_hits_from_every_tier_equal_cold(model: DecoderLM, tmp_path: Path) -> None:

@@ -189,11 +189,11 @@ class CPModel(ModelPart):
         flat = scratch.view(2, -1, 1, half)  # [2, n_pages * page, 1, D/2]
         flat.index_copy_(1, meta.slots, new.to(flat.dtype))
         out = q_nope.new_empty((h.shape[0], attn.d.heads, attn.d.v_dim))
-        absorb = attn.absorbs(meta)
         for s, ((xr, mr), slots) in enumerate(zip(p.seq_rows, meta.ctx_slots, strict=True)):
             if xr.numel():
                 rows = torch.cat((flat[0, slots], flat[1, slots]), -1).flatten(1).to(h.dtype)
                 mask = meta.masks[s][mr]  # [t_s, ctx]
+                absorb = attn.absorbs(meta.seq_lens[s])
                 out[xr] = attn.attend(q_nope[xr], q_pe[xr], rows, mask, absorb)
         return attn.o_proj(out.flatten(1))
 
