@@ -174,3 +174,21 @@ def test_latent_namespace_and_units() -> None:
     assert part.shape == shape and PagePart(shape, (1, 3), (0, 1)).shape.layout == "mla"
     with pytest.raises(ValueError, match="even"):
         KVShape.latent(3, 23, PAGE)
+
+
+def test_nextn_layer_weights_are_not_the_targets(mla_ckpt: Path, tmp_path: Path) -> None:
+    """A checkpoint's NextN/MTP layers (model.layers.N.* past num_hidden_layers) are left to a
+    draft: the target loads without them and computes the same logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(mla_ckpt, tmp_path / "nextn")
+    (file,) = (tmp_path / "nextn").glob("*.safetensors")
+    state = load_file(str(file))
+    state["model.layers.3.eh_proj.weight"] = torch.ones(64, 128)
+    state["model.layers.3.self_attn.kv_b_proj.weight"] = torch.ones(88, 16)
+    save_file(state, str(file), metadata={"format": "pt"})
+    toks = tokens(13, seed=8)
+    with_nextn = run_chunks(load_model(tmp_path / "nextn"), toks, [13])
+    assert torch.equal(with_nextn, run_chunks(load_model(mla_ckpt), toks, [13]))
