@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kvstrata.model.attn_meta import AttnMeta, write_rows
-from kvstrata.model.layers import RMSNorm, apply_rotary, apply_rotary_interleaved
+from kvstrata.model.layers import Fused, RMSNorm, apply_rotary, apply_rotary_interleaved
 
 sdpa = nn.functional.scaled_dot_product_attention
 
@@ -76,9 +76,16 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, 1e-6, dtype)
         self.kv_b_proj = nn.Linear(d.kv_lora_rank, h * (d.nope_dim + d.v_dim), False, dtype=dtype)
         self.o_proj = nn.Linear(h * d.v_dim, d.hidden, bias=bias, dtype=dtype)
+        self.fused: Fused | None = None  # the hidden state's two projections, once fuse() ran
 
     def fuse(self, prepack: bool = False) -> None:
-        """Nothing to fuse: the absorbed path reads kv_b_proj's rows in place."""
+        """The two projections of the hidden state (q_a_proj or q_proj, kv_a_proj_with_mqa) as
+        one matmul (see Fused); kv_b_proj stays whole: the absorbed path reads its rows."""
+        self.fused = Fused.build(self._inputs(), prepack)
+
+    def _inputs(self) -> list[nn.Linear]:
+        first = self.q_proj if self.d.q_lora_rank is None else self.q_a_proj
+        return [first, self.kv_a_proj_with_mqa]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotate = apply_rotary_interleaved if self.d.rope_interleave else apply_rotary
@@ -89,13 +96,15 @@ class MLAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q_nope [T, heads, nope], rotated q_pe [T, heads, rope], latent rows [T, D])."""
         d, t = self.d, x.shape[0]
-        if d.q_lora_rank is None:
-            q = self.q_proj(x)
+        parts = self._inputs()
+        if self.fused is not None and self.fused.holds(parts):
+            q, kv = self.fused(x).split([parts[0].out_features, d.row], dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, d.heads, d.qk_dim)
-        q_nope, q_pe = q.split([d.nope_dim, d.rope_dim], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.rope_dim], dim=-1)
+            q, kv = parts[0](x), parts[1](x)
+        if d.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_pe = q.reshape(t, d.heads, d.qk_dim).split([d.nope_dim, d.rope_dim], dim=-1)
+        c, k_pe = kv.split([d.kv_lora_rank, d.rope_dim], dim=-1)
         k_pe = self._rotate(k_pe.view(t, 1, d.rope_dim), cos, sin).view(t, d.rope_dim)
         return q_nope, self._rotate(q_pe, cos, sin), torch.cat((self.kv_a_layernorm(c), k_pe), -1)
 
