@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from tests.tiny_models import make_llama
+from tests.tiny_models import make_deepseek, make_llama
 
 
 class TinyCheckpoints:
-    """make_llama checkpoints by their arguments, each made once (same arguments, same bytes).
+    """make_llama (and make_deepseek) checkpoints by their arguments, each made once (same
+    arguments, same bytes).
     Every one is a directory named `tiny` (the served model name tests expect)."""
 
     def __init__(self, root: Path) -> None:
@@ -25,6 +26,13 @@ class TinyCheckpoints:
         key = json.dumps(kw, sort_keys=True)
         if key not in self.made:
             self.made[key] = make_llama(self.root / f"llama{len(self.made)}" / "tiny", **kw)
+        return self.made[key]
+
+    def deepseek(self, **kw: Any) -> Path:
+        """make_deepseek(**kw), made once (a DeepseekV3 MLA checkpoint)."""
+        key = "deepseek" + json.dumps(kw, sort_keys=True)
+        if key not in self.made:
+            self.made[key] = make_deepseek(self.root / f"deepseek{len(self.made)}" / "tiny", **kw)
         return self.made[key]
 
 
@@ -40,3 +48,12 @@ def ckpt(request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckpoints) -> P
     if kw is None:
         raise ValueError(f"{request.module.__name__} uses `ckpt` but sets no CKPT dict")
     return tiny_checkpoints.llama(**kw)
+
+
+@pytest.fixture(scope="module")
+def mla_ckpt(request: pytest.FixtureRequest, tiny_checkpoints: TinyCheckpoints) -> Path:
+    """The module's tiny DeepseekV3 (MLA + MoE): make_deepseek(**MLA_CKPT) of the test module."""
+    kw = getattr(request.module, "MLA_CKPT", None)
+    if kw is None:
+        raise ValueError(f"{request.module.__name__} uses `mla_ckpt` but sets no MLA_CKPT dict")
+    return tiny_checkpoints.deepseek(**kw)

@@ -110,6 +110,17 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         ),
         False,
     ),
+    "mla": (
+        frozenset(
+            {
+                "speedup_absorbed_vs_plain",
+                "max_rel_diff",
+                "latent_bytes_per_token_layer",
+                "kv_heads_bytes_per_token_layer",
+            }
+        ),
+        False,
+    ),
 }
 COVERED_ELSEWHERE = {
     "serve": "tests/test_bench_serve.py",
@@ -154,3 +165,5 @@ def test_quick_bench_writes_its_keys(name: str, tmp_path: Path) -> None:
         assert report.get("same_tokens_as_hf", report.get("first_tokens_identical")) is True
     if name == "transfer":
         assert report["bit_exact"] is True
+    if name == "mla":  # the two exact ways agree
+        assert report["max_rel_diff"] <= 1e-5

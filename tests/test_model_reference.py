@@ -41,6 +41,12 @@ VARIANTS: dict[str, Callable[[Path], Path]] = {
     ),
     # Qwen2: q/k/v biases, tied embeddings
     "qwen2": lambda p: make_qwen2(p, seed=3),
+    # YaRN: scaled frequencies and cos/sin scaled by its attention factor
+    "llama-yarn": lambda p: make_llama(
+        p,
+        seed=7,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
 }
 
 

@@ -116,3 +116,60 @@ def save_echo_head(ckpt: Path, path: Path) -> str:
         head.layer.mlp.down_proj.weight.mul_(0.1)
     save_head(head, path)
     return f"mtp:{path}"
+
+
+YARN_SCALING = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+_DEEPSEEK: dict[str, Any] = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,  # the dense layers' MLP
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,  # one dense layer, then two MoE layers
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 12,
+    "v_head_dim": 10,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 256,  # = 4 x YARN_SCALING's original
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 5000.0,
+    "num_nextn_predict_layers": 0,
+}
+
+
+def make_deepseek(
+    path: str | Path, seed: int = 0, rope_scaling: dict[str, Any] | None = None, **overrides: Any
+) -> Path:
+    """Save a random DeepseekV3ForCausalLM (MLA, dense then MoE layers) to `path`; same seed and
+    options -> identical bytes. The router's correction bias is drawn too (zero by default)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = {**_DEEPSEEK, **overrides}
+    if rope_scaling is not None:
+        kw["rope_scaling"] = {**rope_scaling, "rope_theta": kw["rope_theta"]}
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**kw))
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.1)
+    return _save(model, Path(path))

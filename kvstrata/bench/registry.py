@@ -28,6 +28,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.spec",
     "kvstrata.bench.prefill",
     "kvstrata.bench.decode",
+    "kvstrata.bench.mla",
     "kvstrata.bench.pd",
     "kvstrata.bench.sglang_hicache",
     "kvstrata.bench.vllm_bench",

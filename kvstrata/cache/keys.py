@@ -31,6 +31,7 @@ class Namespace:
     layout_version: int = doc(KEY_LAYOUT_VERSION, "version of the stored page layout")
     tenant_salt: str = doc("", "optional per-tenant salt; tenants never share pages")
     page_size: int = doc(64, "tokens per page")
+    kv_layout: str = doc("gqa", 'what a page holds: "gqa" K/V heads, "mla" latent rows')
 
     @functools.cached_property
     def _seed(self) -> int:
@@ -41,6 +42,8 @@ class Namespace:
                 self.layout_version,
                 self.tenant_salt,
                 self.page_size,
+                # a latent page never meets a GQA one; "gqa" keeps the keys it always had
+                *([self.kv_layout] if self.kv_layout != "gqa" else []),
             ]
         ).encode()
         return xxhash.xxh3_128_intdigest(blob)

@@ -86,7 +86,13 @@ def build_engine(
     if config.spec_draft:
         spec, shape, fingerprint = build_speculator(config, model, shape)
     pool = DevicePool(shape, cache_cfg.device_pages)
-    ns = Namespace(fingerprint, shape.dtype, tenant_salt=tenant, page_size=cache_cfg.page_size)
+    ns = Namespace(
+        fingerprint,
+        shape.dtype,
+        tenant_salt=tenant,
+        page_size=cache_cfg.page_size,
+        kv_layout=shape.layout,
+    )
     parts = CacheParts(pool)
     if config.tiers != "none":
         parts = _tiered_parts(pool, cache_cfg, storage_cfg or StorageConfig())

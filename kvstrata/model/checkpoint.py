@@ -7,7 +7,10 @@ weights must never be served to another.
 from __future__ import annotations
 
 import json
+import re
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +20,38 @@ from safetensors.torch import load_file
 
 from kvstrata.memory.layout import DTYPES
 from kvstrata.model.decoder import DecoderLM, ModelSpec
-from kvstrata.model.layers import Rotary
+from kvstrata.model.deepseek import MLADecoderLM, parse_deepseek_spec
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one Hugging Face architecture name loads: its model class and its own config."""
+
+    model: type[DecoderLM]
+    """The class built from the spec (its state dict names equal the checkpoint's)."""
+    refine: Callable[[dict[str, Any], ModelSpec], ModelSpec] = lambda cfg, base: base
+    """The architecture's own fields on top of the shared ModelSpec (config dict, base)."""
+    fp32_keys: tuple[str, ...] = ()
+    """Suffixes of weights kept fp32 whatever the model dtype (e.g. an MoE router's)."""
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(DecoderLM),
+    "Qwen2ForCausalLM": Architecture(DecoderLM),
+    "DeepseekV3ForCausalLM": Architecture(
+        MLADecoderLM,
+        parse_deepseek_spec,
+        fp32_keys=("mlp.gate.weight", "mlp.gate.e_score_correction_bias"),
+    ),
+}
+"""Supported architectures by config.json name (README lists them)."""
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 INDEX_FILE = "model.safetensors.index.json"
 _SAMPLE = 4096  # bytes hashed at the start and the middle of every tensor
 
@@ -79,7 +110,7 @@ def parse_spec(cfg: dict[str, Any]) -> ModelSpec:
     theta, scaling = _rope(cfg)
     qwen2 = arch == "Qwen2ForCausalLM"
     bias = bool(cfg.get("attention_bias", False))
-    return ModelSpec(
+    base = ModelSpec(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
@@ -97,6 +128,7 @@ def parse_spec(cfg: dict[str, Any]) -> ModelSpec:
         mlp_bias=bool(cfg.get("mlp_bias", False)) and not qwen2,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
     )
+    return ARCHITECTURES[arch].refine(cfg, base)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -148,7 +180,19 @@ def _state_dict(path: Path, spec: ModelSpec, dtype: torch.dtype) -> dict[str, to
         state.update(load_file(str(file)))
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the head is the embedding matrix
-    return {k: v.to(dtype) for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    fp32 = ARCHITECTURES[spec.architecture].fp32_keys
+    return {
+        k: v.to(torch.float32 if k.endswith(fp32) else dtype)
+        for k, v in state.items()
+        if not k.endswith("rotary_emb.inv_freq") and not _extra_layer(k, spec.num_layers)
+    }
+
+
+def _extra_layer(key: str, num_layers: int) -> bool:
+    """True for weights of layers past the decoder's own (a checkpoint's NextN/MTP layers,
+    which a draft reads, never the target)."""
+    m = _LAYER_KEY.match(key)
+    return m is not None and int(m.group(1)) >= num_layers
 
 
 def load_model(
@@ -162,7 +206,7 @@ def load_model(
     root = Path(path)
     spec = parse_spec(read_config(root))
     with torch.device("meta"):
-        model = DecoderLM(spec, dtype)
+        model = ARCHITECTURES[spec.architecture].model(spec, dtype)
     state = _state_dict(root, spec, DTYPES[dtype])
     mapped = {t.untyped_storage().data_ptr() for t in state.values()}
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -172,7 +216,7 @@ def load_model(
             f"checkpoint {root} does not match {spec.architecture}: "
             f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
         )
-    model.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)  # was on meta
+    model.rotary = model.make_rotary()  # was on meta
     model.fingerprint = fingerprint(root)
     # fused on the device: views of the moved weights
     model = model.to(device).eval().fuse(prepack)

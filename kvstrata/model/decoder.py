@@ -172,10 +172,12 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     """Holds the HF-named `model.*` parameters (embed_tokens, layers, norm)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(
+        self, spec: ModelSpec, dtype: torch.dtype, make_layer: Callable[[int], nn.Module]
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(spec, dtype) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
 
@@ -190,13 +192,22 @@ class DecoderLM(nn.Module):
         self.dtype_name = dtype
         self.fingerprint = ""  # set by checkpoint.load_model: identity of the weights
         tdtype = DTYPES[dtype]
-        self.model = _Backbone(spec, tdtype)
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.model = _Backbone(spec, tdtype, lambda i: self.make_layer(i, tdtype))
+        self.rotary = self.make_rotary()
         self.lm_head: nn.Linear | None = None
         self.head_packed: Prepacked | None = None  # the LM head in oneDNN's layout (fuse)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=tdtype)
         self.requires_grad_(False)  # inference only: pool writes must never join a graph
+
+    def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
+        """Decoder layer `index` (an architecture with other layers overrides this)."""
+        return DecoderLayer(self.spec, dtype)
+
+    def make_rotary(self) -> Rotary:
+        """The rotary tables every layer shares."""
+        s = self.spec
+        return Rotary(s.head_dim, s.rope_theta, s.rope_scaling)
 
     @property
     def vocab_size(self) -> int:

@@ -205,10 +205,59 @@ def _llama3(head_dim: int, theta: float, p: Mapping[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(head_dim: int, theta: float, p: Mapping[str, Any]) -> torch.Tensor:
+    """YaRN: frequencies above the correction range kept (extrapolated), below it divided by
+    `factor` (interpolated), a linear ramp between (dimension bounds from beta_fast/slow)."""
+    factor, old_ctx = float(p["factor"]), float(p["original_max_position_embeddings"])
+    fast, slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = _base_inv_freq(head_dim, theta)
+    keep = 1 - ramp  # share of the extrapolated (unscaled) frequency
+    return base / factor * (1 - keep) + base * keep
+
+
+def rope_attention_factor(scaling: Mapping[str, Any] | None) -> float:
+    """The factor a rope type multiplies cos and sin by (YaRN's attention temperature; 1.0 for
+    the others)."""
+    p = scaling or {}
+    if p.get("rope_type") != "yarn":
+        return 1.0
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    factor, mscale, all_dim = float(p["factor"]), p.get("mscale"), p.get("mscale_all_dim")
+    if mscale and all_dim:
+        return _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
+    return _yarn_mscale(factor)
+
+
+def softmax_mscale(scaling: Mapping[str, Any] | None) -> float:
+    """DeepSeek's extra softmax scale under a scaled rope: mscale(factor, mscale_all_dim)^2
+    (1.0 without scaling or without mscale_all_dim)."""
+    p = scaling or {}
+    all_dim = p.get("mscale_all_dim")
+    if p.get("rope_type", "default") == "default" or not all_dim:
+        return 1.0
+    return _yarn_mscale(float(p["factor"]), float(all_dim)) ** 2
+
+
 ROPE_TYPES: dict[str, Callable[[int, float, Mapping[str, Any]], torch.Tensor]] = {
     "default": _default,
     "linear": _linear,
     "llama3": _llama3,
+    "yarn": _yarn,
 }
 """Supported rope types. "dynamic" NTK is deliberately absent: its frequencies depend on the
 longest sequence in the current forward, so a position's K would differ between a one-shot
@@ -227,6 +276,7 @@ class Rotary(nn.Module):
                 f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
             )
         self.register_buffer("inv_freq", fn(head_dim, theta, scaling or {}), persistent=False)
+        self.attention_factor = rope_attention_factor(scaling)  # scales cos and sin
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -234,6 +284,10 @@ class Rotary(nn.Module):
         """cos, sin tables for absolute `positions` [T] -> two [T, head_dim] tensors."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (
+                emb.sin() * self.attention_factor
+            ).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -242,3 +296,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, dim] whose rotary dims come in pairs (x0, x1), (x2, x3), ...
+    (DeepSeek's `rope_interleave`): out = [even * cos - odd * sin | odd * cos + even * sin],
+    the pairs de-interleaved as transformers lays them out (cos/sin [T, dim], halves equal)."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * c - odd * s, odd * c + even * s), dim=-1)

@@ -31,6 +31,7 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.attn_meta import AttnMeta, build_meta
 from kvstrata.model.decoder import DecoderLayer, DecoderLM, ForwardArgs, ModelPart, SeqBatch
+from kvstrata.model.mla_attention import MLAttention
 from kvstrata.parallel.cp_attn import attend_owned
 from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
 from kvstrata.parallel.pp import PipelineStage
@@ -156,6 +157,9 @@ class CPModel(ModelPart):
     ) -> torch.Tensor:
         attn, t = layer.self_attn, x.shape[0]
         h = layer.input_layernorm(x)
+        if isinstance(attn, MLAttention):
+            x = x + self._latent_attention(attn, h, rope, scratch, meta, p)
+            return x + layer.mlp(layer.post_attention_layernorm(x))
         q, k, v = attn.qkv(h, *rope)
         new = self._exchange(k, v, p)  # [2, T, kv_heads, dim]
         flat = scratch.view(2, -1, attn.kv_heads, attn.head_dim)  # [2, n_pages * page, ...]
@@ -168,6 +172,30 @@ class CPModel(ModelPart):
                 out[xr] = attend_owned(q[xr], keys, values, meta, s, mr, gqa, p.bias)
         x = x + attn.o_proj(out.view(t, attn.heads * attn.head_dim))
         return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _latent_attention(
+        self,
+        attn: MLAttention,
+        h: torch.Tensor,  # [t, hidden] this rank's tokens, normed
+        rope: tuple[torch.Tensor, torch.Tensor],
+        scratch: torch.Tensor,  # [2, n_pages, page, 1, D/2]: latent rows' halves (layout.py)
+        meta: AttnMeta,
+        p: CPPlan,
+    ) -> torch.Tensor:
+        """MLA over latent pages: the new latent rows' halves travel as K and V do."""
+        q_nope, q_pe, latent = attn.project(h, *rope)  # latent [t, D]
+        half = latent.shape[1] // 2
+        new = self._exchange(latent[:, None, :half], latent[:, None, half:], p)  # [2, T, 1, D/2]
+        flat = scratch.view(2, -1, 1, half)  # [2, n_pages * page, 1, D/2]
+        flat.index_copy_(1, meta.slots, new.to(flat.dtype))
+        out = q_nope.new_empty((h.shape[0], attn.d.heads, attn.d.v_dim))
+        for s, ((xr, mr), slots) in enumerate(zip(p.seq_rows, meta.ctx_slots, strict=True)):
+            if xr.numel():
+                rows = torch.cat((flat[0, slots], flat[1, slots]), -1).flatten(1).to(h.dtype)
+                mask = meta.masks[s][mr]  # [t_s, ctx]
+                absorb = attn.absorbs(meta.seq_lens[s])
+                out[xr] = attn.attend(q_nope[xr], q_pe[xr], rows, mask, absorb)
+        return attn.o_proj(out.flatten(1))
 
     @torch.no_grad()
     def run(self, a: ForwardArgs) -> torch.Tensor:

@@ -33,7 +33,8 @@ class DistMover(TensorMover):
     """TensorMover for one rank of a tp x cp x pp layout, with optional injected delays.
 
     commit_writer: this rank writes the commit markers of the pages its cp rank owns (one rank
-    per cp rank: tp rank 0 of pp stage 0). delay = (max_polls, seed): each op looks unfinished
+    per cp rank: tp rank 0 of pp stage 0). unit_writer: False where another rank holds the same
+    units (latent pages, replicated over tp): this rank reads them but never writes them. delay = (max_polls, seed): each op looks unfinished
     for a random 0..max_polls polls on this rank (copies, storage reads and writes alike).
     """
 
@@ -44,6 +45,7 @@ class DistMover(TensorMover):
         storage: UnitStorage | None,
         commit_writer: bool = True,
         delay: tuple[int, int] | None = None,
+        unit_writer: bool = True,
     ) -> None:
         if storage is not None and storage.commit_on_put:
             raise ValueError(
@@ -52,6 +54,7 @@ class DistMover(TensorMover):
         super().__init__(device, host, storage)  # type: ignore[arg-type]
         self.units = storage
         self.commit_writer = commit_writer
+        self.unit_writer = unit_writer
         self.own = CPOwnership(device.n_shards)
         self.rank_cp = device.rank
         self.counts = dict.fromkeys(("backup_bytes", "foreign_backup_bytes", "commits"), 0)
@@ -112,6 +115,8 @@ class DistMover(TensorMover):
     def _backup(self, op: TransferOp) -> int:
         """Write this rank's units of the pages it owns; op.pages when all are in."""
         assert self.units is not None and self.host is not None
+        if not self.unit_writer:  # another rank holds and writes these very units
+            return op.pages
         pos = self._mine(op.src)
         pages = [self.host.page_bytes(op.src[i]) for i in pos]
         foreign = self._foreign_bytes([op.src[i] for i in pos])

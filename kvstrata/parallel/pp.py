@@ -50,6 +50,7 @@ class PipelineStage(ModelPart):
         self.lm_head = model.lm_head
         self.rotary = model.rotary
         self.head_packed = model.head_packed  # the last stage's LM head, prepacked (or None)
+        self.kv_layout = model.kv_shape(1).layout  # "gqa" K/V heads or "mla" latent rows
 
     @property
     def vocab_size(self) -> int:
@@ -62,9 +63,8 @@ class PipelineStage(ModelPart):
     def kv_shape(self, page_size: int, dtype: str | None = None) -> KVShape:
         """This stage's paged KV: only its layers."""
         s = self.spec
-        return KVShape(
-            self.end - self.first, s.num_kv_heads, s.head_dim, page_size, dtype or self.dtype_name
-        )
+        n, dtype = self.end - self.first, dtype or self.dtype_name
+        return KVShape(n, s.num_kv_heads, s.head_dim, page_size, dtype, self.kv_layout)
 
     @torch.inference_mode()  # as DecoderLM's: outputs are read, never updated
     def run(self, a: ForwardArgs) -> torch.Tensor:

@@ -118,7 +118,8 @@ def model_part(ctx: RankContext, full: Any, shape: KVShape) -> RankParts:
         model = stage = PipelineStage(tp_model, cfg.pp, ctx.pp_rank, ranks, ctx.pp_group)
     if cfg.cp > 1:
         model = CPModel(tp_model, cfg.cp, ctx.cp_rank, ctx.cp_group, stage)
-    heads = head_range(spec.num_kv_heads, cfg.tp, ctx.tp_rank)
+    # a latent page has no head axis: every tp rank holds all of it
+    heads = (0, 1) if shape.layout == "mla" else head_range(spec.num_kv_heads, cfg.tp, ctx.tp_rank)
     n = stage.end - stage.first if stage is not None else spec.num_layers
     return RankParts(model, PagePart(shape, layers, heads), stage, n)
 
@@ -156,7 +157,7 @@ class RankEngine:
         shape = rp.part.shape
         cp = ctx.config.cp
         self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
-        ns = Namespace(fp, shape.dtype, page_size=cache_cfg.page_size)
+        ns = Namespace(fp, shape.dtype, page_size=cache_cfg.page_size, kv_layout=shape.layout)
         parts = self._parts(engine_cfg, cache_cfg, storage_cfg, rp.part)
         self.mover: DistMover | None = parts.mover  # type: ignore[assignment]
         self.log = DecisionLog.from_config(ctx.config, ctx.rank, ctx.run_id, config_digest(check))
@@ -205,7 +206,9 @@ class RankEngine:
             )
         delay = (o.delay, o.seed * 1000 + ctx.rank) if o.delay else None
         writer = ctx.tp_rank == 0 and ctx.pp_rank == 0  # commits its cp rank's pages
-        mover = DistMover(self.pool, host, storage, writer, delay)
+        # tp ranks holding the same latent units: only tp rank 0 writes them, all read them
+        units = part.shape.layout != "mla" or ctx.tp_rank == 0
+        mover = DistMover(self.pool, host, storage, writer, delay, unit_writer=units)
         return CacheParts(self.pool, host, mover, storage is not None)
 
     # ---- the step agreement --------------------------------------------------------------------

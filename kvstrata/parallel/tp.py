@@ -20,12 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from kvstrata.model.decoder import DecoderLM, ModelSpec
+from kvstrata.model.deepseek import MLADecoderLM, MLASpec
 
 
 class AllReduceOut(nn.Module):
     """A row-parallel linear: local partial product, then all_reduce(SUM) over the group."""
 
-    def __init__(self, linear: nn.Linear, group: Any) -> None:
+    def __init__(self, linear: nn.Module, group: Any) -> None:
         super().__init__()
         self.linear = linear
         self.group = group
@@ -46,11 +47,13 @@ def head_range(num_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
 
 def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
     """ValueError, before any rank starts, for a layout this model cannot be split into."""
-    for what, n in (
-        ("query heads", spec.num_heads),
-        ("K/V heads", spec.num_kv_heads),
-        ("MLP width", spec.intermediate_size),
-    ):
+    sizes = [("query heads", spec.num_heads), ("MLP width", spec.intermediate_size)]
+    if isinstance(spec, MLASpec):  # every rank holds the whole latent: no K/V head to divide
+        assert spec.moe is not None
+        sizes.append(("MoE expert width", spec.moe.expert_size))
+    else:
+        sizes.append(("K/V heads", spec.num_kv_heads))
+    for what, n in sizes:
         if n % tp:
             raise ValueError(f"--tp {tp} must divide the model's {what} ({n})")
     if not 1 <= pp <= spec.num_layers:
@@ -87,6 +90,8 @@ def shard_tp(model: DecoderLM, tp: int, tp_rank: int, group: Any = None) -> Deco
         raise ValueError(f"tp_rank must be in [0, tp={tp}), got {tp_rank}")
     if tp == 1:
         return model
+    if isinstance(model, MLADecoderLM):
+        return shard_mla(model, tp, tp_rank, group)
     s = model.spec
     head_range(s.num_heads, tp, 0)  # divisibility checks, each naming its field
     head_range(s.num_kv_heads, tp, 0)
@@ -106,3 +111,57 @@ def shard_tp(model: DecoderLM, tp: int, tp_rank: int, group: Any = None) -> Deco
         layer.mlp.down_proj = AllReduceOut(layer.mlp.down_proj, group)
     local.fingerprint = model.fingerprint  # same weights, same page keys as the full model
     return local.fuse()  # the local slices: q/k/v and gate/up of this rank in one matmul each
+
+
+def shard_mla(model: MLADecoderLM, tp: int, r: int, group: Any = None) -> MLADecoderLM:
+    """Rank r's slice of a latent-attention model: its query heads (q_b_proj / q_proj rows,
+    kv_b_proj rows, o_proj columns) and 1/tp of every MLP and expert's width; the latent
+    projections (q_a, kv_a), norms, router, embeddings and head are replicated, so every rank
+    computes and holds the same latent rows (the whole page). o_proj, the dense down_proj and a
+    whole MoE block (its experts' and shared experts' partial products) end in all_reduce."""
+    s = model.spec
+    check_layout(s, tp, 1)
+    assert s.mla is not None and s.moe is not None
+    heads = s.num_heads // tp
+    local_spec = dataclasses.replace(
+        s,
+        num_heads=heads,
+        intermediate_size=s.intermediate_size // tp,
+        mla=dataclasses.replace(s.mla, heads=heads),
+        moe=dataclasses.replace(s.moe, expert_size=s.moe.expert_size // tp),
+    )
+    local = MLADecoderLM(local_spec, model.dtype_name)
+    local.to(model.model.embed_tokens.weight.device)
+    local.load_state_dict(_mla_sliced_state(model, tp, r))
+    local.fuse(prepack=False)  # gate/up fused before the wrappers below replace modules
+    for i, layer in enumerate(local.model.layers):
+        layer.self_attn.o_proj = AllReduceOut(layer.self_attn.o_proj, group)
+        if i < s.first_dense:
+            layer.mlp.down_proj = AllReduceOut(layer.mlp.down_proj, group)
+        else:
+            layer.mlp = AllReduceOut(layer.mlp, group)
+    local.fingerprint = model.fingerprint  # same weights, same page keys as the full model
+    return local
+
+
+def _mla_sliced_state(model: MLADecoderLM, tp: int, r: int) -> dict[str, torch.Tensor]:
+    """The full state dict with every sharded weight cut to rank r's slice."""
+    d = model.spec.mla
+    assert d is not None
+    h0, h1 = head_range(d.heads, tp, r)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("q_b_proj.weight", "self_attn.q_proj.weight")):
+            t = t[h0 * d.qk_dim : h1 * d.qk_dim]
+        elif name.endswith("kv_b_proj.weight"):
+            t = t[h0 * (d.nope_dim + d.v_dim) : h1 * (d.nope_dim + d.v_dim)]
+        elif name.endswith("o_proj.weight"):
+            t = t[:, h0 * d.v_dim : h1 * d.v_dim]
+        elif name.endswith("o_proj.bias") and r != 0:
+            t = torch.zeros_like(t)  # the sum over ranks adds the bias once
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            t = t.chunk(tp, dim=0)[r]  # dense MLP, routed and shared experts alike
+        elif name.endswith("down_proj.weight"):
+            t = t.chunk(tp, dim=1)[r]
+        out[name] = t.clone()
+    return out

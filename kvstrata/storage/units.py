@@ -76,7 +76,7 @@ class PagePart:
     def shape(self) -> KVShape:
         """The rank-local page shape (what its pools hold)."""
         f, (l0, l1), (h0, h1) = self.full, self.layers, self.heads
-        return KVShape(l1 - l0, h1 - h0, f.head_dim, f.page_size, f.dtype)
+        return dataclasses.replace(f, num_layers=l1 - l0, num_kv_heads=h1 - h0)
 
     @property
     def is_full(self) -> bool:
