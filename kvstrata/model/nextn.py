@@ -40,12 +40,12 @@ def load_nextn(target: DecoderLM, model_dir: Path | None, cache_dir: Path) -> MT
         return load_head_file(Path(model_dir) / NEXTN_FILE, target, NEXTN)
     path = trained_path(target, cache_dir)
     if not path.is_file():
-        from kvstrata.model.nextn_train import can_train, train_nextn
+        from kvstrata.model.nextn_train import TrainConfig, can_train, chat_prompts, train_nextn
 
         if model_dir is None or not can_train(Path(model_dir)):
             raise ValueError(
                 f"spec_draft nextn: no {NEXTN_FILE} beside the model ({model_dir}) and no "
                 f"trained NextN layer at {path} (built automatically for SmolLM2 only)"
             )
-        train_nextn(target, Path(model_dir), path)
+        train_nextn(target, chat_prompts(Path(model_dir), TrainConfig()), path)
     return load_head_file(path, target, NEXTN)

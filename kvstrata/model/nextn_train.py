@@ -152,19 +152,20 @@ def _train(
             print(f"kvstrata: nextn step {step} loss {float(loss.detach()):.3f}", file=sys.stderr)
 
 
+def chat_prompts(model_dir: Path, cfg: TrainConfig) -> list[list[int]]:
+    """The first cfg.prompts of PROMPTS, as the checkpoint's chat template renders them."""
+    tok = Tokenizer(model_dir)
+    return [tok.encode_chat(p) for p in PROMPTS[: cfg.prompts]]
+
+
 def train_nextn(
-    target: DecoderLM, model_dir: Path, out: Path, cfg: TrainConfig = TrainConfig()
+    target: DecoderLM, prompts: list[list[int]], out: Path, cfg: TrainConfig = TrainConfig()
 ) -> Path:
-    """Build the NextN layer of `target` (the checkpoint at model_dir) and save it at `out`."""
-    print(
-        f"kvstrata: training a NextN draft layer for {model_dir.name} (once, minutes)",
-        file=sys.stderr,
-    )
+    """Build a NextN layer of `target` from its continuations of `prompts`; save it at `out`."""
+    print(f"kvstrata: training a NextN draft layer at {out} (once, minutes)", file=sys.stderr)
     started, threads = time.monotonic(), torch.get_num_threads()
     torch.set_num_threads(1)  # the same reduction order, so the same bytes, on every machine
     try:
-        tok = Tokenizer(model_dir)
-        prompts = [tok.encode_chat(p) for p in PROMPTS[: cfg.prompts]]
         with torch.no_grad():
             seqs = greedy_continuations(target, prompts, cfg.new_tokens)
             data = []
