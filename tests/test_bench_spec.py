@@ -6,11 +6,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstrata.bench import spec as bench_spec
 from kvstrata.bench.registry import load_benches
 from kvstrata.model.checkpoint import load_model
+from kvstrata.model.nextn import NEXTN_FILE
+from kvstrata.model.nextn_train import TrainConfig, train_nextn
 from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
@@ -19,15 +22,38 @@ LAYER = 2 * 64 * (64 + 32) + 3 * 64 * 112
 HEAD = 97 * 64
 
 
-def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    assert "spec" in load_benches().names()
-    monkeypatch.setattr(bench_spec, "PAGE", 8)  # tiny prompts: several pages each
-    model = load_model(make_llama(tmp_path / "m", seed=2, num_hidden_layers=3))
+def _rounds() -> list[list[list[int]]]:
     rng = random.Random(0)
     rounds, hist = [], [[], []]
     for _ in range(3):
         hist = [h + [rng.randrange(5, 97) for _ in range(20)] for h in hist]
         rounds.append([list(h) for h in hist])
+    return rounds
+
+
+@pytest.mark.slow
+def test_bench_spec_with_a_nextn_layer(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The bench's own draft kind: a NextN layer (trained here, tiny) beside the checkpoint;
+    its draft state restored from L1, L2 and L3 gives the cold run's acceptance exactly."""
+    monkeypatch.setattr(bench_spec, "PAGE", 8)
+    ckpt = make_llama(tmp_path / "m", seed=2, num_hidden_layers=3)
+    model = load_model(ckpt)
+    rounds = _rounds()
+    cfg = TrainConfig(prompts=4, new_tokens=12, steps=20, lr=3e-3)
+    train_nextn(model, [r[0][:30] for r in rounds], ckpt / NEXTN_FILE, cfg)
+    rep = bench_spec.measure(
+        model, rounds, 10, tmp_path, draft="nextn", cache_dir=str(tmp_path), model_dir=str(ckpt)
+    )
+    assert rep["outputs_identical"] and rep["acceptance_sequences_identical"]
+    assert rep["acceptance_equal_after_restores"] and rep["acceptance_cold"] > 0
+    assert rep["l3_hit_pages"] == 2 * ((40 - 1) // 8 + (60 - 1) // 8)
+
+
+def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    assert "spec" in load_benches().names()
+    monkeypatch.setattr(bench_spec, "PAGE", 8)  # tiny prompts: several pages each
+    model = load_model(make_llama(tmp_path / "m", seed=2, num_hidden_layers=3))
+    rounds = _rounds()
     rep = bench_spec.measure(model, rounds, 10, tmp_path, draft="self:1", cache_dir=str(tmp_path))
     for key in (
         "acceptance_cold",

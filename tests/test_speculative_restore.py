@@ -1,9 +1,14 @@
 """The draft's KV is restored with the target's: after a hit from L1, L2 (forced demotion) or L3
 (a fresh process on the same store), every restored page's bytes, draft tail layers included,
-equal those the cold run cached, and each request's acceptance sequence equals a cold run's."""
+equal those the cold run cached, and each request's acceptance sequence equals a cold run's.
+
+For an MTP head the draft's state also holds the target's hidden state at each page's last
+position (the next page's first entry reads it): "echo" is a head that reads almost nothing
+else (tests.tiny_models.save_echo_head), so a wrong or zero state there changes its drafts."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import random
 from pathlib import Path
@@ -15,9 +20,14 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
+from kvstrata.memory.layout import KVShape
+from kvstrata.memory.pool import DevicePool
 from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import SeqBatch
 from kvstrata.model.mtp import load_head, save_head
-from tests.tiny_models import make_llama
+from kvstrata.model.page_state import PageStates, state_layers
+from kvstrata.storage.units import PagePart, open_unit_storage
+from tests.tiny_models import make_llama, save_echo_head
 
 torch.set_num_threads(1)
 PAGE = 8
@@ -118,7 +128,24 @@ def assert_same_acceptance(a, b) -> None:  # noqa: ANN001
         assert acc_a == acc_b
 
 
-DRAFTS = ["self:2", "mtp:random"]  # a draft model (2 tail layers), an MTP head (1)
+def assert_pages_as_fresh(model, prompts, results, tmp: Path, draft: str) -> None:  # noqa: ANN001
+    """The last turn's pages (written after restoring earlier turns' pages) equal, within fp32
+    tolerance, those of a fresh engine that computed its whole prompt: the draft's entries
+    after each hit boundary read the real target state there (a zero state differs at once)."""
+    fresh = run_turns(model, "l1", tmp / "unused", [prompts[-1]], tmp, draft=draft)[0][4]
+    got = results[-1][4]
+    common = sorted(set(fresh) & set(got))
+    assert len(common) >= 3
+    for key in common:
+        torch.testing.assert_close(got[key], fresh[key], rtol=1e-4, atol=1e-5)
+
+
+DRAFTS = ["self:2", "echo"]  # a draft model (2 tail layers), an MTP head (1 + state layers)
+
+
+def spec_draft(draft: str, ckpt: Path, tmp_path: Path) -> str:
+    """`draft`, with "echo" made into the echo head's --spec-draft."""
+    return save_echo_head(ckpt, tmp_path / "echo.safetensors") if draft == "echo" else draft
 
 
 @pytest.mark.parametrize("draft", DRAFTS)
@@ -126,6 +153,7 @@ def test_restore_from_l1_and_l2_keeps_draft_kv_and_acceptance(
     ckpt: Path, tmp_path: Path, draft: str
 ) -> None:
     model = load_model(ckpt)
+    draft = spec_draft(draft, ckpt, tmp_path)
     prompts = conversation(4)
     cold = run_turns(model, "none", tmp_path / "s0", prompts, tmp_path, draft=draft)
     plain = run_turns(model, "none", tmp_path / "s0", prompts, tmp_path, draft="")
@@ -133,10 +161,12 @@ def test_restore_from_l1_and_l2_keeps_draft_kv_and_acceptance(
     assert sum(sum(r[1]) for r in cold) > 0  # some drafts accepted
     l1 = run_turns(model, "l1", tmp_path / "s1", prompts, tmp_path, draft=draft)
     assert_same_acceptance(cold, l1)
+    assert_pages_as_fresh(model, prompts, l1, tmp_path, draft)
     cached = {k: v for r in l1 for k, v in r[4].items()}
     assert all(r[2]["L1"] == len(r[3]) for r in l1) and assert_restored(l1, cached, "L1") > 6
     l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, tmp_path, demote=True, draft=draft)
     assert_same_acceptance(cold, l2)
+    assert_pages_as_fresh(model, prompts, l2, tmp_path, draft)
     cached = {k: v for r in l2 for k, v in r[4].items()}
     assert [r[2]["L1"] for r in l2] == [0] * 4
     assert assert_restored(l2, cached, "L2") > 6 and all(r[2]["L2"] for r in l2[1:])
@@ -153,6 +183,7 @@ def _child(ckpt: str, store: str, cache_dir: str, prompts, out: str, draft: str)
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_restore_from_l3_in_a_fresh_process(ckpt: Path, tmp_path: Path, draft: str) -> None:
     model = load_model(ckpt)
+    draft = spec_draft(draft, ckpt, tmp_path)
     prompts = conversation(3, seed=4)
     cold = run_turns(model, "none", tmp_path / "unused", prompts, tmp_path, draft=draft)
     first = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=draft)
@@ -172,6 +203,7 @@ def test_restore_from_l3_in_a_fresh_process(ckpt: Path, tmp_path: Path, draft: s
     own = {k: v for r in child[:-1] for k, v in r[4].items()}
     assert_restored(child, {**cached, **own}, "L3")
     assert_same_acceptance(cold, child)
+    assert_pages_as_fresh(model, prompts, child, tmp_path, draft)
 
 
 def test_namespace_names_the_draft(ckpt: Path, tmp_path: Path) -> None:
@@ -192,3 +224,54 @@ def test_namespace_names_the_draft(ckpt: Path, tmp_path: Path) -> None:
     mtp = f"mtp:{tmp_path / 'head.safetensors'}"
     mine = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=mtp)
     assert mine[0][2]["L3"] == 0 and again[0][2]["L3"] > 0
+
+
+def test_page_keeps_the_target_state_at_its_last_position(ckpt: Path, tmp_path: Path) -> None:
+    """Each cached page's state layers hold the target's hidden state at the page's last
+    position, as a from-scratch forward of the prompt computes it (fp32, rel <= 1e-4)."""
+    model = load_model(ckpt)
+    draft = spec_draft("echo", ckpt, tmp_path)
+    prompt = conversation(1, seed=8)[0]
+    (res,) = run_turns(model, "l1", tmp_path / "unused", [prompt], tmp_path, draft=draft)
+    cached = list(res[4].values())  # the prompt's full pages, in order (outputs may follow)
+    n_pages = len(prompt) // PAGE
+    assert len(cached) >= n_pages >= 3
+    shape = model.kv_shape(PAGE)
+    ref_pool = DevicePool(shape, n_pages + 1)
+    states: list[torch.Tensor] = []
+    batch = SeqBatch.build([prompt], [0], [list(range(n_pages + 1))])
+    model(batch, ref_pool, hidden_out=states)
+    n_state = state_layers(shape, model.spec.hidden_size)
+    layers = TARGET_LAYERS + 1 + n_state
+    page_pool = DevicePool(dataclasses.replace(shape, num_layers=layers), 1)
+    slots = PageStates(TARGET_LAYERS + 1, n_state, model.spec.hidden_size)
+    for i in range(n_pages):
+        page_pool.data[:, :, 0] = cached[i]
+        want = states[0][(i + 1) * PAGE - 1]
+        got = slots.read(page_pool, 0)[0]
+        assert float((got - want).norm() / want.norm()) <= 1e-4, f"page {i}"
+
+
+def test_page_without_draft_state_is_a_miss(ckpt: Path, tmp_path: Path) -> None:
+    """An older version's store: the same page keys holding target + head KV but no state
+    layers. The new layout never reads them (a miss, L3 = 0), and the run drafts as cold."""
+    model = load_model(ckpt)
+    draft = spec_draft("echo", ckpt, tmp_path)
+    prompts = conversation(1, seed=9)
+    first = run_turns(model, "l1_l2_l3", tmp_path / "new", prompts, tmp_path, draft=draft)
+    again = run_turns(model, "l1_l2_l3", tmp_path / "new", prompts, tmp_path, draft=draft)
+    assert again[0][2]["L3"] == (len(prompts[0]) - 1) // PAGE  # the new store serves
+    cached = first[0][4]
+    s = model.kv_shape(PAGE)
+    old = KVShape(TARGET_LAYERS + 1, s.num_kv_heads, s.head_dim, PAGE, s.dtype)
+    part = PagePart(old, (0, old.num_layers), (0, old.num_kv_heads))
+    store = open_unit_storage(f"file://{tmp_path / 'old'}", part)
+    pages = [v[: old.num_layers].contiguous().view(torch.uint8).numpy() for v in cached.values()]
+    assert store.put(list(cached), pages) == len(cached)
+    store.close()
+    stale = run_turns(model, "l1_l2_l3", tmp_path / "old", prompts, tmp_path, draft=draft)
+    assert stale[0][2] == {"L1": 0, "L2": 0, "L3": 0}
+    cold = run_turns(model, "none", tmp_path / "unused", prompts, tmp_path, draft=draft)
+    assert_same_acceptance(cold, stale)
+    assert_same_acceptance(cold, again)
+    assert sum(cold[0][1]) > 0

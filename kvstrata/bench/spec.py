@@ -1,25 +1,24 @@
-"""`kvstrata bench spec`: speculative decoding with SmolLM2 `self:K` on the agent workload, in
-one run: output tokens/s with and without speculation, and acceptance on a cold cache and after
-restores from L1, L2 (forced demotion after every round) and L3 (a fresh engine every round).
+"""`kvstrata bench spec`: speculative decoding of SmolLM2 with its NextN draft layer on the agent
+workload, in one run: output tokens/s with and without speculation, and acceptance on a cold
+cache and after restores from L1, L2 (forced demotion after every round) and L3 (a fresh
+engine every round).
 
 The sessions' turn k run together as round k; turn k's prompt extends turn k-1's, so from round 1
 on each prompt's prefix is a hit from the tier under test. Goal: acceptance after every restore
 equals cold to the last digit (each request's acceptance sequence too), outputs equal plain
 greedy decoding.
 
-K = 26 of SmolLM2's 30 layers, N = 1. An early exit of SmolLM2 (no trained draft head)
-predicts the target's next token rarely below ~20 layers (measured on this workload:
-acceptance ~0.01 at K = 4..8, ~0.05 at K = 12..20, ~0.25-0.5 at K = 26), so K = 26 is the
-cheapest draft whose acceptance is meaningful. Break-even: a step costs N draft passes (r each,
-in target passes) and one verify pass (>= 1), and emits 1 + a tokens, so speculation pays only
-when acceptance exceeds about r for N = 1 (more for larger N). With the 49k-token tied head
-(28M of 134M weights) r = (K x 3.5M + 28M) / 134M = 0.90 at K = 26 (0.32 even at K = 4): no
-self:K draft of SmolLM2 beats plain decoding; N = 1 loses least (N = 2 adds a second draft pass
-for a second draft that is rarely accepted). The report carries r (`draft_cost_ratio`).
+The draft is `nextn`: a NextN layer trained here for SmolLM2 (kvstrata.model.nextn_train, built
+on first use and cached). Break-even: a step costs N draft passes (r each, in target passes:
+one layer + the shared 49k-token head, r = `draft_cost_ratio`) and one verify pass, and emits
+1 + a tokens. `self:K` drafts cannot win on SmolLM2 (r = 0.90 at K = 26, the least K whose
+acceptance is meaningful); the NextN layer's r is about 0.24. The report also carries the
+machine's load average (the figures are measured on a shared machine).
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.tokenizer import Tokenizer
 from kvstrata.workloads.agent import WorkloadSpec, build_workload
 
-DRAFT, SPEC_TOKENS, PAGE = "self:26", 1, 64
+DRAFT, SPEC_TOKENS, PAGE = "nextn", 1, 64  # N = 1: at acceptance ~0.2 a 2nd draft costs more
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=16)
 FULL = WorkloadSpec(sessions=2, turns=4, first_lines=30, tool_lines=12, max_new_tokens=32)
 Rounds = list[list[list[int]]]  # [turn][session] -> prompt
@@ -56,9 +55,16 @@ class _Runner:
     """Builds engines over one model, cache dir and store; serves rounds; keeps wall time."""
 
     def __init__(
-        self, model: DecoderLM, rounds: Rounds, max_new: int, tmp: Path, cache_dir: str
+        self,
+        model: DecoderLM,
+        rounds: Rounds,
+        max_new: int,
+        tmp: Path,
+        cache_dir: str,
+        model_dir: str = "",
     ) -> None:
         self.model, self.rounds, self.max_new, self.cache_dir = model, rounds, max_new, cache_dir
+        self.model_dir = model_dir
         longest = max(len(p) for r in rounds for p in r) + max_new
         pages = len(rounds[0]) * (-(-longest // PAGE)) + 8
         self.cache = CacheConfig(
@@ -71,7 +77,11 @@ class _Runner:
 
     def engine(self, tiers: str, draft: str) -> Any:
         cfg = EngineConfig(
-            tiers=tiers, spec_draft=draft, spec_tokens=SPEC_TOKENS, model_cache_dir=self.cache_dir
+            model=self.model_dir,
+            tiers=tiers,
+            spec_draft=draft,
+            spec_tokens=SPEC_TOKENS,
+            model_cache_dir=self.cache_dir,
         )
         return build_engine(cfg, self.cache, model=self.model)
 
@@ -113,15 +123,18 @@ def _summary(reqs: list[Request], busy: float) -> dict[str, Any]:
 
 
 def draft_cost_ratio(model: DecoderLM, draft: str) -> float | None:
-    """Weights a self:K draft pass reads over a target pass's (decode at small batch reads
-    every weight once per pass): (K layers + head) / (all layers + head); None for other drafts.
-    Speculation with N = 1 beats plain decoding only if acceptance exceeds about this."""
-    if not draft.startswith("self:"):
-        return None
+    """Weights a draft pass reads over a target pass's (decode at small batch reads every
+    weight once per pass): (K layers + head) / (all layers + head), K = 1 for a NextN layer
+    (its eh_proj adds 2 hidden^2); None for other drafts. Speculation with N = 1 beats plain
+    decoding only if acceptance exceeds about this."""
     s = model.spec
     kv = s.num_kv_heads * s.head_dim
     layer = 2 * s.hidden_size * (s.hidden_size + kv) + 3 * s.hidden_size * s.intermediate_size
     head = s.vocab_size * s.hidden_size
+    if draft == "nextn":
+        return (layer + 2 * s.hidden_size**2 + head) / (s.num_layers * layer + head)
+    if not draft.startswith("self:"):
+        return None
     k = int(draft[len("self:") :])
     return (k * layer + head) / (s.num_layers * layer + head)
 
@@ -133,9 +146,11 @@ def measure(
     tmp: Path,
     draft: str = DRAFT,
     cache_dir: str = "",
+    model_dir: str = "",
 ) -> dict[str, Any]:
-    """The report; `cache_dir` holds the self:K checkpoint (empty: the model cache dir)."""
-    run = _Runner(model, rounds, max_new, tmp, cache_dir)
+    """The report; `cache_dir` holds the self:K checkpoint or trained NextN layer (empty: the
+    model cache dir); `model_dir` is the model's checkpoint (empty: SmolLM2)."""
+    run = _Runner(model, rounds, max_new, tmp, cache_dir, model_dir)
     plain = run.serve("none", "")
     cold = run.serve("none", draft)
     cases = {
@@ -145,6 +160,7 @@ def measure(
     }
     report: dict[str, Any] = {"draft": draft, "spec_tokens": SPEC_TOKENS, "page_size": PAGE}
     report["draft_cost_ratio"] = draft_cost_ratio(model, draft)
+    report["load_average_1m"] = os.getloadavg()[0]  # a shared machine: the figures' context
     report["acceptance_cold"] = cold["acceptance"]
     for name, case in cases.items():
         report[f"acceptance_{name}"] = case["acceptance"]
@@ -164,11 +180,11 @@ def measure(
 
 @BENCHES.register("spec")
 def bench_spec(quick: bool) -> dict[str, Any]:
-    """SmolLM2-135M-Instruct, self:26 drafts 2 tokens; the agent workload (quick: smaller)."""
+    """SmolLM2-135M-Instruct, its NextN layer drafts 1 token; the agent workload (quick: smaller)."""
     path = resolve_model_path(EngineConfig())
     model = load_model(path)
     spec = QUICK if quick else FULL
     sessions = build_workload(spec, model.vocab_size, Tokenizer(path).encode_chat)
     rounds = [[s[k] for s in sessions] for k in range(spec.turns)]
     with tempfile.TemporaryDirectory(prefix="kvstrata-spec-") as tmp:
-        return measure(model, rounds, spec.max_new_tokens, Path(tmp))
+        return measure(model, rounds, spec.max_new_tokens, Path(tmp), model_dir=str(path))

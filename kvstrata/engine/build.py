@@ -24,7 +24,9 @@ from kvstrata.memory.transfer import TensorMover
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.draft import load_draft
-from kvstrata.model.mtp import MTP_PREFIX, load_head
+from kvstrata.model.mtp import NEXTN, is_head_draft, load_head
+from kvstrata.model.nextn import load_nextn
+from kvstrata.model.page_state import state_layers
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.units import PagePart, open_unit_storage
 
@@ -165,12 +167,17 @@ def build_speculator(
     from kvstrata.model.smollm2 import default_cache_dir
 
     target_layers = shape.num_layers
-    if config.spec_draft.startswith(MTP_PREFIX):  # one NextN layer: one tail layer per page
-        head = load_head(config.spec_draft, model)
-        mtp = MTPSpeculator(head, target_layers, config.spec_tokens, shape.page_size)
-        shape = dataclasses.replace(shape, num_layers=target_layers + 1)
-        return mtp, shape, f"{model.fingerprint}+{mtp.fingerprint}"
     cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else default_cache_dir()
+    if is_head_draft(config.spec_draft):
+        # one NextN layer: one tail layer per page, then the target-state layers
+        if config.spec_draft == NEXTN:
+            head = load_nextn(model, resolve_model_path(config), cache_dir)
+        else:
+            head = load_head(config.spec_draft, model)
+        n_state = state_layers(shape, head.eh_proj.out_features)
+        mtp = MTPSpeculator(head, target_layers, config.spec_tokens, shape.page_size, n_state)
+        shape = dataclasses.replace(shape, num_layers=target_layers + 1 + n_state)
+        return mtp, shape, f"{model.fingerprint}+{mtp.fingerprint}"
     draft = load_draft(config.spec_draft, model, cache_dir)
     shape = dataclasses.replace(shape, num_layers=target_layers + draft.spec.num_layers)
     spec = Speculator(draft, target_layers, config.spec_tokens)

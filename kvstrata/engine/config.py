@@ -53,7 +53,9 @@ class EngineConfig:
         "",
         "speculative decoding draft: empty = off, self:K = the target's first K layers + its "
         "norm and head (built once under the model cache dir), a Llama/Qwen2 checkpoint dir, or "
-        "mtp:PATH / mtp:random = an MTP (NextN) head: a safetensors file / fixed random weights",
+        "mtp:PATH / mtp:random = an MTP (NextN) head: a safetensors file / fixed random weights, "
+        "nextn = the checkpoint's NextN layer (DIR/nextn.safetensors; for SmolLM2 one trained "
+        "here on first use, cached under the model cache dir)",
     )
     spec_tokens: int = doc(4, "speculative decoding: tokens the draft proposes per step")
 

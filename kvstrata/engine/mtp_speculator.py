@@ -10,8 +10,11 @@ h_{dc-1} .. h_{c-1} (Request.draft_hidden):
   and draft_hidden = the verify's h_c .. h_{c+a}, the inputs of entries c + 1 .. c + a + 1;
 - prefill chunks: after the target's forward, entries s .. s+m-1 from h_{s-1} (kept from the
   previous chunk) and the chunk's own states; draft_computed moves with computed.
-Every entry at a page's first position takes h = 0 (see kvstrata.model.mtp): pages restored
-from any tier then hold what a cold run writes, and a hit needs no hidden state it never made.
+Every entry takes the target's real h_{j-1}, at a page's first position too: each page keeps
+the target's state at its last position in layers of its own (kvstrata.model.page_state),
+written once that position's KV is final (a prefill chunk, a verify's accepted rows), and an
+entry right after a prefix hit (or a P/D handoff at a page boundary) reads it from the
+previous page. Restored pages then feed the draft exactly what a cold run computes.
 """
 
 from __future__ import annotations
@@ -25,26 +28,43 @@ from kvstrata.engine.speculative import Proposals, Speculator, Wait, Work
 from kvstrata.model.decoder import SeqBatch
 from kvstrata.model.draft import DraftKV
 from kvstrata.model.mtp import MTPHead
+from kvstrata.model.page_state import PageStates
 
 
 class MTPSpeculator(Speculator):
-    """The MTP head, its one tail layer of the pool, N and the page size (for the h = 0 rule)."""
+    """The MTP head, its one tail layer of the pool, the page-state layers after it, N and
+    the page size."""
 
     wants_hidden = True
 
-    def __init__(self, head: MTPHead, layer_offset: int, spec_tokens: int, page: int) -> None:
+    def __init__(
+        self, head: MTPHead, layer_offset: int, spec_tokens: int, page: int, state_layers: int
+    ) -> None:
         super().__init__(head, layer_offset, spec_tokens)  # type: ignore[arg-type]
         # self.draft runs the head: the head itself, or a parallel rank's wrapper of it
         self.page, self.hidden_size = page, head.eh_proj.out_features
+        self.states = PageStates(layer_offset + 1, state_layers, self.hidden_size)
+        self._pool: object = None  # this step's pool (settle writes page states into it)
 
-    def _inputs(self, hidden: torch.Tensor | None, first: int, n: int) -> torch.Tensor:
-        """Target states [n, hidden] for entries first .. first+n-1: zero at page starts."""
-        if hidden is None:  # nothing before `first` (position 0, or a hit's page boundary)
-            assert first % self.page == 0, f"MTP entry {first} has no hidden state"
-            hidden = torch.zeros(n, self.hidden_size)
-        assert hidden.shape[0] == n, (hidden.shape, n)
-        at = torch.arange(first, first + n)
-        return torch.where((at % self.page == 0)[:, None], torch.zeros_like(hidden), hidden)
+    def place(self, layer_offset: int) -> None:
+        """A parallel rank's pool view: the head's layer at `layer_offset`, states after it."""
+        self.offset = layer_offset
+        self.states.first = layer_offset + 1
+
+    def _before(self, req: Request, first: int, wait: Wait) -> torch.Tensor:
+        """h_{first-1} [1, hidden] where the request kept none: first is a page start (a hit's
+        or handoff's boundary); the previous page's state, zeros before position 0."""
+        assert first % self.page == 0, f"{req.rid}: MTP entry {first} has no hidden state"
+        if first == 0:
+            return torch.zeros(1, self.hidden_size)
+        return self.states.read(self._pool, req.page_table[first // self.page - 1], wait)
+
+    def _keep(self, req: Request, first: int, hidden: torch.Tensor) -> None:
+        """Final target states `hidden` [n, hidden] at positions first ..: those at a page's
+        last position become that page's state."""
+        for p in range(first, first + hidden.shape[0]):
+            if p % self.page == self.page - 1:
+                self.states.write(self._pool, req.page_table[p // self.page], hidden[p - first])
 
     def _head(
         self,
@@ -64,6 +84,7 @@ class MTPSpeculator(Speculator):
         """Drafts of this step's decodes (prefill chunks run in after_forward)."""
         self.draft_probs = {}
         reqs = [r for r, _ in work if r.state is State.DECODE and self.budget(r)]
+        self._pool = pool
         if not reqs:
             return {}
         kv = DraftKV(pool, self.offset)
@@ -73,14 +94,16 @@ class MTPSpeculator(Speculator):
             assert dc is not None and dc <= c
             toks.append(r.all_tokens[dc : c + 1])
             starts.append(dc)
-            hs.append(self._inputs(r.draft_hidden, dc, c + 1 - dc))
+            h = r.draft_hidden if r.draft_hidden is not None else self._before(r, dc, wait)
+            assert h.shape[0] == c + 1 - dc, (h.shape, dc, c)
+            hs.append(h)
         logits, g = self._head(reqs, toks, starts, hs, kv)
         out = {r.rid: [self._pick(r, row)] for r, row in zip(reqs, logits, strict=True)}
         last = dict(zip((r.rid for r in reqs), g, strict=True))
         step = 1
         while active := [r for r in reqs if len(out[r.rid]) < self.budget(r)]:
             pos = [r.computed + step for r in active]  # entry c + step embeds d_step
-            hs = [self._inputs(last[r.rid][None], p, 1) for r, p in zip(active, pos, strict=True)]
+            hs = [last[r.rid][None] for r in active]  # the head's own g in place of h
             logits, g = self._head(active, [[out[r.rid][-1]] for r in active], pos, hs, kv)
             for r, row, g_r in zip(active, logits, g, strict=True):
                 out[r.rid].append(self._pick(r, row))
@@ -91,6 +114,7 @@ class MTPSpeculator(Speculator):
     def after_forward(
         self, prefills: list[tuple[Request, torch.Tensor]], pool: object, wait: Wait
     ) -> None:
+        self._pool = pool
         if not prefills:
             return
         reqs = [r for r, _ in prefills]
@@ -100,9 +124,9 @@ class MTPSpeculator(Speculator):
             assert r.draft_computed == r.computed, "MTP head out of step in prefill"
             prev = r.draft_hidden
             if prev is None:  # the prompt's start, or a hit's last page boundary
-                assert r.computed % self.page == 0, f"{r.rid}: no hidden state before a chunk"
-                prev = torch.zeros_like(h[:1])
-            hs.append(self._inputs(torch.cat([prev, h[:-1]]), r.computed, h.shape[0]))
+                prev = self._before(r, r.computed, wait)
+            hs.append(torch.cat([prev.to(h.dtype), h[:-1]]))
+            self._keep(r, r.computed, h)
         # pending L2 -> L1 loads carry the head's layer too: wait for it before it is read
         before = None if wait is None else (lambda i: wait(self.offset + i))
         kv = DraftKV(pool, self.offset)
@@ -113,7 +137,8 @@ class MTPSpeculator(Speculator):
 
     @property
     def fingerprint(self) -> str:
-        return f"mtp:{self.draft_fingerprint}"
+        # "+state": pages carry the target state (older pages without it never match)
+        return f"mtp+state:{self.draft_fingerprint}"
 
     def handoff_state(self, req: Request) -> torch.Tensor | None:
         """h_{L-1} [1, hidden] after the prompt's L tokens: the input of the first decode entry,
@@ -128,5 +153,6 @@ class MTPSpeculator(Speculator):
 
     def settle(self, req: Request, c: int, n: int, a: int, hidden: torch.Tensor | None) -> None:
         assert hidden is not None and hidden.shape[0] == n + 1
+        self._keep(req, c, hidden[: a + 1])  # KV at c .. c + a is final
         req.draft_computed = c + 1
         req.draft_hidden = hidden[: a + 1]

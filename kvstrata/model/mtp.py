@@ -10,11 +10,9 @@ the final norm) and the embedding of token j:
 so entry j needs tokens <= j and target states < j only, the same prefix a page's target KV
 needs. Embedding and output head are the target's (shared, like DeepSeek-V3's MTP modules).
 
-A prefix hit never produces the target's hidden states, so a page must not need any from an
-earlier page: the entry at a page's first position takes h = 0 (hnorm(0) = 0), in cold runs and
-restores alike. A page's head KV is then a function of the page's prefix of tokens only, and a
-restored page carries exactly what a cold run would have written; the cost is the hidden input
-of 1 entry in page_size.
+Entry 0 takes h = 0 (nothing precedes it). A prefix hit never produces the target's hidden
+states, so each page keeps h at its last position inside the page (kvstrata.model.page_state):
+the entry after a page boundary reads it from there, the real state a cold run computes.
 
 `mtp:random` is a head with fixed random weights (seeded; for tests), `mtp:PATH` a safetensors
 file of this module's state dict (save_head writes one).
@@ -36,6 +34,7 @@ from kvstrata.model.decoder import DecoderLayer, DecoderLM, KVPool, SeqBatch
 from kvstrata.model.layers import RMSNorm
 
 MTP_PREFIX = "mtp:"
+NEXTN = "nextn"  # the checkpoint's own NextN layer (kvstrata.model.nextn)
 RANDOM = "random"
 RANDOM_SEED = 20260  # mtp:random: the same weights in every process
 
@@ -65,7 +64,7 @@ class MTPHead(nn.Module):
         before_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits fp32 [T or num_seqs, vocab], g [T, hidden]) for entries batch.positions with
-        target states `hidden` [T, hidden] (row i: h at position positions[i] - 1, or zeros).
+        target states `hidden` [T, hidden] (row i: h at position positions[i] - 1; zeros for position 0).
         `before_layer(0)` runs before the head's one layer reads its KV (pending loads)."""
         target = self.target[0]
         if before_layer is not None:
@@ -84,6 +83,11 @@ class MTPHead(nn.Module):
             y = g[torch.tensor(batch.seq_lens).cumsum(0) - 1]  # [num_seqs, hidden]
         head = target.model.embed_tokens if target.lm_head is None else target.lm_head
         return nn.functional.linear(self.norm(y), head.weight).float(), g
+
+
+def is_head_draft(spec_draft: str) -> bool:
+    """The draft is an MTPHead (mtp:... or nextn), not a draft model."""
+    return spec_draft.startswith(MTP_PREFIX) or spec_draft == NEXTN
 
 
 def _fingerprint(head: MTPHead) -> str:
@@ -106,22 +110,32 @@ def save_head(head: MTPHead, path: Path) -> None:
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(path))
 
 
-def load_head(spec_draft: str, target: DecoderLM) -> MTPHead:
-    """The head named by `mtp:random` or `mtp:PATH` (a safetensors file of MTPHead's names)."""
-    what = spec_draft[len(MTP_PREFIX) :]
+def load_head_file(path: Path, target: DecoderLM, name: str) -> MTPHead:
+    """The head saved at `path` (a safetensors file of MTPHead's names); `name` (the
+    --spec-draft) in errors."""
+    if not path.is_file():
+        raise ValueError(f"spec_draft {name!r}: {path} is not a safetensors file")
     head = MTPHead(target)
-    if what == RANDOM:
-        _randomize(head)
-    else:
-        path = Path(what)
-        if not path.is_file():
-            raise ValueError(f"spec_draft {spec_draft!r}: mtp:PATH needs a safetensors file")
-        state = load_file(str(path))
-        want = head.state_dict()
-        bad = {k for k in want if k not in state or state[k].shape != want[k].shape}
-        if bad or set(state) - set(want):
-            raise ValueError(f"spec_draft {spec_draft!r}: not an MTP head of this target's shape")
-        head.load_state_dict({k: v.to(want[k].dtype) for k, v in state.items()})
+    state = load_file(str(path))
+    want = head.state_dict()
+    bad = {k for k in want if k not in state or state[k].shape != want[k].shape}
+    if bad or set(state) - set(want):
+        raise ValueError(f"spec_draft {name!r}: not an MTP head of this target's shape")
+    head.load_state_dict({k: v.to(want[k].dtype) for k, v in state.items()})
+    return _placed(head, target)
+
+
+def _placed(head: MTPHead, target: DecoderLM) -> MTPHead:
     head.to(target.model.embed_tokens.weight.device)
     head.fingerprint = _fingerprint(head)
     return head
+
+
+def load_head(spec_draft: str, target: DecoderLM) -> MTPHead:
+    """The head named by `mtp:random` or `mtp:PATH` (a safetensors file of MTPHead's names)."""
+    what = spec_draft[len(MTP_PREFIX) :]
+    if what != RANDOM:
+        return load_head_file(Path(what), target, spec_draft)
+    head = MTPHead(target)
+    _randomize(head)
+    return _placed(head, target)

@@ -30,7 +30,7 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.mtp_speculator import MTPSpeculator
 from kvstrata.engine.speculative import Speculator
 from kvstrata.model.decoder import SeqBatch
-from kvstrata.model.mtp import MTP_PREFIX, MTPHead
+from kvstrata.model.mtp import MTPHead, is_head_draft
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.cp import CPModel, CPPlan
 from kvstrata.parallel.group import RankContext
@@ -38,14 +38,14 @@ from kvstrata.parallel.pp import PipelineStage
 from kvstrata.parallel.tp import shard_tp
 
 MTP_TP = (
-    "--spec-draft mtp:... is not supported with --tp > 1 (the MTP head's layer is not sharded "
+    "--spec-draft mtp:... / nextn is not supported with --tp > 1 (the MTP head's layer is not sharded "
     "by heads); use --cp / --pp, or a draft model (self:K or a checkpoint)"
 )
 
 
 def check_spec_layout(engine_cfg: EngineConfig, dist_cfg: DistConfig) -> None:
     """ValueError, before any rank starts, for a draft this layout cannot run."""
-    if engine_cfg.spec_draft.startswith(MTP_PREFIX) and dist_cfg.tp > 1:
+    if is_head_draft(engine_cfg.spec_draft) and dist_cfg.tp > 1:
         raise ValueError(MTP_TP)
 
 
@@ -120,7 +120,13 @@ def place_speculator(
     mtp = isinstance(spec, MTPSpeculator)
     if mtp and cfg.tp > 1:
         raise ValueError(MTP_TP)
-    spec.offset = target_layers
+    if mtp:
+        assert isinstance(spec, MTPSpeculator)
+        spec.place(target_layers)
+        spec.states.active = stage is None or stage.is_last
+        spec.states.group = ctx.cp_group if cfg.cp > 1 else None
+    else:
+        spec.offset = target_layers
     draft: Any = spec.draft
     hidden_size = draft.eh_proj.out_features if mtp else draft.spec.hidden_size
     if stage is not None and not stage.is_last:

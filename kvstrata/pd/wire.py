@@ -36,7 +36,7 @@ class Layout:
     page_size: int
     dtype: str
     model: str  # the target model's fingerprint (its weights)
-    draft: str  # the speculator's fingerprint ("draft:<fp>", "mtp:<fp>"; "" when not speculating)
+    draft: str  # the speculator's fingerprint ("draft:<fp>", "mtp+state:<fp>"; "" when off)
     layers: int  # the target's layers + the draft's tail layers
     kv_heads: int
     head_dim: int
