@@ -21,8 +21,14 @@ from typing import Any
 import torch
 
 from kvstrata.cache.lease import hittable_pages
-from kvstrata.engine.connector import KVConnector
-from kvstrata.engine.request import Request
+from kvstrata.engine.connector import (
+    ConnectorMeta,
+    EngineView,
+    KVConnector,
+    RemoteDone,
+    SaveMeta,
+)
+from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.pages import host_pages
 from kvstrata.pd.pull import Puller
@@ -45,8 +51,9 @@ class Sink:
 
     `push` runs on the engine thread: on the first token the request still owns its pages."""
 
-    def __init__(self, side: PrefillSide, peer: bytes, req: Request, held: int) -> None:
-        self.side, self.peer, self.req, self.held = side, peer, req, held
+    def __init__(self, side: Any, peer: bytes, req: Request, held: int, hid: str) -> None:
+        self.side, self.peer, self.req, self.held, self.hid = side, peer, req, held, hid
+        self.pages: list[int] = []  # the request's device pages (set at its admission)
         self.received_s = time.monotonic()
         self.last_token_s: float | None = None
         self.last_sent_s = self.received_s  # the listener thread's last message to decode
@@ -64,25 +71,22 @@ class Sink:
             self.sent = True
             self.side.outbox.put((self, self._pages()))
         elif kind == "error":
+            self.side.sinks.pop(self.req.rid, None)
             why = value[1] if isinstance(value, tuple) else value  # (status, message): a failure
             self.side.outbox.put((self, [header("refused", self.hid, message=str(why))]))
         elif kind == "done":
+            self.side.sinks.pop(self.req.rid, None)
             self.side.outbox.put((self, None))
-
-    @property
-    def hid(self) -> str:
-        return self.req.rid.removeprefix("pd-")
 
     def _ids(self) -> list[int]:
         """Device pages of prompt pages [held, n): what decode lacks."""
-        engine = self.side.loop.engine
-        return self.req.page_table[self.held : -(-len(self.req.tokens) // engine.page)]
+        return self.pages[self.held : -(-len(self.req.tokens) // self.side.view.page_size)]
 
     def on_layer(self, layer: int) -> None:
         """Engine thread, mid-forward: layer `layer` of the prompt is final; queue its pages."""
         if layer != self.layers_sent:
             return  # a layer was missed (not expected): the pages go whole at the end
-        pool = self.side.loop.engine.pool
+        pool = self.side.view.pool
         # [2, k, page, heads, dim] -> [k, 2, page, heads, dim]: each page's slice contiguous
         part = pool.data[layer][:, pool.local_slot(self._ids())].transpose(0, 1).contiguous()
         flat = part.cpu().reshape(part.shape[0], -1).view(torch.uint8).numpy()
@@ -93,13 +97,13 @@ class Sink:
         """Pages [held, n) of the prompt, host layout (unless they went layer by layer): every
         pool layer, so a speculator's tail layers travel in the same frame; the first-token
         logits row; the speculator's state (an MTP head's last hidden state) if it has one."""
-        engine = self.side.loop.engine
-        pool, req, ids = engine.pool, self.req, self._ids()
-        computed = len(req.tokens) - (sum(req.hits.values()) + self.pulled) * engine.page
+        view = self.side.view
+        pool, req, ids = view.pool, self.req, self._ids()
+        computed = len(req.tokens) - (sum(req.hits.values()) + self.pulled) * view.page_size
         stats = {"computed_tokens": computed, "pulled_kept": self.pulled}
         self.side.metrics.sent(len(ids), len(ids) * pool.shape.page_nbytes)
         row = req.logits[-1].float().cpu().numpy()
-        st = engine.spec.handoff_state(req) if engine.spec is not None else None
+        st = view.spec.handoff_state(req) if view.spec is not None else None
         state = None if st is None else st.float().cpu().numpy()
         if self.layers_sent == pool.shape.num_layers:
             return pages_message(self.hid, self.held, [], row, state, layers=1, **stats)
@@ -142,19 +146,52 @@ class HandoffListener(KVConnector):
     # ---- the engine's connector (engine thread) --------------------------------------------------
     layerwise = False  # hand-offs' pages go layer by layer as the forward computes them
     pulls = True  # held pages this side lacks are pulled from decode (kvstrata/pd/pull.py)
+    view: EngineView
 
-    def get_finished(self, engine: Any) -> list[Request]:
-        return self.puller.step(engine) if self.pulls else []
+    def register_kv_caches(self, view: EngineView) -> None:
+        self.view = self.puller.view = view
 
-    def save_kv_layer(self, reqs: list[Request], layer: int) -> None:
-        self.on_layer(reqs, layer)
-
-    @property
-    def saves_layers(self) -> bool:
-        return self.layerwise
-
-    def on_layer(self, reqs: list[Request], layer: int) -> None:
+    def sink_of(self, rid: str) -> Sink | None:
+        """The hand-off sink of an engine request (None: not a hand-off)."""
         raise NotImplementedError
+
+    def get_num_new_matched_tokens(self, req: Request, local_tokens: int) -> int:
+        return self.puller.matched(req, local_tokens) if self.pulls else 0
+
+    def update_state_after_alloc(self, req: Request, pages: list[int], remote_tokens: int) -> None:
+        sink = self.sink_of(req.rid)
+        if sink is not None and sink.req is req:
+            sink.pages = pages
+        if remote_tokens:
+            self.puller.ask(req, req.computed)
+
+    def get_finished(self, idle_wait_s: float) -> list[RemoteDone]:
+        return self.puller.finished(idle_wait_s) if self.pulls else []
+
+    def request_finished(self, req: Request) -> None:
+        self.puller.forget(req)
+
+    def build_connector_meta(self, work: list[tuple[Request, list[int]]]) -> ConnectorMeta:
+        """Layer by layer (not while speculating): the hand-offs whose prompt this forward
+        completes."""
+        if not self.layerwise or self.view.spec is not None:
+            return ConnectorMeta()
+        saves = [
+            r
+            for r, t in work
+            if r.state is State.PREFILL
+            and r.computed + len(t) == len(r.tokens)
+            and self.sink_of(r.rid) is not None
+        ]
+        return SaveMeta(per_layer=bool(saves), saves=saves)
+
+    def save_kv_layer(self, layer: int) -> None:
+        """Mid-forward: `layer` of the bound hand-offs is computed; each sends its pages."""
+        meta = self.meta
+        for req in meta.saves if isinstance(meta, SaveMeta) else []:
+            sink = self.sink_of(req.rid)
+            if sink is not None and sink.req is req:
+                sink.on_layer(layer)
 
     # ---- listener thread -----------------------------------------------------------------------
     def _taken(self) -> list[tuple[Sink, Any]]:
@@ -185,22 +222,22 @@ class PrefillSide(HandoffListener):
         self.loop: Any = None  # the server's EngineLoop (set by attach)
         self.layout: Layout | None = None
         self.flight: dict[str, Sink] = {}  # hand-off id -> its sink, until sent or failed
+        self.sinks: dict[str, Sink] = {}  # request id -> its sink, until the request ends
         self.puller = Puller(cfg, metrics, lambda sink, frames: self.outbox.put((sink, frames)))
 
     def attach(self, loop: Any, engine: Any, layout: Layout) -> None:
         """On the engine thread while it is built (loop.engine is not set yet)."""
         self.loop, self.layout = loop, layout
         self.layerwise = self.cfg.pd_layerwise
-        engine.connector = self
+        engine.use_connector(self)
         self.thread.start()
 
-    def on_layer(self, reqs: list[Request], layer: int) -> None:
-        """Engine thread: `layer` of these prompts is computed; hand-offs among them send it."""
-        for req in reqs:
-            if req.rid.startswith("pd-"):
-                sink = self.flight.get(req.rid.removeprefix("pd-"))
-                if sink is not None and sink.req is req:
-                    sink.on_layer(layer)
+    def sink_of(self, rid: str) -> Sink | None:
+        return self.sinks.get(rid)
+
+    def request_finished(self, req: Request) -> None:
+        super().request_finished(req)
+        self.sinks.pop(req.rid, None)
 
     def _on_message(self, peer: bytes, frames: Frames) -> None:
         try:
@@ -224,8 +261,9 @@ class PrefillSide(HandoffListener):
             self.metrics.failed()
             self.listener.send(peer, [header("refused", hid, message=str(exc))])
             return
-        sink = Sink(self, peer, req, held)
+        sink = Sink(self, peer, req, held, hid)
         self.flight[hid] = sink
+        self.sinks[req.rid] = sink
         if held:
             self.puller.add(sink)  # decode holds pages prefill may lack: it may pull them
         self.loop.submit(req, sink)
@@ -234,11 +272,11 @@ class PrefillSide(HandoffListener):
         """Decode's reply to a pull: its leading verified pages go to the engine thread."""
         sink = self.flight.get(hid)
         if sink is not None and sink.peer == peer:  # only from the hand-off's own decode
-            self.puller.receive(sink, head, frames, self.loop.engine.pool.shape.page_nbytes)
+            self.puller.receive(sink, head, frames, self.view.pool.shape.page_nbytes)
 
     def _admit(self, head: dict[str, Any]) -> tuple[Request, int]:
         assert self.layout is not None
-        return check_handoff(self.layout, head, self.loop.engine.kv)
+        return check_handoff(self.layout, head, self.view.kv)
 
     def _flush(self) -> None:
         """Send what the engine thread queued (pages, refusals); each hand-off is answered once."""
@@ -273,7 +311,7 @@ def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Reques
     if bad:
         raise WireError(bad)
     tokens, salt = [int(t) for t in head["tokens"]], str(head["salt"])
-    req = Request(f"pd-{head['id']}", tokens, 1, keep_logits=True, cache_salt=salt)
+    req = Request(handoff_rid(str(head["id"])), tokens, 1, keep_logits=True, cache_salt=salt)
     held = unpack_keys(head["keys"])
     most = hittable_pages(len(tokens), layout.page_size)
     if len(held) > most:
@@ -285,4 +323,10 @@ def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Reques
     for i, (a, b) in enumerate(zip(held, mine, strict=True)):
         if a != b:
             raise WireError(f"page {i}: decode's key does not match the prompt (namespace/salt)")
+    req.kv_params = {"pd_id": str(head["id"]), "pd_held": len(held)}
     return req, len(held)
+
+
+def handoff_rid(hid: str) -> str:
+    """The engine request id of hand-off `hid` (its own namespace: never a client's id)."""
+    return f"pd-{hid}"

@@ -23,18 +23,17 @@ MIN, a silent peer by MAX), so every rank lands the same pages at the same step.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
 
-from kvstrata.engine.request import Request, State
+from kvstrata.engine.request import Request
 from kvstrata.engine.step_io import Abort, NewRequest, SideCount, SideReady
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
 from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.layout import layout_of
-from kvstrata.pd.prefill import HandoffListener, Sink, check_handoff
+from kvstrata.pd.prefill import HandoffListener, Sink, check_handoff, handoff_rid
 from kvstrata.pd.pull import Puller, PullGate
 from kvstrata.pd.transport import TRANSPORTS, Listener
 from kvstrata.pd.wire import Frames, Layout, WireError, header, layout_mismatch, read_header
@@ -91,15 +90,14 @@ class RankMetrics:
 
 class HandoffGate:
     """The decode ranks' landing decision, as fields of the step consensus (parallel/ranks.py:
-    RankEngine adds them to its one all_reduce). Slot i is the i-th remote request still
-    prefilling in `engine.running` (the same list on every rank: it changes only by agreed
+    RankEngine adds them to its one all_reduce). Slot i is the i-th hand-off in flight, in
+    admission order (DecodeSide.window: the same list on every rank, it changes only by agreed
     steps); slots: max_running, so every such request has one."""
 
     def __init__(self, slots: int, rank: int) -> None:
         self.rank = rank
         self.min_fields = tuple(f"pd_arrived{i}" for i in range(slots))
         self.max_fields = tuple(f"pd_failed{i}" for i in range(slots))
-        self.engine: Any = None
         self.side: DecodeSide | None = None
         self._window: list[str] = []
         self._decided: list[tuple[str, int, int]] = []
@@ -107,10 +105,8 @@ class HandoffGate:
     def local(self) -> dict[str, int]:
         """This rank's counts: 1 if the slot's outcome arrived here; 1000 x status + rank if it
         is a failure (MAX: the worst status, and a rank that saw it)."""
-        assert self.engine is not None and self.side is not None
-        running = self.engine.running
-        window = [r.rid for r in running if r.remote and r.state is State.PREFILL]
-        self._window = window[: len(self.min_fields)]
+        assert self.side is not None
+        self._window = self.side.window()[: len(self.min_fields)]
         counts = {}
         for i, (arrived, failed) in enumerate(zip(self.min_fields, self.max_fields, strict=True)):
             out = self.side.ready.get(self._window[i]) if i < len(self._window) else None
@@ -187,25 +183,27 @@ class RankPD:
         c = ctx.config
         layout = layout_of(eng, c.tp, c.cp, c.pp, shape=re.part.full, rank=ctx.rank)
         self.metrics.page_bytes = layout.page_bytes
-        self.metrics.part_bytes = eng.pool.shape.page_nbytes
         self.engine = eng
         _SIDES[id(eng)] = self
         if self.decode is not None and isinstance(self.gate, HandoffGate):
             self.decode.attach(eng, layout, self.gate)
             self.decode.cp_rank = ctx.cp_rank
-            self.gate.engine, self.gate.side = eng, self.decode
+            self.gate.side = self.decode
         if self.prefill is not None and isinstance(self.gate, PullGate):
             self.prefill.cp = (ctx.cp_rank, ctx.cp_group)
             self.prefill.attach(eng, layout, self.gate)
+        side = self.decode if self.decode is not None else self.prefill
+        assert side is not None
+        self.metrics.part_bytes = side.view.pool.shape.page_nbytes
         mine = self.prefill.listener.endpoint if self.prefill is not None else ""
         endpoints: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(endpoints, mine)
         if self.out is not None:
             self.out.put(SideReady({**layout.as_dict(), "rank": 0}, endpoints))
 
-    def submitted(self, req: Request, handoff: dict[str, Any] | None) -> None:
-        if self.prefill is not None and handoff is not None:
-            self.prefill.submitted(req, handoff)
+    def submitted(self, req: Request) -> None:
+        if self.prefill is not None and req.kv_params and "pd_held" in req.kv_params:
+            self.prefill.submitted(req, req.kv_params)
 
     def on_token(self, req: Request, token: int) -> None:
         if self.prefill is not None:
@@ -215,21 +213,24 @@ class RankPD:
 
     def ended(self, req: Request, error: str | None = None) -> None:
         """Its peer hears why a failed hand-off failed (a pull's wait ran out: req.failure)."""
-        req.state = State.DONE  # also one the engine refused at submit: its pull sink goes
         if self.prefill is not None:
+            self.prefill.puller.forget(req)  # also one the engine refused at submit
             sink = self.prefill.sinks.pop(req.rid, None)
             why = error or req.failure
             if sink is not None:
                 sink.push("error", why) if why else sink.push("done", req)
 
-    def stats(self) -> dict[str, Any]:
-        shape = self.engine.pool.shape
+    def stats(self, prompt_tokens: int) -> dict[str, Any]:
+        """prompt_tokens: what this rank's forwards computed."""
+        side = self.decode if self.decode is not None else self.prefill
+        assert side is not None
+        shape = side.view.pool.shape
         part = {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads}
         return {
             "rank": self.rank,
             **part,
             "part_page_bytes": shape.page_nbytes,
-            "prompt_tokens_computed": self.engine.prompt_tokens,  # what this rank's forwards ran
+            "prompt_tokens_computed": prompt_tokens,
             **self.metrics.counts,
         }
 
@@ -241,7 +242,7 @@ class RankPD:
 
 def rank_stats(engine: Any) -> dict[str, Any]:
     """A RankedLoop call (every rank): this rank's P/D part and counters."""
-    return _SIDES[id(engine)].stats()
+    return _SIDES[id(engine)].stats(engine.prompt_tokens)
 
 
 class RankPrefill(HandoffListener):
@@ -253,7 +254,6 @@ class RankPrefill(HandoffListener):
     ) -> None:
         super().__init__(cfg, listener, "pd-prefill-rank")
         self.metrics, self.rank, self.inbox = metrics, rank, inbox
-        self.loop = SimpleNamespace(engine=None)  # what Sink reads: loop.engine
         self.layout: Layout | None = None
         self.cp: tuple[int, Any] = (0, None)  # (cp rank, cp group): a CPSink's gather
         self.sinks: dict[str, Sink] = {}  # engine thread: rid -> sink, until the request ends
@@ -264,13 +264,16 @@ class RankPrefill(HandoffListener):
 
     # ---- engine thread -------------------------------------------------------------------------
     def attach(self, engine: Any, layout: Layout, gate: PullGate) -> None:
-        self.loop.engine, self.layout = engine, layout
+        self.layout = layout
         self.layerwise = self.cfg.pd_layerwise and layout.cp == 1  # cp: whole pages
         self.pulls = engine.cache is not None
         if self.pulls:  # the agreement rides in the cache's step consensus
-            self.puller.gate, gate.engine, gate.puller = gate, engine, self.puller
-        engine.connector = self
+            self.puller.gate, gate.puller = gate, self.puller
+        engine.use_connector(self)
         self.thread.start()
+
+    def sink_of(self, rid: str) -> Sink | None:
+        return self.sinks.get(rid)
 
     def submitted(self, req: Request, extra: dict[str, Any]) -> None:
         """Every rank, at the same step: the hand-off's request, before the engine has it."""
@@ -279,12 +282,6 @@ class RankPrefill(HandoffListener):
         self.outbox.put((sink, "new"))
         if sink.held and self.puller.gate is not None and not isinstance(sink, CPSink):
             self.puller.add(sink)  # it may pull held pages its tiers lack (every rank alike)
-
-    def on_layer(self, reqs: list[Request], layer: int) -> None:
-        for req in reqs:
-            sink = self.sinks.get(req.rid)
-            if sink is not None:
-                sink.on_layer(layer)
 
     # ---- listener thread -----------------------------------------------------------------------
     def _on_message(self, peer: bytes, frames: Frames) -> None:
@@ -298,11 +295,11 @@ class RankPrefill(HandoffListener):
             self.queued.pop(hid, None)
             self.flight.pop(hid, None)
             if self.rank == 0:  # every rank aborts it at the same step (broadcast)
-                self.inbox.put(Abort(f"pd-{hid}"))
+                self.inbox.put(Abort(handoff_rid(hid)))
             return
         if head["type"] == "pulled":  # only from this hand-off's own peer
             if self.peers.get(hid, (None,))[0] == peer:
-                part = self.loop.engine.pool.shape.page_nbytes  # this rank's part of a page
+                part = self.view.pool.shape.page_nbytes  # this rank's part of a page
                 self.puller.receive(self.flight.get(hid), head, frames, part)
             return
         if head["type"] != "handoff":
@@ -326,9 +323,10 @@ class RankPrefill(HandoffListener):
             if bad:
                 raise WireError(bad)
             return
-        req, held = check_handoff(self.layout, head, self.loop.engine.kv)
-        handoff = {"pd_held": held, **check_owners(self.layout, head, held)}
-        self.inbox.put(NewRequest(req.rid, req.tokens, 1, None, req.cache_salt, handoff=handoff))
+        req, held = check_handoff(self.layout, head, self.view.kv)
+        handoff = {**(req.kv_params or {}), **check_owners(self.layout, head, held)}
+        new = NewRequest(req.rid, req.tokens, 1, None, req.cache_salt, handoff, keep_logits=True)
+        self.inbox.put(new)
 
     def _flush(self) -> None:
         for sink, frames in self._taken():
