@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from kvstrata.engine.request import Request
 from kvstrata.parallel.cp_gather import CPOwnership
-from kvstrata.pd.prefill import Sink
+from kvstrata.pd.sink import Sink
 from kvstrata.pd.wire import Layout, WireError
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
