@@ -17,7 +17,7 @@ import torch
 from kvstrata.cache.keys import as_token_array
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.connector import KVConnector
+from kvstrata.engine.connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.runner import Forward, ModelRunner
@@ -86,6 +86,11 @@ class Engine:
         self.connector: KVConnector | None = None
         """Remote KV in and out at fixed points of the step (P/D; kvstrata/engine/connector.py)."""
 
+    def use_connector(self, conn: KVConnector) -> None:
+        """Remote KV through `conn` from now on (the scheduler and runner call it)."""
+        conn.register_kv_caches(EngineView(self.pool, self.kv, self.clock, self.spec))
+        self.connector = self.scheduler.connector = conn
+
     @property
     def waiting(self) -> list[Request]:
         return self.scheduler.waiting
@@ -135,14 +140,17 @@ class Engine:
         if log is not None:
             log.begin_step(self.steps)
         self._settle()
-        conn = self.connector
-        poll = (lambda: conn.get_finished(self)) if conn is not None else None
-        batch = self.scheduler.schedule(self.clock(), poll)
+        batch = self.scheduler.schedule(self.clock(), self._land_remote)
         self._admitted(batch.admitted)
         finished = batch.ended
         if batch.work:
-            saves = conn.save_kv_layer if conn is not None and conn.saves_layers else None
-            finished += self.postprocess(batch.work, self.runner.run(batch.work, saves))
+            conn = self.connector
+            if conn is not None:
+                conn.bind_connector_metadata(batch.meta)
+            layers = conn if conn is not None and batch.meta.per_layer else None
+            finished += self.postprocess(batch.work, self.runner.run(batch.work, layers))
+            if conn is not None:
+                conn.clear_connector_metadata()
         if log is not None:
             for req in finished:
                 log.record("finish", rid=req.rid, cached_pages=len(req.page_table))
@@ -186,23 +194,37 @@ class Engine:
         if self.cache is not None:
             self.cache.drain()
 
-    # ---- remote prefill (P/D decode: another worker computes the prompt) --------------------
-    def finish_remote_prefill(
-        self, req: Request, row: torch.Tensor, state: torch.Tensor | None = None
-    ) -> bool:
-        """The prompt's KV is in req's pages now (written between steps); `row` [vocab] is the
-        prompt's last logits: emit the first token as a local prefill would. `state`: the prefill
-        worker's Speculator.handoff_state (speculating). True when done."""
-        assert req.remote and req.state is State.PREFILL, f"{req.rid} is not a remote prefill"
-        req.computed = len(req.tokens)
-        if self.spec is not None:
-            self.spec.resume(req, state)  # the draft's layers came in the same pages
-        return self._emit(req, row)
+    # ---- remote KV (the connector's landed / failed requests) --------------------------------
+    def _land_remote(self, done: list[RemoteDone]) -> list[Request]:
+        """Resume what landed, end what failed (in the connector's order); returns the ended."""
+        ended: list[Request] = []
+        for item in done:
+            req = item.req
+            assert req.state is State.WAITING_FOR_REMOTE_KV, f"{req.rid} waits for no remote KV"
+            if isinstance(item, RemoteFailed):
+                ended.append(self.scheduler.fail(req, item.status, item.message))
+            elif self._resume(item):
+                ended.append(req)
+        return ended
 
-    def fail_remote(self, req: Request, status: int, message: str) -> Request:
-        """End a remote prefill that failed: its pages and locks go back, the client gets
-        `status` and `message` (the loop reads req.failure)."""
-        return self.scheduler.fail(req, status, message)
+    def _resume(self, landed: Landed) -> bool:
+        """The remote KV is in req's pages (written between steps). With the prompt's last
+        logits row the first token is emitted as a local prefill would (the speculator resumes
+        from the prefill worker's state); else the landed tokens count as computed and the
+        engine computes the rest. True when the request is complete."""
+        req = landed.req
+        req.state = State.PREFILL
+        if landed.logits is not None:
+            req.computed = len(req.tokens)
+            if self.spec is not None:
+                self.spec.resume(req, landed.state)  # the draft's layers came in the same pages
+            return self._emit(req, landed.logits)
+        if landed.tokens is not None:
+            req.computed = landed.tokens
+            if req.draft_computed is not None:
+                req.draft_computed = req.computed  # a page carries its draft part, as a hit does
+            self.kv.cache_pages(req, final=False)  # cached the way a computed chunk is
+        return False
 
     # ---- prefix-cache reset -------------------------------------------------------------------
     def preempt_running(self) -> int:

@@ -111,6 +111,15 @@ class KVManager:
         """Prompt pages each tier served an admitted request (none before admission)."""
         return req.lease.hits if req.lease is not None else Hits()
 
+    def page_table(self, req: Request) -> list[int]:
+        """Device page of each logical page of an admitted request."""
+        assert req.lease is not None, f"request {req.rid} was never admitted"
+        return list(req.lease.page_table)
+
+    def copies_pending(self) -> bool:
+        """Cache copies (L1 -> L2 stores, L3 backups, loads) whose results are still to apply."""
+        return self.cache is not None and len(self.cache.queues) > 0
+
     def holds(self, req: Request) -> bool:
         """The request holds pages (admitted, not released)."""
         return req.lease is not None

@@ -14,6 +14,9 @@ from kvstrata.engine.sampling import Sampler
 
 class State(enum.Enum):
     WAITING = "waiting"  # its lease matches, probes L3, prefetches, or waits for L1 room
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    """Admitted (its pages allocated) while another worker fills some of them: the scheduler
+    plans none of its prompt until the engine's connector says they landed or failed."""
     PREFILL = "prefill"
     DECODE = "decode"
     DONE = "done"
@@ -21,7 +24,7 @@ class State(enum.Enum):
 
 @dataclass
 class Request:
-    """One prompt of token ids and how many tokens to generate greedily."""
+    """One prompt of token ids and how many tokens to generate (greedy, or by its sampler)."""
 
     rid: str
     tokens: list[int]
@@ -31,10 +34,10 @@ class Request:
     """Keep every produced logits row (tests compare them with recomputation)."""
     sampler: Sampler | None = None  # None: greedy, ends only at max_new_tokens
     cache_salt: str = ""  # mixed into the page keys: requests with other salts share no page
-    remote: str = ""
-    """P/D: another worker fills the prompt's pages and the engine's connector ends the wait ("" = this
-    engine prefills it). Decode: the prefill worker that computes the prompt; prefill: "decode",
-    a hand-off that may first pull held pages from decode (kvstrata/pd/pull.py)."""
+    kv_params: dict[str, Any] | None = None
+    """What the engine's connector needs of this request (vLLM's kv_transfer_params; opaque to
+    the engine). P/D decode: {"prefill": the worker that computes the prompt}; P/D prefill:
+    the checked hand-off ({"pd_held": pages decode holds, ...})."""
     transfer: dict[str, Any] | None = None  # P/D decode: what crossed for it (usage.pd)
 
     # --- engine state -------------------------------------------------------------------------

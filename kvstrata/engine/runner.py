@@ -3,13 +3,15 @@
 It waits for the batch's L2 -> L1 loads layer by layer (the KV manager names them), runs the
 draft's proposals, the target forward (decodes verifying drafts in a forward of their own, all
 rows kept) and the draft's catch-up, and reports each finished layer of completed prompts to a
-connector (P/D prefill sends that layer's pages at once). It changes no request state.
+connector around each layer (P/D prefill sends a layer's pages at once). It changes no request
+state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -20,8 +22,14 @@ from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 
-LayerDone = Callable[[list[Request], int], None]
-"""Told after each target layer of a forward with the requests whose prompt it completes."""
+
+class LayerHooks(Protocol):
+    """Called around each target layer of a forward (kvstrata.engine.connector.KVConnector,
+    its step's metadata bound)."""
+
+    def wait_for_layer_load(self, layer: int) -> None: ...
+
+    def save_kv_layer(self, layer: int) -> None: ...
 
 
 @dataclass
@@ -41,7 +49,7 @@ class ModelRunner:
     ) -> None:
         self.model, self.pool, self.kv, self.spec = model, pool, kv, spec
 
-    def run(self, work: Work, layer_done: LayerDone | None = None) -> Forward:
+    def run(self, work: Work, layer_done: LayerHooks | None = None) -> Forward:
         reqs = [r for r, _ in work]
         wait = self.kv.layer_wait(reqs)
         drafts = self.spec.propose(work, self.pool, wait) if self.spec is not None else {}
@@ -64,7 +72,7 @@ class ModelRunner:
         work: Work,
         drafts: dict[str, list[int]],
         wait: Callable[[int], None] | None,
-        layer_done: LayerDone | None,
+        layer_done: LayerHooks | None,
         hidden: list[torch.Tensor] | None,
     ) -> list[torch.Tensor]:
         """Target logits per work item. Verifies run in a forward of their own (all rows kept).
@@ -83,7 +91,7 @@ class ModelRunner:
             batch = SeqBatch.build(
                 toks, [r.computed for r, _ in items], [r.page_table for r, _ in items]
             )
-            before, last = self._layers_done(items, wait, layer_done)
+            before, last = self._layer_hooks(wait, layer_done if last_only else None)
             states: list[torch.Tensor] = []
             # hidden_out only when asked (an MTP head): the TP / PP / CP forwards all take it
             extra = {"hidden_out": states} if hidden is not None else {}
@@ -101,22 +109,21 @@ class ModelRunner:
             hidden.extend(hid)
         return out
 
-    def _layers_done(
-        self, items: Work, wait: Callable[[int], None] | None, layer_done: LayerDone | None
+    def _layer_hooks(
+        self, wait: Callable[[int], None] | None, hooks: LayerHooks | None
     ) -> tuple[Callable[[int], None] | None, Callable[[], None] | None]:
-        """`before_layer` that also reports each finished layer (layer i - 1 is written when
-        layer i starts), and the report of the last layer after the forward."""
-        done = [
-            r for r, t in items if r.state is State.PREFILL and r.computed + len(t) == len(r.tokens)
-        ]
-        if layer_done is None or not done or self.spec is not None:
+        """`before_layer` that also waits for the connector's loads and reports each finished
+        layer (layer i - 1 is written when layer i starts), and the report of the last layer
+        after the forward."""
+        if hooks is None:
             return wait, None
 
         def before(i: int) -> None:
             if wait is not None:
                 wait(i)
+            hooks.wait_for_layer_load(i)
             if i:
-                layer_done(done, i - 1)
+                hooks.save_kv_layer(i - 1)
 
         last = self.pool.shape.num_layers - 1  # this rank's layers (a pp stage has a part)
-        return before, lambda: layer_done(done, last)
+        return before, lambda: hooks.save_kv_layer(last)

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.connector import ConnectorMeta, KVConnector, RemoteDone
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 
 RESET_DRAIN_S = 120.0  # a prefix-cache reset waits this long at most for copies in flight
+IDLE_REMOTE_WAIT_S = 0.005  # only remote KV to wait for: the connector may block this long
 
 Work = list[tuple[Request, list[int]]]
 """A planned batch: each running request and the tokens it feeds this forward."""
@@ -39,11 +41,17 @@ class BatchLimit(Protocol):
 
 @dataclass
 class Scheduled:
-    """One step's schedule: who was admitted, who the connector ended, what the forward runs."""
+    """One step's schedule: who was admitted, who the connector ended, what the forward runs
+    and the connector's metadata for it."""
 
     admitted: list[Request] = field(default_factory=list)
     ended: list[Request] = field(default_factory=list)
     work: Work = field(default_factory=list)
+    meta: ConnectorMeta = field(default_factory=ConnectorMeta)
+
+
+Land = Callable[[list[RemoteDone]], list[Request]]
+"""Applies the connector's landed / failed requests; returns those that ended (the engine)."""
 
 
 class Scheduler:
@@ -60,6 +68,7 @@ class Scheduler:
         self.speculating = speculating  # hit pages bring their draft part along
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.connector: KVConnector | None = None  # remote KV at fixed points (connector.py)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -68,12 +77,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step -------------------------------------------------------------------------------
-    def schedule(self, now_s: float, poll: Callable[[], list[Request]] | None = None) -> Scheduled:
-        """Admit what is ready and fits, let `poll` land or fail remote work (it returns the
-        requests it ended), then plan the forward."""
+    def schedule(self, now_s: float, land: Land | None = None) -> Scheduled:
+        """Admit what is ready and fits (asking the connector for remote tokens), let `land`
+        apply what the connector says landed or failed, then plan the forward and build the
+        connector's metadata for it."""
         out = Scheduled(admitted=self._admit(now_s))
-        out.ended = poll() if poll is not None else []
+        conn = self.connector
+        if conn is not None:
+            done = conn.get_finished(IDLE_REMOTE_WAIT_S if self._only_remote() else 0.0)
+            out.ended = land(done) if land is not None and done else []
         out.work = self._plan()
+        if conn is not None:
+            out.meta = conn.build_connector_meta(out.work)
         return out
 
     def _admit(self, now_s: float) -> list[Request]:
@@ -84,7 +99,23 @@ class Scheduler:
             self.running.append(req)
             if self.speculating:
                 req.draft_computed = req.computed
+            if self.connector is not None:
+                self._match_remote(self.connector, req)
         return admitted
+
+    def _match_remote(self, conn: KVConnector, req: Request) -> None:
+        """After the local match and allocation: tokens another worker provides, if any, make
+        the request wait for them (its pages stay allocated)."""
+        remote = conn.get_num_new_matched_tokens(req, req.computed)
+        conn.update_state_after_alloc(req, self.kv.page_table(req), remote)
+        if remote:
+            req.state = State.WAITING_FOR_REMOTE_KV
+
+    def _only_remote(self) -> bool:
+        """Every request in flight waits for remote KV, and no cache op is pending."""
+        if self.waiting or self.kv.copies_pending():
+            return False
+        return all(r.state is State.WAITING_FOR_REMOTE_KV for r in self.running)
 
     def _plan(self) -> Work:
         """Tokens each running request feeds this step: decodes first, then prefill chunks,
@@ -98,7 +129,7 @@ class Scheduler:
         if work and self.config.decode_step_tokens:  # the decode-latency budget holds
             budget = min(budget, max(0, self.config.decode_step_tokens - len(work)))
         for req in self.running:
-            if req.state is State.PREFILL and budget and not req.remote:
+            if req.state is State.PREFILL and budget:
                 seq = req.prefill_tokens
                 cap = self.config.chunk_tokens or budget  # 0: no cap but the budget
                 n = min(cap, len(seq) - req.computed, budget)
@@ -117,10 +148,12 @@ class Scheduler:
         """A running request ends: its full pages stay cached, the rest goes back."""
         self.kv.cache_pages(req, final=True)
         self.running.remove(req)
+        if self.connector is not None:
+            self.connector.request_finished(req)
         return ended(req, reason)
 
     def fail(self, req: Request, status: int, message: str) -> Request:
-        """A running request whose remote work failed: only its held prefix is cached, the
+        """A running request whose remote KV failed: only its held prefix is cached, the
         client gets `status` and `message` (the loop reads req.failure)."""
         req.failure = (status, message)
         return self.finish(req, "error")
@@ -133,6 +166,8 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 self.kv.abort(req)
+                if self.connector is not None:
+                    self.connector.request_finished(req)
                 return ended(req, "abort")
         for req in self.running:
             if req.rid == rid:
@@ -160,7 +195,8 @@ class Scheduler:
         cache = self.kv.cache
         if cache is None:
             return True
-        if self.running and (not reset_running or any(r.remote for r in self.running)):
+        remote = any(r.state is State.WAITING_FOR_REMOTE_KV for r in self.running)
+        if self.running and (not reset_running or remote):
             return False
         self.preempt_running()
         for req in self.waiting:  # waiting leases let go of their locks; they match again later

@@ -1,11 +1,12 @@
-"""Speculative decoding, greedy: a draft proposes N tokens, the target verifies them in one forward.
+"""Speculative decoding: a draft proposes N tokens, the target verifies them in one forward.
 
 Per decoding request with `computed = c` (KV final for positions < c) and last token t_c:
 - draft: catch up on the tokens it has no KV for, all_tokens[draft_computed : c + 1] (one token,
   or two after a step that accepted every draft), then feed its own proposals d_1 .. d_{n-1}
   one at a time; its KV goes to the draft's tail layers of the request's own pages;
-- target: one forward over [t_c, d_1 .. d_n] at positions c .. c+n gives greedy choices
-  g_0 .. g_n; a = the longest prefix with d_j == g_{j-1}; the request emits g_0 .. g_a.
+- target: one forward over [t_c, d_1 .. d_n] at positions c .. c+n gives rows 0 .. n; a greedy
+  request takes their argmax g_0 .. g_n, a = the longest prefix with d_j == g_{j-1}, and emits
+  g_0 .. g_a (a sampled one: the rejection rule below).
 
 Afterwards `computed = c + a + 1` (only accepted tokens count) and `draft_computed = c +
 min(n, a + 1)`. KV written at rejected positions sits in the request's own, never committed,

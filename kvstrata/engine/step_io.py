@@ -25,17 +25,18 @@ class NewRequest:
     max_new_tokens: int
     params: SamplingParams | None = None  # None: greedy
     cache_salt: str = ""
-    remote: str = ""  # P/D decode: the prefill worker that computes the prompt
-    handoff: dict[str, Any] | None = None
-    """P/D prefill: the checked hand-off ({"pd_held": pages decode holds, "pd_owners": ...});
-    its request keeps its logits (the first-token row travels to decode)."""
+    kv_params: dict[str, Any] | None = None
+    """What the engine's connector needs of it (Request.kv_params): P/D decode names the
+    prefill worker; P/D prefill carries the checked hand-off ({"pd_held": pages decode holds,
+    "pd_owners": ...})."""
+    keep_logits: bool = False  # P/D prefill: the first-token row travels to decode
 
     def build(self) -> Request:
         sampler = Sampler(self.params, self.rid) if self.params is not None else None
         req = Request(
             self.rid, self.tokens, self.max_new_tokens, sampler=sampler, cache_salt=self.cache_salt
         )
-        req.remote, req.keep_logits = self.remote, self.handoff is not None
+        req.kv_params, req.keep_logits = self.kv_params, self.keep_logits
         return req
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from kvstrata.engine.request import Request
 from kvstrata.parallel.cp_gather import CPOwnership
-from kvstrata.pd.prefill import Sink
+from kvstrata.pd.sink import Sink
 from kvstrata.pd.wire import Layout, WireError
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -92,9 +92,16 @@ class CPSink(Sink):
     """A hand-off's sink on a cp rank of prefill: whole pages, only those its peer owns."""
 
     def __init__(
-        self, side: Any, req: Request, held: int, owners: list[int], cp_rank: int, group: Any
+        self,
+        side: Any,
+        req: Request,
+        held: int,
+        hid: str,
+        owners: list[int],
+        cp_rank: int,
+        group: Any,
     ) -> None:
-        super().__init__(side, b"", req, held)
+        super().__init__(side, b"", req, held, hid)
         self.owners, self.cp_rank, self.group = owners, cp_rank, group
 
     def on_layer(self, layer: int) -> None:
@@ -121,7 +128,7 @@ def received_pages(got: Any, expect: list[int] | None) -> list[int]:
 
 def rank_sink(side: Any, req: Request, extra: dict[str, Any]) -> Sink:
     """A prefill rank's sink of a submitted hand-off (a CPSink when decode named owners)."""
-    held, owners = int(extra["pd_held"]), extra.get("pd_owners")
+    held, owners, hid = int(extra["pd_held"]), extra.get("pd_owners"), str(extra["pd_id"])
     if owners is None:
-        return Sink(side, b"", req, held)
-    return CPSink(side, req, held, owners, *side.cp)
+        return Sink(side, b"", req, held, hid)
+    return CPSink(side, req, held, hid, owners, *side.cp)

@@ -1,12 +1,13 @@
-"""The decode worker's side of a hand-off.
+"""The decode worker's side of a hand-off (the decode role's KV connector).
 
 Decode's own Lease matched and admitted the request over its tiers (L1, L2, L3 prefetch into
-L2), locked the held prefix and allocated every other page; the engine does not plan the prompt
-of a `remote` request. Once admitted, a thread per hand-off sends prefill the keys of the pages
-decode holds and waits (bounded by pd_timeout_s of silence) for exactly the missing pages and
-the first-token logits row. The engine thread (the connector's get_finished) writes them into the request's
-own pages and emits the first token; or, on any failure, releases the request's pages and ends
-it with 502/504 naming the prefill endpoint (or, with pd_on_failure=local, prefills it here).
+L2), locked the held prefix and allocated every other page; a request that names a prefill
+worker then waits for remote KV (the scheduler plans none of its prompt). Once admitted, a
+thread per hand-off sends prefill the keys of the pages decode holds and waits (bounded by
+pd_timeout_s of silence) for exactly the missing pages and the first-token logits row. The
+engine thread (the connector's get_finished) writes them into the request's own pages and the
+engine emits the first token; or, on any failure, the request ends with 502/504 naming the
+prefill endpoint and its pages go back (or, with pd_on_failure=local, it is prefilled here).
 Meanwhile prefill may `pull` held pages it lacks: the engine thread copies them out of the
 request's own (locked) pages and the hand-off thread sends them on the same channel.
 """
@@ -23,9 +24,9 @@ import httpx2 as httpx
 import torch
 import zmq
 
-from kvstrata.engine.connector import KVConnector
+from kvstrata.engine.connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.request import Request, State
+from kvstrata.engine.request import Request
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import mine, owners_of, received_pages
 from kvstrata.pd.pages import host_pages, write_pages
@@ -45,7 +46,6 @@ from kvstrata.pd.wire import (
 
 POLL_S = 0.05  # how often a waiting hand-off checks for a cancel
 WIRE_RETRIES = 1  # a reply that fails its checks (a checksum) is asked for again this often
-IDLE_WAIT_S = 0.005  # nothing to step but hand-offs: the engine thread waits this long for one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +103,20 @@ class Resolver:
 class Handoff(threading.Thread):
     """One request's exchange with prefill on a fresh channel; ends by putting one Outcome."""
 
-    def __init__(self, side: DecodeSide, req: Request, held: list[int], n_pages: int) -> None:
+    def __init__(
+        self, side: DecodeSide, req: Request, target: str, held: list[int], pages: list[int]
+    ) -> None:
+        """target: the prefill worker; held: keys of the pages decode holds; pages: the
+        request's device pages (logical page -> device page)."""
         super().__init__(name=f"pd-handoff-{req.rid}", daemon=True)
-        self.side, self.rid, self.target = side, req.rid, req.remote
+        self.side, self.req, self.rid, self.target = side, req, req.rid, target
         self.hid = req.rid  # the hand-off id on the wire: a new one per attempt
-        self.tokens, self.salt, self.held, self.n_pages = req.tokens, req.cache_salt, held, n_pages
+        self.tokens, self.salt, self.held = req.tokens, req.cache_salt, held
+        self.pages = pages
+        self.n_pages = -(-len(req.tokens) // side.view.page_size)
+        self.hits = dict(req.hits)  # what decode's own tiers served (usage.pd)
         self.cancelled = threading.Event()
-        self.endpoint = req.remote
+        self.endpoint = target
         self.layers: dict[int, list[memoryview]] = {}  # a layered hand-off's slices so far
         self.ch: Any = None  # this try's channel (the thread's own)
         self.pulled = 0  # held pages sent to prefill on its `pull`, every try
@@ -219,7 +226,8 @@ class Handoff(threading.Thread):
 
 
 class DecodeSide(KVConnector):
-    """Starts and lands hand-offs; `hook` runs on the engine thread once per step.
+    """The decode role's connector: starts a hand-off for each request that names a prefill
+    worker and lands its pages (or fails it) between steps, on the engine thread.
 
     One rank lands an outcome as soon as it arrives. Under several ranks (`gate`, see
     kvstrata/pd/ranks.py) each rank only records what arrived; the step's consensus says which
@@ -230,6 +238,7 @@ class DecodeSide(KVConnector):
         self.cfg, self.transport, self.metrics = cfg, transport, metrics
         self.resolver = Resolver(cfg.pd_timeout_s)
         self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
+        self.view: EngineView = None  # type: ignore[assignment]  # set by register_kv_caches
         self.wants_state = False  # an MTP head: replies must carry prefill's hidden state
         self.part = (0, 0)  # (layers, page bytes) of this rank's part of a page
         self.cp_rank = 0  # this rank's place in its cp group (set by RankPD)
@@ -237,16 +246,19 @@ class DecodeSide(KVConnector):
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         # prefill's pulls: (rid, first page, end page, reply queue) for the engine thread
         self.pulls: queue.SimpleQueue[tuple[str, int, int, Any]] = queue.SimpleQueue()
-        self.active: dict[str, Handoff] = {}
+        self.active: dict[str, Handoff] = {}  # in admission order (the same on every rank)
         self.ready: dict[str, Outcome] = {}  # arrived here, not landed yet
         self._next = 0
         self._lock = threading.Lock()
 
     def attach(self, engine: Engine, layout: Layout, gate: Any = None) -> None:
         self.layout, self.gate = layout, gate
-        self.part = (engine.pool.shape.num_layers, engine.pool.shape.page_nbytes)
-        self.wants_state = engine.spec is not None and engine.spec.wants_hidden
-        engine.connector = self
+        engine.use_connector(self)
+
+    def register_kv_caches(self, view: EngineView) -> None:
+        self.view = view
+        self.part = (view.pool.shape.num_layers, view.pool.shape.page_nbytes)
+        self.wants_state = view.spec is not None and view.spec.wants_hidden
 
     def choose(self, wanted: str | None) -> str:
         """The prefill worker of a new request: the one the router named, else round robin."""
@@ -261,36 +273,57 @@ class DecodeSide(KVConnector):
             self._next += 1
             return urls[(self._next - 1) % len(urls)]
 
-    def get_finished(self, engine: Engine) -> list[Request]:
-        running = {r.rid: r for r in engine.running}
-        for rid, h in list(self.active.items()):
-            if rid not in running:  # aborted (client gone): stop waiting for prefill
-                h.cancelled.set()
-                del self.active[rid]
-                self.ready.pop(rid, None)
-        for req in running.values():
-            if req.remote and req.state is State.PREFILL and req.rid not in self.active:
-                self._start(engine, req)
-        self._collect(IDLE_WAIT_S if _only_handoffs(engine) else 0.0)
-        self._serve_pulls(engine, running)
+    # ---- the connector (engine thread) -----------------------------------------------------------
+    def get_num_new_matched_tokens(self, req: Request, local_tokens: int) -> int:
+        """A request naming a prefill worker gets every prompt token decode lacks from it."""
+        if not (req.kv_params and req.kv_params.get("prefill")):
+            return 0
+        return len(req.tokens) - local_tokens
+
+    def update_state_after_alloc(self, req: Request, pages: list[int], remote_tokens: int) -> None:
+        if not remote_tokens:
+            return
+        assert req.kv_params is not None
+        held = self.view.kv.held_keys(req)  # every tier: L1, L2 (and what L3 brought)
+        h = Handoff(self, req, str(req.kv_params["prefill"]), held, pages)
+        if self.layout.cp > 1:  # the same page tables on every cp rank: the same owners
+            h.owners = owners_of(pages, len(held), h.n_pages, self.layout.cp)
+            h.expect = mine(h.owners, len(held), self.cp_rank)
+        self.active[req.rid] = h
+        h.start()
+
+    def request_finished(self, req: Request) -> None:
+        """Ended before its pages came (aborted: client gone): stop waiting for prefill."""
+        h = self.active.pop(req.rid, None)
+        if h is not None:
+            h.cancelled.set()
+            self.ready.pop(req.rid, None)
+
+    def get_finished(self, idle_wait_s: float) -> list[RemoteDone]:
+        self._collect(idle_wait_s)
+        self._serve_pulls()
         gate = self.gate
         landing = gate.landable(self.ready) if gate else [(r, None) for r in self.ready]
-        finished: list[Request] = []
+        done: list[RemoteDone] = []
         for rid, failure in landing:
-            req, h = running.get(rid), self.active.pop(rid, None)
-            if req is None or h is None:
+            h = self.active.pop(rid, None)
+            if h is None:
                 continue  # ended meanwhile; its pages are already back
             out = self.ready.pop(rid, None)
             if failure is not None and (out is None or out.failure is None):  # another rank's
                 h.cancelled.set()
                 out = Outcome(rid, h.endpoint, failure=failure)
             assert out is not None
-            if self._land(engine, req, out):
-                finished.append(req)
-        return finished
+            done.append(self._land(h, out))
+        return done
+
+    def window(self) -> list[str]:
+        """The hand-offs in flight, in admission order (the same list on every rank: it changes
+        only by agreed steps)."""
+        return list(self.active)
 
     def _collect(self, wait: float) -> None:
-        """Outcomes that arrived (blocks up to `wait` for the first: only hand-offs to wait on)."""
+        """Outcomes that arrived (blocks up to `wait` for the first: only remote KV to wait on)."""
         while True:
             try:
                 out = self.outcomes.get(timeout=wait) if wait else self.outcomes.get_nowait()
@@ -300,7 +333,7 @@ class DecodeSide(KVConnector):
             if out.rid in self.active:
                 self.ready[out.rid] = out
 
-    def _serve_pulls(self, engine: Engine, running: dict[str, Request]) -> None:
+    def _serve_pulls(self) -> None:
         """Engine thread: copy out the held pages prefill pulls (locked by the request's lease,
         so nothing writes them; an L2 -> L1 load of some is waited for first)."""
         while True:
@@ -308,44 +341,31 @@ class DecodeSide(KVConnector):
                 rid, first, end, reply = self.pulls.get_nowait()
             except queue.Empty:
                 return
-            req = running.get(rid)
-            if req is None or not engine.kv.holds(req):
+            h = self.active.get(rid)
+            if h is None:
                 reply.put(None)
                 continue
-            engine.kv.wait_loaded(req, self.cfg.pd_timeout_s)
-            reply.put(host_pages(engine.pool, req.page_table[first:end]))
+            self.view.kv.wait_loaded(h.req, self.cfg.pd_timeout_s)
+            reply.put(host_pages(self.view.pool, h.pages[first:end]))
 
-    def _start(self, engine: Engine, req: Request) -> None:
-        held = engine.kv.held_keys(req)  # every tier: L1, L2 (and what L3 brought)
-        n = -(-len(req.tokens) // engine.page)
-        h = Handoff(self, req, held, n)
-        if self.layout.cp > 1:  # the same page tables on every cp rank: the same owners
-            h.owners = owners_of(req.page_table, len(held), n, self.layout.cp)
-            h.expect = mine(h.owners, len(held), self.cp_rank)
-        self.active[req.rid] = h
-        h.start()
-
-    def _land(self, engine: Engine, req: Request, out: Outcome) -> bool:
-        """Write the pages and emit the first token, or fail the request; True when it ended."""
+    def _land(self, h: Handoff, out: Outcome) -> RemoteDone:
+        """Write the pages (the engine emits the first token), or fail the request."""
         if out.failure is not None:
             self.metrics.failed()
             if self.cfg.pd_on_failure == "local":
-                req.remote = ""  # the engine prefills it from its held prefix on
-                return False
-            engine.fail_remote(req, *out.failure)
-            return True
+                return Landed(h.req, None)  # the engine prefills it from its held prefix on
+            return RemoteFailed(h.req, *out.failure)
         got = out.received
-        assert got is not None and engine.kv.holds(req)
-        at, n = got.first_page, -(-len(req.tokens) // engine.page)
-        ids = [req.page_table[i] for i in received_pages(got, None)]  # this rank's pages
-        write_pages(engine.pool, ids, got.pages)
-        hits = engine.kv.hits(req)
-        req.transfer = {
+        assert got is not None
+        at, n = got.first_page, h.n_pages
+        ids = [h.pages[i] for i in received_pages(got, None)]  # this rank's pages
+        write_pages(self.view.pool, ids, got.pages)
+        h.req.transfer = {
             "pages_received": n - at,  # every page decode lacked, over all its ranks
             # whole pages: every rank landed its verified part (equal to got.nbytes on one rank)
             "bytes_received": (n - at) * self.layout.page_bytes,
-            "pages_skipped": hits.pages,
-            "pages_from_storage": hits.storage,
+            "pages_skipped": sum(h.hits.values()),
+            "pages_from_storage": h.hits["L3"],
             "prefill_computed_tokens": int(got.stats.get("computed_tokens", 0)),
             "pages_pulled": out.pulled,  # held pages prefill pulled from here
             "bytes_pulled": out.pulled * self.layout.page_bytes,
@@ -353,15 +373,8 @@ class DecodeSide(KVConnector):
             "pages_pulled_kept": int(got.stats.get("pulled_kept", 0)),
             "prefill": out.endpoint,
         }
-        self.metrics.received(req.transfer, got.nbytes)
+        self.metrics.received(h.req.transfer, got.nbytes)
         state = None if got.state is None else torch.from_numpy(got.state)
         if state is not None:  # float32 on the wire; exact back in the model's dtype
-            state = state.to(engine.pool.device, engine.pool.shape.torch_dtype)
-        return engine.finish_remote_prefill(req, torch.from_numpy(got.logits), state)
-
-
-def _only_handoffs(engine: Engine) -> bool:
-    """Every request in the engine waits for its prefill worker, and no cache op is pending."""
-    if engine.waiting or (engine.cache is not None and len(engine.cache.queues)):
-        return False
-    return all(r.remote and r.state is State.PREFILL for r in engine.running)
+            state = state.to(self.view.pool.device, self.view.pool.shape.torch_dtype)
+        return Landed(h.req, len(h.req.tokens), torch.from_numpy(got.logits), state)

@@ -43,6 +43,9 @@ class PDMetrics:
         self.pages.labels(self.name, direction).inc(pages)
         self.bytes.labels(self.name, direction).inc(nbytes)
 
+    def wire(self, nbytes: int) -> None:
+        """Bytes on the wire: counted when the pages are queued (`sent`), whole pages."""
+
     def failed(self) -> None:
         self.handoffs.labels(self.name, "failed").inc()
 

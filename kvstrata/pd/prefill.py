@@ -1,14 +1,14 @@
-"""The prefill worker's side of a hand-off.
+"""The prefill worker's side of a hand-off, on each of its ranks (one rank: N=1).
 
-One thread owns the transport's listener. A `handoff` from decode is checked first (layout, then
-decode's key chain against the prompt under the request's cache_salt namespace, then the rule
-that the page of the last prompt token is never held); a bad one is refused with the reason.
-A good one runs as an ordinary engine request (max 1 token, logits kept), so its own Lease
-serves what prefill's L1/L2/L3 hold and only the rest is computed. When its first token is
-produced (on the engine thread, before the request's pages are released) the pages decode lacks
-are copied out to host memory and queued; the listener thread sends them with the logits row,
-and heartbeats each hand-off that is still computing every pd_heartbeat_s. Held pages that
-prefill's own tiers lack are pulled from decode first (kvstrata/pd/pull.py).
+One thread per rank owns the transport's listener. A `handoff` from decode is checked first
+(layout, then decode's key chain against the prompt under the request's cache_salt namespace,
+then the rule that the page of the last prompt token is never held); a bad one is refused with
+the reason. A good one runs as an ordinary engine request (max 1 token, logits kept), submitted
+through the step loop's inbox, so its own Lease serves what prefill's L1/L2/L3 hold and only the
+rest is computed. At its first token each rank's sink (kvstrata/pd/sink.py) queues the pages
+decode lacks; the listener thread sends them with the logits row, and heartbeats each hand-off
+that is still computing every pd_heartbeat_s. Held pages that prefill's own tiers lack are
+pulled from decode first (kvstrata/pd/pull.py); under several ranks see kvstrata/pd/ranks.py.
 """
 
 from __future__ import annotations
@@ -18,110 +18,73 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from kvstrata.cache.lease import hittable_pages
-from kvstrata.engine.connector import KVConnector
-from kvstrata.engine.request import Request
+from kvstrata.engine.connector import (
+    ConnectorMeta,
+    EngineView,
+    KVConnector,
+    RemoteDone,
+    SaveMeta,
+)
+from kvstrata.engine.request import Request, State
+from kvstrata.engine.step_io import Abort, NewRequest
 from kvstrata.pd.config import PDConfig
-from kvstrata.pd.pages import host_pages
-from kvstrata.pd.pull import Puller
+from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
+from kvstrata.pd.pull import Puller, PullGate
+from kvstrata.pd.sink import Sink
 from kvstrata.pd.transport import Listener
 from kvstrata.pd.wire import (
     Frames,
     Layout,
     WireError,
     header,
-    layer_message,
     layout_mismatch,
-    pages_message,
     read_header,
     unpack_keys,
 )
 
 
-class Sink:
-    """Where the engine loop sends a hand-off request's events (duck-types serve.loop.Stream).
+class PrefillSide(KVConnector):
+    """One prefill rank's side of its hand-offs (one rank is the N=1 case of many): the
+    listener thread and the engine's connector.
 
-    `push` runs on the engine thread: on the first token the request still owns its pages."""
+    The listener thread takes decode's messages: rank 0 checks a hand-off (layout, key chain)
+    and submits it through the step loop's inbox (under ranks rank 0's, broadcast, so every rank
+    gets it at the same step, with the held page count); the other ranks only check their
+    peer's layout and remember it. On the engine thread the step loop tells this side of each
+    hand-off (`submitted`), its first token (`on_token`: the sink queues the pages decode lacks)
+    and its end (`ended`); the listener thread sends what was queued once the peer has asked.
+    Only the listener thread touches flight/peers/queued; the engine thread hands it sinks and
+    frames through `outbox` (FIFO: a sink before its frames)."""
 
-    def __init__(self, side: PrefillSide, peer: bytes, req: Request, held: int) -> None:
-        self.side, self.peer, self.req, self.held = side, peer, req, held
-        self.received_s = time.monotonic()
-        self.last_token_s: float | None = None
-        self.last_sent_s = self.received_s  # the listener thread's last message to decode
-        self.sent = False  # pages queued (engine thread)
-        self.layers_sent = 0  # layered: layers [0, layers_sent) queued (engine thread)
-        # a pull (kvstrata/pd/pull.py): pages [asked, held) asked of decode (engine thread),
-        # the verified reply (listener thread) and how many of its pages were used
-        self.asked: int | None = None
-        self.asked_s = 0.0
-        self.reply: tuple[list[memoryview], str] | None = None
-        self.pulled = 0
-
-    def push(self, kind: str, value: Any) -> None:
-        if kind == "token" and not self.sent:
-            self.sent = True
-            self.side.outbox.put((self, self._pages()))
-        elif kind == "error":
-            why = value[1] if isinstance(value, tuple) else value  # (status, message): a failure
-            self.side.outbox.put((self, [header("refused", self.hid, message=str(why))]))
-        elif kind == "done":
-            self.side.outbox.put((self, None))
-
-    @property
-    def hid(self) -> str:
-        return self.req.rid.removeprefix("pd-")
-
-    def _ids(self) -> list[int]:
-        """Device pages of prompt pages [held, n): what decode lacks."""
-        engine = self.side.loop.engine
-        return self.req.page_table[self.held : -(-len(self.req.tokens) // engine.page)]
-
-    def on_layer(self, layer: int) -> None:
-        """Engine thread, mid-forward: layer `layer` of the prompt is final; queue its pages."""
-        if layer != self.layers_sent:
-            return  # a layer was missed (not expected): the pages go whole at the end
-        pool = self.side.loop.engine.pool
-        # [2, k, page, heads, dim] -> [k, 2, page, heads, dim]: each page's slice contiguous
-        part = pool.data[layer][:, pool.local_slot(self._ids())].transpose(0, 1).contiguous()
-        flat = part.cpu().reshape(part.shape[0], -1).view(torch.uint8).numpy()
-        self.side.outbox.put((self, layer_message(self.hid, layer, self.held, list(flat))))
-        self.layers_sent += 1
-
-    def _pages(self) -> Frames:
-        """Pages [held, n) of the prompt, host layout (unless they went layer by layer): every
-        pool layer, so a speculator's tail layers travel in the same frame; the first-token
-        logits row; the speculator's state (an MTP head's last hidden state) if it has one."""
-        engine = self.side.loop.engine
-        pool, req, ids = engine.pool, self.req, self._ids()
-        computed = len(req.tokens) - (sum(req.hits.values()) + self.pulled) * engine.page
-        stats = {"computed_tokens": computed, "pulled_kept": self.pulled}
-        self.side.metrics.sent(len(ids), len(ids) * pool.shape.page_nbytes)
-        row = req.logits[-1].float().cpu().numpy()
-        st = engine.spec.handoff_state(req) if engine.spec is not None else None
-        state = None if st is None else st.float().cpu().numpy()
-        if self.layers_sent == pool.shape.num_layers:
-            return pages_message(self.hid, self.held, [], row, state, layers=1, **stats)
-        pages, where = self._host(pool, ids)
-        return pages_message(self.hid, self.held, pages, row, state, **stats, **where)
-
-    def _host(self, pool: Any, ids: list[int]) -> tuple[list[Any], dict[str, Any]]:
-        """The frames of device pages `ids` this side sends, and header fields naming them
-        (none: all of [held, n); a cp rank sends its peer's share, kvstrata/pd/cp_pages.py)."""
-        return host_pages(pool, ids), {}
-
-
-class HandoffListener(KVConnector):
-    """A prefill listener thread (one rank's, or each rank's of several): it takes decode's
-    messages, sends what the engine thread queued, and keeps the hand-offs in flight alive."""
-
-    def __init__(self, cfg: PDConfig, listener: Listener, name: str) -> None:
-        self.cfg, self.listener = cfg, listener
-        # what the engine thread hands this thread, FIFO: (sink, frames, None (ended) or "new")
+    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any, rank: int = 0) -> None:
+        self.cfg, self.listener, self.metrics, self.rank = cfg, listener, metrics, rank
+        self.inbox: Any = None  # the step loop's inbox (rank 0's under ranks; set by attach)
+        self.view: EngineView = None  # type: ignore[assignment]  # set by register_kv_caches
+        self.layout: Layout | None = None
+        self.layerwise = False  # hand-offs' pages go layer by layer as the forward computes them
+        self.pulls = True  # held pages this side lacks are pulled from decode (pd/pull.py)
+        self.cp: tuple[int, Any] = (0, None)  # (cp rank, cp group): a CPSink's gather
+        # what the engine thread hands the listener thread, FIFO: (sink, frames, None or "new")
         self.outbox: queue.SimpleQueue[tuple[Sink, Any]] = queue.SimpleQueue()
+        self.sinks: dict[str, Sink] = {}  # engine thread: rid -> sink, until the request ends
+        self.flight: dict[str, Sink] = {}  # hand-off id -> sink, until answered
+        self.peers: dict[str, tuple[bytes, float]] = {}  # hand-off id -> (decode peer, since)
+        self.queued: dict[str, list[Frames]] = {}  # answers waiting for their peer
+        self.puller = Puller(cfg, metrics, lambda sink, f: self.outbox.put((sink, f)), rank=rank)
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread = threading.Thread(target=self._serve, name="pd-prefill", daemon=True)
+
+    def attach(self, engine: Any, layout: Layout, inbox: Any, gate: PullGate | None = None) -> None:
+        """On the engine thread, once the engine is built. gate: the pulls' agreement under
+        several ranks (it rides in the cache's step consensus: no cache, no pulls)."""
+        self.layout, self.inbox = layout, inbox
+        self.layerwise = self.cfg.pd_layerwise and layout.cp == 1  # cp: whole pages
+        self.pulls = gate is None or engine.cache is not None
+        if gate is not None and self.pulls:
+            self.puller.gate, gate.puller = gate, self.puller
+        engine.use_connector(self)
+        self.thread.start()
 
     def close(self) -> None:
         self._stop.set()
@@ -129,6 +92,77 @@ class HandoffListener(KVConnector):
             self.thread.join(5.0)
         self.listener.close()
 
+    # ---- the step loop's side (engine thread) ---------------------------------------------------
+    def submitted(self, req: Request) -> None:
+        """Every rank, at the same step: a hand-off's request, before the engine has it."""
+        if not (req.kv_params and "pd_held" in req.kv_params):
+            return  # not a hand-off
+        sink = rank_sink(self, req, req.kv_params)
+        self.sinks[req.rid] = sink
+        self.outbox.put((sink, "new"))
+        if sink.held and self.pulls and not isinstance(sink, CPSink):
+            self.puller.add(sink)  # it may pull held pages its tiers lack (every rank alike)
+
+    def on_token(self, req: Request, token: int) -> None:
+        sink = self.sinks.get(req.rid)
+        if sink is not None:
+            sink.push("token", token)
+
+    def ended(self, req: Request, error: str | None = None) -> None:
+        """Its peer hears why a failed hand-off failed (a pull's wait ran out: req.failure)."""
+        self.puller.forget(req)  # also one the engine refused at submit
+        sink = self.sinks.pop(req.rid, None)
+        why = error or req.failure
+        if sink is not None:
+            sink.push("error", why) if why else sink.push("done", req)
+
+    # ---- the engine's connector (engine thread) --------------------------------------------------
+    def register_kv_caches(self, view: EngineView) -> None:
+        self.view = self.puller.view = view
+
+    def sink_of(self, rid: str) -> Sink | None:
+        """The hand-off sink of an engine request (None: not a hand-off)."""
+        return self.sinks.get(rid)
+
+    def get_num_new_matched_tokens(self, req: Request, local_tokens: int) -> int:
+        return self.puller.matched(req, local_tokens) if self.pulls else 0
+
+    def update_state_after_alloc(self, req: Request, pages: list[int], remote_tokens: int) -> None:
+        sink = self.sink_of(req.rid)
+        if sink is not None and sink.req is req:
+            sink.pages = pages
+        if remote_tokens:
+            self.puller.ask(req, req.computed)
+
+    def get_finished(self, idle_wait_s: float) -> list[RemoteDone]:
+        return self.puller.finished(idle_wait_s) if self.pulls else []
+
+    def request_finished(self, req: Request) -> None:
+        self.puller.forget(req)
+
+    def build_connector_meta(self, work: list[tuple[Request, list[int]]]) -> ConnectorMeta:
+        """Layer by layer (not while speculating): the hand-offs whose prompt this forward
+        completes."""
+        if not self.layerwise or self.view.spec is not None:
+            return ConnectorMeta()
+        saves = [
+            r
+            for r, t in work
+            if r.state is State.PREFILL
+            and r.computed + len(t) == len(r.tokens)
+            and self.sink_of(r.rid) is not None
+        ]
+        return SaveMeta(per_layer=bool(saves), saves=saves)
+
+    def save_kv_layer(self, layer: int) -> None:
+        """Mid-forward: `layer` of the bound hand-offs is computed; each sends its pages."""
+        meta = self.meta
+        for req in meta.saves if isinstance(meta, SaveMeta) else []:
+            sink = self.sink_of(req.rid)
+            if sink is not None and sink.req is req:
+                sink.on_layer(layer)
+
+    # ---- listener thread -----------------------------------------------------------------------
     def _serve(self) -> None:
         wait = min(0.05, self.cfg.pd_heartbeat_s / 2)
         while not self._stop.is_set():
@@ -139,24 +173,6 @@ class HandoffListener(KVConnector):
             self._heartbeat()
         self._flush()  # stopping: requests the loop aborted are answered, not left to time out
 
-    # ---- the engine's connector (engine thread) --------------------------------------------------
-    layerwise = False  # hand-offs' pages go layer by layer as the forward computes them
-    pulls = True  # held pages this side lacks are pulled from decode (kvstrata/pd/pull.py)
-
-    def get_finished(self, engine: Any) -> list[Request]:
-        return self.puller.step(engine) if self.pulls else []
-
-    def save_kv_layer(self, reqs: list[Request], layer: int) -> None:
-        self.on_layer(reqs, layer)
-
-    @property
-    def saves_layers(self) -> bool:
-        return self.layerwise
-
-    def on_layer(self, reqs: list[Request], layer: int) -> None:
-        raise NotImplementedError
-
-    # ---- listener thread -----------------------------------------------------------------------
     def _taken(self) -> list[tuple[Sink, Any]]:
         """Everything the engine thread queued so far, in order."""
         out = []
@@ -167,99 +183,90 @@ class HandoffListener(KVConnector):
                 return out
 
     def _on_message(self, peer: bytes, frames: Frames) -> None:
-        raise NotImplementedError
-
-    def _flush(self) -> None:
-        raise NotImplementedError
-
-    def _heartbeat(self) -> None:
-        raise NotImplementedError
-
-
-class PrefillSide(HandoffListener):
-    """The listener thread of one rank and what it knows of hand-offs in flight."""
-
-    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any) -> None:
-        super().__init__(cfg, listener, "pd-prefill")
-        self.metrics = metrics
-        self.loop: Any = None  # the server's EngineLoop (set by attach)
-        self.layout: Layout | None = None
-        self.flight: dict[str, Sink] = {}  # hand-off id -> its sink, until sent or failed
-        self.puller = Puller(cfg, metrics, lambda sink, frames: self.outbox.put((sink, frames)))
-
-    def attach(self, loop: Any, engine: Any, layout: Layout) -> None:
-        """On the engine thread while it is built (loop.engine is not set yet)."""
-        self.loop, self.layout = loop, layout
-        self.layerwise = self.cfg.pd_layerwise
-        engine.connector = self
-        self.thread.start()
-
-    def on_layer(self, reqs: list[Request], layer: int) -> None:
-        """Engine thread: `layer` of these prompts is computed; hand-offs among them send it."""
-        for req in reqs:
-            if req.rid.startswith("pd-"):
-                sink = self.flight.get(req.rid.removeprefix("pd-"))
-                if sink is not None and sink.req is req:
-                    sink.on_layer(layer)
-
-    def _on_message(self, peer: bytes, frames: Frames) -> None:
         try:
             head = read_header(frames)
         except WireError:
-            return  # not ours to answer: no id to answer to
+            return
         hid = str(head["id"])
         if head["type"] == "cancel":
-            sink = self.flight.pop(hid, None)
-            if sink is not None:
-                self.loop.abort(sink.req.rid)  # its lease gives back every page
+            self.peers.pop(hid, None)
+            self.queued.pop(hid, None)
+            self.flight.pop(hid, None)
+            if self.rank == 0:  # every rank aborts it at the same step (broadcast)
+                self.inbox.put(Abort(handoff_rid(hid)))
             return
-        if head["type"] == "pulled":
-            self._on_pulled(peer, hid, head, frames)
+        if head["type"] == "pulled":  # only from this hand-off's own peer
+            if self.peers.get(hid, (None,))[0] == peer:
+                part = self.view.pool.shape.page_nbytes  # this rank's part of a page
+                self.puller.receive(self.flight.get(hid), head, frames, part)
+            return
+        if head["type"] != "handoff":
             return
         try:
-            if hid in self.flight:
-                raise WireError(f"hand-off {hid} is already in flight")
-            req, held = self._admit(head)
+            self._check(hid, head)
         except (WireError, ValueError, KeyError, TypeError) as exc:
             self.metrics.failed()
             self.listener.send(peer, [header("refused", hid, message=str(exc))])
             return
-        sink = Sink(self, peer, req, held)
-        self.flight[hid] = sink
-        if held:
-            self.puller.add(sink)  # decode holds pages prefill may lack: it may pull them
-        self.loop.submit(req, sink)
+        self.peers[hid] = (peer, time.monotonic())
 
-    def _on_pulled(self, peer: bytes, hid: str, head: dict[str, Any], frames: Frames) -> None:
-        """Decode's reply to a pull: its leading verified pages go to the engine thread."""
-        sink = self.flight.get(hid)
-        if sink is not None and sink.peer == peer:  # only from the hand-off's own decode
-            self.puller.receive(sink, head, frames, self.loop.engine.pool.shape.page_nbytes)
-
-    def _admit(self, head: dict[str, Any]) -> tuple[Request, int]:
+    def _check(self, hid: str, head: dict[str, Any]) -> None:
+        """Every rank: its peer's layout (rank included). Rank 0 also checks the key chain and
+        submits the request for every rank (the held page count rides with it)."""
         assert self.layout is not None
-        return check_handoff(self.layout, head, self.loop.engine.kv)
+        if hid in self.peers:
+            raise WireError(f"hand-off {hid} is already in flight")
+        if self.rank:
+            bad = layout_mismatch(self.layout, head["layout"], "decode")
+            if bad:
+                raise WireError(bad)
+            return
+        req, held = check_handoff(self.layout, head, self.view.kv)
+        handoff = {**(req.kv_params or {}), **check_owners(self.layout, head, held)}
+        new = NewRequest(req.rid, req.tokens, 1, None, req.cache_salt, handoff, keep_logits=True)
+        self.inbox.put(new)
 
     def _flush(self) -> None:
-        """Send what the engine thread queued (pages, refusals); each hand-off is answered once."""
         for sink, frames in self._taken():
-            hid = sink.hid
-            if self.flight.get(hid) is not sink:
-                continue  # cancelled by decode, or answered already (a "done" after the pages)
+            if isinstance(frames, str):  # "new": a request every rank now runs
+                self.flight[sink.hid] = sink
+                continue
+            if self.flight.get(sink.hid) is not sink:
+                continue  # cancelled, or answered already
             if frames is None:
-                frames = [header("refused", hid, message="prefill ended the request (stopping)")]
-            self.listener.send(sink.peer, frames)
-            sink.last_sent_s = time.monotonic()
-            if read_header(frames)["type"] not in ("layer", "pull"):
-                del self.flight[hid]  # answered: pages (with the logits) or a refusal
+                frames = [header("refused", sink.hid, message="prefill ended the request")]
+            self.queued.setdefault(sink.hid, []).append(frames)
+        for hid in [h for h in self.queued if h in self.peers]:
+            for frames in self.queued.pop(hid):
+                self._send(hid, frames)
+
+    def _send(self, hid: str, frames: Frames) -> None:
+        sink = self.flight.get(hid)
+        if sink is None:
+            return
+        self.listener.send(self.peers[hid][0], frames)
+        sink.last_sent_s = time.monotonic()
+        kind = read_header(frames)["type"]
+        payload = frames[1:] if kind == "layer" else frames[1:-1] if kind == "pages" else []
+        self.metrics.wire(sum(memoryview(f).nbytes for f in payload))
+        if kind not in ("layer", "pull"):  # answered: the pages (with the logits) or a refusal
+            del self.flight[hid]
+            self.peers.pop(hid, None)
 
     def _heartbeat(self) -> None:
-        """Tell decode each hand-off still computing is alive (its timeout counts silence)."""
-        now = time.monotonic()
-        for hid, sink in self.flight.items():
-            if now - sink.last_sent_s >= self.cfg.pd_heartbeat_s:
-                self.listener.send(sink.peer, [header("heartbeat", hid)])
+        """Heartbeats to peers whose request runs; a peer whose request never came, or an
+        answer whose peer never asked, is dropped after pd_timeout_s."""
+        now, limit = time.monotonic(), self.cfg.pd_timeout_s
+        for hid, sink in list(self.flight.items()):
+            if hid in self.peers and now - sink.last_sent_s >= self.cfg.pd_heartbeat_s:
+                self.listener.send(self.peers[hid][0], [header("heartbeat", hid)])
                 sink.last_sent_s = now
+            elif hid not in self.peers and now - sink.received_s > limit:
+                del self.flight[hid]
+                self.queued.pop(hid, None)
+        for hid, (_, since) in list(self.peers.items()):
+            if hid not in self.flight and now - since > limit:
+                del self.peers[hid]
 
 
 def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Request, int]:
@@ -273,7 +280,7 @@ def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Reques
     if bad:
         raise WireError(bad)
     tokens, salt = [int(t) for t in head["tokens"]], str(head["salt"])
-    req = Request(f"pd-{head['id']}", tokens, 1, keep_logits=True, cache_salt=salt)
+    req = Request(handoff_rid(str(head["id"])), tokens, 1, keep_logits=True, cache_salt=salt)
     held = unpack_keys(head["keys"])
     most = hittable_pages(len(tokens), layout.page_size)
     if len(held) > most:
@@ -285,4 +292,10 @@ def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Reques
     for i, (a, b) in enumerate(zip(held, mine, strict=True)):
         if a != b:
             raise WireError(f"page {i}: decode's key does not match the prompt (namespace/salt)")
+    req.kv_params = {"pd_id": str(head["id"]), "pd_held": len(held)}
     return req, len(held)
+
+
+def handoff_rid(hid: str) -> str:
+    """The engine request id of hand-off `hid` (its own namespace: never a client's id)."""
+    return f"pd-{hid}"

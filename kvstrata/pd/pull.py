@@ -1,11 +1,10 @@
 """Prefill pulls the held pages it lacks from decode, over the hand-off's own channel.
 
-Decode's hand-off says it holds prompt pages [0, held). On one rank, a hand-off with held > 0
-enters prefill's engine marked `remote`: its Lease matches, probes and prefetches over prefill's
-own L1/L2/L3 and is admitted as any request's, but the engine does not plan its prompt yet. At
-the first step after admission (the engine's connector calls step, here) the request's hits `have` are
-known: with have >= held it goes on at once; else prefill asks decode for pages [have, held)
-and waits, bounded by pd_timeout_s. The leading pulled pages that pass their checksums are
+Decode's hand-off says it holds prompt pages [0, held). A hand-off's Lease matches, probes and
+prefetches over prefill's own L1/L2/L3 and is admitted as any request's. At admission its hits
+`have` are known (the connector's get_num_new_matched_tokens): with have >= held it goes on at
+once; else it waits for remote KV while prefill asks decode for pages [have, held), bounded by
+pd_timeout_s. The leading pulled pages that pass their checksums are
 written into the request's own pages, which then count as computed and join the tree through
 the same `cache_pages` / Lease.commit a computed chunk takes; the engine computes the rest
 (a page that failed, every page after it, and the pages nobody held). No reply within
@@ -27,19 +26,18 @@ import sys
 import threading
 from typing import Any
 
-from kvstrata.engine.engine import Engine
-from kvstrata.engine.request import Request, State
+from kvstrata.engine.connector import EngineView, Landed, RemoteDone, RemoteFailed
+from kvstrata.engine.request import Request
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.pages import write_pages
 from kvstrata.pd.wire import Frames, pull_message, read_pulled
 
-IDLE_WAIT_S = 0.005  # nothing to step but pulls: the engine thread waits this long for a reply
-PULL_MARK = "decode"  # req.remote of a prefill hand-off that may pull held pages from decode
-
 
 class Puller:
-    """The engine-thread side of prefill's pulls (the connector's get_finished). The listener thread hands
-    over new hand-offs through `new` and a pull's reply through `receive`.
+    """Prefill's pulls, on the engine thread (the prefill connector drives it): which hand-off
+    lacks held pages at admission, asking decode for them, and landing or failing the reply.
+    New hand-offs come through `add` (the listener thread on one rank), replies through
+    `receive` (the listener thread).
 
     gate: a PullGate under several ranks (what to land is agreed, see the module docstring);
     None on one rank (the reply, or the wait running out, decides at once)."""
@@ -49,13 +47,14 @@ class Puller:
     ) -> None:
         self.cfg, self.metrics, self.gate, self.rank = cfg, metrics, gate, rank
         self.send = send  # send(sink, frames): queue a message for the listener thread
+        self.view: EngineView = None  # type: ignore[assignment]  # the prefill side's
         self.new: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.sinks: dict[str, Any] = {}  # engine thread: rid -> Sink of a hand-off not yet going
+        self.sinks: dict[str, Any] = {}  # engine thread: rid -> Sink of a hand-off not admitted
+        self.asked: dict[str, Any] = {}  # rid -> Sink waiting for its pull, in asking order
         self.arrived = threading.Event()  # a pull's reply came (wakes an idle engine thread)
 
     def add(self, sink: Any) -> None:
         """Listener (one rank) or engine thread (ranks), before the request is submitted."""
-        sink.req.remote = PULL_MARK
         self.new.put(sink)
 
     def receive(self, sink: Any, head: dict[str, Any], frames: Frames, page_bytes: int) -> None:
@@ -66,64 +65,74 @@ class Puller:
         sink.reply = read_pulled(head, frames, page_bytes, sink.asked, sink.held)
         self.arrived.set()
 
-    def step(self, engine: Engine) -> list[Request]:
-        """Engine thread, once per step after admission; returns the requests it failed."""
-        self.arrived.clear()  # a reply after this wakes the wait below at once
+    def matched(self, req: Request, local_tokens: int) -> int:
+        """At admission: prompt tokens of held pages prefill's own tiers (L1, L2 and the shared
+        L3: `local_tokens`) lack, which decode provides (0: nothing to pull)."""
+        self._drain()
+        sink = self.sinks.pop(req.rid, None)
+        have = local_tokens // self.view.page_size
+        if sink is None or have >= sink.held:
+            return 0  # nothing to pull: the engine computes the rest now
+        self.sinks[req.rid] = sink
+        return (sink.held - have) * self.view.page_size
+
+    def ask(self, req: Request, local_tokens: int) -> None:
+        """Ask decode for held pages [have, held) (at admission, the same step on every rank)."""
+        sink = self.sinks.pop(req.rid)
+        sink.asked, sink.asked_s = local_tokens // self.view.page_size, self.view.clock()
+        self.asked[req.rid] = sink
+        self.send(sink, pull_message(sink.hid, sink.asked, sink.held))
+
+    def _drain(self) -> None:
         while True:
             try:
                 sink = self.new.get_nowait()
             except queue.Empty:
-                break
+                return
             self.sinks[sink.req.rid] = sink
-        finished: list[Request] = []
-        for rid, sink in list(self.sinks.items()):
-            req = sink.req
-            if req.state is State.WAITING:
-                continue  # its lease is still matching, probing L3 or waiting for room
-            failure = None if req.state is State.DONE else self._advance(engine, sink)
-            if req.state is State.DONE or not req.remote:
-                del self.sinks[rid]  # ended (aborted), or going on in the engine
-            elif failure is not None:
-                del self.sinks[rid]
-                self.metrics.failed()
-                finished.append(engine.fail_remote(req, 504, failure))
-        if self.sinks and _only_pulls(engine):
-            self.arrived.wait(IDLE_WAIT_S)
-        return finished
 
-    def _advance(self, engine: Engine, sink: Any) -> str | None:
-        """Ask, land, or keep waiting; the failure message once the wait ran out."""
-        req = sink.req
-        if sink.asked is None:
-            have = engine.kv.hits(req).pages  # prefill's own tiers: L1, L2 and the shared L3
-            if have >= sink.held:
-                req.remote = ""  # nothing to pull: the engine computes the rest now
-                return None
-            sink.asked, sink.asked_s = have, engine.clock()  # ranks: the agreed clock
-            self.send(sink, pull_message(sink.hid, have, sink.held))
-            return None
-        if self.gate is not None:
-            verdict = self.gate.verdict(req.rid)
-        elif sink.reply is not None:
-            verdict = len(sink.reply[0])
-        else:
-            verdict = -1 if silent(sink, engine.clock(), self.cfg.pd_timeout_s) else None
-        if verdict is None:
-            return None
-        if verdict < 0:  # -1 - r: decode's rank r (its peer here) never answered
+    def forget(self, req: Request) -> None:
+        """The request ended: its pull, if any, is no longer waited for."""
+        self._drain()
+        self.sinks.pop(req.rid, None)
+        self.asked.pop(req.rid, None)
+
+    def finished(self, idle_wait_s: float) -> list[RemoteDone]:
+        """Engine thread, once per step after admission: the pulls that landed or failed."""
+        if idle_wait_s and self.asked:
+            self.arrived.wait(idle_wait_s)  # only pulls to wait for: a reply wakes it at once
+        self.arrived.clear()  # a reply after this wakes the next wait at once
+        done: list[RemoteDone] = []
+        for rid, sink in list(self.asked.items()):
+            verdict = self._verdict(sink)
+            if verdict is None:
+                continue
+            del self.asked[rid]
+            if verdict >= 0:
+                done.append(self._land(sink, verdict))
+                continue
             rank = f" rank {-1 - verdict}" if self.gate is not None else ""
-            return (
+            self.metrics.failed()
+            why = (
                 f"prefill waited pd_timeout_s={self.cfg.pd_timeout_s} for held pages "
                 f"[{sink.asked}, {sink.held}) pulled from decode{rank}; none came"
             )
-        self._land(engine, sink, verdict)
-        return None
+            done.append(RemoteFailed(sink.req, 504, why))
+        return done
 
-    def _land(self, engine: Engine, sink: Any, kept: int) -> None:
+    def _verdict(self, sink: Any) -> int | None:
+        """Pages to keep (>= 0), -1 - r (decode's rank r never answered), or None (wait)."""
+        if self.gate is not None:
+            return self.gate.verdict(sink.req.rid)
+        if sink.reply is not None:
+            return len(sink.reply[0])
+        return -1 if silent(sink, self.view.clock(), self.cfg.pd_timeout_s) else None
+
+    def _land(self, sink: Any, kept: int) -> Landed:
         """The first `kept` verified pages (every rank's part passed) into the request's own
-        pages: computed from now on, and cached the way a computed chunk is (cache_pages ->
-        Lease.commit)."""
-        req, first = sink.req, sink.asked
+        pages: the engine counts them as computed and caches them the way a computed chunk is
+        (cache_pages -> Lease.commit), then computes the rest."""
+        first = sink.asked
         pages, why = sink.reply
         if kept < len(pages):
             why = f"pages [{first + kept}, {first + len(pages)}) failed on another rank"
@@ -131,14 +140,10 @@ class Puller:
             where = f" (rank {self.rank})" if self.gate is not None else ""
             print(f"kvstrata pd: {sink.hid}{where}: {why}; prefill computes them", file=sys.stderr)
         pages = pages[:kept]
-        write_pages(engine.pool, req.page_table[first : first + kept], pages)
-        req.computed = (first + kept) * engine.page
-        if req.draft_computed is not None:
-            req.draft_computed = req.computed  # a page carries its draft part, as a hit does
-        engine.kv.cache_pages(req, final=False)
+        write_pages(self.view.pool, sink.pages[first : first + kept], pages)
         sink.pulled = kept
         self.metrics.pulled("pull_received", kept, sum(p.nbytes for p in pages))
-        req.remote = ""  # the engine computes the rest from here
+        return Landed(sink.req, (first + kept) * self.view.page_size)
 
 
 def silent(sink: Any, now: float, timeout_s: float) -> bool:
@@ -149,14 +154,13 @@ def silent(sink: Any, now: float, timeout_s: float) -> bool:
 class PullGate:
     """The prefill ranks' decision on each pull, as fields of the step consensus (parallel/
     ranks.py: RankEngine adds them to its one all_reduce). Slot i is the i-th request waiting
-    for its pull in `engine.running` (the same list on every rank: it changes only by agreed
-    steps, and every rank asks at the same step); slots: max_running."""
+    for its pull, in asking order (the same list on every rank: every rank asks at the same
+    step, and it changes only by agreed steps); slots: max_running."""
 
     def __init__(self, slots: int, rank: int, timeout_s: float) -> None:
         self.rank, self.timeout_s = rank, timeout_s
         self.min_fields = tuple(f"pull_got{i}" for i in range(slots))  # 1 + pages kept here
         self.max_fields = tuple(f"pull_silent{i}" for i in range(slots))  # 1 + a silent rank
-        self.engine: Any = None
         self.puller: Puller | None = None
         self._window: list[str] = []
         self._decided: dict[str, tuple[int, int]] = {}
@@ -164,13 +168,12 @@ class PullGate:
     def local(self) -> dict[str, int]:
         """This rank's counts: 1 + the leading pages that passed here once its reply is in
         (else 0); 1 + this rank once its wait ran out on the agreed clock (else 0)."""
-        assert self.engine is not None and self.puller is not None
-        running = self.engine.running
-        window = [r.rid for r in running if r.remote == PULL_MARK and r.state is State.PREFILL]
-        self._window = window[: len(self.min_fields)]
-        now, counts = self.engine.clock(), {}
+        assert self.puller is not None
+        asked = self.puller.asked
+        self._window = list(asked)[: len(self.min_fields)]
+        now, counts = self.puller.view.clock(), {}
         for i, (got, quiet) in enumerate(zip(self.min_fields, self.max_fields, strict=True)):
-            sink = self.puller.sinks.get(self._window[i]) if i < len(self._window) else None
+            sink = asked.get(self._window[i]) if i < len(self._window) else None
             asked = sink is not None and sink.asked is not None
             counts[got] = 1 + len(sink.reply[0]) if asked and sink.reply is not None else 0
             counts[quiet] = 1 + self.rank if asked and silent(sink, now, self.timeout_s) else 0
@@ -189,10 +192,3 @@ class PullGate:
         if got:
             return got - 1
         return -quiet if quiet else None
-
-
-def _only_pulls(engine: Engine) -> bool:
-    """Every request in the engine waits for a pull, and no cache op is pending."""
-    if engine.waiting or (engine.cache is not None and len(engine.cache.queues)):
-        return False
-    return all(r.remote and r.state is State.PREFILL for r in engine.running)

@@ -22,22 +22,19 @@ MIN, a silent peer by MAX), so every rank lands the same pages at the same step.
 
 from __future__ import annotations
 
-import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch.distributed as dist
 
-from kvstrata.engine.request import Request, State
-from kvstrata.engine.step_io import Abort, NewRequest, SideCount, SideReady
+from kvstrata.engine.request import Request
+from kvstrata.engine.step_io import SideCount, SideReady
 from kvstrata.pd.config import PDConfig
-from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
+from kvstrata.pd.connectors import pd_side
 from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.layout import layout_of
-from kvstrata.pd.prefill import HandoffListener, Sink, check_handoff
-from kvstrata.pd.pull import Puller, PullGate
-from kvstrata.pd.transport import TRANSPORTS, Listener
-from kvstrata.pd.wire import Frames, Layout, WireError, header, layout_mismatch, read_header
+from kvstrata.pd.prefill import PrefillSide
+from kvstrata.pd.pull import PullGate
+from kvstrata.pd.transport import TRANSPORTS
 
 _SIDES: dict[int, RankPD] = {}  # id(engine) -> its rank's P/D side (one rank per process)
 
@@ -91,15 +88,14 @@ class RankMetrics:
 
 class HandoffGate:
     """The decode ranks' landing decision, as fields of the step consensus (parallel/ranks.py:
-    RankEngine adds them to its one all_reduce). Slot i is the i-th remote request still
-    prefilling in `engine.running` (the same list on every rank: it changes only by agreed
+    RankEngine adds them to its one all_reduce). Slot i is the i-th hand-off in flight, in
+    admission order (DecodeSide.window: the same list on every rank, it changes only by agreed
     steps); slots: max_running, so every such request has one."""
 
     def __init__(self, slots: int, rank: int) -> None:
         self.rank = rank
         self.min_fields = tuple(f"pd_arrived{i}" for i in range(slots))
         self.max_fields = tuple(f"pd_failed{i}" for i in range(slots))
-        self.engine: Any = None
         self.side: DecodeSide | None = None
         self._window: list[str] = []
         self._decided: list[tuple[str, int, int]] = []
@@ -107,10 +103,8 @@ class HandoffGate:
     def local(self) -> dict[str, int]:
         """This rank's counts: 1 if the slot's outcome arrived here; 1000 x status + rank if it
         is a failure (MAX: the worst status, and a rank that saw it)."""
-        assert self.engine is not None and self.side is not None
-        running = self.engine.running
-        window = [r.rid for r in running if r.remote and r.state is State.PREFILL]
-        self._window = window[: len(self.min_fields)]
+        assert self.side is not None
+        self._window = self.side.window()[: len(self.min_fields)]
         counts = {}
         for i, (arrived, failed) in enumerate(zip(self.min_fields, self.max_fields, strict=True)):
             out = self.side.ready.get(self._window[i]) if i < len(self._window) else None
@@ -147,12 +141,6 @@ class HandoffGate:
         return status, f"{why} (rank {src})" if src else why
 
 
-def rank_endpoint(endpoint: str, rank: int) -> str:
-    """Rank r binds port + r (port 0: a free port for each rank)."""
-    head, port = endpoint.rsplit(":", 1)
-    return endpoint if port in ("0", "*") else f"{head}:{int(port) + rank}"
-
-
 class RankPD:
     """One rank's P/D side inside serve/ranks.py's rank loop (prefill or decode)."""
 
@@ -163,17 +151,16 @@ class RankPD:
         self.role, self.cfg, self.rank, self.out = role, cfg, rank, out
         self.metrics = RankMetrics(out)
         transport = TRANSPORTS.create(cfg.pd_transport)
+        side = pd_side(role, cfg, transport, self.metrics, rank)
         # fields of the step's one collective: decode's landings, or prefill's pulls
         self.gate: HandoffGate | PullGate = (
             HandoffGate(slots, rank)
             if role == "decode"
             else PullGate(slots, rank, cfg.pd_timeout_s)
         )
-        self.decode = DecodeSide(cfg, transport, self.metrics) if role == "decode" else None
-        self.prefill: RankPrefill | None = None
-        if role == "prefill":
-            listener = transport.listen(rank_endpoint(cfg.pd_transfer_endpoint, rank))
-            self.prefill = RankPrefill(cfg, listener, self.metrics, rank, inbox)
+        self.decode = side if isinstance(side, DecodeSide) else None
+        self.prefill = side if isinstance(side, PrefillSide) else None
+        self.inbox = inbox
         self.engine: Any = None
 
     def attach(self, re: Any) -> None:
@@ -187,49 +174,47 @@ class RankPD:
         c = ctx.config
         layout = layout_of(eng, c.tp, c.cp, c.pp, shape=re.part.full, rank=ctx.rank)
         self.metrics.page_bytes = layout.page_bytes
-        self.metrics.part_bytes = eng.pool.shape.page_nbytes
         self.engine = eng
         _SIDES[id(eng)] = self
         if self.decode is not None and isinstance(self.gate, HandoffGate):
             self.decode.attach(eng, layout, self.gate)
             self.decode.cp_rank = ctx.cp_rank
-            self.gate.engine, self.gate.side = eng, self.decode
+            self.gate.side = self.decode
         if self.prefill is not None and isinstance(self.gate, PullGate):
             self.prefill.cp = (ctx.cp_rank, ctx.cp_group)
-            self.prefill.attach(eng, layout, self.gate)
+            self.prefill.attach(eng, layout, self.inbox, self.gate)
+        side = self.decode if self.decode is not None else self.prefill
+        assert side is not None
+        self.metrics.part_bytes = side.view.pool.shape.page_nbytes
         mine = self.prefill.listener.endpoint if self.prefill is not None else ""
         endpoints: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(endpoints, mine)
         if self.out is not None:
             self.out.put(SideReady({**layout.as_dict(), "rank": 0}, endpoints))
 
-    def submitted(self, req: Request, handoff: dict[str, Any] | None) -> None:
-        if self.prefill is not None and handoff is not None:
-            self.prefill.submitted(req, handoff)
+    def submitted(self, req: Request) -> None:
+        if self.prefill is not None:
+            self.prefill.submitted(req)
 
     def on_token(self, req: Request, token: int) -> None:
         if self.prefill is not None:
-            sink = self.prefill.sinks.get(req.rid)
-            if sink is not None:
-                sink.push("token", token)
+            self.prefill.on_token(req, token)
 
     def ended(self, req: Request, error: str | None = None) -> None:
-        """Its peer hears why a failed hand-off failed (a pull's wait ran out: req.failure)."""
-        req.state = State.DONE  # also one the engine refused at submit: its pull sink goes
         if self.prefill is not None:
-            sink = self.prefill.sinks.pop(req.rid, None)
-            why = error or req.failure
-            if sink is not None:
-                sink.push("error", why) if why else sink.push("done", req)
+            self.prefill.ended(req, error)
 
-    def stats(self) -> dict[str, Any]:
-        shape = self.engine.pool.shape
+    def stats(self, prompt_tokens: int) -> dict[str, Any]:
+        """prompt_tokens: what this rank's forwards computed."""
+        side = self.decode if self.decode is not None else self.prefill
+        assert side is not None
+        shape = side.view.pool.shape
         part = {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads}
         return {
             "rank": self.rank,
             **part,
             "part_page_bytes": shape.page_nbytes,
-            "prompt_tokens_computed": self.engine.prompt_tokens,  # what this rank's forwards ran
+            "prompt_tokens_computed": prompt_tokens,
             **self.metrics.counts,
         }
 
@@ -241,133 +226,4 @@ class RankPD:
 
 def rank_stats(engine: Any) -> dict[str, Any]:
     """A RankedLoop call (every rank): this rank's P/D part and counters."""
-    return _SIDES[id(engine)].stats()
-
-
-class RankPrefill(HandoffListener):
-    """One prefill rank's listener thread. Only this thread touches flight/peers/queued; the
-    engine thread hands it sinks and frames through `outbox` (FIFO: a sink before its frames)."""
-
-    def __init__(
-        self, cfg: PDConfig, listener: Listener, metrics: RankMetrics, rank: int, inbox: Any
-    ) -> None:
-        super().__init__(cfg, listener, "pd-prefill-rank")
-        self.metrics, self.rank, self.inbox = metrics, rank, inbox
-        self.loop = SimpleNamespace(engine=None)  # what Sink reads: loop.engine
-        self.layout: Layout | None = None
-        self.cp: tuple[int, Any] = (0, None)  # (cp rank, cp group): a CPSink's gather
-        self.sinks: dict[str, Sink] = {}  # engine thread: rid -> sink, until the request ends
-        self.flight: dict[str, Sink] = {}  # hand-off id -> sink, until answered
-        self.peers: dict[str, tuple[bytes, float]] = {}  # hand-off id -> (decode peer, since)
-        self.queued: dict[str, list[Frames]] = {}  # answers waiting for their peer
-        self.puller = Puller(cfg, metrics, lambda sink, f: self.outbox.put((sink, f)), rank=rank)
-
-    # ---- engine thread -------------------------------------------------------------------------
-    def attach(self, engine: Any, layout: Layout, gate: PullGate) -> None:
-        self.loop.engine, self.layout = engine, layout
-        self.layerwise = self.cfg.pd_layerwise and layout.cp == 1  # cp: whole pages
-        self.pulls = engine.cache is not None
-        if self.pulls:  # the agreement rides in the cache's step consensus
-            self.puller.gate, gate.engine, gate.puller = gate, engine, self.puller
-        engine.connector = self
-        self.thread.start()
-
-    def submitted(self, req: Request, extra: dict[str, Any]) -> None:
-        """Every rank, at the same step: the hand-off's request, before the engine has it."""
-        sink = rank_sink(self, req, extra)
-        self.sinks[req.rid] = sink
-        self.outbox.put((sink, "new"))
-        if sink.held and self.puller.gate is not None and not isinstance(sink, CPSink):
-            self.puller.add(sink)  # it may pull held pages its tiers lack (every rank alike)
-
-    def on_layer(self, reqs: list[Request], layer: int) -> None:
-        for req in reqs:
-            sink = self.sinks.get(req.rid)
-            if sink is not None:
-                sink.on_layer(layer)
-
-    # ---- listener thread -----------------------------------------------------------------------
-    def _on_message(self, peer: bytes, frames: Frames) -> None:
-        try:
-            head = read_header(frames)
-        except WireError:
-            return
-        hid = str(head["id"])
-        if head["type"] == "cancel":
-            self.peers.pop(hid, None)
-            self.queued.pop(hid, None)
-            self.flight.pop(hid, None)
-            if self.rank == 0:  # every rank aborts it at the same step (broadcast)
-                self.inbox.put(Abort(f"pd-{hid}"))
-            return
-        if head["type"] == "pulled":  # only from this hand-off's own peer
-            if self.peers.get(hid, (None,))[0] == peer:
-                part = self.loop.engine.pool.shape.page_nbytes  # this rank's part of a page
-                self.puller.receive(self.flight.get(hid), head, frames, part)
-            return
-        if head["type"] != "handoff":
-            return
-        try:
-            self._check(hid, head)
-        except (WireError, ValueError, KeyError, TypeError) as exc:
-            self.metrics.failed()
-            self.listener.send(peer, [header("refused", hid, message=str(exc))])
-            return
-        self.peers[hid] = (peer, time.monotonic())
-
-    def _check(self, hid: str, head: dict[str, Any]) -> None:
-        """Every rank: its peer's layout (rank included). Rank 0 also checks the key chain and
-        submits the request for every rank (the held page count rides with it)."""
-        assert self.layout is not None
-        if hid in self.peers:
-            raise WireError(f"hand-off {hid} is already in flight")
-        if self.rank:
-            bad = layout_mismatch(self.layout, head["layout"], "decode")
-            if bad:
-                raise WireError(bad)
-            return
-        req, held = check_handoff(self.layout, head, self.loop.engine.kv)
-        handoff = {"pd_held": held, **check_owners(self.layout, head, held)}
-        self.inbox.put(NewRequest(req.rid, req.tokens, 1, None, req.cache_salt, handoff=handoff))
-
-    def _flush(self) -> None:
-        for sink, frames in self._taken():
-            if isinstance(frames, str):  # "new": a request every rank now runs
-                self.flight[sink.hid] = sink
-                continue
-            if self.flight.get(sink.hid) is not sink:
-                continue  # cancelled, or answered already
-            if frames is None:
-                frames = [header("refused", sink.hid, message="prefill ended the request")]
-            self.queued.setdefault(sink.hid, []).append(frames)
-        for hid in [h for h in self.queued if h in self.peers]:
-            for frames in self.queued.pop(hid):
-                self._send(hid, frames)
-
-    def _send(self, hid: str, frames: Frames) -> None:
-        sink = self.flight.get(hid)
-        if sink is None:
-            return
-        self.listener.send(self.peers[hid][0], frames)
-        sink.last_sent_s = time.monotonic()
-        kind = read_header(frames)["type"]
-        payload = frames[1:] if kind == "layer" else frames[1:-1] if kind == "pages" else []
-        self.metrics.wire(sum(memoryview(f).nbytes for f in payload))
-        if kind not in ("layer", "pull"):  # answered: the pages (with the logits) or a refusal
-            del self.flight[hid]
-            self.peers.pop(hid, None)
-
-    def _heartbeat(self) -> None:
-        """Heartbeats to peers whose request runs; a peer whose request never came, or an
-        answer whose peer never asked, is dropped after pd_timeout_s."""
-        now, limit = time.monotonic(), self.cfg.pd_timeout_s
-        for hid, sink in list(self.flight.items()):
-            if hid in self.peers and now - sink.last_sent_s >= self.cfg.pd_heartbeat_s:
-                self.listener.send(self.peers[hid][0], [header("heartbeat", hid)])
-                sink.last_sent_s = now
-            elif hid not in self.peers and now - sink.received_s > limit:
-                del self.flight[hid]
-                self.queued.pop(hid, None)
-        for hid, (_, since) in list(self.peers.items()):
-            if hid not in self.flight and now - since > limit:
-                del self.peers[hid]
+    return _SIDES[id(engine)].stats(engine.prompt_tokens)

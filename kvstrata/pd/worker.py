@@ -6,6 +6,7 @@ from typing import Any
 
 from kvstrata.engine.engine import Engine
 from kvstrata.pd.config import PDConfig
+from kvstrata.pd.connectors import pd_side
 from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.metrics import PDMetrics
@@ -28,8 +29,10 @@ class PDWorker:
         transport = None if ranked else TRANSPORTS.create(cfg.pd_transport)
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
-        if role == "prefill" and transport is not None:  # bound now: known before the engine
-            self.prefill = PrefillSide(cfg, transport.listen(cfg.pd_transfer_endpoint), metrics)
+        if transport is not None:  # prefill binds now: its endpoint is known before the engine
+            side = pd_side(role, cfg, transport, metrics)
+            self.prefill = side if isinstance(side, PrefillSide) else None
+            self.decode = side if isinstance(side, DecodeSide) else None
         elif role == "decode":
             self.decode = DecodeSide(cfg, transport, metrics)  # ranked: only `choose` is used
         self.layout: Layout | None = None
@@ -49,8 +52,9 @@ class PDWorker:
     def attach(self, loop: Any, engine: Engine) -> None:
         """On the engine thread, once built: the layout, and the side's hooks/threads."""
         self.layout = layout_of(engine)
-        if self.prefill is not None:
-            self.prefill.attach(loop, engine, self.layout)
+        if self.prefill is not None:  # hand-offs go through the loop's inbox, as under ranks
+            self.prefill.attach(engine, self.layout, loop.inbox)
+            loop.side = self.prefill
         if self.decode is not None:
             self.decode.attach(engine, self.layout)
 

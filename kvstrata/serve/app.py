@@ -203,7 +203,7 @@ async def _generate(
     state: ServerState, body: CompletionRequest | ChatRequest, request: Request
 ) -> Any:
     gen = Generation(state, body)
-    if body.stream and gen.req.remote:
+    if body.stream and gen.req.kv_params:
         await gen.wait_first()  # P/D: a failed hand-off gets its status, not a 200 stream
     if body.stream:
         return StreamingResponse(stream(gen), media_type="text/event-stream")

@@ -63,7 +63,7 @@ class Generation:
         )
         if state.pd is not None and state.pd.decode is not None:
             try:  # P/D decode: a prefill worker computes the prompt
-                self.req.remote = state.pd.decode.choose(body.pd_prefill)
+                self.req.kv_params = {"prefill": state.pd.decode.choose(body.pd_prefill)}
             except ValueError as exc:
                 raise ApiError(400, str(exc), "pd_prefill") from None
         self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)

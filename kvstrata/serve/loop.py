@@ -157,6 +157,7 @@ class EngineLoop(LoopFront):
         self._build = build
         self.built: Built | None = None
         self.events: KVEventPublisher | None = None  # set by `build`, on the engine thread
+        self.side: Any = None  # a P/D worker's side (set by `build`): told of each request
         self.thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)
 
     def start(self) -> None:
@@ -184,7 +185,12 @@ class EngineLoop(LoopFront):
             return
         eng = self.engine
         steps = StepLoop(
-            eng, self.handle, lambda mine: [mine], events=self.events, survive_errors=True
+            eng,
+            self.handle,
+            lambda mine: [mine],
+            side=self.side,
+            events=self.events,
+            survive_errors=True,
         )
         self.ready.set()
         try:

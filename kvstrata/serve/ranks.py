@@ -147,7 +147,7 @@ class RankedLoop(LoopFront):
         assert req.sampler is not None
         params = req.sampler.params
         return NewRequest(
-            req.rid, req.tokens, req.max_new_tokens, params, req.cache_salt, req.remote
+            req.rid, req.tokens, req.max_new_tokens, params, req.cache_salt, req.kv_params
         )
 
     def stop(self, timeout_s: float) -> bool:

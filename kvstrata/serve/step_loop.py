@@ -127,9 +127,8 @@ class StepLoop:
     def _submit(self, new: NewRequest | Request) -> None:
         """Every rank builds the same request (a P/D hand-off's side hears of it first)."""
         req = new if isinstance(new, Request) else new.build()
-        handoff = new.handoff if isinstance(new, NewRequest) else None
         if self.side is not None:
-            self.side.submitted(req, handoff)
+            self.side.submitted(req)
         try:
             self.engine.submit(req)  # the same inputs on every rank: the same outcome
         except (ValueError, TypeError) as exc:

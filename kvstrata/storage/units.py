@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstrata.memory.layout import KVShape
+from kvstrata.kv_shape import KVShape
 from kvstrata.storage.base import (
     HEADER_NBYTES,
     StorageBackend,
