@@ -285,7 +285,12 @@ class DecodeSide(KVConnector):
                 h.cancelled.set()
                 out = Outcome(rid, h.endpoint, failure=failure)
             assert out is not None
-            if self._land(engine, req, out):
+            try:
+                landed = self._land(engine, req, out)
+            except Exception as exc:  # noqa: BLE001 - this hand-off fails alone
+                why = f"P/D hand-off of {rid} failed landing: {type(exc).__name__}: {exc}"
+                landed = engine.fail_remote(req, 500, why) is req
+            if landed:
                 finished.append(req)
         return finished
 
