@@ -153,6 +153,9 @@ class Handoff(threading.Thread):
             while not self.cancelled.is_set():
                 frames = ch.recv(min(POLL_S, cfg.pd_timeout_s))
                 if frames is None:
+                    dead = ch.unreachable(cfg.pd_heartbeat_s)  # refused or lost: a heartbeat
+                    if dead is not None:
+                        return self._fail(502, dead)
                     if time.monotonic() - heard > cfg.pd_timeout_s:
                         return self._fail(504, f"no answer within pd_timeout_s={cfg.pd_timeout_s}")
                     continue
