@@ -107,10 +107,11 @@ def test_prefill_killed_mid_handoff(run: Workers, ckpt: Path) -> None:
     p1.proc.wait(10)
     t.join(30)
     r, t1 = out[0]
-    assert r.status_code == 504, r.text
+    # the link dropped with the process: a 502 within a heartbeat, not the silence bound's 504
+    assert r.status_code == 502, r.text
     msg = r.json()["error"]["message"]
-    assert endpoint in msg and f"pd_timeout_s={TIMEOUT_S}" in msg
-    assert TIMEOUT_S <= t1 - t0 < TIMEOUT_S + 5
+    assert endpoint in msg and "unreachable: connection lost" in msg, msg
+    assert t1 - t0 < TIMEOUT_S + 5
     assert idle_ok(d)["device_free"] == free  # the request's pages are back, nothing leaked
 
 

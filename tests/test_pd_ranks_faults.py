@@ -74,9 +74,10 @@ def test_prefill_worker_killed_mid_handoff(run: Workers, ckpt: Path) -> None:
     p1.proc.wait(10)
     t.join(30)
     r, t1 = out[0]
-    assert r.status_code == 504, r.text
-    assert f"pd_timeout_s={TIMEOUT_S}" in r.json()["error"]["message"]
-    assert TIMEOUT_S <= t1 - t0 < TIMEOUT_S + 5
+    # its links dropped with the processes: a 502 within a heartbeat, not the silence bound's
+    assert r.status_code == 502, r.text
+    assert "unreachable: connection lost" in r.json()["error"]["message"]
+    assert t1 - t0 < TIMEOUT_S + 5
     assert idle_ok(d)["device_free"] == free  # every rank's pages for it are back
     (p2,) = run.start((prefill_args(ckpt, run.store), run.tmp / "p2.log"))
     r = complete(d, Y, pd_prefill=p2.url)

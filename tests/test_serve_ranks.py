@@ -3,6 +3,8 @@ hits of the single-rank server; streaming, a dropped stream and SIGTERM (exit 0)
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -117,3 +119,29 @@ def test_ranks_end_when_their_server_is_killed(ckpt: Path, tmp_path: Path) -> No
     while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [k for k in kids if alive(k)], "rank processes outlived their server"
+
+
+def test_server_whose_rank_died_exits_naming_it(ckpt: Path, tmp_path: Path) -> None:
+    """kill -9 of one of `serve --tp 2`'s rank processes (gloo): the ranks stop naming it within
+    --timeout-s, and the server then exits non-zero (it used to answer 503 for ever, so an
+    orchestrator never learned it had to restart it); the other rank is gone too."""
+    args = ["--model", str(ckpt), *TINY_ENGINE, "--tp", "2", "--timeout-s", "10"]
+    srv = Server(args, tmp_path / "s.log")
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).status_code == 200
+        tasks = Path(f"/proc/{srv.proc.pid}/task").glob("*/children")  # forked by a thread
+        kids = sorted(int(c) for t in tasks for c in t.read_text().split())
+        assert len(kids) == 2
+        os.kill(kids[-1], signal.SIGKILL)
+        code = srv.proc.wait(120)  # the bound of this test, not a timing claim
+        log = (tmp_path / "s.log").read_text()
+        assert code == 1, log
+        assert "rank 1" in log and "killed by SIGKILL" in log, log
+        assert "exiting, the ranks stopped" in log, log
+        deadline = time.monotonic() + 20
+        while alive(kids[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(kids[0]), "the surviving rank outlived its server"
+    finally:
+        srv.stop()

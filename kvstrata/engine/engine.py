@@ -8,7 +8,9 @@ verify drafts, cache finished pages, end what is complete).
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -243,24 +245,40 @@ class Engine:
 
     # ---- after the forward --------------------------------------------------------------------
     def postprocess(self, work: Work, fwd: Forward) -> list[Request]:
-        """Each item's tokens count as computed; verify drafts, emit tokens, cache pages."""
+        """Each item's tokens count as computed; verify drafts, emit tokens, cache pages. What
+        one item raises (its sampling, its hand-off hook, its lease work) ends it alone."""
         finished = []
         for (req, toks), row, h in zip(work, fwd.rows, fwd.hidden, strict=True):
-            if req.state is State.DECODE and fwd.drafts.get(req.rid):
-                if self._verify(req, fwd.drafts[req.rid], row, h):
-                    finished.append(req)
-                continue
-            if req.state is State.PREFILL:
-                self.prompt_tokens += len(toks)
-            req.computed += len(toks)
-            if req.state is State.PREFILL and (req.output or req.computed < len(req.tokens)):
-                if req.output and req.computed == len(req.prefill_tokens):  # preempted, caught up
-                    req.state = State.DECODE  # its next step feeds its last token, as before
-                self.kv.cache_pages(req, final=False)  # finished pages: shared at once
-                continue  # more prompt chunks to go
-            if self._emit(req, row[-1]):
+            try:
+                done = self._after_forward(req, toks, row, h, fwd.drafts.get(req.rid))
+            except Exception as exc:  # noqa: BLE001 - this request fails, its batch mates go on
+                traceback.print_exc(file=sys.stderr)
+                why = f"request {req.rid} failed in an engine step: {type(exc).__name__}: {exc}"
+                done = self.scheduler.fail(req, 500, why) is req
+            if done:
                 finished.append(req)
         return finished
+
+    def _after_forward(
+        self,
+        req: Request,
+        toks: list[int],
+        row: torch.Tensor,
+        h: torch.Tensor | None,
+        drafted: list[int] | None,
+    ) -> bool:
+        """One work item after the forward; True when its request ended."""
+        if req.state is State.DECODE and drafted:
+            return self._verify(req, drafted, row, h)
+        if req.state is State.PREFILL:
+            self.prompt_tokens += len(toks)
+        req.computed += len(toks)
+        if req.state is State.PREFILL and (req.output or req.computed < len(req.tokens)):
+            if req.output and req.computed == len(req.prefill_tokens):  # preempted, caught up
+                req.state = State.DECODE  # its next step feeds its last token, as before
+            self.kv.cache_pages(req, final=False)  # finished pages: shared at once
+            return False  # more prompt chunks to go
+        return self._emit(req, row[-1])
 
     def _verify(
         self, req: Request, drafted: list[int], rows: torch.Tensor, hidden: torch.Tensor | None
@@ -283,6 +301,9 @@ class Engine:
         """Record one generated token (`tok`, or chosen from `row` now); True when complete."""
         if tok is None:
             tok = self.runner.sample(req, row)
+        if req.sampler is not None and req.sampler.failed:  # no token: an error, not a "stop"
+            self.scheduler.fail(req, 500, f"request {req.rid}: {req.sampler.failed}")
+            return True
         req.output.append(tok)
         if req.keep_logits:
             req.logits.append(row.clone())

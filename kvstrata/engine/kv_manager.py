@@ -49,13 +49,27 @@ class KVManager:
         self.lookahead = lookahead
 
     # ---- admission ------------------------------------------------------------------------------
-    def advance(self, waiting: list[Request], now_s: float, slots: int) -> list[Request]:
-        """Admit up to `slots` ready requests that fit, in arrival order (see module doc)."""
+    def advance(
+        self,
+        waiting: list[Request],
+        now_s: float,
+        slots: int,
+        failed: dict[str, str] | None = None,
+    ) -> list[Request]:
+        """Admit up to `slots` ready requests that fit, in arrival order (see module doc).
+        failed: rid -> why, for requests whose own lease work raised (the caller ends them)."""
         admitted: list[Request] = []
         window = waiting[: self.lookahead]
         for i, req in enumerate(window):
-            lease = req.lease if req.lease is not None else self._open(req)
-            if not lease.advance(now_s, can_schedule=slots > 0):
+            try:
+                lease = req.lease if req.lease is not None else self._open(req)
+                ready = lease.advance(now_s, can_schedule=slots > 0)
+            except Exception as exc:  # noqa: BLE001 - one request's lease fails alone
+                if failed is None:
+                    raise
+                failed[req.rid] = f"{type(exc).__name__}: {exc}"
+                continue
+            if not ready:
                 continue  # waiting on L3: the ready requests behind it go first
             if slots <= 0:
                 break

@@ -10,7 +10,9 @@ lists too, so they live here. Every decision reads agreed state only: all ranks 
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -80,20 +82,27 @@ class Scheduler:
     def schedule(self, now_s: float, land: Land | None = None) -> Scheduled:
         """Admit what is ready and fits (asking the connector for remote tokens), let `land`
         apply what the connector says landed or failed, then plan the forward and build the
-        connector's metadata for it."""
-        out = Scheduled(admitted=self._admit(now_s))
+        connector's metadata for it. A request whose own admission work raised ends alone."""
+        failed: dict[str, str] = {}
+        out = Scheduled(admitted=self._admit(now_s, failed))
+        out.ended = [self._fail_waiting(rid, why) for rid, why in failed.items()]
         conn = self.connector
         if conn is not None:
             done = conn.get_finished(IDLE_REMOTE_WAIT_S if self._only_remote() else 0.0)
-            out.ended = land(done) if land is not None and done else []
+            out.ended += land(done) if land is not None and done else []
         out.work = self._plan()
         if conn is not None:
             out.meta = conn.build_connector_meta(out.work)
         return out
 
-    def _admit(self, now_s: float) -> list[Request]:
+    def _fail_waiting(self, rid: str, why: str) -> Request:
+        """A waiting request whose lease work raised ends alone with a 500."""
+        req = next(r for r in self.waiting if r.rid == rid)
+        return self.fail(req, 500, f"request {rid} failed in admission: {why}")
+
+    def _admit(self, now_s: float, failed: dict[str, str]) -> list[Request]:
         slots = self.config.max_running - len(self.running)
-        admitted = self.kv.advance(self.waiting, now_s, slots)
+        admitted = self.kv.advance(self.waiting, now_s, slots, failed)
         for req in admitted:
             self.waiting.remove(req)
             self.running.append(req)
@@ -153,10 +162,24 @@ class Scheduler:
         return ended(req, reason)
 
     def fail(self, req: Request, status: int, message: str) -> Request:
-        """A running request whose remote KV failed: only its held prefix is cached, the
-        client gets `status` and `message` (the loop reads req.failure)."""
+        """A running request whose own work failed (its remote KV, its sampling, anything one
+        request raised in a step): its computed full pages are cached, the client gets
+        `status` and `message` (the loop reads req.failure). Its batch mates are untouched."""
         req.failure = (status, message)
-        return self.finish(req, "error")
+        if req in self.waiting:  # failed while waiting (its lease's match or probe)
+            self.waiting.remove(req)
+            self.kv.abort(req)
+            return ended(req, "error")
+        if req not in self.running:  # it had ended already (it raised after its finish)
+            return ended(req, "error")
+        try:
+            return self.finish(req, "error")
+        except Exception:  # noqa: BLE001 - its lease work itself failed: give back, cache nothing
+            traceback.print_exc(file=sys.stderr)
+            if req in self.running:
+                self.running.remove(req)
+            self.kv.abort(req)
+            return ended(req, "error")
 
     def abort(self, rid: str) -> Request | None:
         """End a waiting or running request now, releasing its pages and locks at once (a

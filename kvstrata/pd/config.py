@@ -21,9 +21,13 @@ class PDConfig:
         "", "decode: prefill workers, comma-separated HTTP base URLs or tcp:// endpoints"
     )
     pd_timeout_s: float = doc(
-        10.0, "longest silence (no page, no heartbeat) before a hand-off fails"
+        10.0, "longest silence (no page, no heartbeat) on a live link before a hand-off fails"
     )
-    pd_heartbeat_s: float = doc(0.5, "prefill: heartbeat interval while a hand-off computes")
+    pd_heartbeat_s: float = doc(
+        0.5,
+        "prefill: heartbeat interval while a hand-off computes; decode: a link to prefill "
+        "down this long (connection refused or lost: a dead worker) fails the hand-off",
+    )
     pd_layerwise: bool = doc(
         True, "prefill: send each layer's pages as soon as it is computed (off: all at the end)"
     )

@@ -160,6 +160,9 @@ class Handoff(threading.Thread):
             while not self.cancelled.is_set():
                 frames = ch.recv(min(POLL_S, cfg.pd_timeout_s))
                 if frames is None:
+                    dead = ch.unreachable(cfg.pd_heartbeat_s)  # refused or lost: a heartbeat
+                    if dead is not None:
+                        return self._fail(502, dead)
                     if time.monotonic() - heard > cfg.pd_timeout_s:
                         return self._fail(504, f"no answer within pd_timeout_s={cfg.pd_timeout_s}")
                     continue
@@ -314,7 +317,11 @@ class DecodeSide(KVConnector):
                 h.cancelled.set()
                 out = Outcome(rid, h.endpoint, failure=failure)
             assert out is not None
-            done.append(self._land(h, out))
+            try:
+                done.append(self._land(h, out))
+            except Exception as exc:  # noqa: BLE001 - this hand-off fails alone
+                why = f"P/D hand-off of {rid} failed landing: {type(exc).__name__}: {exc}"
+                done.append(RemoteFailed(h.req, 500, why))
         return done
 
     def window(self) -> list[str]:

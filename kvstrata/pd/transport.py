@@ -8,9 +8,11 @@ register under their own name with the same two classes.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvstrata.pd.wire import Frames
 from kvstrata.registry import Registry
@@ -30,6 +32,12 @@ class Channel(Protocol):
     def send(self, frames: Frames) -> None: ...
 
     def recv(self, timeout_s: float) -> Frames | None: ...
+
+    def unreachable(self, grace_s: float) -> str | None:
+        """Why the peer cannot be reached, once the link to it has been down (never up, or
+        lost) longer than grace_s; None while it is up or may still come back. A dead or
+        refusing peer is known this way within grace_s, not after a silence timeout."""
+        ...
 
     def close(self) -> None: ...
 
@@ -75,6 +83,35 @@ class ZmqListener:
         self.sock.close(0)
 
 
+LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+class LinkWatch:
+    """Whether a socket's TCP link to its one peer is up, from the socket's monitor events:
+    CONNECTED brings it up; DISCONNECTED (the peer closed or died) or CONNECT_RETRIED (refused:
+    nothing listens) starts a down period. zmq keeps reconnecting by itself meanwhile."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.mon = sock.get_monitor_socket(LINK_EVENTS)  # before connect: no event missed
+        self.down_since: float | None = time.monotonic()  # not connected yet
+        self.was_up = False
+
+    def down_s(self) -> float:
+        """How long the link has been down (0.0 while up)."""
+        while self.mon.poll(0):
+            event = recv_monitor_message(self.mon)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.down_since, self.was_up = None, True
+            elif self.down_since is None:
+                self.down_since = time.monotonic()
+        return 0.0 if self.down_since is None else time.monotonic() - self.down_since
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.mon.close(0)
+
+
 class ZmqChannel:
     """A fresh DEALER per hand-off: nothing of an earlier (failed) hand-off can arrive on it."""
 
@@ -83,7 +120,15 @@ class ZmqChannel:
         self.sock.setsockopt(zmq.LINGER, 0)
         if name:  # zmq reconnects by itself; with a fixed id the replies find the new link
             self.sock.setsockopt(zmq.ROUTING_ID, name.encode()[:255])
+        self.link = LinkWatch(self.sock)
         self.sock.connect(endpoint)
+
+    def unreachable(self, grace_s: float) -> str | None:
+        down = self.link.down_s()
+        if down <= grace_s:
+            return None
+        what = "connection lost" if self.link.was_up else "connection refused"
+        return f"unreachable: {what} for {down:.1f} s (the worker is dead or not listening)"
 
     def send(self, frames: Frames) -> None:
         self.sock.send_multipart(frames, copy=False)
@@ -94,6 +139,7 @@ class ZmqChannel:
         return [f.buffer for f in self.sock.recv_multipart(copy=False)]
 
     def close(self) -> None:
+        self.link.close()
         self.sock.close(0)
 
 

@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.router.config import RouterConfig
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.upstream import Upstreams
+from kvstrata.router.upstream import INFO_PATH, Upstreams
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.protocol import ApiError
@@ -131,7 +131,10 @@ async def _probe(state: RouterState) -> dict[str, str]:
             r = await client.get(f"{url}/health", timeout=rc.info_timeout_s)
         except httpx.HTTPError as exc:
             return f"{role} {url}: {type(exc).__name__}"
-        return None if r.status_code == 200 else f"{role} {url}: HTTP {r.status_code}"
+        if r.status_code != 200:
+            return f"{role} {url}: HTTP {r.status_code}"
+        # a prefill restarted on the same port has a new transfer endpoint: read it again
+        return await _reread_info(state, url) if role == "prefill" else None
 
     workers = state.up.all()
     found = await asyncio.gather(*(one(role, url) for role, url in workers))
@@ -141,6 +144,36 @@ async def _probe(state: RouterState) -> dict[str, str]:
         else:
             state.up.pool(role).mark_down(url, rc.down_s)
     return {url: why for (_, url), why in zip(workers, found, strict=True) if why is not None}
+
+
+async def _reread_info(state: RouterState, url: str) -> str | None:
+    """GET the prefill worker's /v1/pd/info again (one try) and keep its transfer endpoint;
+    None when it answered as a prefill worker, else why it cannot be used."""
+    rc = state.up.cfg
+    if not rc.require_info:
+        return None
+    try:
+        r = await state.http().get(f"{url}{INFO_PATH}", timeout=rc.info_timeout_s)
+        body = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"prefill {url}: {INFO_PATH}: {type(exc).__name__}"
+    return state.up.take_info("prefill", url, r.status_code, body)
+
+
+async def _recover(state: RouterState, prefill_url: str) -> str:
+    """A hand-off with `prefill_url` failed (decode answered 502/504 before any byte): the
+    prefill worker to try once more. Its info is read again: a new transfer endpoint (restarted
+    on the same port) means the same worker; otherwise (unreachable, or the same endpoint) the
+    next prefill worker not skipped, if there is another, and this one is skipped for down_s."""
+    before = state.up.transfer_endpoints(prefill_url)
+    why = await _reread_info(state, prefill_url)
+    if why is None and state.up.transfer_endpoints(prefill_url) != before:
+        state.metrics.handoff_retries.labels(worker=prefill_url, to="same").inc()
+        return prefill_url
+    state.up.prefill.mark_down(prefill_url, state.up.cfg.down_s)
+    others = [u for u in state.up.prefill.order() if u != prefill_url]
+    state.metrics.handoff_retries.labels(worker=prefill_url, to="other" if others else "same").inc()
+    return others[0] if others else prefill_url
 
 
 async def _watch_health(state: RouterState) -> None:
@@ -229,11 +262,21 @@ async def _open(
     raise ApiError(502, "every decode worker refused: " + "; ".join(e.message for e in refused))
 
 
+def _handoff_failed(state: RouterState, resp: httpx.Response) -> bool:
+    """Decode answered 502/504 before any byte: its hand-off with the prefill worker failed
+    (P/D workers answer a failed hand-off so, never a relayed stream)."""
+    return state.up.cfg.require_info and resp.status_code in (502, 504)
+
+
 async def _generate(state: RouterState, request: Request, path: str) -> Response:
     prefill_url, raw, t0 = state.up.prefill.pick(), await request.body(), time.perf_counter()
 
     async def open_and_answer() -> Response:
         resp, decode_url, streaming = await _open(state, path, raw, prefill_url)
+        if _handoff_failed(state, resp):  # nothing reached the client yet: one more try
+            await resp.aclose()
+            retry_url = await _recover(state, prefill_url)
+            resp, decode_url, streaming = await _open(state, path, raw, retry_url)
         if resp.status_code == 200 and streaming:
             relay = _relay(resp, decode_url, state, t0)
             return StreamingResponse(relay, media_type="text/event-stream")

@@ -25,6 +25,13 @@ class RouterMetrics:
             ["role", "worker", "kind"],
             registry=reg,
         )
+        self.handoff_retries = Counter(
+            "kvstrata:router_handoff_retries",
+            "requests tried once more after a failed hand-off with a prefill worker (its info "
+            "read again), by that worker and whether the retry went to it or another",
+            ["worker", "to"],
+            registry=reg,
+        )
         self.responses = Counter(
             "kvstrata:router_whole_responses",
             "non-streamed answers relayed, by the worker's HTTP status",

@@ -92,12 +92,25 @@ class Upstreams:
         """What the decode worker is sent for one client request (the client's own fields kept)."""
         if not self.cfg.require_info:
             return body
-        info = self.info.get(prefill_url, {})
-        # a prefill worker on several ranks: every rank's endpoint, rank order (decode rank r
-        # talks to the r-th)
+        return {**body, PD_FIELD: self.transfer_endpoints(prefill_url)}
+
+    def take_info(self, role: str, url: str, status: int, body: Any) -> str | None:
+        """A worker's /v1/pd/info answer, re-read after start: kept when it says its role (a
+        restarted prefill has a new transfer endpoint); else why it cannot be used."""
+        if status != 200:
+            return f"{role} {url}: {INFO_PATH} answered HTTP {status}"
+        said = body.get("role") if isinstance(body, dict) else None
+        if said != role:
+            return f"{role} {url}: {INFO_PATH} says role {said!r}"
+        self.info[url] = dict(body)
+        return None
+
+    def transfer_endpoints(self, url: str) -> str:
+        """What decode is told for prefill `url`: its transfer endpoints as last read (a worker
+        on several ranks: every rank's, rank order; decode rank r talks to the r-th)."""
+        info = self.info.get(url, {})
         endpoints = ",".join(info.get("transfer_endpoints") or [])
-        endpoint = endpoints or info.get("transfer_endpoint") or prefill_url
-        return {**body, PD_FIELD: endpoint}
+        return endpoints or info.get("transfer_endpoint") or url
 
     def check_roles(self) -> None:
         """GET /v1/pd/info of every worker (retried until start_timeout_s): each must say the

@@ -31,9 +31,11 @@ class ServerProcess:
         start_timeout_s: float = 180.0,
         ready_path: str = "/health",
         launcher: list[str] | None = None,
+        port: int | None = None,
     ) -> None:
+        """port: None = a free one (a restarted server may take its predecessor's)."""
         self.ready_path = ready_path
-        self.port = free_port()
+        self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         # launcher: what runs `-m kvstrata.cli.main` (default this Python; or torchrun's)

@@ -135,6 +135,20 @@ def _build(
     return built
 
 
+def _exit_when_ranks_stop(server: _Server, state: ServerState) -> None:
+    """Ranks that stopped (one died, hung or diverged: named in loop.failed) never come back:
+    the server stops too, with exit 1, so an orchestrator learns it must restart it."""
+
+    def watch() -> None:
+        state.loop.thread.join()  # the ranks' thread ends on a stop or a failure only
+        if state.loop.failed and not state.stopping:
+            print(f"kvstrata serve: exiting, the ranks stopped: {state.loop.failed}", flush=True)
+            state.stopping = True  # /health: 503 until the process is gone
+            server.should_exit = True
+
+    threading.Thread(target=watch, name="kvstrata-ranks-watch", daemon=True).start()
+
+
 def serve(state: ServerState) -> int:
     cfg = state.cfg
     state.loop.start()
@@ -149,6 +163,8 @@ def serve(state: ServerState) -> int:
         lifespan="on",
     )
     server = _Server(config, state)
+    if isinstance(state.loop, RankedLoop):
+        _exit_when_ranks_stop(server, state)
     where = f"http://{cfg.host}:{cfg.port}"
     print(f"kvstrata serve: {state.model_name} on {where} (pid {os.getpid()})", flush=True)
     server.run()
