@@ -40,13 +40,16 @@ def worker_args(ckpt: Path, *extra: str, store: Path | None = None) -> list[str]
     return [*args, "--debug-endpoints", *extra]
 
 
-def start_all(specs: list[tuple[list[str], Path]]) -> list[Server]:
-    """Start every server at once (each waits for its own /health); all or none."""
+def start_all(specs: list[tuple[list[str], Path] | tuple[list[str], Path, int]]) -> list[Server]:
+    """Start every server at once (each waits for its own /health); all or none. A spec's
+    third item is the port to listen on (picked first, so a decode started alongside can list
+    that prefill worker in --pd-prefill)."""
     out: list[Server | BaseException | None] = [None] * len(specs)
 
     def one(i: int) -> None:
         try:
-            out[i] = Server(*specs[i])
+            spec = specs[i]
+            out[i] = Server(spec[0], spec[1], port=spec[2] if len(spec) > 2 else 0)  # type: ignore[misc]
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
             out[i] = exc
 

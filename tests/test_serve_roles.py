@@ -51,6 +51,7 @@ def test_each_worker_role_lists_its_own_pd_options(capsys: pytest.CaptureFixture
     assert decode - single == {
         "--pd-transport",
         "--pd-prefill",
+        "--pd-trust-request-prefill",
         "--pd-timeout-s",
         "--pd-on-failure",
     }

@@ -43,7 +43,9 @@ ROUTER_SERVE_FIELDS = (
 PREFILL_FIELDS = (
     "pd_transfer_endpoint", "pd_transport", "pd_timeout_s", "pd_heartbeat_s", "pd_layerwise",
 )  # fmt: skip
-DECODE_FIELDS = ("pd_transport", "pd_prefill", "pd_timeout_s", "pd_on_failure")
+DECODE_FIELDS = (
+    "pd_transport", "pd_prefill", "pd_trust_request_prefill", "pd_timeout_s", "pd_on_failure",
+)  # fmt: skip
 
 MODEL_SERVER = (
     ConfigArgs(ServeConfig),

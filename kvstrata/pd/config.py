@@ -20,6 +20,12 @@ class PDConfig:
     pd_prefill: str = doc(
         "", "decode: prefill workers, comma-separated HTTP base URLs or tcp:// endpoints"
     )
+    pd_trust_request_prefill: bool = doc(
+        False,
+        "decode: take a request's pd_prefill as it is, even outside --pd-prefill (tests that add "
+        "prefill workers or relays at run time). Unsafe: any client then picks decode's peer",
+        debug=True,
+    )
     pd_timeout_s: float = doc(
         10.0, "longest silence (no page, no heartbeat) before a hand-off fails"
     )

@@ -29,6 +29,7 @@ from kvstrata.engine.request import Request, State
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import mine, owners_of, received_pages
 from kvstrata.pd.pages import host_pages, write_pages
+from kvstrata.pd.prefill_set import PrefillSet
 from kvstrata.pd.transport import Transport
 from kvstrata.pd.wire import (
     Layout,
@@ -76,6 +77,10 @@ class Resolver:
                 f"{target} has {len(eps)} rank(s): none pairs with rank {rank} of this decode worker"
             )
         return eps[rank]
+
+    def endpoints_of(self, target: str) -> list[str]:
+        """Every rank's transfer endpoint of `target`, rank order (cached until `forget`)."""
+        return self._endpoints(target)
 
     def _endpoints(self, target: str) -> list[str]:
         if target.startswith("tcp://"):
@@ -229,6 +234,7 @@ class DecodeSide(KVConnector):
     def __init__(self, cfg: PDConfig, transport: Transport | None, metrics: Any) -> None:
         self.cfg, self.transport, self.metrics = cfg, transport, metrics
         self.resolver = Resolver(cfg.pd_timeout_s)
+        self.allowed = PrefillSet(cfg.prefill_urls, self.resolver, cfg.pd_trust_request_prefill)
         self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
         self.wants_state = False  # an MTP head: replies must carry prefill's hidden state
         self.part = (0, 0)  # (layers, page bytes) of this rank's part of a page
@@ -249,14 +255,14 @@ class DecodeSide(KVConnector):
         engine.connector = self
 
     def choose(self, wanted: str | None) -> str:
-        """The prefill worker of a new request: the one the router named, else round robin."""
+        """The prefill worker of a new request: the configured one the router named (else
+        NotAllowed), or the next in turn. Blocking (may read a configured worker's
+        /v1/pd/info): the HTTP side calls it off its event loop."""
         if wanted:
-            if not wanted.startswith(("http://", "https://", "tcp://")):
-                raise ValueError(f"pd_prefill {wanted!r} is not an http(s):// or tcp:// address")
-            return wanted
+            return self.allowed.pick(wanted)
         urls = self.cfg.prefill_urls
         if not urls:
-            raise ValueError("this decode worker has no --pd-prefill; name one in pd_prefill")
+            raise ValueError("this decode worker has no --pd-prefill: it has no prefill worker")
         with self._lock:
             self._next += 1
             return urls[(self._next - 1) % len(urls)]

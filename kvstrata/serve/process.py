@@ -31,9 +31,12 @@ class ServerProcess:
         start_timeout_s: float = 180.0,
         ready_path: str = "/health",
         launcher: list[str] | None = None,
+        port: int = 0,
     ) -> None:
+        """port: the one to listen on (0: a free one; a caller picks it to hand the URL to
+        another process started at the same time)."""
         self.ready_path = ready_path
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         # launcher: what runs `-m kvstrata.cli.main` (default this Python; or torchrun's)
