@@ -1,8 +1,10 @@
-"""Who a P/D worker exchanges KV with, between real worker processes on 127.0.0.1: decode hands
-off only to its configured prefill workers (a client naming its own zmq peer or an http:// URL
-is refused with a 403 before anything is dialled or fetched, and nothing is cached); the router's
-way of naming one (its transfer endpoint) still works; a later honest request's output equals the
-cold run."""
+"""Who a P/D worker exchanges KV with, between real worker processes on 127.0.0.1 whose transfer
+sockets run ZMQ CURVE (keys from `kvstrata keys curve`): decode hands off only to its configured
+prefill workers (a client naming its own zmq peer or an http:// URL is refused with a 403 before
+anything is dialled or fetched, and nothing is cached); the router's way of naming one (its
+transfer endpoint) still works; a peer without an allowed key (or without CURVE) gets nothing
+through to prefill, which commits nothing of it; the honest CURVE pair works end to end, and
+every output equals the cold run."""
 
 from __future__ import annotations
 
@@ -10,13 +12,18 @@ import http.server
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 
+from kvstrata.cli.keys_cmd import write_curve_pair
+from kvstrata.pd.transport import ZmqTransport
+from kvstrata.pd.wire import header, pack_keys
 from kvstrata.serve.codec import ByteCodec
-from tests.pd_helpers import complete, info, start_all, worker_args
-from tests.serve_helpers import Server, free_port
+from kvstrata.zmq_curve import CurveKeys
+from tests.pd_helpers import complete, info, keys_of, metrics, raw_handoff, start_all, worker_args
+from tests.serve_helpers import free_port
 from tests.tiny_models import hf_greedy, load_hf
 
 pytestmark = pytest.mark.slow  # two real worker processes
@@ -27,19 +34,41 @@ CKPT = {"seed": 3, "max_position_embeddings": 512}
 PROMPT = [(13 * i + 5) % 97 for i in range(41)]  # 6 pages of 8
 
 
+def key_pairs(tmp: Path) -> dict[str, Path]:
+    """Key pairs p (prefill), d (decode), rogue, each in its own directory; p's peers directory
+    holds d's public key, d's holds p's (the rogue's is in neither)."""
+    for name in ("p", "d", "rogue"):
+        write_curve_pair(tmp / name, name)
+    for me, peer in (("p", "d"), ("d", "p")):
+        (tmp / f"{me}_peers").mkdir()
+        (tmp / f"{me}_peers" / f"{peer}.key").write_bytes((tmp / peer / f"{peer}.key").read_bytes())
+    return {n: tmp / n / f"{n}.key_secret" for n in ("p", "d", "rogue")}
+
+
+def curve_args(tmp: Path, me: str, secrets: dict[str, Path]) -> list[str]:
+    return [
+        "--pd-curve-secret-file",
+        str(secrets[me]),
+        "--pd-curve-peers-dir",
+        str(tmp / f"{me}_peers"),
+    ]
+
+
 @pytest.fixture(scope="module")
-def workers(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    """A prefill p and a decode d that lists p as its one prefill worker."""
+def workers(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A prefill p and a decode d that lists p as its one prefill worker, CURVE between them."""
     tmp = tmp_path_factory.mktemp("pdtrust")
+    secrets = key_pairs(tmp)
     port = free_port()
     p, d = start_all(
         [
-            (worker_args(ckpt, "--role", "prefill"), tmp / "p.log", port),
+            (worker_args(ckpt, "--role", "prefill", *curve_args(tmp, "p", secrets)), tmp / "p.log",
+             port),
             (worker_args(ckpt, "--role", "decode", "--pd-prefill", f"http://127.0.0.1:{port}",
-                         "--pd-timeout-s", "3"), tmp / "d.log"),
+                         "--pd-timeout-s", "3", *curve_args(tmp, "d", secrets)), tmp / "d.log"),
         ]
     )  # fmt: skip
-    yield {"p": p, "d": d}
+    yield {"p": p, "d": d, "tmp": tmp, "secrets": secrets}
     for s in (p, d):
         s.stop()
 
@@ -61,7 +90,7 @@ class Recorder(http.server.BaseHTTPRequestHandler):
 
 
 def test_a_client_chosen_prefill_is_refused_and_nothing_is_cached(
-    workers: dict[str, Server], ckpt: Path
+    workers: dict[str, Any], ckpt: Path
 ) -> None:
     d = workers["d"]
     free = d.wait_idle()["device_free"]
@@ -92,7 +121,7 @@ def test_a_client_chosen_prefill_is_refused_and_nothing_is_cached(
 
 
 def test_the_router_names_a_configured_prefill_by_its_transfer_endpoint(
-    workers: dict[str, Server], ckpt: Path
+    workers: dict[str, Any], ckpt: Path
 ) -> None:
     prompt = [(3 * i + 11) % 97 for i in range(30)]
     endpoint = info(workers["p"])["transfer_endpoint"]
@@ -102,3 +131,51 @@ def test_the_router_names_a_configured_prefill_by_its_transfer_endpoint(
         assert r.json()["choices"][0]["text"] == cold(ckpt, prompt)
         assert r.json()["usage"]["pd"]["prefill"] == endpoint
     assert workers["d"].wait_idle()["ok"] and workers["p"].wait_idle()["ok"]
+
+
+def keys_with_peer(tmp: Path, secret: Path, peer: str) -> CurveKeys:
+    """A client's keys that trust `peer`'s public key (its peers directory holds only that)."""
+    return CurveKeys.load(str(secret), str(tmp / f"{'d' if peer == 'p' else 'p'}_peers"), "test")
+
+
+def test_a_peer_without_an_allowed_curve_key_gets_nothing_through(
+    workers: dict[str, Any], ckpt: Path
+) -> None:
+    p, d, tmp, secrets = workers["p"], workers["d"], workers["tmp"], workers["secrets"]
+    pinfo = info(p)
+    ep, lay, public = pinfo["transfer_endpoint"], pinfo["layout"], pinfo["curve_public_key"]
+    assert public.encode() == (tmp / "p" / "p.key_secret").read_bytes().split(b'"')[1]
+    prompt = [(29 * i + 7) % 97 for i in range(41)]
+    blocks = p.integrity()
+    handoffs = metrics(p)
+    # a hand-off claiming decode holds 4 pages: prefill would pull them and commit what came
+    ask = header(
+        "handoff",
+        "rogue",
+        layout=lay,
+        tokens=prompt,
+        salt="",
+        keys=pack_keys(keys_of(lay, prompt)[:4]),
+    )
+    rogue = keys_with_peer(tmp, secrets["rogue"], "p")  # knows p's public key, not an allowed one
+    for transport in (ZmqTransport(rogue), ZmqTransport()):  # wrong key; no CURVE at all
+        ch = transport.connect(ep, "rogue", public.encode())
+        try:
+            ch.send([ask])
+            assert ch.recv(2.0) is None  # no refusal, no pull, no page: the handshake failed
+        finally:
+            ch.close()
+    rep = p.wait_idle()
+    assert rep["ok"] and rep["device_free"] == blocks["device_free"]
+    assert metrics(p) == handoffs  # no hand-off ran, nothing pulled or sent
+    # the honest CURVE client (d's key pair) is answered
+    head, _ = raw_handoff(
+        ep, prompt, [], lay, hid="honest", curve=keys_with_peer(tmp, secrets["d"], "p")
+    )
+    assert head["type"] == "pages" and head["computed_tokens"] == 41
+    # and end to end: prefill committed nothing of the rogue's claim, decode lands real pages
+    r = complete(d, prompt)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == cold(ckpt, prompt)
+    assert r.json()["usage"]["pd"]["pages_pulled"] == 0
+    assert d.wait_idle()["ok"] and p.wait_idle()["ok"]

@@ -46,12 +46,14 @@ def test_each_worker_role_lists_its_own_pd_options(capsys: pytest.CaptureFixture
     assert not any(o.startswith(("--pd-", "--router-")) for o in single)
     assert prefill - single == {
         "--pd-transfer-endpoint", "--pd-transport", "--pd-timeout-s", "--pd-heartbeat-s",
-        "--pd-layerwise",
+        "--pd-layerwise", "--pd-curve-secret-file", "--pd-curve-peers-dir",
     }  # fmt: skip
     assert decode - single == {
         "--pd-transport",
         "--pd-prefill",
         "--pd-trust-request-prefill",
+        "--pd-curve-secret-file",
+        "--pd-curve-peers-dir",
         "--pd-timeout-s",
         "--pd-on-failure",
     }

@@ -66,6 +66,7 @@ class Resolver:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._known: dict[str, list[str]] = {}
+        self._keys: dict[str, bytes] = {}  # target -> its CURVE public key (from its info)
         self._lock = threading.Lock()
 
     def endpoint(self, target: str, rank: int = 0) -> str:
@@ -77,6 +78,12 @@ class Resolver:
                 f"{target} has {len(eps)} rank(s): none pairs with rank {rank} of this decode worker"
             )
         return eps[rank]
+
+    def server_key(self, target: str) -> bytes:
+        """`target`'s CURVE public key as its /v1/pd/info gave it (b"": none, or a tcp://
+        target); read after `endpoint`."""
+        with self._lock:
+            return self._keys.get(target, b"")
 
     def endpoints_of(self, target: str) -> list[str]:
         """Every rank's transfer endpoint of `target`, rank order (cached until `forget`)."""
@@ -97,12 +104,14 @@ class Resolver:
         eps = list(body.get("transfer_endpoints") or [body["transfer_endpoint"]])
         with self._lock:
             self._known[target] = eps
+            self._keys[target] = str(body.get("curve_public_key") or "").encode()
         return eps
 
     def forget(self, target: str) -> None:
         """After a failure: the worker may come back on another port."""
         with self._lock:
             self._known.pop(target, None)
+            self._keys.pop(target, None)
 
 
 class Handoff(threading.Thread):
@@ -130,7 +139,8 @@ class Handoff(threading.Thread):
             self.layers, self.hid = {}, self.rid if not attempt else f"{self.rid}~{attempt}"
             try:
                 self.endpoint = side.resolver.endpoint(self.target, side.layout.rank)
-                outcome = self._exchange(side.transport.connect(self.endpoint, self.hid))
+                key = side.resolver.server_key(self.target)
+                outcome = self._exchange(side.transport.connect(self.endpoint, self.hid, key))
             except WireError as exc:  # corrupted or inconsistent: nothing of it was used
                 outcome = self._fail(502, f"bad hand-off reply: {exc}")
                 if attempt < WIRE_RETRIES and not self.cancelled.is_set():

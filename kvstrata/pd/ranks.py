@@ -36,7 +36,7 @@ from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.prefill import HandoffListener, Sink, check_handoff
 from kvstrata.pd.pull import Puller, PullGate
-from kvstrata.pd.transport import TRANSPORTS, Listener
+from kvstrata.pd.transport import Listener, transport_of
 from kvstrata.pd.wire import Frames, Layout, WireError, header, layout_mismatch, read_header
 
 _SIDES: dict[int, RankPD] = {}  # id(engine) -> its rank's P/D side (one rank per process)
@@ -162,7 +162,7 @@ class RankPD:
         cfg = cfg or PDConfig()
         self.role, self.cfg, self.rank, self.out = role, cfg, rank, out
         self.metrics = RankMetrics(out)
-        transport = TRANSPORTS.create(cfg.pd_transport)
+        transport = transport_of(cfg)
         # fields of the step's one collective: decode's landings, or prefill's pulls
         self.gate: HandoffGate | PullGate = (
             HandoffGate(slots, rank)
