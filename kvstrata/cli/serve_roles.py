@@ -38,6 +38,7 @@ class ConfigArgs:
 
 ROUTER_SERVE_FIELDS = (
     "host", "port", "served_model_name", "stop_timeout_s", "log_level", "parent_pid", "role",
+    "api_key", "api_key_file",
 )  # fmt: skip
 """What the router reads of ServeConfig (it loads no model and queues nothing itself)."""
 CURVE_FIELDS = ("pd_curve_secret_file", "pd_curve_peers_dir")
@@ -46,7 +47,8 @@ PREFILL_FIELDS = (
     "pd_layerwise",
 )  # fmt: skip
 DECODE_FIELDS = (
-    "pd_transport", "pd_prefill", "pd_trust_request_prefill", *CURVE_FIELDS, "pd_timeout_s",
+    "pd_transport", "pd_prefill", "pd_prefill_api_key_file", "pd_trust_request_prefill",
+    *CURVE_FIELDS, "pd_timeout_s",
     "pd_on_failure",
 )  # fmt: skip
 

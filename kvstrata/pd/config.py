@@ -26,6 +26,11 @@ class PDConfig:
         "prefill workers or relays at run time). Unsafe: any client then picks decode's peer",
         debug=True,
     )
+    pd_prefill_api_key_file: str = doc(
+        "",
+        "decode: a file holding the API key of its prefill workers (started with --api-key), "
+        "sent as 'Authorization: Bearer KEY' when it reads their /v1/pd/info",
+    )
     pd_curve_secret_file: str = doc(
         "",
         "this worker's CURVE key pair (`kvstrata keys curve DIR NAME`: DIR/NAME.key_secret); "

@@ -26,6 +26,7 @@ import zmq
 from kvstrata.engine.connector import KVConnector
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request, State
+from kvstrata.keyfile import read_key_file
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import mine, owners_of, received_pages
 from kvstrata.pd.pages import host_pages, write_pages
@@ -63,8 +64,9 @@ class Outcome:
 class Resolver:
     """HTTP base URL of a prefill worker -> its transfer endpoint (from GET /v1/pd/info)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, headers: dict[str, str] | None = None) -> None:
         self.timeout_s = timeout_s
+        self.headers = headers or {}  # prefill's API key, when it has one
         self._known: dict[str, list[str]] = {}
         self._keys: dict[str, bytes] = {}  # target -> its CURVE public key (from its info)
         self._lock = threading.Lock()
@@ -95,9 +97,11 @@ class Resolver:
         with self._lock:
             if target in self._known:
                 return self._known[target]
-        info = httpx.get(f"{target.rstrip('/')}/v1/pd/info", timeout=self.timeout_s)
+        url = f"{target.rstrip('/')}/v1/pd/info"
+        info = httpx.get(url, timeout=self.timeout_s, headers=self.headers)
         if info.status_code != 200:
-            raise OSError(f"GET {target}/v1/pd/info answered {info.status_code}")
+            hint = " (its API key: --pd-prefill-api-key-file)" if info.status_code == 401 else ""
+            raise OSError(f"GET {target}/v1/pd/info answered {info.status_code}{hint}")
         body = info.json()
         if body.get("role") != "prefill" or not body.get("transfer_endpoint"):
             raise OSError(f"{target} is not a prefill worker (role {body.get('role')!r})")
@@ -243,7 +247,7 @@ class DecodeSide(KVConnector):
 
     def __init__(self, cfg: PDConfig, transport: Transport | None, metrics: Any) -> None:
         self.cfg, self.transport, self.metrics = cfg, transport, metrics
-        self.resolver = Resolver(cfg.pd_timeout_s)
+        self.resolver = Resolver(cfg.pd_timeout_s, prefill_auth(cfg))
         self.allowed = PrefillSet(cfg.prefill_urls, self.resolver, cfg.pd_trust_request_prefill)
         self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
         self.wants_state = False  # an MTP head: replies must carry prefill's hidden state
@@ -374,6 +378,14 @@ class DecodeSide(KVConnector):
         if state is not None:  # float32 on the wire; exact back in the model's dtype
             state = state.to(engine.pool.device, engine.pool.shape.torch_dtype)
         return engine.finish_remote_prefill(req, torch.from_numpy(got.logits), state)
+
+
+def prefill_auth(cfg: PDConfig) -> dict[str, str] | None:
+    """The header decode sends its prefill workers' /v1/pd/info (None: they have no key)."""
+    if not cfg.pd_prefill_api_key_file:
+        return None
+    key = read_key_file(cfg.pd_prefill_api_key_file, "--pd-prefill-api-key-file")
+    return {"Authorization": f"Bearer {key}"}
 
 
 def _only_handoffs(engine: Engine) -> bool:
