@@ -136,6 +136,11 @@ class ZmqTransport:
 
     def connect(self, endpoint: str, name: str = "", server_key: bytes = b"") -> Channel:
         curve = self.curve
+        if curve is None and server_key:  # else the handshake fails silently: a bare timeout
+            raise ValueError(
+                f"{endpoint} speaks CURVE only: give this worker --pd-curve-secret-file and "
+                "--pd-curve-peers-dir"
+            )
         if curve is not None and not server_key:
             if len(curve.peers) != 1:  # a tcp:// entry: no /v1/pd/info named the key
                 raise ValueError(
