@@ -18,7 +18,9 @@ class PDConfig:
     )
     pd_transport: str = doc("zmq", "transport of the hand-off (registry name)")
     pd_prefill: str = doc(
-        "", "decode: prefill workers, comma-separated HTTP base URLs or tcp:// endpoints"
+        "",
+        "decode: prefill workers, comma-separated HTTP base URLs or tcp:// endpoints: the only "
+        "ones it hands off to (a request's pd_prefill must name one of them)",
     )
     pd_trust_request_prefill: bool = doc(
         False,
