@@ -27,6 +27,7 @@ from kvstrata.pd.wire import (
     read_layer,
     read_pages,
 )
+from kvstrata.zmq_curve import CurveKeys
 from tests.serve_helpers import TINY_ENGINE, Server
 
 PAGE = 8
@@ -40,13 +41,16 @@ def worker_args(ckpt: Path, *extra: str, store: Path | None = None) -> list[str]
     return [*args, "--debug-endpoints", *extra]
 
 
-def start_all(specs: list[tuple[list[str], Path]]) -> list[Server]:
-    """Start every server at once (each waits for its own /health); all or none."""
+def start_all(specs: list[tuple[list[str], Path] | tuple[list[str], Path, int]]) -> list[Server]:
+    """Start every server at once (each waits for its own /health); all or none. A spec's
+    third item is the port to listen on (picked first, so a decode started alongside can list
+    that prefill worker in --pd-prefill)."""
     out: list[Server | BaseException | None] = [None] * len(specs)
 
     def one(i: int) -> None:
         try:
-            out[i] = Server(*specs[i])
+            spec = specs[i]
+            out[i] = Server(spec[0], spec[1], port=spec[2] if len(spec) > 2 else 0)  # type: ignore[misc]
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
             out[i] = exc
 
@@ -125,6 +129,7 @@ def raw_handoff(
     part: tuple[int, int] | None = None,
     pull: Callable[[dict[str, Any]], Frames | None] = no_pages,
     extra: dict[str, Any] | None = None,
+    curve: CurveKeys | None = None,
 ) -> tuple[dict[str, Any], Frames]:
     """Ask a prefill worker for a hand-off as decode would: its answer (a refusal, or the pages
     with the logits row; pages sent layer by layer are put together and re-framed as one
@@ -132,10 +137,12 @@ def raw_handoff(
     of the rank asked, when the worker runs on several ranks (else the whole page).
     pull: the reply to each of prefill's `pull` headers (None: stay silent, as a dead decode
     would). The header returned lists the pulls asked: "pulls": [[first_page, end_page], ...].
-    extra: more hand-off fields (under cp: "owners")."""
+    extra: more hand-off fields (under cp: "owners"). curve: this client's CURVE keys (the
+    worker's own key must be among their peers)."""
     n_layers, page_bytes = part or (layout["layers"], layout["page_bytes"])
     ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout, **(extra or {}))
-    ch = TRANSPORTS.create("zmq").connect(endpoint)
+    transport = TRANSPORTS.create("zmq", **({"curve": curve} if curve else {}))
+    ch = transport.connect(endpoint, "", next(iter(curve.peers)) if curve else b"")
     try:
         ch.send([header("handoff", hid, **ask)])
         head, frames, layers, pulls = _answer(ch, endpoint, timeout_s, page_bytes // n_layers, pull)

@@ -40,8 +40,10 @@ def prefill_args(ckpt: Path, store: Path, *extra: str) -> list[str]:
 
 
 def decode_args(ckpt: Path, prefill_url: str, *extra: str) -> list[str]:
+    # prefill workers and relays join at run time: requests name them (pd_prefill)
     pd = ["--pd-prefill", prefill_url, "--pd-timeout-s", str(TIMEOUT_S)]
-    return worker_args(ckpt, "--role", "decode", *pd, *extra)
+    trust = ["--pd-trust-request-prefill"]
+    return worker_args(ckpt, "--role", "decode", *pd, *trust, *extra)
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ def workers(store: Path, ckpt: Path) -> Iterator[dict[str, Server]]:
     fallback = {1: [], 2: ["--pd-on-failure", "local"]}
     decode = [
         (worker_args(ckpt, "--role", "decode", "--pd-prefill", prefill.url, "--pd-timeout-s",
-                     "3", *fallback[i], store=store), tmp / f"d{i}.log")
+                     "3", "--pd-trust-request-prefill", *fallback[i], store=store), tmp / f"d{i}.log")
         for i in (1, 2)
     ]  # fmt: skip
     d1, d2 = start_all(decode)

@@ -51,9 +51,8 @@ def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
             (worker_args(ckpt, "--role", "prefill", *slow), tmp / "p2.log"),
         ]
     )
-    (d,) = start_all(
-        [(worker_args(ckpt, "--role", "decode", "--pd-prefill", p1.url), tmp / "d.log")]
-    )
+    pd = ["--pd-prefill", f"{p1.url},{p2.url}", "--pd-trust-request-prefill"]  # + relays
+    (d,) = start_all([(worker_args(ckpt, "--role", "decode", *pd), tmp / "d.log")])
     yield {"p1": p1, "p2": p2, "d": d}
     for s in (p1, p2, d):
         s.stop()

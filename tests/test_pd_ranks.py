@@ -48,7 +48,15 @@ def servers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
     prefill = dict(zip(LAYOUTS, start_all(pre), strict=True))
     dec = [
         (
-            worker_args(ckpt, "--role", "decode", "--pd-prefill", prefill[k].url, *a),
+            worker_args(
+                ckpt,
+                "--role",
+                "decode",
+                "--pd-prefill",
+                prefill[k].url,
+                *a,
+                "--pd-trust-request-prefill",
+            ),
             tmp / f"d{k}.log",
         )
         for k, a in LAYOUTS.items()

@@ -61,7 +61,10 @@ def workers(
     )
     d, single = start_all(
         [
-            (worker_args(ckpt, "--role", "decode", "--pd-prefill", pa.url, *lay), tmp / "d.log"),
+            (
+                worker_args(ckpt, "--role", "decode", "--pd-prefill", f"{pa.url},{pb.url}", *lay),
+                tmp / "d.log",
+            ),
             (worker_args(ckpt), tmp / "s.log"),
         ]
     )

@@ -34,8 +34,16 @@ CKPT = {"seed": 1, "max_position_embeddings": 512}
 
 
 def start_workers(ckpt: Path, roles: list[str], logs: Path) -> list[Server]:
+    """All at once; every decode worker lists every prefill worker (ports picked first)."""
     args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "96", "--debug-endpoints"]
-    return start_all([([*args, "--role", r], logs / f"worker{i}.log") for i, r in enumerate(roles)])
+    ports = [free_port() if r == "prefill" else 0 for r in roles]
+    prefill = ",".join(f"http://127.0.0.1:{p}" for p in ports if p)
+    specs = [
+        ([*args, "--role", r, *(["--pd-prefill", prefill] if r == "decode" else [])],
+         logs / f"worker{i}.log", ports[i])
+        for i, r in enumerate(roles)
+    ]  # fmt: skip
+    return start_all(specs)
 
 
 @pytest.fixture(scope="module")

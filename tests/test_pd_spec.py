@@ -35,7 +35,7 @@ from kvstrata.engine.request import Request, State
 from kvstrata.pd.wire import WireError, pages_message, read_header, read_pages
 from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import PAGE, info, raw_handoff, start_all, worker_args
-from tests.serve_helpers import Server
+from tests.serve_helpers import Server, free_port
 from tests.tiny_models import save_echo_head
 
 torch.set_num_threads(1)
@@ -119,12 +119,14 @@ def pd(
     spec = ["--spec-draft", draft, "--spec-tokens", str(SPEC_TOKENS), "--model-cache-dir", str(tmp)]
     # in-process first: builds the self:K draft checkpoint once, before the workers read it
     refs = {"spec": single_server(ckpt, tmp, draft), "plain": single_server(ckpt, tmp, "")}
+    port = free_port()  # prefill's: decode lists it
     p, d = start_all(
         [
-            (worker_args(ckpt, "--role", "prefill", *spec), tmp / "p.log"),
-            (worker_args(ckpt, "--role", "decode", *spec), tmp / "d.log"),
+            (worker_args(ckpt, "--role", "prefill", *spec), tmp / "p.log", port),
+            (worker_args(ckpt, "--role", "decode", "--pd-prefill", f"http://127.0.0.1:{port}",
+                         *spec), tmp / "d.log"),
         ]
-    )
+    )  # fmt: skip
     r = Server(["--role", "router", "--prefill", p.url, "--decode", d.url], tmp / "r.log")
     yield {"p": p, "d": d, "r": r, "draft": draft, "kind": request.param, "tmp": tmp, **refs}
     for x in (r, d, p):
@@ -210,6 +212,7 @@ def test_draft_mismatch_refused_naming_the_field(
     assert head["message"].startswith("layout mismatch: draft is "), head["message"]
     other = drafts["mtp" if pd["kind"] == "self" else "self"]  # a real decode with the other kind
     spec = ["--spec-draft", other, "--model-cache-dir", str(pd["tmp"])]
+    spec += ["--pd-prefill", pd["p"].url]
     (d,) = start_all([(worker_args(ckpt, "--role", "decode", *spec), pd["tmp"] / "d2.log")])
     try:
         body = {"prompt": FRESH, "max_tokens": 4, "temperature": 0, "pd_prefill": pd["p"].url}

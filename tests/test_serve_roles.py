@@ -14,7 +14,8 @@ ROUTER_OPTIONS = {
     "--host", "--port", "--served-model-name", "--stop-timeout-s", "--log-level", "--parent-pid",
     "--role", "--router-info-timeout-s", "--router-start-timeout-s", "--router-connect-timeout-s",
     "--router-read-timeout-s", "--router-down-s", "--router-health-interval-s",
-    "--router-require-info", "--prefill", "--decode",
+    "--router-require-info", "--prefill", "--decode", "--api-key", "--api-key-file",
+    "--router-worker-api-key-file",
 }  # fmt: skip
 DEBUG_OPTIONS = ("--parent-pid", "--debug-endpoints", "--inject-divergence",
                  "--storage-emulate-read-s-per-page")  # fmt: skip
@@ -46,11 +47,15 @@ def test_each_worker_role_lists_its_own_pd_options(capsys: pytest.CaptureFixture
     assert not any(o.startswith(("--pd-", "--router-")) for o in single)
     assert prefill - single == {
         "--pd-transfer-endpoint", "--pd-transport", "--pd-timeout-s", "--pd-heartbeat-s",
-        "--pd-layerwise",
+        "--pd-layerwise", "--pd-curve-secret-file", "--pd-curve-peers-dir",
     }  # fmt: skip
     assert decode - single == {
         "--pd-transport",
         "--pd-prefill",
+        "--pd-prefill-api-key-file",
+        "--pd-trust-request-prefill",
+        "--pd-curve-secret-file",
+        "--pd-curve-peers-dir",
         "--pd-timeout-s",
         "--pd-on-failure",
     }

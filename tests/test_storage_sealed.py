@@ -73,6 +73,15 @@ def test_a_rewritten_unit_with_a_valid_header_is_a_counted_miss(
     assert store.exists_prefix([11, 12, 13]) == 3  # its marker is there, ...
     assert store.get([11, 12, 13], out) == 1  # ... but it does not open: a miss from page 12
     assert store.stats()["seal_failures"] == 1
+    # the sealed read skips the file store's checksum (the tag covers the bytes), yet keeps its
+    # clean-up: a unit intact under its checksum stays (it may be another key's), a bit flipped
+    # on disk is a miss and the file is removed, as an unsealed store does
+    assert victim.exists()
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 1
+    victim.write_bytes(bytes(raw))
+    assert store.get([11, 12, 13], out) == 1 and store.stats()["seal_failures"] == 2
+    assert not victim.exists()
     plain = open_unit_storage(f"file://{tmp_path / 'l3'}", part, StorageConfig())
     assert plain.get([11], out) == 0  # a reader without the key reads nothing either
     plain.close()

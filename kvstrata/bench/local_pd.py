@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 
 from kvstrata.configtools import doc
-from kvstrata.serve.process import ServerProcess
+from kvstrata.serve.process import ServerProcess, free_port
 
 ROLES = ("prefill", "decode")
 
@@ -42,12 +42,14 @@ class LocalPDConfig:
             raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s}")
 
 
-def worker_command(cfg: LocalPDConfig, role: str) -> list[str]:
-    """`kvstrata serve` options of one worker (ServerProcess adds --port)."""
+def worker_command(cfg: LocalPDConfig, role: str, prefill_url: str = "") -> list[str]:
+    """`kvstrata serve` options of one worker (ServerProcess adds --port). A decode worker
+    lists prefill_url as its one prefill worker (it hands off to no other)."""
     store = Path(cfg.store_dir).resolve()
+    pd = ["--pd-prefill", prefill_url] if role == "decode" and cfg.pd_workers else []
     return [
         "--model", cfg.model, "--role", role if cfg.pd_workers else "single",
-        "--storage-url", f"file://{store}", *cfg.worker_args,
+        "--storage-url", f"file://{store}", *pd, *cfg.worker_args,
     ]  # fmt: skip
 
 
@@ -74,11 +76,15 @@ class LocalPD:
         return self
 
     def _start_workers(self, log_dir: Path) -> None:
-        """Both at once (model loads overlap), each bounded by start_timeout_s."""
+        """Both at once (model loads overlap), each bounded by start_timeout_s; prefill's port
+        is picked first so decode can name it (decode reads it only at its first hand-off)."""
+        ports = {"prefill": free_port(), "decode": 0}
+        prefill_url = f"http://127.0.0.1:{ports['prefill']}"
 
         def one(role: str) -> ServerProcess:
-            cmd = worker_command(self.cfg, role)
-            return ServerProcess(cmd, log_dir / f"{role}.log", self.cfg.start_timeout_s)
+            cmd = worker_command(self.cfg, role, prefill_url)
+            timeout = self.cfg.start_timeout_s
+            return ServerProcess(cmd, log_dir / f"{role}.log", timeout, port=ports[role])
 
         with ThreadPoolExecutor(len(ROLES)) as pool:
             futs = {role: pool.submit(one, role) for role in ROLES}

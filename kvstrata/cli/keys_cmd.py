@@ -5,7 +5,8 @@
     kvstrata keys curve DIR NAME    a ZMQ CURVE key pair in pyzmq's certificate format:
                                     DIR/NAME.key (public, give it to peers) and
                                     DIR/NAME.key_secret (secret, keep it); KV events servers
-                                    (--kv-events-curve-*) and, later, P/D sockets use them
+                                    (--kv-events-curve-*) and P/D transfer sockets
+                                    (--pd-curve-*) use them
 An existing file is never overwritten (a key rotation is a deliberate `rm` first).
 """
 

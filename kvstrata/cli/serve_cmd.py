@@ -66,15 +66,12 @@ def run(args: argparse.Namespace) -> int:
     """One server; under torchrun (RANK / WORLD_SIZE set) rank 0 serves HTTP and steps with
     the other ranks, which only step (`torchrun --nproc-per-node 2 -m kvstrata.cli.main serve
     --tp 2 ...`, world size = tp x cp x pp)."""
-    from kvstrata.serve.auth import resolve_api_key
     from kvstrata.serve.server import make_state, serve  # fastapi/uvicorn only when serving
     from kvstrata.serve.torchrun import serve_follower, torchrun_rank
 
     cfg = config_from_args(ServeConfig, args)
     if cfg.parent_pid:  # before the model loads: a launcher killed meanwhile leaves nothing
         exit_with_parent(cfg.parent_pid, cfg.stop_timeout_s + PARENT_GONE_GRACE_S)
-    if resolve_api_key(cfg.api_key, cfg.api_key_file) and cfg.role == "router":
-        raise ValueError("--api-key is not enforced by --role router yet; put it on the workers")
     if cfg.role == "router":  # no model: the workers have it
         from kvstrata.router.app import serve_router
 

@@ -38,12 +38,19 @@ class ConfigArgs:
 
 ROUTER_SERVE_FIELDS = (
     "host", "port", "served_model_name", "stop_timeout_s", "log_level", "parent_pid", "role",
+    "api_key", "api_key_file",
 )  # fmt: skip
 """What the router reads of ServeConfig (it loads no model and queues nothing itself)."""
+CURVE_FIELDS = ("pd_curve_secret_file", "pd_curve_peers_dir")
 PREFILL_FIELDS = (
-    "pd_transfer_endpoint", "pd_transport", "pd_timeout_s", "pd_heartbeat_s", "pd_layerwise",
+    "pd_transfer_endpoint", "pd_transport", *CURVE_FIELDS, "pd_timeout_s", "pd_heartbeat_s",
+    "pd_layerwise",
 )  # fmt: skip
-DECODE_FIELDS = ("pd_transport", "pd_prefill", "pd_timeout_s", "pd_on_failure")
+DECODE_FIELDS = (
+    "pd_transport", "pd_prefill", "pd_prefill_api_key_file", "pd_trust_request_prefill",
+    *CURVE_FIELDS, "pd_timeout_s",
+    "pd_on_failure",
+)  # fmt: skip
 
 MODEL_SERVER = (
     ConfigArgs(ServeConfig),

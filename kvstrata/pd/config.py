@@ -18,7 +18,31 @@ class PDConfig:
     )
     pd_transport: str = doc("zmq", "transport of the hand-off (registry name)")
     pd_prefill: str = doc(
-        "", "decode: prefill workers, comma-separated HTTP base URLs or tcp:// endpoints"
+        "",
+        "decode: prefill workers, comma-separated HTTP base URLs or tcp:// endpoints: the only "
+        "ones it hands off to (a request's pd_prefill must name one of them)",
+    )
+    pd_trust_request_prefill: bool = doc(
+        False,
+        "decode: take a request's pd_prefill as it is, even outside --pd-prefill (tests that add "
+        "prefill workers or relays at run time). Unsafe: any client then picks decode's peer",
+        debug=True,
+    )
+    pd_prefill_api_key_file: str = doc(
+        "",
+        "decode: a file holding the API key of its prefill workers (started with --api-key), "
+        "sent as 'Authorization: Bearer KEY' when it reads their /v1/pd/info",
+    )
+    pd_curve_secret_file: str = doc(
+        "",
+        "this worker's CURVE key pair (`kvstrata keys curve DIR NAME`: DIR/NAME.key_secret); "
+        "with it the transfer sockets authenticate and encrypt every peer (ZMQ CURVE). Needs "
+        "pd_curve_peers_dir",
+    )
+    pd_curve_peers_dir: str = doc(
+        "",
+        "directory of the public keys (*.key) of the peers allowed: on prefill the decode "
+        "workers it serves, on decode the prefill workers it hands off to",
     )
     pd_timeout_s: float = doc(
         10.0, "longest silence (no page, no heartbeat) on a live link before a hand-off fails"
@@ -44,6 +68,8 @@ class PDConfig:
                 f"pd_heartbeat_s ({self.pd_heartbeat_s}) must be below pd_timeout_s "
                 f"({self.pd_timeout_s}): a live prefill would time out"
             )
+        if bool(self.pd_curve_secret_file) != bool(self.pd_curve_peers_dir):
+            raise ValueError("pd_curve_secret_file and pd_curve_peers_dir go together")
         if self.pd_on_failure not in ON_FAILURE:
             raise ValueError(
                 f"pd_on_failure must be one of {ON_FAILURE}, got {self.pd_on_failure!r}"

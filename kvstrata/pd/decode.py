@@ -27,9 +27,11 @@ import zmq
 from kvstrata.engine.connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
+from kvstrata.keyfile import read_key_file
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import mine, owners_of, received_pages
 from kvstrata.pd.pages import host_pages, write_pages
+from kvstrata.pd.prefill_set import PrefillSet
 from kvstrata.pd.transport import Transport
 from kvstrata.pd.wire import (
     Layout,
@@ -62,9 +64,11 @@ class Outcome:
 class Resolver:
     """HTTP base URL of a prefill worker -> its transfer endpoint (from GET /v1/pd/info)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, headers: dict[str, str] | None = None) -> None:
         self.timeout_s = timeout_s
+        self.headers = headers or {}  # prefill's API key, when it has one
         self._known: dict[str, list[str]] = {}
+        self._keys: dict[str, bytes] = {}  # target -> its CURVE public key (from its info)
         self._lock = threading.Lock()
 
     def endpoint(self, target: str, rank: int = 0) -> str:
@@ -77,27 +81,41 @@ class Resolver:
             )
         return eps[rank]
 
+    def server_key(self, target: str) -> bytes:
+        """`target`'s CURVE public key as its /v1/pd/info gave it (b"": none, or a tcp://
+        target); read after `endpoint`."""
+        with self._lock:
+            return self._keys.get(target, b"")
+
+    def endpoints_of(self, target: str) -> list[str]:
+        """Every rank's transfer endpoint of `target`, rank order (cached until `forget`)."""
+        return self._endpoints(target)
+
     def _endpoints(self, target: str) -> list[str]:
         if target.startswith("tcp://"):
             return target.split(",")
         with self._lock:
             if target in self._known:
                 return self._known[target]
-        info = httpx.get(f"{target.rstrip('/')}/v1/pd/info", timeout=self.timeout_s)
+        url = f"{target.rstrip('/')}/v1/pd/info"
+        info = httpx.get(url, timeout=self.timeout_s, headers=self.headers)
         if info.status_code != 200:
-            raise OSError(f"GET {target}/v1/pd/info answered {info.status_code}")
+            hint = " (its API key: --pd-prefill-api-key-file)" if info.status_code == 401 else ""
+            raise OSError(f"GET {target}/v1/pd/info answered {info.status_code}{hint}")
         body = info.json()
         if body.get("role") != "prefill" or not body.get("transfer_endpoint"):
             raise OSError(f"{target} is not a prefill worker (role {body.get('role')!r})")
         eps = list(body.get("transfer_endpoints") or [body["transfer_endpoint"]])
         with self._lock:
             self._known[target] = eps
+            self._keys[target] = str(body.get("curve_public_key") or "").encode()
         return eps
 
     def forget(self, target: str) -> None:
         """After a failure: the worker may come back on another port."""
         with self._lock:
             self._known.pop(target, None)
+            self._keys.pop(target, None)
 
 
 class Handoff(threading.Thread):
@@ -132,7 +150,8 @@ class Handoff(threading.Thread):
             self.layers, self.hid = {}, self.rid if not attempt else f"{self.rid}~{attempt}"
             try:
                 self.endpoint = side.resolver.endpoint(self.target, side.layout.rank)
-                outcome = self._exchange(side.transport.connect(self.endpoint, self.hid))
+                key = side.resolver.server_key(self.target)
+                outcome = self._exchange(side.transport.connect(self.endpoint, self.hid, key))
             except WireError as exc:  # corrupted or inconsistent: nothing of it was used
                 outcome = self._fail(502, f"bad hand-off reply: {exc}")
                 if attempt < WIRE_RETRIES and not self.cancelled.is_set():
@@ -239,7 +258,8 @@ class DecodeSide(KVConnector):
 
     def __init__(self, cfg: PDConfig, transport: Transport | None, metrics: Any) -> None:
         self.cfg, self.transport, self.metrics = cfg, transport, metrics
-        self.resolver = Resolver(cfg.pd_timeout_s)
+        self.resolver = Resolver(cfg.pd_timeout_s, prefill_auth(cfg))
+        self.allowed = PrefillSet(cfg.prefill_urls, self.resolver, cfg.pd_trust_request_prefill)
         self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
         self.view: EngineView = None  # type: ignore[assignment]  # set by register_kv_caches
         self.wants_state = False  # an MTP head: replies must carry prefill's hidden state
@@ -264,14 +284,14 @@ class DecodeSide(KVConnector):
         self.wants_state = view.spec is not None and view.spec.wants_hidden
 
     def choose(self, wanted: str | None) -> str:
-        """The prefill worker of a new request: the one the router named, else round robin."""
+        """The prefill worker of a new request: the configured one the router named (else
+        NotAllowed), or the next in turn. Blocking (may read a configured worker's
+        /v1/pd/info): the HTTP side calls it off its event loop."""
         if wanted:
-            if not wanted.startswith(("http://", "https://", "tcp://")):
-                raise ValueError(f"pd_prefill {wanted!r} is not an http(s):// or tcp:// address")
-            return wanted
+            return self.allowed.pick(wanted)
         urls = self.cfg.prefill_urls
         if not urls:
-            raise ValueError("this decode worker has no --pd-prefill; name one in pd_prefill")
+            raise ValueError("this decode worker has no --pd-prefill: it has no prefill worker")
         with self._lock:
             self._next += 1
             return urls[(self._next - 1) % len(urls)]
@@ -385,3 +405,11 @@ class DecodeSide(KVConnector):
         if state is not None:  # float32 on the wire; exact back in the model's dtype
             state = state.to(self.view.pool.device, self.view.pool.shape.torch_dtype)
         return Landed(h.req, len(h.req.tokens), torch.from_numpy(got.logits), state)
+
+
+def prefill_auth(cfg: PDConfig) -> dict[str, str] | None:
+    """The header decode sends its prefill workers' /v1/pd/info (None: they have no key)."""
+    if not cfg.pd_prefill_api_key_file:
+        return None
+    key = read_key_file(cfg.pd_prefill_api_key_file, "--pd-prefill-api-key-file")
+    return {"Authorization": f"Bearer {key}"}

@@ -34,7 +34,7 @@ from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.prefill import PrefillSide
 from kvstrata.pd.pull import PullGate
-from kvstrata.pd.transport import TRANSPORTS
+from kvstrata.pd.transport import transport_of
 
 _SIDES: dict[int, RankPD] = {}  # id(engine) -> its rank's P/D side (one rank per process)
 
@@ -150,7 +150,7 @@ class RankPD:
         cfg = cfg or PDConfig()
         self.role, self.cfg, self.rank, self.out = role, cfg, rank, out
         self.metrics = RankMetrics(out)
-        transport = TRANSPORTS.create(cfg.pd_transport)
+        transport = transport_of(cfg)
         side = pd_side(role, cfg, transport, self.metrics, rank)
         # fields of the step's one collective: decode's landings, or prefill's pulls
         self.gate: HandoffGate | PullGate = (

@@ -4,6 +4,12 @@ A transport gives prefill a `Listener` (many decode peers, each message tagged b
 decode a `Channel` per hand-off (one peer: the prefill worker). Both are used by one thread
 only. Every receive has a bound. Room here for NIXL or Mooncake's transfer engine: they would
 register under their own name with the same two classes.
+
+With CURVE keys (`--pd-curve-secret-file`, `--pd-curve-peers-dir`; kvstrata/zmq_curve.py) the
+listener is a CURVE server that admits only the decode workers whose public keys it holds, and
+each channel a CURVE client that talks only to the prefill key it was given (its /v1/pd/info's
+`curve_public_key`, which must be one of decode's peers): a peer without an allowed key gets no
+message through either way, and every frame is encrypted.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvstrata.pd.config import PDConfig
 from kvstrata.pd.wire import Frames
 from kvstrata.registry import Registry
+from kvstrata.zmq_curve import CurveKeys, authenticator
 
 
 class Listener(Protocol):
@@ -45,9 +53,10 @@ class Channel(Protocol):
 class Transport(Protocol):
     def listen(self, endpoint: str) -> Listener: ...
 
-    def connect(self, endpoint: str, name: str = "") -> Channel:
+    def connect(self, endpoint: str, name: str = "", server_key: bytes = b"") -> Channel:
         """A channel to `endpoint`; `name` (the hand-off id) names this end to the listener,
-        so a channel that reconnects after a dropped link is the same peer again."""
+        so a channel that reconnects after a dropped link is the same peer again; server_key:
+        the listener's CURVE public key (under CURVE)."""
         ...
 
 
@@ -62,10 +71,13 @@ def _bindable(endpoint: str) -> str:
 class ZmqListener:
     """A ROUTER socket: frames arrive as [peer identity, *message]."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, curve: CurveKeys | None = None) -> None:
+        self.auth = authenticator(ctx, curve) if curve is not None else None
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its id back
+        if curve is not None:
+            curve.server(self.sock)
         self.sock.bind(_bindable(endpoint))
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -81,6 +93,8 @@ class ZmqListener:
 
     def close(self) -> None:
         self.sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()
 
 
 LINK_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
@@ -115,9 +129,22 @@ class LinkWatch:
 class ZmqChannel:
     """A fresh DEALER per hand-off: nothing of an earlier (failed) hand-off can arrive on it."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, name: str = "") -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        name: str = "",
+        curve: CurveKeys | None = None,
+        key: bytes = b"",
+    ) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            try:
+                curve.client(self.sock, key)
+            except ValueError:
+                self.sock.close(0)
+                raise
         if name:  # zmq reconnects by itself; with a fixed id the replies find the new link
             self.sock.setsockopt(zmq.ROUTING_ID, name.encode()[:255])
         self.link = LinkWatch(self.sock)
@@ -145,11 +172,39 @@ class ZmqChannel:
 
 @TRANSPORTS.register("zmq")
 class ZmqTransport:
-    def __init__(self) -> None:
-        self.ctx: Any = zmq.Context.instance()
+    def __init__(self, curve: CurveKeys | None = None) -> None:
+        # under CURVE a context of its own: its ZAP handler answers for this transport only
+        self.ctx: Any = zmq.Context() if curve is not None else zmq.Context.instance()
+        self.curve = curve
 
     def listen(self, endpoint: str) -> Listener:
-        return ZmqListener(self.ctx, endpoint)
+        return ZmqListener(self.ctx, endpoint, self.curve)
 
-    def connect(self, endpoint: str, name: str = "") -> Channel:
-        return ZmqChannel(self.ctx, endpoint, name)
+    def connect(self, endpoint: str, name: str = "", server_key: bytes = b"") -> Channel:
+        curve = self.curve
+        if curve is None and server_key:  # else the handshake fails silently: a bare timeout
+            raise ValueError(
+                f"{endpoint} speaks CURVE only: give this worker --pd-curve-secret-file and "
+                "--pd-curve-peers-dir"
+            )
+        if curve is not None and not server_key:
+            if len(curve.peers) != 1:  # a tcp:// entry: no /v1/pd/info named the key
+                raise ValueError(
+                    f"{endpoint}: which CURVE key? list the prefill worker by its HTTP URL "
+                    f"(its /v1/pd/info names its key) or keep one key in {curve.peers_dir}"
+                )
+            server_key = next(iter(curve.peers))
+        return ZmqChannel(self.ctx, endpoint, name, curve, server_key)
+
+
+def curve_keys(cfg: PDConfig) -> CurveKeys | None:
+    """The transfer sockets' CURVE keys (None: no CURVE)."""
+    if not cfg.pd_curve_secret_file:
+        return None
+    return CurveKeys.load(cfg.pd_curve_secret_file, cfg.pd_curve_peers_dir, "--pd-curve-*")
+
+
+def transport_of(cfg: PDConfig, curve: CurveKeys | None = None) -> Transport:
+    """The configured transport, with the configured CURVE keys (`curve`: already loaded)."""
+    curve = curve or curve_keys(cfg)
+    return TRANSPORTS.create(cfg.pd_transport, **({"curve": curve} if curve else {}))

@@ -11,7 +11,7 @@ from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.metrics import PDMetrics
 from kvstrata.pd.prefill import PrefillSide
-from kvstrata.pd.transport import TRANSPORTS
+from kvstrata.pd.transport import curve_keys, transport_of
 from kvstrata.pd.wire import Layout
 
 
@@ -26,7 +26,8 @@ class PDWorker:
         if role not in ("prefill", "decode"):
             raise ValueError(f"a P/D worker is a prefill or a decode, not {role!r}")
         self.role, self.cfg, self.metrics, self.ranked = role, cfg, metrics, ranked
-        transport = None if ranked else TRANSPORTS.create(cfg.pd_transport)
+        self.curve = curve_keys(cfg)  # its public half goes in /v1/pd/info
+        transport = None if ranked else transport_of(cfg, self.curve)
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         if transport is not None:  # prefill binds now: its endpoint is known before the engine
@@ -67,6 +68,9 @@ class PDWorker:
             "transfer_endpoints": list(self.endpoints)
             or [e for e in [self.transfer_endpoint] if e],
             "prefill": self.cfg.prefill_urls if self.role == "decode" else [],
+            # the listener's CURVE public key (z85): decode talks to it only if it is one of
+            # its own --pd-curve-peers-dir keys ("": no CURVE)
+            "curve_public_key": self.curve.public.decode() if self.curve is not None else "",
             "layout": self.layout.as_dict() if self.layout is not None else None,
         }
 

@@ -29,9 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstrata.keyfile import read_key_file
 from kvstrata.router.config import RouterConfig
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.upstream import INFO_PATH, Upstreams
+from kvstrata.serve.auth import ApiKeyGuard, resolve_api_key
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.protocol import ApiError
@@ -48,6 +50,7 @@ class RouterState:
     metrics: RouterMetrics
     client: httpx.AsyncClient | None = None
     stopping: bool = False
+    api_key: str | None = None  # what clients must send (None: an open router)
 
     def http(self) -> httpx.AsyncClient:
         if self.client is None:
@@ -62,7 +65,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(rc.read_timeout_s, connect=rc.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        headers = state.up.headers  # every worker request carries the workers' API key
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
             state.client = client
             watch = asyncio.ensure_future(_watch_health(state))
             try:
@@ -72,6 +76,8 @@ def create_router_app(state: RouterState) -> FastAPI:
                 watch.cancel()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
+    if state.api_key is not None:  # every path but /health and /metrics, as on a worker
+        app.add_middleware(ApiKeyGuard, api_key=state.api_key)
 
     add_error_handlers(app)
 
@@ -329,9 +335,15 @@ class _Server(uvicorn.Server):
 
 def serve_router(cfg: ServeConfig, rcfg: RouterConfig) -> int:
     """Check the workers' roles (bounded), then serve until SIGTERM. Exit 0 on a clean stop."""
-    up = Upstreams(rcfg)
+    api_key = resolve_api_key(cfg.api_key, cfg.api_key_file)
+    worker_key = (
+        read_key_file(rcfg.worker_api_key_file, "--router-worker-api-key-file")
+        if rcfg.worker_api_key_file
+        else api_key
+    )
+    up = Upstreams(rcfg, ApiKeyGuard.header(worker_key) if worker_key else {})
     up.check_roles()
-    state = RouterState(cfg, up, RouterMetrics(cfg.served_model_name or "router"))
+    state = RouterState(cfg, up, RouterMetrics(cfg.served_model_name or "router"), api_key=api_key)
     config = uvicorn.Config(
         create_router_app(state),
         host=cfg.host,

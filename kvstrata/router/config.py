@@ -38,6 +38,12 @@ class RouterConfig:
     health_interval_s: float = doc(
         2.0, "how often the router probes every worker's /health to skip or take back workers"
     )
+    worker_api_key_file: str = doc(
+        "",
+        "a file holding the API key the router sends every worker as 'Authorization: Bearer "
+        "KEY' (workers started with --api-key/--api-key-file); empty: the router's own key "
+        "(--api-key/--api-key-file), if it has one",
+    )
     require_info: bool = doc(
         True,
         "check each worker's GET /v1/pd/info role at start; --no-require-info accepts ordinary "

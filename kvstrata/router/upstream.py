@@ -72,6 +72,7 @@ class Upstreams:
     """Both pools, and the /v1/pd/info answers read at start (empty without require_info)."""
 
     cfg: RouterConfig
+    headers: dict[str, str] = field(default_factory=dict)  # sent to every worker (its API key)
     prefill: RoundRobin = field(init=False)
     decode: RoundRobin = field(init=False)
     info: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -118,7 +119,7 @@ class Upstreams:
         if not self.cfg.require_info:
             return
         for role, url in self.all():
-            info = fetch_info(url, self.cfg)
+            info = fetch_info(url, self.cfg, self.headers)
             said = info.get("role")
             if said != role:
                 raise ValueError(
@@ -127,16 +128,22 @@ class Upstreams:
             self.info[url] = info
 
 
-def fetch_info(url: str, cfg: RouterConfig) -> dict[str, Any]:
-    """The worker's /v1/pd/info JSON; bounded by start_timeout_s, each try by info_timeout_s."""
+def fetch_info(url: str, cfg: RouterConfig, headers: dict[str, str]) -> dict[str, Any]:
+    """The worker's /v1/pd/info JSON; bounded by start_timeout_s, each try by info_timeout_s.
+    A 401 ends the wait at once: the router's worker key is missing or wrong."""
     deadline = time.monotonic() + cfg.start_timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(f"{url}{INFO_PATH}", timeout=cfg.info_timeout_s)
+            r = httpx.get(f"{url}{INFO_PATH}", timeout=cfg.info_timeout_s, headers=headers)
             if r.status_code == 200:
                 return dict(r.json())
             last = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code == 401:
+                raise ValueError(
+                    f"worker {url} refused the router's API key at {INFO_PATH} (HTTP 401): give "
+                    "--router-worker-api-key-file (or the router the workers' --api-key-file)"
+                )
             if r.status_code == 404:  # an ordinary server: waiting will not change it
                 break
         except (httpx.HTTPError, ValueError) as exc:

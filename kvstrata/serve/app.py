@@ -20,7 +20,7 @@ from kvstrata.pd.routes import add_routes as pd_routes
 from kvstrata.serve.auth import ApiKeyGuard, resolve_api_key
 from kvstrata.serve.body import read_json_object
 from kvstrata.serve.errors import add_error_handlers
-from kvstrata.serve.generate import Generation, complete, stream
+from kvstrata.serve.generate import Generation, choose_prefill, complete, stream
 from kvstrata.serve.protocol import (
     ApiError,
     ChatMessage,
@@ -202,7 +202,8 @@ def _debug_routes(app: FastAPI, state: ServerState) -> None:
 async def _generate(
     state: ServerState, body: CompletionRequest | ChatRequest, request: Request
 ) -> Any:
-    gen = Generation(state, body)
+    state.check_ready()
+    gen = Generation(state, body, await choose_prefill(state, body))
     if body.stream and gen.req.kv_params:
         await gen.wait_first()  # P/D: a failed hand-off gets its status, not a 200 stream
     if body.stream:

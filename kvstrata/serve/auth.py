@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hmac
 import os
-from pathlib import Path
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from kvstrata.keyfile import read_key_file
 from kvstrata.serve.protocol import ApiError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -26,15 +26,17 @@ def resolve_api_key(api_key: str, api_key_file: str) -> str | None:
     if api_key and api_key_file:
         raise ValueError("give --api-key or --api-key-file, not both")
     if api_key_file:
-        key = Path(api_key_file).read_text().strip()  # FileNotFoundError names the file
-        if not key:
-            raise ValueError(f"--api-key-file {api_key_file}: the file is empty")
-        return key
+        return read_key_file(api_key_file, "--api-key-file")
     return api_key or os.environ.get(API_KEY_ENV) or None
 
 
 class ApiKeyGuard:
     """ASGI middleware: every HTTP path but OPEN_PATHS needs `Authorization: Bearer <key>`."""
+
+    @staticmethod
+    def header(api_key: str) -> dict[str, str]:
+        """What a client (the router, decode) sends a keyed server."""
+        return {"Authorization": f"Bearer {api_key}"}
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app

@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.serve.config import ServeConfig
+from kvstrata.zmq_curve import CurveKeys, authenticator
 
 MASK64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -64,16 +62,19 @@ class KVEventPublisher:
         self.page = page_size
         self.topic = cfg.kv_events_topic.encode()
         self.ctx = zmq.Context()
-        self.auth = curve_authenticator(self.ctx, cfg)
+        keys = curve_keys(cfg)
+        self.auth = authenticator(self.ctx, keys) if keys is not None else None
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 1000)  # at close: at most 1 s to flush queued batches
-        secure(self.pub, cfg)
+        if keys is not None:
+            keys.server(self.pub)
         self.pub.bind(cfg.kv_events_endpoint)
         self.replay: zmq.Socket | None = None
         if cfg.kv_events_replay_endpoint:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
-            secure(self.replay, cfg)
+            if keys is not None:
+                keys.server(self.replay)
             self.replay.bind(cfg.kv_events_replay_endpoint)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.kv_events_buffer)
         self.seq = 0
@@ -154,30 +155,12 @@ class KVEventPublisher:
             sock.send_multipart((client, b"", END_SEQ, b""))
 
 
-def curve_authenticator(ctx: zmq.Context, cfg: ServeConfig) -> ThreadAuthenticator | None:
-    """The ZAP handler admitting the public keys in kv_events_curve_clients_dir (None: no CURVE).
-    The directory is read once here: a key added later needs a restart."""
+def curve_keys(cfg: ServeConfig) -> CurveKeys | None:
+    """The event sockets' CURVE keys (None: no CURVE)."""
     if not cfg.kv_events_curve_secret_file:
         return None
-    clients = Path(cfg.kv_events_curve_clients_dir)
-    if not clients.is_dir():
-        raise ValueError(f"--kv-events-curve-clients-dir {clients}: not a directory")
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
-    auth.configure_curve(domain="*", location=str(clients))
-    return auth
-
-
-def secure(sock: zmq.Socket, cfg: ServeConfig) -> None:
-    """Make `sock` a CURVE server under the configured secret key (before it binds)."""
-    if not cfg.kv_events_curve_secret_file:
-        return
-    public, secret = zmq.auth.load_certificate(cfg.kv_events_curve_secret_file)
-    if secret is None:
-        raise ValueError(
-            f"--kv-events-curve-secret-file {cfg.kv_events_curve_secret_file}: holds no secret key"
-        )
-    sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+    secret, peers = cfg.kv_events_curve_secret_file, cfg.kv_events_curve_clients_dir
+    return CurveKeys.load(secret, peers, "--kv-events-curve-*")
 
 
 __all__ = ["MEDIA", "KVEventPublisher", "block_hash", "encode_change"]

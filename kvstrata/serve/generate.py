@@ -45,10 +45,25 @@ def prepared(state: ServerState, body: CompletionRequest | ChatRequest) -> Prepa
     return prepare(body, tokens, max_new, state.limits, state.codec.eos_token_ids)
 
 
+async def choose_prefill(state: ServerState, body: CompletionRequest | ChatRequest) -> str:
+    """P/D decode: the prefill worker of this request ("" on other roles). A name outside the
+    configured set is refused (403) before anything enters the engine; the check may read a
+    configured worker's /v1/pd/info, so it runs off the event loop."""
+    if state.pd is None or state.pd.decode is None:
+        return ""
+    try:
+        return await asyncio.to_thread(state.pd.decode.choose, body.pd_prefill)
+    except ValueError as exc:
+        raise ApiError(getattr(exc, "status", 400), str(exc), "pd_prefill") from None
+
+
 class Generation:
     """A submitted request and the text it has produced so far."""
 
-    def __init__(self, state: ServerState, body: CompletionRequest | ChatRequest) -> None:
+    def __init__(
+        self, state: ServerState, body: CompletionRequest | ChatRequest, remote: str = ""
+    ) -> None:
+        """remote: P/D decode, the prefill worker that computes the prompt (`choose_prefill`)."""
         state.check_ready()
         state.check_model(body.model)
         prep = prepared(state, body)
@@ -61,11 +76,8 @@ class Generation:
             sampler=Sampler(prep.sampling, self.rid),
             cache_salt=prep.cache_salt,
         )
-        if state.pd is not None and state.pd.decode is not None:
-            try:  # P/D decode: a prefill worker computes the prompt
-                self.req.kv_params = {"prefill": state.pd.decode.choose(body.pd_prefill)}
-            except ValueError as exc:
-                raise ApiError(400, str(exc), "pd_prefill") from None
+        if remote:  # P/D decode: this prefill worker computes the prompt
+            self.req.kv_params = {"prefill": remote}
         self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)
         assert state.aloop is not None
         self.stream = Stream(state.aloop, time.monotonic())

@@ -33,9 +33,11 @@ class ServerProcess:
         launcher: list[str] | None = None,
         port: int | None = None,
     ) -> None:
-        """port: None = a free one (a restarted server may take its predecessor's)."""
+        """port: the one to listen on (None or 0: a free one; a caller picks it to hand the URL
+        to another process started at the same time; a restarted server may take its
+        predecessor's)."""
         self.ready_path = ready_path
-        self.port = port if port is not None else free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         # launcher: what runs `-m kvstrata.cli.main` (default this Python; or torchrun's)

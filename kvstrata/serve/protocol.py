@@ -27,6 +27,7 @@ class ApiError(Exception):
         kinds = {
             400: "BadRequestError",
             401: "UnauthorizedError",
+            403: "PermissionDeniedError",
             404: "NotFoundError",
             413: "RequestEntityTooLargeError",
             415: "UnsupportedMediaTypeError",

@@ -1,0 +1,78 @@
+"""Which prefill workers a decode worker hands off to: its configured `--pd-prefill` set only.
+
+A request may name one of them (`pd_prefill`: the router does, to spread load), spelled as the
+configured entry itself or as the transfer endpoint(s) that entry's GET /v1/pd/info gives (what
+the router reads from /v1/pd/info and sends). Anything else is refused before the request enters
+the engine: a client that reaches decode directly cannot make it exchange KV with a peer of its
+own (which would answer with made-up pages that decode then caches for every later client), nor
+make decode fetch a URL of its choice (server-side request forgery). Only configured workers'
+/v1/pd/info is ever fetched.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import httpx2 as httpx
+
+SCHEMES = ("http://", "https://", "tcp://")
+
+
+class NotAllowed(ValueError):
+    """A request named a prefill worker outside this decode worker's configured set."""
+
+    status = 403  # the HTTP answer: the name is well formed, but not allowed
+
+
+class EndpointSource(Protocol):
+    """Resolves a configured entry to its transfer endpoints (kvstrata/pd/decode.py: Resolver)."""
+
+    def endpoints_of(self, target: str) -> list[str]: ...
+
+    def forget(self, target: str) -> None: ...
+
+
+class PrefillSet:
+    """The configured prefill entries, and the check of a request's `pd_prefill` against them.
+
+    trust_requests (tests, a single trusted client): take a request's value as it is."""
+
+    def __init__(self, entries: list[str], source: EndpointSource, trust_requests: bool) -> None:
+        self.entries = [e.rstrip("/") for e in entries]
+        self.source, self.trust_requests = source, trust_requests
+
+    def pick(self, wanted: str) -> str:
+        """The configured entry `wanted` names (what the hand-off then resolves and dials).
+        Blocking (may read configured workers' /v1/pd/info): call off the event loop."""
+        if not wanted.startswith(SCHEMES):
+            raise ValueError(f"pd_prefill {wanted!r} is not an http(s):// or tcp:// address")
+        if self.trust_requests or wanted.rstrip("/") in self.entries:
+            return wanted if self.trust_requests else wanted.rstrip("/")
+        if wanted.startswith("tcp://"):
+            asked = wanted.split(",")
+            # cached endpoints first; then once more after re-reading (a restarted prefill
+            # listens on a new port, which the router may already know)
+            for fresh in (False, True):
+                entry = self._entry_listening_on(asked, fresh)
+                if entry is not None:
+                    return entry
+        listed = ", ".join(self.entries) or "none"
+        raise NotAllowed(
+            f"pd_prefill {wanted!r} is not one of this decode worker's prefill workers "
+            f"(--pd-prefill: {listed})"
+        )
+
+    def _entry_listening_on(self, asked: list[str], fresh: bool) -> str | None:
+        for entry in self.entries:
+            if entry.startswith("tcp://"):
+                if entry.split(",") == asked:
+                    return entry
+                continue
+            if fresh:
+                self.source.forget(entry)
+            try:
+                if self.source.endpoints_of(entry) == asked:
+                    return entry
+            except (OSError, httpx.HTTPError, ValueError):
+                continue  # that worker is down now: it cannot be the one named
+        return None
