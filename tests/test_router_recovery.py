@@ -20,7 +20,7 @@ import pytest
 
 from kvstrata.serve.process import ServerProcess
 from tests.pd_helpers import complete, info, start_all, worker_args
-from tests.serve_helpers import Server
+from tests.serve_helpers import Server, free_port
 
 pytestmark = pytest.mark.slow  # several real server processes
 
@@ -63,10 +63,11 @@ def text_of(r: httpx.Response) -> str:
 @pytest.fixture
 def servers(ckpt: Path, tmp_path: Path) -> Iterator[list[Server]]:
     """[prefill, decode]; decode's silence bound is far above anything the test waits."""
-    specs = [
-        (prefill_args(ckpt), tmp_path / "p.log"),
-        (worker_args(ckpt, "--role", "decode", "--pd-timeout-s", "3"), tmp_path / "d.log"),
-    ]
+    port = free_port()  # picked first: decode lists this prefill worker in --pd-prefill
+    decode = worker_args(
+        ckpt, "--role", "decode", "--pd-timeout-s", "3", "--pd-prefill", f"http://127.0.0.1:{port}"
+    )
+    specs = [(prefill_args(ckpt), tmp_path / "p.log", port), (decode, tmp_path / "d.log")]
     srvs = start_all(specs)
     yield srvs
     for s in srvs:
@@ -130,11 +131,15 @@ def test_requests_queued_behind_a_dead_prefill_fail_fast_or_move(
     with another prefill tries those requests once more there (they succeed); a router with
     only p1 answers each with a 502 naming p1's transfer endpoint. Every answer comes well
     before the first request's silence bound would have run out."""
-    decode = worker_args(ckpt, "--role", "decode", "--pd-timeout-s", str(SILENCE_S))
+    ports = [free_port(), free_port()]  # picked first: decode lists both in --pd-prefill
+    listed = ",".join(f"http://127.0.0.1:{port}" for port in ports)
+    decode = worker_args(
+        ckpt, "--role", "decode", "--pd-timeout-s", str(SILENCE_S), "--pd-prefill", listed
+    )
     p1, p2, d = start_all(
         [
-            (prefill_args(ckpt), tmp_path / "p1.log"),
-            (prefill_args(ckpt), tmp_path / "p2.log"),
+            (prefill_args(ckpt), tmp_path / "p1.log", ports[0]),
+            (prefill_args(ckpt), tmp_path / "p2.log", ports[1]),
             (decode, tmp_path / "d.log"),
         ]
     )
@@ -152,6 +157,8 @@ def test_requests_queued_behind_a_dead_prefill_fail_fast_or_move(
     prompts = [[(7 * i + 3 + k) % 97 for i in range(33)] for k in range(8)]
     try:
         want = [text_of(complete(p2, q)) for q in prompts]
+        for k, url in enumerate(listed.split(",")):  # decode reads both workers' info now,
+            text_of(complete(d, [k + 1] * 20, pd_prefill=url))  # not from a frozen p1 later
         endpoint = info(p1)["transfer_endpoint"]
         os.kill(p1.proc.pid, signal.SIGSTOP)  # its hand-offs connect, then hear nothing
         moved, moved_out = in_threads(8, lambda i: complete(both, prompts[i]))

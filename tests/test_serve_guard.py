@@ -6,6 +6,7 @@ top_p 1e-300) is computed stably alongside its batch mates."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -144,7 +145,19 @@ def test_malformed_json_is_a_400(server: Server, what: str, body: bytes, words: 
 def _raw(server: Server, head: str, body: bytes = b"") -> str:
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(head.encode() + body)
-        return sock.recv(1 << 16).decode(errors="replace")
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _length(reply):
+            got = sock.recv(1 << 16)  # the head and body may come in separate segments
+            if not got:
+                break
+            reply += got
+        return reply.decode(errors="replace")
+
+
+def _length(reply: bytes) -> int:
+    """The Content-Length of a reply's head (0 when it has none)."""
+    m = re.search(rb"(?im)^content-length: *(\d+)", reply)
+    return int(m.group(1)) if m else 0
 
 
 def test_body_over_the_cap_is_refused_before_it_is_read(server: Server) -> None:

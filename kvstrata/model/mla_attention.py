@@ -28,6 +28,7 @@ from torch import nn
 
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, RMSNorm, apply_rotary, apply_rotary_interleaved
+from kvstrata.model.prepack import PackOwner
 
 sdpa = nn.functional.scaled_dot_product_attention
 
@@ -57,7 +58,7 @@ class MLADims:
         return self.kv_lora_rank + self.rope_dim
 
 
-class MLAttention(nn.Module):
+class MLAttention(PackOwner):
     """MLA reading and writing latent pages; HF parameter names (q_a_proj, kv_b_proj, ...)."""
 
     def __init__(self, d: MLADims, dtype: torch.dtype) -> None:
@@ -81,7 +82,16 @@ class MLAttention(nn.Module):
     def fuse(self, prepack: bool = False) -> None:
         """The two projections of the hidden state (q_a_proj or q_proj, kv_a_proj_with_mqa) as
         one matmul (see Fused); kv_b_proj stays whole: the absorbed path reads its rows."""
+        self.unpack()
         self.fused = Fused.build(self._inputs(), prepack)
+
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        first = "q_proj" if self.d.q_lora_rank is None else "q_a_proj"
+        return {} if self.fused is None else self.fused.dense_parts((first, "kv_a_proj_with_mqa"))
+
+    def unpack(self) -> None:
+        if self.fused is not None:
+            self.fused.unpack(self._inputs())
 
     def _inputs(self) -> list[nn.Linear]:
         first = self.q_proj if self.d.q_lora_rank is None else self.q_a_proj

@@ -24,6 +24,13 @@ class NotAllowed(ValueError):
     status = 403  # the HTTP answer: the name is well formed, but not allowed
 
 
+class Unverifiable(ValueError):
+    """A request named a transfer endpoint no reachable configured worker listens on, and some
+    configured worker could not be asked (it may be that one, restarted or down)."""
+
+    status = 502  # the HTTP answer: an upstream this check needs is unreachable
+
+
 class EndpointSource(Protocol):
     """Resolves a configured entry to its transfer endpoints (kvstrata/pd/decode.py: Resolver)."""
 
@@ -48,21 +55,29 @@ class PrefillSet:
             raise ValueError(f"pd_prefill {wanted!r} is not an http(s):// or tcp:// address")
         if self.trust_requests or wanted.rstrip("/") in self.entries:
             return wanted if self.trust_requests else wanted.rstrip("/")
+        down: list[str] = []
         if wanted.startswith("tcp://"):
             asked = wanted.split(",")
             # cached endpoints first; then once more after re-reading (a restarted prefill
             # listens on a new port, which the router may already know)
             for fresh in (False, True):
-                entry = self._entry_listening_on(asked, fresh)
+                entry = self._entry_listening_on(asked, fresh, down)
                 if entry is not None:
                     return entry
+        if down:
+            raise Unverifiable(
+                f"pd_prefill {wanted!r} cannot be checked: prefill worker(s) "
+                f"{', '.join(dict.fromkeys(down))} unreachable"
+            )
         listed = ", ".join(self.entries) or "none"
         raise NotAllowed(
             f"pd_prefill {wanted!r} is not one of this decode worker's prefill workers "
             f"(--pd-prefill: {listed})"
         )
 
-    def _entry_listening_on(self, asked: list[str], fresh: bool) -> str | None:
+    def _entry_listening_on(self, asked: list[str], fresh: bool, down: list[str]) -> str | None:
+        """The configured entry whose endpoints are `asked`; entries that could not be read go
+        to `down`."""
         for entry in self.entries:
             if entry.startswith("tcp://"):
                 if entry.split(",") == asked:
@@ -74,5 +89,5 @@ class PrefillSet:
                 if self.source.endpoints_of(entry) == asked:
                     return entry
             except (OSError, httpx.HTTPError, ValueError):
-                continue  # that worker is down now: it cannot be the one named
+                down.append(entry)  # down now: it may be the one named (on a new port later)
         return None

@@ -268,10 +268,20 @@ async def _open(
     raise ApiError(502, "every decode worker refused: " + "; ".join(e.message for e in refused))
 
 
-def _handoff_failed(state: RouterState, resp: httpx.Response) -> bool:
-    """Decode answered 502/504 before any byte: its hand-off with the prefill worker failed
-    (P/D workers answer a failed hand-off so, never a relayed stream)."""
-    return state.up.cfg.require_info and resp.status_code in (502, 504)
+async def _handoff_failed(state: RouterState, resp: httpx.Response) -> bool:
+    """Nothing reached the client and decode's hand-off with the prefill worker failed: a
+    502/504 before any byte (P/D workers answer a failed hand-off so, never a relayed stream),
+    or a 403 on pd_prefill (the endpoint sent is no longer one of decode's prefill workers':
+    that worker restarted on a new one)."""
+    if not state.up.cfg.require_info or resp.status_code not in (403, 502, 504):
+        return False
+    if resp.status_code != 403:
+        return True
+    await resp.aread()  # a short JSON error
+    try:
+        return bool(resp.json()["error"]["param"] == "pd_prefill")
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 async def _generate(state: RouterState, request: Request, path: str) -> Response:
@@ -279,7 +289,7 @@ async def _generate(state: RouterState, request: Request, path: str) -> Response
 
     async def open_and_answer() -> Response:
         resp, decode_url, streaming = await _open(state, path, raw, prefill_url)
-        if _handoff_failed(state, resp):  # nothing reached the client yet: one more try
+        if await _handoff_failed(state, resp):  # nothing reached the client yet: one more try
             await resp.aclose()
             retry_url = await _recover(state, prefill_url)
             resp, decode_url, streaming = await _open(state, path, raw, retry_url)
