@@ -2,7 +2,7 @@
 
 Device pool, layer-first:  [num_layers, 2, capacity, page_size, kv_heads, head_dim]
 Host pool, page-first:     [capacity, num_layers, 2, page_size, kv_heads, head_dim]
-One host page (all layers, K then V) is one contiguous block: exactly the canonical L3 page.
+One host page (all layers, K then V) is one contiguous block: exactly the canonical storage page.
 
 Latent pages (layout "mla", multi-head latent attention): a token holds one row per layer, the
 latent [kv_lora_rank] after kv_a_layernorm then the rotated RoPE key [qk_rope_head_dim], D values

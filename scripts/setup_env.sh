@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # the native chain hash (kvstrata/cache/_chainhash.c) compiles against xxhash's header
 bash scripts/apt_need.sh /usr/include/xxhash.h libxxhash-dev
-# the mooncake extra's native client (L3 mooncake://) links RDMA verbs, NUMA and curl
+# the mooncake extra's native client (storage mooncake://) links RDMA verbs, NUMA and curl
 lib=/usr/lib/$(uname -m)-linux-gnu
 bash scripts/apt_need.sh "$lib/libibverbs.so.1" libibverbs1
 bash scripts/apt_need.sh "$lib/libnuma.so.1" libnuma1

@@ -105,7 +105,7 @@ def content(key: int) -> int:
 def serve(
     cache: HiCache, mover: ArrayMover, keys: list[int] | PageChain, max_steps: int = 1000
 ) -> tuple[int, int, int]:
-    """One request through every tier through its lease; returns (L1, L2, L3) hit pages.
+    """One request through every tier through its lease; returns (device, host, storage) hit pages.
 
     The request is `keys` full pages (a key list, or a PageChain with token bytes) plus one
     token (so every page may hit). Checks that every page the cache hands back holds that
@@ -123,7 +123,7 @@ def serve(
         cache.check_integrity()
     else:
         raise TimeoutError(f"lease still {lease.state.value} after {max_steps} steps")
-    if not lease.admit():  # L1 full of locked pages: nothing is served
+    if not lease.admit():  # device memory full of locked pages: nothing is served
         lease.release()
         return 0, 0, 0
     for _ in range(max_steps):

@@ -34,7 +34,8 @@ PAGE = 8
 
 
 def worker_args(ckpt: Path, *extra: str, store: Path | None = None) -> list[str]:
-    """A tiny-model worker (page size 8) with integrity endpoints, optionally sharing an L3 dir."""
+    """A tiny-model worker (page size 8) with integrity endpoints, optionally sharing a storage
+    dir."""
     args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "40", "--host-pages", "64"]
     if store is not None:
         args += ["--storage-url", f"file://{store}", "--prefetch-policy", "wait_complete"]
@@ -294,7 +295,7 @@ class CuttableRelay:
 @dataclass
 class Workers:
     """One test's P/D workers (no test sees another's): a prefill p1 and a decode d sharing the
-    L3 directory `store`; servers: every process the test started, stopped when it ends."""
+    storage directory `store`; servers: every process the test started, stopped when it ends."""
 
     tmp: Path
     store: Path

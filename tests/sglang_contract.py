@@ -34,7 +34,7 @@ def redis_url() -> Iterator[str]:
 
 
 def _file_url(tmp: Path, _redis: Callable[[], str]) -> str:
-    return f"file://{tmp / 'l3'}"
+    return f"file://{tmp / 'storage'}"
 
 
 def _redis_db(tmp: Path, redis_url: Callable[[], str]) -> str:

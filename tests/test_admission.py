@@ -1,4 +1,4 @@
-"""Admission drives each request's lease; a request waiting on L3 does not block ready ones."""
+"""Admission drives each request's lease; a request waiting on storage does not block ready ones."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_ready_requests_pass_one_waiting_on_storage(
     behind = [Request(f"again{i}", t, 1) for i, t in enumerate(shorts)]
     for req in (head, *behind):
         eng.submit(req)
-    # step 1: the head starts its L3 probe; one-token requests admitted now also finish now
+    # step 1: the head starts its storage probe; one-token requests admitted now also finish now
     finished = [r.rid for r in eng.step()]
     done_while_head_waits = list(finished)
     assert head.state is State.WAITING and head.lease is not None
@@ -64,12 +64,12 @@ def test_ready_requests_pass_one_waiting_on_storage(
     eng.drain()
     eng.check_integrity()
     built.close()  # type: ignore[attr-defined]
-    assert head.hits == {"L1": 0, "L2": 0, "L3": 40}
-    assert all(r.hits == {"L1": 2, "L2": 0, "L3": 0} for r in behind)
+    assert head.hits == {"device": 0, "host": 0, "storage": 40}
+    assert all(r.hits == {"device": 2, "host": 0, "storage": 0} for r in behind)
     if lookahead == 1:  # the old behaviour: everything waits for the head's prefetch
         assert done_while_head_waits == []
         assert finished[0] == "long"
-    else:  # the L1 hits behind it run at once and are done before the prefetch lands
+    else:  # the device hits behind it run at once and are done before the prefetch lands
         assert done_while_head_waits == ["again0", "again1", "again2"]
         assert finished == ["again0", "again1", "again2", "long"]
 

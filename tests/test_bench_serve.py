@@ -55,7 +55,7 @@ def test_bench_serve_starts_our_server_twice(ckpt: Path, tmp_path: Path) -> None
     args = ["bench", "serve", "--quick", "--model", str(ckpt), "--out", str(tmp_path)]
     assert main([*args, "--json", str(tmp_path / "r.json")]) == 0
     rep = check_report(tmp_path / "r.json")
-    over = rep["l1_hit_overhead"]
+    over = rep["device_hit_overhead"]
     assert over["prompt_tokens"] > 64 and over["http_ttft_s"] > 0 and over["engine_ttft_s"] > 0
     direct = rep["direct"]  # the same load with no HTTP: the same prompts, turn by turn
     assert direct["requests"] == 6 and direct["errors"] == 0

@@ -63,7 +63,9 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         False,
     ),
     "ttft": (
-        frozenset({"cold_ttft_s", "l1_ratio", "l2_ratio", "l3_ratio", "first_tokens_identical"}),
+        frozenset(
+            {"cold_ttft_s", "device_ratio", "host_ratio", "storage_ratio", "first_tokens_identical"}
+        ),
         True,
     ),
     "prefill": (
@@ -100,12 +102,12 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
     "admission": (
         frozenset(
             {
-                "l1_hit_ttft_p50_s_head_blocks",
-                "l1_hit_ttft_p50_s_lookahead",
-                "l1_hit_ttft_ratio",
+                "device_hit_ttft_p50_s_head_blocks",
+                "device_hit_ttft_p50_s_lookahead",
+                "device_hit_ttft_ratio",
                 "long_ttft_s_head_blocks",
                 "long_ttft_s_lookahead",
-                "long_l3_pages",
+                "long_storage_pages",
             }
         ),
         False,

@@ -34,7 +34,8 @@ def _rounds() -> list[list[list[int]]]:
 @pytest.mark.slow
 def test_bench_spec_with_a_nextn_layer(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The bench's own draft kind: a NextN layer (trained here, tiny) beside the checkpoint;
-    its draft state restored from L1, L2 and L3 gives the cold run's acceptance exactly."""
+    its draft state restored from device, host and storage gives the cold run's acceptance
+    exactly."""
     monkeypatch.setattr(bench_spec, "PAGE", 8)
     ckpt = make_llama(tmp_path / "m", seed=2, num_hidden_layers=3)
     model = load_model(ckpt)
@@ -46,7 +47,7 @@ def test_bench_spec_with_a_nextn_layer(tmp_path: Path, monkeypatch) -> None:  # 
     )
     assert rep["outputs_identical"] and rep["acceptance_sequences_identical"]
     assert rep["acceptance_equal_after_restores"] and rep["acceptance_cold"] > 0
-    assert rep["l3_hit_pages"] == 2 * ((40 - 1) // 8 + (60 - 1) // 8)
+    assert rep["storage_hit_pages"] == 2 * ((40 - 1) // 8 + (60 - 1) // 8)
 
 
 def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -57,9 +58,9 @@ def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noq
     rep = bench_spec.measure(model, rounds, 10, tmp_path, draft="self:1", cache_dir=str(tmp_path))
     for key in (
         "acceptance_cold",
-        "acceptance_l1",
-        "acceptance_l2",
-        "acceptance_l3",
+        "acceptance_device",
+        "acceptance_host",
+        "acceptance_storage",
         "tokens_per_s_spec",
         "tokens_per_s_plain",
         "outputs_identical",
@@ -68,7 +69,8 @@ def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noq
     assert rep["outputs_identical"] and rep["acceptance_sequences_identical"]
     assert rep["acceptance_equal_after_restores"] and 0 < rep["acceptance_cold"] < 1
     assert rep["draft_cost_ratio"] == (1 * LAYER + HEAD) / (3 * LAYER + HEAD)
-    # rounds 1 and 2, 2 sessions: the previous round's prompt pages (20 // 8, 40 // 8) from L1
-    # or L2; from L3 (stored by the L1 run, which ran every round) all but the last token's page
-    assert rep["l1_hit_pages"] == rep["l2_hit_pages"] == 2 * (2 + 5)
-    assert rep["l3_hit_pages"] == 2 * ((40 - 1) // 8 + (60 - 1) // 8)
+    # rounds 1 and 2, 2 sessions: the previous round's prompt pages (20 // 8, 40 // 8) from device
+    # memory or host; from storage (stored by the device run, which ran every round) all but the
+    # last token's page
+    assert rep["device_hit_pages"] == rep["host_hit_pages"] == 2 * (2 + 5)
+    assert rep["storage_hit_pages"] == 2 * ((40 - 1) // 8 + (60 - 1) // 8)

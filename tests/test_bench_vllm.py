@@ -25,5 +25,5 @@ def test_bench_vllm_quick(tmp_path: Path) -> None:
     ):
         assert key in rep, key
     assert rep["outputs_identical"] is True
-    # cached-token counts are deterministic: kvstrata's L2 keeps what vLLM evicted
+    # cached-token counts are deterministic: kvstrata's host memory keeps what vLLM evicted
     assert rep["hit_rate_kvstrata"] > rep["hit_rate_vllm"]

@@ -1,4 +1,5 @@
-"""Real KV bytes through every tier: L1 -> L2 -> L3 -> (fresh cache) L3 -> L2 -> L1, bit-exact."""
+"""Real KV bytes through every tier: device -> host -> storage -> (fresh cache) storage -> host
+-> device, bit-exact."""
 
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ def test_bytes_roundtrip_every_tier(tmp_path: Path) -> None:
     pool.data[:, :, ids] = torch.randn(SHAPE.num_layers, 2, 6, 4, 2, 8)
     original = pages_of(pool, ids)
     cache.insert(keys, ids)
-    cache.drain()  # write-through to L2, then backup to L3
+    cache.drain()  # write-through to host memory, then backup to storage
     cache.check_integrity()
-    assert cache.counters.pages_moved["L2->L3"] == 6
+    assert cache.counters.pages_moved["host->storage"] == 6
     mover.close()
 
     fresh, pool2, mover2 = make(tmp_path)  # a new cache sharing the store

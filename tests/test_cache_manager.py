@@ -29,10 +29,10 @@ def test_demote_to_host_and_load_back() -> None:
     m = cache.match(a)
     assert m.device_pages == 2 and m.host_pages == 4
     assert serve(cache, mover, a) == (2, 4, 0)
-    assert cache.counters.pages_moved["L2->L1"] == 4
+    assert cache.counters.pages_moved["host->device"] == 4
 
 
-def test_l3_roundtrip_in_a_fresh_cache_sharing_storage() -> None:
+def test_storage_roundtrip_in_a_fresh_cache_sharing_storage() -> None:
     cache, mover = make_cache(device=8, host=8)
     a = seq(2, 8, 3, 0)
     serve(cache, mover, a)
@@ -49,10 +49,10 @@ def test_write_back_only_copies_on_eviction() -> None:
     cache, mover = make_cache(device=4, host=8, storage=False, write_policy="write_back")
     serve(cache, mover, seq(0, 4, 0, 0))
     cache.drain()
-    assert cache.counters.pages_moved["L1->L2"] == 0
-    serve(cache, mover, seq(1, 4, 0, 0))  # needs L1: demote the first four pages
+    assert cache.counters.pages_moved["device->host"] == 0
+    serve(cache, mover, seq(1, 4, 0, 0))  # needs device memory: demote the first four pages
     cache.drain()
-    assert cache.counters.pages_moved["L1->L2"] == 4
+    assert cache.counters.pages_moved["device->host"] == 4
     assert serve(cache, mover, seq(0, 4, 0, 0)) == (0, 4, 0)
 
 
@@ -67,11 +67,11 @@ def test_selective_backs_up_after_n_hits() -> None:
     a = seq(0, 4, 0, 0)
     serve(cache, mover, a)
     cache.drain()
-    assert cache.counters.pages_moved["L1->L2"] == 0
+    assert cache.counters.pages_moved["device->host"] == 0
     serve(cache, mover, a)
     serve(cache, mover, a)
     cache.drain()
-    assert cache.counters.pages_moved["L1->L2"] == 4
+    assert cache.counters.pages_moved["device->host"] == 4
 
 
 def test_late_completions_wait_for_agreement() -> None:

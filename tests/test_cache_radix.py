@@ -147,11 +147,11 @@ def test_lru_eviction_order_leaf_first() -> None:
     assert peek(cache, [5, 6]) == 0
     assert peek(cache, [1, 2, 3]) == 2
     cache.check_integrity()
-    assert cache.counters.evictions["L1"] == 4
+    assert cache.counters.evictions["device"] == 4
 
 
 def peek(cache: object, keys: list[int]) -> int:
-    """L1 prefix length without touching the LRU clock of the nodes."""
+    """Device prefix length without touching the LRU clock of the nodes."""
     return cache.tree.match(keys, touch=False).device_pages  # type: ignore[attr-defined]
 
 

@@ -33,7 +33,7 @@ def model(ckpt: Path):  # noqa: ANN201
 
 
 def _engine(model, decode_step_tokens: int):  # noqa: ANN001, ANN202
-    cfg = EngineConfig(tiers="l1", max_batch_tokens=256, decode_step_tokens=decode_step_tokens)
+    cfg = EngineConfig(tiers="device", max_batch_tokens=256, decode_step_tokens=decode_step_tokens)
     return build_engine(cfg, CacheConfig(page_size=PAGE, device_pages=96), model=model)
 
 

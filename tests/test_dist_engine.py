@@ -1,7 +1,7 @@
 """The engine on real gloo ranks (TP=2, PP=2, CP=2, and all three: 8 ranks) equals one rank and
-recomputation, through L1, L2 (forced demotion between turns) and L3 written by another parallel
-layout; CP shards the device pool and the compute; with random per-rank delays the trees stay
-identical at every step; an injected divergence is named live and offline."""
+recomputation, through device, host (forced demotion between turns) and storage written by another
+parallel layout; CP shards the device pool and the compute; with random per-rank delays the trees
+stay identical at every step; an injected divergence is named live and offline."""
 
 from __future__ import annotations
 
@@ -92,10 +92,10 @@ def test_parallel_equals_one_rank_and_recompute(
     mode: str, ckpt: Path, recompute: dict[str, Request], tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
-    # one rank writes turn 0 to L3; the parallel run must hit it (written by another layout)
-    first = serve_one_rank(ckpt, "l1_l2_l3", store, MultiTurn([CONV[0][:1]], 4, True))
+    # one rank writes turn 0 to storage; the parallel run must hit it (written by another layout)
+    first = serve_one_rank(ckpt, "device_host_storage", store, MultiTurn([CONV[0][:1]], 4, True))
     assert_logits({k: [x.numpy() for x in r.logits] for k, r in first.items()}, recompute)
-    ecfg = EngineConfig(model=str(ckpt), tiers="l1_l2_l3", max_batch_tokens=1024)
+    ecfg = EngineConfig(model=str(ckpt), tiers="device_host_storage", max_batch_tokens=1024)
     opts = RankOptions(delay=2, seed=1, demote_when_idle=True, tree_digests=True)
     res = run_distributed(
         ecfg,
@@ -108,8 +108,8 @@ def test_parallel_equals_one_rank_and_recompute(
         assert_logits(r["logits"], recompute)
         assert r["digests"] == res[0]["digests"] and len(r["digests"]) > 10
     hits = res[0]["hits"]
-    assert hits["c0t0"]["L3"] > 0  # pages written by one rank, read by several
-    assert hits["c0t1"]["L2"] > 0 and hits["c0t2"]["L2"] > 0  # demoted between turns
+    assert hits["c0t0"]["storage"] > 0  # pages written by one rank, read by several
+    assert hits["c0t1"]["host"] > 0 and hits["c0t2"]["host"] > 0  # demoted between turns
     if mode == "cp":  # each rank's pool has half the slots and holds about half the pages
         total = res[0]["cached_device_pages"]
         assert total >= 16 and [r["pool_slots"] for r in res] == [32, 32]
@@ -119,10 +119,10 @@ def test_parallel_equals_one_rank_and_recompute(
         fed = sum(len(q.tokens) - 8 * sum(hits[q.rid].values()) + 3 for q in recompute.values())
         assert sum(r["tokens_computed"] for r in res) == fed
         assert all(r["tokens_computed"] >= fed / 3 for r in res)
-    # a fresh single rank reads the parallel run's pages (turns 1, 2) from L3: same logits
+    # a fresh single rank reads the parallel run's pages (turns 1, 2) from storage: same logits
     last = Request("c0t2", list(recompute["c0t2"].tokens), 4, keep_logits=True)
-    again = serve_one_rank(ckpt, "l1_l2_l3", store, _Once(last))
-    assert again["c0t2"].hits["L3"] > hits["c0t0"]["L3"]
+    again = serve_one_rank(ckpt, "device_host_storage", store, _Once(last))
+    assert again["c0t2"].hits["storage"] > hits["c0t0"]["storage"]
     assert_logits({"c0t2": [x.numpy() for x in again["c0t2"].logits]}, {"c0t2": recompute["c0t2"]})
 
 
@@ -139,12 +139,15 @@ class _Once:
 
 def test_random_delays_keep_trees_identical(ckpt: Path, tmp_path: Path) -> None:
     """Stage-local copies and storage reads finish late at random; 200+ steps of multi-turn
-    chat with L2 too small to keep everything (L3 probes and prefetches): the trees never differ."""
+    chat with the host pool too small to keep everything (storage probes and prefetches): the trees
+    never differ."""
     convs = chats(2, 9, seed=4, lo=10, hi=25)
-    # one rank with a roomy L2 writes every page to L3 first; the 2-stage run's small L2 then
-    # overflows, so later turns prefetch their older pages back from L3
-    ref = serve_one_rank(ckpt, "l1_l2_l3", tmp_path / "store", MultiTurn(convs, 18), host=512)
-    ecfg = EngineConfig(model=str(ckpt), tiers="l1_l2_l3", max_batch_tokens=1024)
+    # one rank with a roomy host pool writes every page to storage first; the 2-stage run's small
+    # host pool then overflows, so later turns prefetch their older pages back from storage
+    ref = serve_one_rank(
+        ckpt, "device_host_storage", tmp_path / "store", MultiTurn(convs, 18), host=512
+    )
+    ecfg = EngineConfig(model=str(ckpt), tiers="device_host_storage", max_batch_tokens=1024)
     opts = RankOptions(delay=4, seed=7, demote_when_idle=True, tree_digests=True)
     res = run_distributed(
         ecfg,
@@ -156,14 +159,14 @@ def test_random_delays_keep_trees_identical(ckpt: Path, tmp_path: Path) -> None:
     assert len(res[0]["digests"]) >= 200
     assert res[0]["digests"] == res[1]["digests"]
     assert res[0]["outputs"] == res[1]["outputs"] == {k: r.output for k, r in ref.items()}
-    assert sum(h["L3"] for h in res[0]["hits"].values()) > 0
+    assert sum(h["storage"] for h in res[0]["hits"].values()) > 0
     assert res[0]["collectives_per_step"] == 1.0
 
 
 def test_injected_divergence_named_live_and_offline(ckpt: Path, tmp_path: Path) -> None:
     """Rank 1 skips one agreed decision at step 5 (tp=2): the live digest check stops both
     ranks naming step 5 and rank 1, and the offline checker names the same from the logs."""
-    ecfg = EngineConfig(model=str(ckpt), tiers="l1_l2", max_batch_tokens=1024)
+    ecfg = EngineConfig(model=str(ckpt), tiers="device_host", max_batch_tokens=1024)
     logs = tmp_path / "logs"
     cfg = DistConfig(tp=2, consensus_check="live", inject_divergence="5:1", consensus_log=str(logs))
     with pytest.raises(RankFailure, match="diverged at step 5: .*rank 1 differs from rank 0"):
@@ -182,7 +185,7 @@ def test_cp_batches_fit_the_scratch_budget(ckpt: Path, tmp_path: Path) -> None:
         return [Request(f"r{i}", p, 4, keep_logits=True) for i, p in enumerate(prompts)]
 
     ref = serve_one_rank(ckpt, "none", tmp_path / "r", _Once(reqs()))
-    ecfg = EngineConfig(model=str(ckpt), tiers="l1", max_batch_tokens=1024)
+    ecfg = EngineConfig(model=str(ckpt), tiers="device", max_batch_tokens=1024)
     budget = 150_000  # two prompts fit, three do not
     res = run_distributed(
         ecfg,

@@ -1,5 +1,6 @@
 """The engine over every tier equals recomputation: logits of turn k are the same whether its
-prefix comes from L1, L2 (forced demotion), L3 (a fresh engine sharing the file store) or no cache."""
+prefix comes from device, host (forced demotion), storage (a fresh engine sharing the file store) or
+no cache."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def run_turns(
             eng.check_integrity()
         results.append(req)
         eng.drain()
-        if demote and eng.cache is not None:  # push every cached page out of L1
+        if demote and eng.cache is not None:  # push every cached page out of device memory
             ids = eng.cache.alloc_device(eng.cache.tiers.device.num_free)
             eng.cache.tiers.evict_device(device_pages)
             eng.cache.drain()
@@ -105,20 +106,28 @@ def assert_same(a, b) -> None:  # noqa: ANN001
 def test_turns_equal_across_tiers(model, tmp_path: Path) -> None:  # noqa: ANN001
     prompts = conversation(4)
     ref = run_turns(model, "none", tmp_path / "s0", prompts)
-    l1 = run_turns(model, "l1", tmp_path / "s1", prompts)
-    assert_same(ref, l1)
-    hit = cached_pages(l1[-2], prompts[-1])
-    assert hit > 0 and l1[-1].hits == {"L1": hit, "L2": 0, "L3": 0}
-    l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, demote=True)
-    assert_same(ref, l2)
-    assert l2[-1].hits == {"L1": 0, "L2": cached_pages(l2[-2], prompts[-1]), "L3": 0}
-    run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts[:2])
-    l3 = run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts)  # fresh engine, same store
-    assert_same(ref, l3)
+    device = run_turns(model, "device", tmp_path / "s1", prompts)
+    assert_same(ref, device)
+    hit = cached_pages(device[-2], prompts[-1])
+    assert hit > 0 and device[-1].hits == {"device": hit, "host": 0, "storage": 0}
+    host = run_turns(model, "device_host", tmp_path / "s2", prompts, demote=True)
+    assert_same(ref, host)
+    assert host[-1].hits == {"device": 0, "host": cached_pages(host[-2], prompts[-1]), "storage": 0}
+    run_turns(model, "device_host_storage", tmp_path / "s3", prompts[:2])
+    storage = run_turns(
+        model, "device_host_storage", tmp_path / "s3", prompts
+    )  # fresh engine, same store
+    assert_same(ref, storage)
     first = (len(prompts[0]) - 1) // PAGE  # turn 0's prompt pages, all stored by the first run
-    assert l3[0].hits == {"L1": 0, "L2": 0, "L3": first}
-    in_l1 = cached_pages(l3[0], prompts[1])  # what turn 0 left in this engine's L1
-    assert l3[1].hits == {"L1": in_l1, "L2": 0, "L3": (len(prompts[1]) - 1) // PAGE - in_l1}
+    assert storage[0].hits == {"device": 0, "host": 0, "storage": first}
+    in_device = cached_pages(
+        storage[0], prompts[1]
+    )  # what turn 0 left in this engine's device memory
+    assert storage[1].hits == {
+        "device": in_device,
+        "host": 0,
+        "storage": (len(prompts[1]) - 1) // PAGE - in_device,
+    }
 
 
 def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -> None:  # noqa: ANN001
@@ -128,7 +137,7 @@ def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -
     assert_same(alone, chunked)
     cfg = CacheConfig(page_size=PAGE, device_pages=128, host_pages=0)
     built = build_engine(
-        EngineConfig(tiers="l1", chunk_tokens=32, max_batch_tokens=64), cfg, model=model
+        EngineConfig(tiers="device", chunk_tokens=32, max_batch_tokens=64), cfg, model=model
     )
     reqs = [Request(f"b{i}", p, max_new_tokens=4, keep_logits=True) for i, p in enumerate(prompts)]
     built.engine.run(reqs)
@@ -140,16 +149,18 @@ def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -
 def _turns_in_fresh_process(ckpt: str, store: str, prompts: list[list[int]], out: str) -> None:
     """Child process: a new engine on the same checkpoint and file store."""
     torch.set_num_threads(1)
-    reqs = run_turns(load_model(ckpt), "l1_l2_l3", Path(store), prompts)
+    reqs = run_turns(load_model(ckpt), "device_host_storage", Path(store), prompts)
     torch.save([(r.output, r.logits, r.hits) for r in reqs], out)
 
 
-def test_l3_hits_in_a_fresh_process(model, ckpt: Path, tmp_path: Path) -> None:  # noqa: ANN001
+def test_storage_hits_in_a_fresh_process(model, ckpt: Path, tmp_path: Path) -> None:  # noqa: ANN001
     import multiprocessing as mp
 
     prompts = conversation(3, seed=9)
     ref = run_turns(model, "none", tmp_path / "unused", prompts)
-    run_turns(model, "l1_l2_l3", tmp_path / "store", prompts)  # this process fills the store
+    run_turns(
+        model, "device_host_storage", tmp_path / "store", prompts
+    )  # this process fills the store
     out = tmp_path / "child.pt"
     proc = mp.get_context("spawn").Process(
         target=_turns_in_fresh_process, args=(str(ckpt), str(tmp_path / "store"), prompts, str(out))
@@ -161,8 +172,8 @@ def test_l3_hits_in_a_fresh_process(model, ckpt: Path, tmp_path: Path) -> None: 
     for r, (output, logits, _hits) in zip(ref, child, strict=True):
         assert output == r.output
         assert all(rel_err(a, b) <= 1e-4 for a, b in zip(logits, r.logits, strict=True))
-    # the very first turn of the new process hits L3: every prompt page but the last token's
-    assert child[0][2] == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
+    # the very first turn of the new process hits storage: every prompt page but the last token's
+    assert child[0][2] == {"device": 0, "host": 0, "storage": (len(prompts[0]) - 1) // PAGE}
 
 
 def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa: ANN001
@@ -171,7 +182,7 @@ def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa
     need = max(-(-(len(p) + 3) // PAGE) for p in prompts)
     cfg = CacheConfig(page_size=PAGE, device_pages=need + 2, host_pages=0)
     built = build_engine(
-        EngineConfig(tiers="l1", chunk_tokens=64, max_batch_tokens=128), cfg, model=model
+        EngineConfig(tiers="device", chunk_tokens=64, max_batch_tokens=128), cfg, model=model
     )
     reqs = [Request(f"w{i}", p, max_new_tokens=4, keep_logits=True) for i, p in enumerate(prompts)]
     for r in reqs:
@@ -188,7 +199,7 @@ def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa
 
 def test_bad_requests_are_refused(model, tmp_path: Path) -> None:  # noqa: ANN001
     built = build_engine(
-        EngineConfig(tiers="l1"),
+        EngineConfig(tiers="device"),
         CacheConfig(page_size=PAGE, device_pages=32, host_pages=0),
         model=model,
     )
@@ -208,7 +219,7 @@ def test_a_prompt_may_fill_every_position(model) -> None:  # noqa: ANN001
     """The last generated token is never fed back, so prompt + new - 1 positions are used."""
     limit = model.spec.max_position_embeddings  # 1024
     built = build_engine(
-        EngineConfig(tiers="l1"),
+        EngineConfig(tiers="device"),
         CacheConfig(page_size=PAGE, device_pages=limit // PAGE + 1, host_pages=0),
         model=model,
     )
@@ -220,25 +231,30 @@ def test_a_prompt_may_fill_every_position(model) -> None:  # noqa: ANN001
     built.close()
 
 
-def test_redis_as_shared_l3_across_engines(model, tmp_path: Path) -> None:  # noqa: ANN001
-    """Two engines (as two workers would) share a real redis-server as L3: the second one's
-    first turn comes from L3 and equals recomputation; a dead server only costs hits."""
+def test_redis_as_shared_storage_across_engines(model, tmp_path: Path) -> None:  # noqa: ANN001
+    """Two engines (as two workers would) share a real redis-server as storage: the second one's
+    first turn comes from storage and equals recomputation; a dead server only costs hits."""
     from tests.redis_server import RedisServer
 
     server = RedisServer().start()
     try:
         prompts = conversation(3, seed=21)
         ref = run_turns(model, "none", tmp_path / "unused", prompts)
-        run_turns(model, "l1_l2_l3", tmp_path, prompts, storage_url=server.url)
-        second = run_turns(model, "l1_l2_l3", tmp_path, prompts, storage_url=server.url)
+        run_turns(model, "device_host_storage", tmp_path, prompts, storage_url=server.url)
+        second = run_turns(model, "device_host_storage", tmp_path, prompts, storage_url=server.url)
         assert_same(ref, second)
-        assert second[0].hits == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
+        assert second[0].hits == {"device": 0, "host": 0, "storage": (len(prompts[0]) - 1) // PAGE}
         server.kill()  # the storage is gone: misses, same tokens, no exception
         lenient = StorageConfig(require_reachable_at_start=False)
         third = run_turns(
-            model, "l1_l2_l3", tmp_path, prompts, storage_url=server.url, storage_cfg=lenient
+            model,
+            "device_host_storage",
+            tmp_path,
+            prompts,
+            storage_url=server.url,
+            storage_cfg=lenient,
         )
         assert_same(ref, third)
-        assert third[0].hits["L3"] == 0
+        assert third[0].hits["storage"] == 0
     finally:
         server.stop()

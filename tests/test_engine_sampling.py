@@ -32,7 +32,7 @@ def model(ckpt: Path):  # noqa: ANN201
     return load_model(ckpt)
 
 
-def engine(model, tiers: str = "l1_l2", device_pages: int = 64) -> Built:  # noqa: ANN001
+def engine(model, tiers: str = "device_host", device_pages: int = 64) -> Built:  # noqa: ANN001
     cfg = CacheConfig(page_size=PAGE, device_pages=device_pages, host_pages=64)
     return build_engine(
         EngineConfig(tiers=tiers, chunk_tokens=16, max_batch_tokens=64), cfg, model=model
@@ -119,7 +119,7 @@ def test_cache_salt_separates_tenants(model) -> None:  # noqa: ANN001
     eng.run([plain])
     full = (len(PROMPT) - 1) // PAGE
     assert sum(b1.hits.values()) == 0 and sum(plain.hits.values()) == 0
-    assert a2.hits["L1"] == full
+    assert a2.hits["device"] == full
     keys = {r.rid: set(r.lease.keys) for r in (a1, b1, plain)}  # type: ignore[union-attr]
     assert not keys["a1"] & keys["b1"] and not keys["a1"] & keys["n"]
     assert a1.output == b1.output == plain.output  # the salt changes keys, never tokens
@@ -129,7 +129,7 @@ def test_cache_salt_separates_tenants(model) -> None:  # noqa: ANN001
 def test_abort_while_probing_or_prefetching_from_storage(model, tmp_path: Path) -> None:  # noqa: ANN001
     url = f"file://{tmp_path / 'store'}"
     cfg = CacheConfig(page_size=PAGE, device_pages=64, host_pages=64, storage_url=url)
-    ecfg = EngineConfig(tiers="l1_l2_l3", chunk_tokens=16, max_batch_tokens=64)
+    ecfg = EngineConfig(tiers="device_host_storage", chunk_tokens=16, max_batch_tokens=64)
     first = build_engine(ecfg, cfg, model=model)
     first.engine.run([Request("fill", list(PROMPT), 2)])
     first.close()  # every page backed up to the store

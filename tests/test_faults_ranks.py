@@ -1,5 +1,5 @@
 """Fault suite, runs and ranks: SIGTERM of a multi-rank run in the
-middle of its L3 backups, a killed rank, an injected divergence under default settings, and
+middle of its storage backups, a killed rank, an injected divergence under default settings, and
 decision logs that are mixed, truncated or undecodable."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def wait_for_pages(store: Path, proc: subprocess.Popen[str], timeout_s: float = 
     deadline = time.monotonic() + timeout_s
     while not list(store.glob("*/*.kvp")):
         assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the run wrote no L3 page"
+        assert time.monotonic() < deadline, "the run wrote no storage page"
         time.sleep(0.01)
 
 
@@ -169,7 +169,8 @@ def test_injected_divergence_stops_every_rank_by_default(
     assert "Traceback" not in err, err
     assert "ranks stopped: consensus diverged at step 5" in err and "rank 1 differs" in err
     headers = [
-        json.loads((logs / "l1" / f"rank-{r}.jsonl").read_text().splitlines()[0]) for r in (0, 1)
+        json.loads((logs / "device" / f"rank-{r}.jsonl").read_text().splitlines()[0])
+        for r in (0, 1)
     ]
     assert (
         headers[0]["run"] == headers[1]["run"] != ""

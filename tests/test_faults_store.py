@@ -142,7 +142,7 @@ def test_read_only_store_serves_reads_warns_once(
     ro = FileStore(f"file://{mounts / 'ro'}", PAGE)
     assert ro.put([3, 4], pages(2, seed=1)) == 0 and ro.put([5], pages(1, seed=2)) == 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "warning: L3 write" in err[0] and "Read-only" in err[0]
+    assert len(err) == 1 and "warning: storage write" in err[0] and "Read-only" in err[0]
     assert ro.stats()["put_errors"] == 3
     out = np.empty(PAGE, np.uint8)
     assert ro.get([1], [out]) == 1 and np.array_equal(out, data[0])
@@ -191,7 +191,7 @@ def test_redis_down_warns_once_then_counts(capsys: pytest.CaptureFixture[str]) -
         time.sleep(0.1)
         assert store.put([3], data[2:]) == 0
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "warning: L3 write to redis://" in err[0], err
+        assert len(err) == 1 and "warning: storage write to redis://" in err[0], err
         assert store.stats()["put_skipped"] == 2
         store.close()
     finally:

@@ -33,7 +33,7 @@ def test_ranks_opening_a_new_store_at_once_all_succeed(tmp_path: Path) -> None:
     """Ranks open one new store together (the CI failure: one read the directory another had just
     made as "exists and is not a directory")."""
     for i in range(300):
-        url = str(tmp_path / f"l3-{i}")
+        url = str(tmp_path / f"storage-{i}")
         assert _open_at_once(url, 4) == []
         assert Path(url).is_dir()
 

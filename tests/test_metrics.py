@@ -17,7 +17,9 @@ def test_exposition_counts_hits_and_pool_states() -> None:
     registry = CollectorRegistry()
     registry.register(CacheCollector(cache))
     text = generate_latest(registry).decode()
-    assert 'kvstrata_hit_tokens_total{tier="L1"} 24.0' in text  # 6 pages x 4 tokens, second time
-    assert 'kvstrata_moved_bytes_total{direction="L1->L2"} 48.0' in text  # 6 pages x 8 bytes
+    assert (
+        'kvstrata_hit_tokens_total{tier="device"} 24.0' in text
+    )  # 6 pages x 4 tokens, second time
+    assert 'kvstrata_moved_bytes_total{direction="device->host"} 48.0' in text  # 6 pages x 8 bytes
     free = cache.accounting()["device"]["free"]
     assert f'kvstrata_pool_pages{{pool="device",state="free"}} {float(free)}' in text

@@ -1,5 +1,6 @@
 """The DeepSeek-V3 (MLA + MoE) decoder over latent pages against transformers' own forward, and
-its pages through the cache tiers: cold, chunked, batched decode, absorbed = plain, L1/L2/L3."""
+its pages through the cache tiers: cold, chunked, batched decode, absorbed = plain,
+device/host/storage."""
 
 from __future__ import annotations
 
@@ -145,17 +146,19 @@ def test_absorbed_equals_plain(model: DecoderLM) -> None:
 def test_prefix_hits_from_every_tier_equal_cold(model: DecoderLM, tmp_path: Path) -> None:
     prompts = conversation(3, seed=2)
     ref = run_turns(model, "none", tmp_path / "s0", prompts)
-    l1 = run_turns(model, "l1", tmp_path / "s1", prompts, chunk=16)
-    assert_same(ref, l1)
-    hit = cached_pages(l1[-2], prompts[-1])
-    assert hit > 0 and l1[-1].hits == {"L1": hit, "L2": 0, "L3": 0}
-    l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, demote=True)
-    assert_same(ref, l2)
-    assert l2[-1].hits == {"L1": 0, "L2": cached_pages(l2[-2], prompts[-1]), "L3": 0}
-    run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts[:1])
-    l3 = run_turns(model, "l1_l2_l3", tmp_path / "s3", prompts)  # fresh engine, same store
-    assert_same(ref, l3)
-    assert l3[0].hits == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // 8}
+    device = run_turns(model, "device", tmp_path / "s1", prompts, chunk=16)
+    assert_same(ref, device)
+    hit = cached_pages(device[-2], prompts[-1])
+    assert hit > 0 and device[-1].hits == {"device": hit, "host": 0, "storage": 0}
+    host = run_turns(model, "device_host", tmp_path / "s2", prompts, demote=True)
+    assert_same(ref, host)
+    assert host[-1].hits == {"device": 0, "host": cached_pages(host[-2], prompts[-1]), "storage": 0}
+    run_turns(model, "device_host_storage", tmp_path / "s3", prompts[:1])
+    storage = run_turns(
+        model, "device_host_storage", tmp_path / "s3", prompts
+    )  # fresh engine, same store
+    assert_same(ref, storage)
+    assert storage[0].hits == {"device": 0, "host": 0, "storage": (len(prompts[0]) - 1) // 8}
 
 
 def test_latent_namespace_and_units() -> None:

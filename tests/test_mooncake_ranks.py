@@ -45,5 +45,5 @@ def check_tp2_units_then_tp1_hits(ckpt: Path, recompute: dict[str, Request], url
     got = _read(url, PagePart(FULL, (0, 2), (0, 2)), keys)
     assert all(np.array_equal(g, canon[k]) for g, k in zip(got, keys, strict=True))
     one = run(ckpt, url, "")[0]  # tp=1 reader on the same store
-    assert one["hits"]["c0t0"]["L3"] > 0
+    assert one["hits"]["c0t0"]["storage"] > 0
     assert_logits(one["logits"], recompute)

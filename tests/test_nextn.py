@@ -41,7 +41,7 @@ def _prompts(n: int) -> list[list[int]]:
 def _run(model, draft: str, cache_dir: Path, prompts, model_dir: Path | None = None):  # noqa: ANN001, ANN201
     cfg = EngineConfig(
         model=str(model_dir or ""),
-        tiers="l1",
+        tiers="device",
         spec_draft=draft,
         spec_tokens=3,
         model_cache_dir=str(cache_dir),
@@ -92,7 +92,7 @@ def test_trained_nextn_is_reproducible_and_drafts_accepted(ckpt: Path, tmp_path:
 def test_nextn_without_a_layer_is_refused(ckpt: Path, tmp_path: Path) -> None:
     model = load_model(ckpt)
     cfg = EngineConfig(
-        model=str(ckpt), tiers="l1", spec_draft="nextn", model_cache_dir=str(tmp_path)
+        model=str(ckpt), tiers="device", spec_draft="nextn", model_cache_dir=str(tmp_path)
     )
     with pytest.raises(ValueError, match="no nextn.safetensors beside the model"):
         build_engine(cfg, CacheConfig(page_size=8, device_pages=64), model=model)

@@ -1,5 +1,5 @@
-"""Parallel KV placement on real gloo ranks: CP owner-sharded L2 (each rank's host pool holds
-only its own pages), rank-local L3 units in a topology-free layout (written under tp=2 x pp=2
+"""Parallel KV placement on real gloo ranks: CP owner-sharded host pool (each rank's host pool holds
+only its own pages), rank-local storage units in a topology-free layout (written under tp=2 x pp=2
 and cp=2, read under tp=1 and back, bit-exact), no byte of other ranks' parts through rank 0,
 and a rank killed mid-backup leaves no visible partial page."""
 
@@ -51,7 +51,9 @@ def ccfg(url: str, host: int = 64) -> CacheConfig:
     )
 
 
-def run(ckpt: Path, url: str, layout: str, tiers: str = "l1_l2_l3", **opts: object) -> list[dict]:
+def run(
+    ckpt: Path, url: str, layout: str, tiers: str = "device_host_storage", **opts: object
+) -> list[dict]:
     dist = DistConfig(**dict.fromkeys(layout.split("+"), 2)) if layout else DistConfig()
     ecfg = EngineConfig(model=str(ckpt), tiers=tiers, max_batch_tokens=1024)
     options = RankOptions(demote_when_idle=True, report_host_pages=True, **opts)  # type: ignore[arg-type]
@@ -64,10 +66,10 @@ def close_pages(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def test_cp2_each_host_pool_holds_its_own_pages(ckpt: Path, tmp_path: Path) -> None:
-    """cp=2: half the host slots and bytes per rank; the two ranks' L2 pages are disjoint, make
-    up the whole (identical) tree's L2, and equal the cp=1 run's pages, page by page."""
-    one = run(ckpt, str(tmp_path / "a"), "", tiers="l1_l2")[0]
-    two = run(ckpt, str(tmp_path / "b"), "cp", tiers="l1_l2")
+    """cp=2: half the host slots and bytes per rank; the two ranks' host pages are disjoint, make
+    up the whole (identical) tree's host memory, and equal the cp=1 run's pages, page by page."""
+    one = run(ckpt, str(tmp_path / "a"), "", tiers="device_host")[0]
+    two = run(ckpt, str(tmp_path / "b"), "cp", tiers="device_host")
     assert [r["host_slots"] for r in two] == [32, 32] and one["host_slots"] == 64
     assert [2 * r["host_bytes"] for r in two] == [one["host_bytes"]] * 2
     total = two[0]["cached_host_pages"]
@@ -116,7 +118,7 @@ def test_layouts_write_units_read_under_tp1_bit_exact(
     """Write under tp=2 x pp=2 (or cp=2): each rank writes exactly its own units (rank 0 none of
     the others'); a tp=1 reader gets bit-exact pages and equal logits, and back: pages written
     at tp=1 read under every tp=2 x pp=2 part bit-exact."""
-    url = str(tmp_path / "l3")
+    url = str(tmp_path / "storage")
     res = run(ckpt, url, layout)
     for r in res:
         assert_logits(r["logits"], recompute)
@@ -133,15 +135,15 @@ def test_layouts_write_units_read_under_tp1_bit_exact(
     assert sum(r["mover"]["backup_bytes"] for r in res) == len(keys) * FULL.page_nbytes
     got = _read(url, PagePart(FULL, (0, 2), (0, 2)), keys)
     assert all(np.array_equal(g, canon[k]) for g, k in zip(got, keys, strict=True))
-    # a fresh tp=1 engine hits those pages from L3: logits equal recompute
+    # a fresh tp=1 engine hits those pages from storage: logits equal recompute
     last = Request("c0t2", list(recompute["c0t2"].tokens), 4, keep_logits=True)
-    again = serve_one_rank(ckpt, "l1_l2_l3", Path(url), _Once(last))
-    assert again["c0t2"].hits["L3"] >= len(keys) - 1
+    again = serve_one_rank(ckpt, "device_host_storage", Path(url), _Once(last))
+    assert again["c0t2"].hits["storage"] >= len(keys) - 1
     assert_logits({"c0t2": [x.numpy() for x in again["c0t2"].logits]}, {"c0t2": recompute["c0t2"]})
     if layout != "tp+pp":
         return
     # and back: tp=1 writes, every tp=2 x pp=2 part reads its cut bit-exact
-    url1 = str(tmp_path / "l3-tp1")
+    url1 = str(tmp_path / "storage-tp1")
     one = run(ckpt, url1, "")[0]
     keys1 = sorted(one["host_pages"])
     for layers in ((0, 1), (1, 2)):
@@ -154,7 +156,7 @@ def test_layouts_write_units_read_under_tp1_bit_exact(
                 ]
                 assert torch.equal(part.view(g, full=False), ref)
     res2 = run(ckpt, url1, "tp+pp")
-    assert res2[0]["hits"]["c0t0"]["L3"] > 0
+    assert res2[0]["hits"]["c0t0"]["storage"] > 0
     for r in res2:
         assert_logits(r["logits"], recompute)
 
@@ -242,7 +244,7 @@ def test_rank_killed_mid_backup_leaves_no_visible_partial_page(
     """tp=2: rank 1 dies after writing some units. Every page with a commit marker has all its
     units; some page has units without a marker (the kill was mid-backup); the next run (tp=1)
     hits exactly the committed prefix and its logits equal recompute."""
-    url = str(tmp_path / "l3")
+    url = str(tmp_path / "storage")
     full = run(ckpt, str(tmp_path / "ref"), "tp")
     total_units = full[1]["storage"]["units_written"]  # rank 1's units over the whole run
     assert total_units >= 10
@@ -263,12 +265,12 @@ def test_rank_killed_mid_backup_leaves_no_visible_partial_page(
     whole.close()
     shutil.copytree(url, tmp_path / "after-kill")  # as the kill left it (the run below writes)
     _sweep_removes_exactly_the_uncommitted(tmp_path / "after-kill", tmp_path / "swept", visible)
-    again = serve_one_rank(ckpt, "l1_l2_l3", Path(url), _Once(last))
+    again = serve_one_rank(ckpt, "device_host_storage", Path(url), _Once(last))
     left = open_unit_storage(str(tmp_path / "after-kill"), PagePart(FULL, (0, 2), (0, 2)))
     lease = again["c0t2"].lease
     lead = left.exists_prefix(lease.keys[: lease.match_pages])  # the pages it may hit
     left.close()
-    assert lead > 0 and again["c0t2"].hits["L3"] == lead <= len(visible)
+    assert lead > 0 and again["c0t2"].hits["storage"] == lead <= len(visible)
     assert_logits({"c0t2": [x.numpy() for x in again["c0t2"].logits]}, {"c0t2": recompute["c0t2"]})
 
 

@@ -1,8 +1,8 @@
-"""Seed-scale prompt on the parallel engine: a 128k-token prompt under cp=2 (L2 hit of the next
-turn) and cp=1 (L3 hit, pages written by the cp=2 ranks); logits equal recomputation.
+"""Seed-scale prompt on the parallel engine: a 128k-token prompt under cp=2 (host hit of the next
+turn) and cp=1 (storage hit, pages written by the cp=2 ranks); logits equal recomputation.
 
 The model is the smallest that still has every part: 2 layers (the cp gather of layer l+1
-overlaps layer l; L2 loads land layer by layer), 1 head of dim 8, vocab 97, long positions.
+overlaps layer l; host loads land layer by layer), 1 head of dim 8, vocab 97, long positions.
 Attention is O(n^2): one from-scratch 128k prefill costs ~10 s per layer-head here, so the run
 holds two (the reference and the cp=2 first turn, shared by 2 ranks); the hits compute only
 the 40-token suffix. Chunks of 8192 tokens: 4096 and 16384 cost the same or more (measured).
@@ -68,7 +68,7 @@ def _cfg(url: str) -> CacheConfig:
 
 
 @pytest.mark.slow
-def test_128k_prompt_cp2_l2_hit_then_cp1_l3_hit(tmp_path: Path) -> None:
+def test_128k_prompt_cp2_host_hit_then_cp1_storage_hit(tmp_path: Path) -> None:
     ckpt = make_llama(
         tmp_path / "ckpt", seed=5, hidden_size=8, intermediate_size=16, head_dim=8,
         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=N + 256,
@@ -81,19 +81,21 @@ def test_128k_prompt_cp2_l2_hit_then_cp1_l3_hit(tmp_path: Path) -> None:
         return [Request("r0", prompt, 1), Request("r1", follow, 2, keep_logits=True)]
 
     ref = _serve(ckpt, "none", "", [reqs()[1]])["r1"]
-    url = str(tmp_path / "l3")
-    ecfg = EngineConfig(model=str(ckpt), tiers="l1_l2_l3", max_batch_tokens=8192, chunk_tokens=8192)
+    url = str(tmp_path / "storage")
+    ecfg = EngineConfig(
+        model=str(ckpt), tiers="device_host_storage", max_batch_tokens=8192, chunk_tokens=8192
+    )
     res = run_distributed(
         ecfg, _cfg(url), DistConfig(cp=2), _Turns(reqs()),
         options=RankOptions(demote_when_idle=True), timeout_s=900,
     )  # fmt: skip
     full = N // PAGE
     for r in res:
-        assert r["hits"]["r1"]["L2"] == full  # every page of the prompt back from L2
+        assert r["hits"]["r1"]["host"] == full  # every page of the prompt back from host memory
         assert abs(2 * r["owned_host_pages"] - r["cached_host_pages"]) <= 2  # 1/cp each
         for a, b in zip(r["logits"]["r1"], ref.logits, strict=True):
             assert rel_err(torch.from_numpy(a), b) <= 1e-4
-    again = _serve(ckpt, "l1_l2_l3", url, [reqs()[1]])["r1"]
-    assert again.hits["L3"] == full
+    again = _serve(ckpt, "device_host_storage", url, [reqs()[1]])["r1"]
+    assert again.hits["storage"] == full
     for a, b in zip(again.logits, ref.logits, strict=True):
         assert rel_err(a, b) <= 1e-4

@@ -1,6 +1,6 @@
 """Latent (MLA) pages under tensor parallelism on real gloo ranks: every tp rank computes and
 holds the same latent, so each storage unit (a layer's latent rows) is written by exactly one
-rank and read by all; a prefix written under tp=2 is an L3 hit under tp=1 with equal logits."""
+rank and read by all; a prefix written under tp=2 is a storage hit under tp=1 with equal logits."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def recompute(mla_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 def test_tp2_writes_each_latent_unit_once_and_tp1_hits_it(
     mla_ckpt: Path, recompute: dict[str, Request], tmp_path: Path
 ) -> None:
-    url = str(tmp_path / "l3")
+    url = str(tmp_path / "storage")
     res = run(mla_ckpt, url, "tp")
     for r in res:
         assert_logits(r["logits"], recompute)  # sharded heads, replicated latent: equal logits
@@ -48,15 +48,15 @@ def test_tp2_writes_each_latent_unit_once_and_tp1_hits_it(
     )
     assert writer["mover"]["backup_bytes"] == len(keys) * full.page_nbytes
     assert reader["storage"]["units_written"] == 0 and reader["mover"]["backup_bytes"] == 0
-    # a fresh tp=1 engine hits those pages from L3: logits equal recompute
+    # a fresh tp=1 engine hits those pages from storage: logits equal recompute
     last = Request("c0t2", list(recompute["c0t2"].tokens), 4, keep_logits=True)
-    again = serve_one_rank(mla_ckpt, "l1_l2_l3", Path(url), _Once(last))
-    assert again["c0t2"].hits["L3"] >= len(keys) - 1
+    again = serve_one_rank(mla_ckpt, "device_host_storage", Path(url), _Once(last))
+    assert again["c0t2"].hits["storage"] >= len(keys) - 1
     assert_logits({"c0t2": [x.numpy() for x in again["c0t2"].logits]}, {"c0t2": recompute["c0t2"]})
     # and a new tp=2 run reads them on both ranks (the non-writer included)
     res2 = run(mla_ckpt, url, "tp")
     for r in res2:
-        assert r["hits"]["c0t0"]["L3"] > 0
+        assert r["hits"]["c0t0"]["storage"] > 0
         assert_logits(r["logits"], recompute)
 
 
@@ -68,7 +68,7 @@ def test_cp_and_pp_over_latent_pages_equal_recompute(
     """cp=2 (owner-sharded latent pages, the double-buffered gather of their rows) and
     tp=2 x pp=2 x cp=2: logits equal recompute; every page's bytes are written exactly once
     (pp stages their layers, cp ranks their own pages, tp rank 0 alone); tp=1 then hits them."""
-    url = str(tmp_path / "l3")
+    url = str(tmp_path / "storage")
     res = run(mla_ckpt, url, layout)
     for r in res:
         assert_logits(r["logits"], recompute)
@@ -76,6 +76,6 @@ def test_cp_and_pp_over_latent_pages_equal_recompute(
     keys = set().union(*(r["host_pages"] for r in res))
     assert sum(r["mover"]["backup_bytes"] for r in res) == len(keys) * full.page_nbytes
     last = Request("c0t2", list(recompute["c0t2"].tokens), 4, keep_logits=True)
-    again = serve_one_rank(mla_ckpt, "l1_l2_l3", Path(url), _Once(last))
-    assert again["c0t2"].hits["L3"] >= len(keys) - 1
+    again = serve_one_rank(mla_ckpt, "device_host_storage", Path(url), _Once(last))
+    assert again["c0t2"].hits["storage"] >= len(keys) - 1
     assert_logits({"c0t2": [x.numpy() for x in again["c0t2"].logits]}, {"c0t2": recompute["c0t2"]})

@@ -49,7 +49,7 @@ def decode_args(ckpt: Path, prefill_url: str, *extra: str) -> list[str]:
 @pytest.fixture
 def run(tmp_path: Path, ckpt: Path) -> Iterator[Workers]:
     """This test's own prefill p1 and decode d, after X, Z and W crossed from p1 to d (so they
-    are in p1's L3 directory and d holds them)."""
+    are in p1's storage directory and d holds them)."""
     store = tmp_path / "store"
     (p1,) = start_all([(prefill_args(ckpt, store), tmp_path / "p1.log")])
     env = Workers(tmp_path, store, p1, p1, [p1])
@@ -65,7 +65,7 @@ def run(tmp_path: Path, ckpt: Path) -> Iterator[Workers]:
 
 
 def slow_prefill(run: Workers, ckpt: Path) -> Server:
-    """A prefill on the same store whose L3 reads take 0.5 s a page (X's prefix: > 2.5 s)."""
+    """A prefill on the same store whose storage reads take 0.5 s a page (X's prefix: > 2.5 s)."""
     slow = ["--storage-emulate-read-s-per-page", "0.5", "--no-pd-layerwise"]  # whole pages
     (p2,) = run.start((prefill_args(ckpt, run.store, *slow), run.tmp / "p2.log"))
     return p2
@@ -118,7 +118,8 @@ def test_prefill_killed_mid_handoff(run: Workers, ckpt: Path) -> None:
 
 
 def test_restarted_prefill_slower_than_the_timeout_but_alive(run: Workers, ckpt: Path) -> None:
-    # 0.5 s per L3 page read: prefill needs > 2.5 s for X's prefix; heartbeats keep decode waiting
+    # 0.5 s per storage page read: prefill needs > 2.5 s for X's prefix; heartbeats keep decode
+    # waiting
     p2 = slow_prefill(run, ckpt)
     t0 = time.monotonic()
     r = complete(run.d, X, pd_prefill=p2.url)  # decode re-resolves: a fresh channel
@@ -161,7 +162,7 @@ def test_decode_killed_while_prefill_works_for_it(run: Workers, ckpt: Path) -> N
         (decode_args(ckpt, p2.url), run.tmp / "d2.log"),
         (decode_args(ckpt, p2.url, "--page-size", "16"), run.tmp / "d3.log"),
     )
-    t, out = in_thread(complete, d2, Z)  # p2 reads Z's prefix from L3: 2.5 s
+    t, out = in_thread(complete, d2, Z)  # p2 reads Z's prefix from storage: 2.5 s
     deadline = time.monotonic() + 20
     while True:  # wait until prefill holds a lease for it
         rep = p2.integrity()

@@ -1,6 +1,6 @@
 """P/D hand-offs between real workers on 127.0.0.1, with exact page and byte counts: a cold
 prompt sends all its pages, a full decode hit only the last, turn 2 only the new pages, a prefix
-decode finds in the shared L3 directory nothing for those pages; a prefill refuses a layout
+decode finds in the shared storage directory nothing for those pages; a prefill refuses a layout
 mismatch (naming the field), forged keys and a claim on the last prompt token's page; an
 unreachable prefill is a 502 naming it. Every worker's pools pass the integrity check after
 each step."""
@@ -42,7 +42,7 @@ CKPT = {"seed": 2, "max_position_embeddings": 512}
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The L3 directory every worker shares."""
+    """The storage directory every worker shares."""
     return tmp_path_factory.mktemp("pd") / "store"
 
 
@@ -101,7 +101,9 @@ def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
     use = pd_usage(hit)
     assert use["pd"]["pages_received"] == 1 and use["pd"]["bytes_received"] == page_bytes
     assert use["pd"]["pages_skipped"] == 5 and use["prompt_tokens_details"]["cached_tokens"] == 40
-    assert use["pd"]["prefill_computed_tokens"] == 1  # prefill's own L1 held the other 40
+    assert (
+        use["pd"]["prefill_computed_tokens"] == 1
+    )  # prefill's own device memory held the other 40
     check_all(workers)
     out = hf_greedy(load_hf(ckpt), PROMPT_A, 8)  # = decode's output (text below)
     assert hit.json()["choices"][0]["text"] == ByteCodec(97).decode(out)
@@ -113,8 +115,8 @@ def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
     assert use["pd"]["pages_received"] == new_pages
     assert use["pd"]["bytes_received"] == new_pages * page_bytes
     assert use["pd"]["pages_skipped"] == held
-    # prefill's own L1 holds A's 5 pages; the 6th (decode's generated tokens) it takes from the
-    # shared L3, where decode backed it up: it computes only what nobody holds
+    # prefill's own device memory holds A's 5 pages; the 6th (decode's generated tokens) it takes
+    # from the shared storage, where decode backed it up: it computes only what nobody holds
     assert use["pd"]["prefill_computed_tokens"] == len(turn2) - held * PAGE
     check_all(workers)
     pages, nbytes = 6 + 1 + new_pages, (6 + 1 + new_pages) * page_bytes  # the three hand-offs
@@ -130,8 +132,10 @@ def test_cold_full_hit_and_turn_two_send_exactly_the_missing_pages(
 def test_prefix_in_shared_storage_is_not_sent(workers: dict[str, Server]) -> None:
     page_bytes = info(workers["p"])["layout"]["page_bytes"]
     assert pd_usage(complete(workers["d1"], PROMPT_B))["pd"]["pages_received"] == 6
-    check_all(workers)  # idle: every L3 backup of B is committed
-    use = pd_usage(complete(workers["d2"], PROMPT_B))  # d2 never saw B: only the shared L3 has it
+    check_all(workers)  # idle: every storage backup of B is committed
+    use = pd_usage(
+        complete(workers["d2"], PROMPT_B)
+    )  # d2 never saw B: only the shared storage has it
     assert use["pd"]["pages_from_storage"] == 5 and use["pd"]["pages_skipped"] == 5
     assert use["pd"]["pages_received"] == 1 and use["pd"]["bytes_received"] == page_bytes
     assert use["prompt_tokens_details"]["cached_tokens_by_tier"]["storage"] == 40
@@ -141,19 +145,21 @@ def test_prefix_in_shared_storage_is_not_sent(workers: dict[str, Server]) -> Non
 def test_a_page_decode_fails_to_read_from_shared_storage_is_sent_by_prefill(
     workers: dict[str, Server], ckpt: Path, store: Path
 ) -> None:
-    """Decode claims only the pages its own L3 read verified: with page 2 of a stored prefix
+    """Decode claims only the pages its own storage read verified: with page 2 of a stored prefix
     damaged on disk, decode takes pages 0-1 from storage and prefill sends pages 2-5."""
     lay = info(workers["p"])["layout"]
     prompt = [(9 * i + 2) % 97 for i in range(41)]  # 5 full pages + 1 token
     assert pd_usage(complete(workers["d1"], prompt))["pd"]["pages_received"] == 6
-    check_all(workers)  # idle: every L3 backup of the prompt is committed
+    check_all(workers)  # idle: every storage backup of the prompt is committed
     shape = KVShape(lay["layers"], lay["kv_heads"], lay["head_dim"], PAGE, lay["dtype"])
     unit = UnitLayout(shape).unit_key(_keys(lay, prompt)[2], ((0, 1), (0, 1)))
     path = store / key_hex(unit)[:2] / f"{key_hex(unit)}.kvp"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01  # one bit of the payload: the checksum fails, the file is a miss
     path.write_bytes(bytes(data))
-    r = complete(workers["d2"], prompt)  # d2 never saw it: only the shared L3 (and prefill) has it
+    r = complete(
+        workers["d2"], prompt
+    )  # d2 never saw it: only the shared storage (and prefill) has it
     use = pd_usage(r)
     assert use["pd"]["pages_from_storage"] == 2 and use["pd"]["pages_skipped"] == 2
     assert use["pd"]["pages_received"] == 4  # pages 2..5, from prefill's own cache

@@ -1,4 +1,4 @@
-"""LocalPD: router + prefill + decode as real local processes sharing one L3 directory; the
+"""LocalPD: router + prefill + decode as real local processes sharing one storage directory; the
 router's answers equal a single server's, exact pages cross (all when cold, the last one when
 decode holds the rest), the store fills, stop() exits every process with 0, and a worker that
 cannot start is reported by role with nothing left running."""
@@ -24,7 +24,7 @@ PROMPT = [(3 * i + 1) % 97 for i in range(41)]  # 5 full pages of 8 (+1 token)
 
 
 def settled(url: str, timeout_s: float = 30.0) -> None:
-    """Wait until the worker has no request and no cache op (its L3 writes are done)."""
+    """Wait until the worker has no request and no cache op (its storage writes are done)."""
     deadline = time.monotonic() + timeout_s
     while True:
         rep = httpx.get(f"{url}/debug/integrity", timeout=10).json()
@@ -41,7 +41,7 @@ def client_of(url: str) -> openai.OpenAI:
 def test_local_pd_serves_shares_the_store_and_stops_cleanly(tmp_path: Path) -> None:
     ckpt = make_llama(tmp_path / "tiny", seed=2, max_position_embeddings=256)
     cfg = LocalPDConfig(
-        model=str(ckpt), store_dir=str(tmp_path / "l3"), log_dir=str(tmp_path / "logs"),
+        model=str(ckpt), store_dir=str(tmp_path / "storage"), log_dir=str(tmp_path / "logs"),
         worker_args=tuple(WORKER), start_timeout_s=240,
     )  # fmt: skip
     pd = LocalPD(cfg).start()
@@ -54,7 +54,7 @@ def test_local_pd_serves_shares_the_store_and_stops_cleanly(tmp_path: Path) -> N
         use = cold.usage.model_extra["pd"]
         assert (use["pages_received"], use["bytes_received"]) == (6, 6 * page_bytes)
         settled(pd.workers["decode"].url)
-        assert any((tmp_path / "l3").rglob("*")), "the shared L3 directory holds nothing"
+        assert any((tmp_path / "storage").rglob("*")), "the shared storage directory holds nothing"
         again = rc.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
         use = again.usage.model_extra["pd"]  # decode holds the 5 full pages: only the last
         assert (use["pages_received"], use["pages_skipped"]) == (1, 5)
@@ -71,7 +71,7 @@ def test_local_pd_serves_shares_the_store_and_stops_cleanly(tmp_path: Path) -> N
 
 def test_a_worker_that_cannot_start_is_named(tmp_path: Path) -> None:
     cfg = LocalPDConfig(
-        model=str(tmp_path / "missing"), store_dir=str(tmp_path / "l3"),
+        model=str(tmp_path / "missing"), store_dir=str(tmp_path / "storage"),
         log_dir=str(tmp_path / "logs"), start_timeout_s=120,
     )  # fmt: skip
     pd = LocalPD(cfg)

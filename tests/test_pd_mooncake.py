@@ -1,5 +1,5 @@
 """P/D with a real Mooncake Store (one mooncake_master; every worker its own client contributing
-a segment) as the shared L3 behaves as with redis: a prefix that reached Mooncake through one
+a segment) as the shared storage behaves as with redis: a prefix that reached Mooncake through one
 decode worker's turn is read from Mooncake by another decode worker that never saw it, so
 prefill sends it only the last page; the output equals transformers' greedy tokens."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.mooncake_server import master
-from tests.test_pd_redis import CKPT, assert_prefix_not_sent, shared_l3_workers
+from tests.test_pd_redis import CKPT, assert_prefix_not_sent, shared_storage_workers
 
 pytestmark = pytest.mark.slow  # a mooncake_master and three worker processes
 __all__ = ["CKPT"]  # the redis test's checkpoint (conftest's ckpt builds it)
@@ -22,7 +22,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[di
     m = master()
     try:
         url = m.url(segment="32m", buffer="16m")
-        with shared_l3_workers(tmp_path_factory.mktemp("pdm-logs"), ckpt, url) as w:
+        with shared_storage_workers(tmp_path_factory.mktemp("pdm-logs"), ckpt, url) as w:
             yield w
     finally:
         m.stop()

@@ -1,5 +1,5 @@
 """Prefill pulls the held pages it lacks from decode, over the hand-off's channel: real workers
-on 127.0.0.1 (two prefill workers, one decode, no shared L3). Turn 2 of a session on a prefill
+on 127.0.0.1 (two prefill workers, one decode, no shared storage). Turn 2 of a session on a prefill
 worker that never saw turn 1 pulls exactly decode's held pages and computes only the new tokens;
 asked again it hits its own cache. A raw decode-side client checks the logits against
 recompute, a corrupted pulled page (recomputed, never used), and a decode that goes silent

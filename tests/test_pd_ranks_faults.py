@@ -43,7 +43,7 @@ def decode_args(ckpt: Path, prefill_url: str) -> list[str]:
 @pytest.fixture
 def run(tmp_path: Path, ckpt: Path) -> Iterator[Workers]:
     """This test's own prefill p1 and decode d (two ranks each), after X and Z crossed from p1
-    to d (so they are in p1's L3 directory and d holds them)."""
+    to d (so they are in p1's storage directory and d holds them)."""
     store = tmp_path / "store"
     (p1,) = start_all([(prefill_args(ckpt, store), tmp_path / "p1.log")])
     env = Workers(tmp_path, store, p1, p1, [p1])
@@ -91,7 +91,7 @@ def test_decode_worker_killed_while_prefill_works_for_it(run: Workers, ckpt: Pat
     slow = ["--storage-emulate-read-s-per-page", "0.5", "--no-pd-layerwise"]
     (p3,) = run.start((prefill_args(ckpt, run.store, *slow), run.tmp / "p3.log"))
     (d2,) = run.start((decode_args(ckpt, p3.url), run.tmp / "d2.log"))
-    t, out = in_thread(complete, d2, Z)  # p3 reads Z's prefix from the shared L3: 2.5 s
+    t, out = in_thread(complete, d2, Z)  # p3 reads Z's prefix from the shared storage: 2.5 s
     deadline = time.monotonic() + 20
     while True:  # wait until prefill holds a lease for it
         rep = p3.integrity()

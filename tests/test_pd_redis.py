@@ -1,6 +1,6 @@
-"""P/D with a real redis-server as the shared L3: a prefix that reached Redis through one decode
-worker's turn is read from Redis by another decode worker that never saw it, so prefill sends it
-only the last page; the output equals transformers' greedy tokens."""
+"""P/D with a real redis-server as the shared storage: a prefix that reached Redis through one
+decode worker's turn is read from Redis by another decode worker that never saw it, so prefill sends
+it only the last page; the output equals transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -28,21 +28,22 @@ CKPT = {"seed": 4, "max_position_embeddings": 512}
 def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict]:
     redis = RedisServer().start()
     try:
-        with shared_l3_workers(tmp_path_factory.mktemp("pdr-logs"), ckpt, redis.url) as w:
+        with shared_storage_workers(tmp_path_factory.mktemp("pdr-logs"), ckpt, redis.url) as w:
             yield w
     finally:
         redis.stop()
 
 
 @contextmanager
-def shared_l3_workers(tmp: Path, ckpt: Path, url: str) -> Iterator[dict]:
-    """A prefill and two decode workers sharing the L3 at `url` (also used by the mooncake test)."""
-    l3 = ["--storage-url", url, "--prefetch-policy", "wait_complete"]
+def shared_storage_workers(tmp: Path, ckpt: Path, url: str) -> Iterator[dict]:
+    """A prefill and two decode workers sharing the storage at `url` (also used by the mooncake
+    test)."""
+    storage = ["--storage-url", url, "--prefetch-policy", "wait_complete"]
     servers: list[Server] = []
     try:
-        (p,) = start_all([(worker_args(ckpt, "--role", "prefill", *l3), tmp / "p.log")])
+        (p,) = start_all([(worker_args(ckpt, "--role", "prefill", *storage), tmp / "p.log")])
         servers.append(p)
-        decode = ["--role", "decode", "--pd-prefill", p.url, *l3]
+        decode = ["--role", "decode", "--pd-prefill", p.url, *storage]
         servers += start_all([(worker_args(ckpt, *decode), tmp / f"d{i}.log") for i in (1, 2)])
         yield {"p": servers[0], "d1": servers[1], "d2": servers[2]}
     finally:

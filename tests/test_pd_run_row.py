@@ -27,7 +27,8 @@ def test_run_quick_pd_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main([*args, "--page-size", str(PAGE), "--threads", "1"]) == 0
     printed = capsys.readouterr().out
     assert (
-        "P/D MB" in printed and "outputs identical across none, l1, l1_l2, l1_l2_l3, pd" in printed
+        "P/D MB" in printed
+        and "outputs identical across none, device, device_host, device_host_storage, pd" in printed
     )
     rep = json.loads((out / "report.json").read_text())
     assert rep["outputs_identical"] is True and (out / "ttft.png").stat().st_size > 0
@@ -45,8 +46,10 @@ def test_run_quick_pd_row(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     for r in row["requests"]:  # the byte codec: one printable character per token id
         assert r["text"] == "".join(chr(32 + i % 95) for i in ref[r["rid"]])
     moved = row["bytes_moved"]  # both workers', from their /metrics
-    assert all(n % page_bytes == 0 for n in moved.values()) and moved["L1->L2"] > 0
-    assert moved["L2->L3"] == moved["L1->L2"]  # write-through: every page stored is backed up
+    assert all(n % page_bytes == 0 for n in moved.values()) and moved["device->host"] > 0
+    assert (
+        moved["host->storage"] == moved["device->host"]
+    )  # write-through: every page stored is backed up
     hits = sum(row["hit_rate_by_tier"].values())
     assert hits == pytest.approx(row["pd_pages_skipped"] / row["prompt_pages"])
 

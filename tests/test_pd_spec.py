@@ -69,7 +69,7 @@ def drafts(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, st
     return {"self": "self:2", "mtp": save_echo_head(ckpt, path)}
 
 
-def engine_of(ckpt: Path, cache_dir: Path, draft: str, tiers: str = "l1_l2") -> Any:
+def engine_of(ckpt: Path, cache_dir: Path, draft: str, tiers: str = "device_host") -> Any:
     """An in-process engine built like a worker's (tests/pd_helpers.worker_args)."""
     cfg = EngineConfig(
         model=str(ckpt), tiers=tiers, chunk_tokens=64, max_batch_tokens=256, threads=1,

@@ -71,7 +71,7 @@ def _apply(op: tuple, toks_tree: RadixTree, keys_tree: RadixTree, next_id: list[
         m = toks_tree.match_chain(chain, n_pages)
         assert _view(toks_tree, m) == _view(keys_tree, keys_tree.match(keys[:n_pages]))
         assert chain.keys[: m.pages] == keys[: m.pages]  # learned from the nodes
-    elif kind == "insert_host":  # pages from L3 hung under the match's end
+    elif kind == "insert_host":  # pages from storage hung under the match's end
         at = toks_tree.match_chain(chain, n_pages, touch=False)
         bt = keys_tree.match(keys[:n_pages], touch=False)
         rest, hosts = keys[at.pages :], [10_000 + i for i in ids[at.pages :]]
@@ -82,7 +82,7 @@ def _apply(op: tuple, toks_tree: RadixTree, keys_tree: RadixTree, next_id: list[
         )  # type: ignore[arg-type]
         keys_tree.insert_host(bt.last_node, rest, hosts, sb)  # type: ignore[arg-type]
         assert sa == sb
-    else:  # "host": the deepest device node leaves L1 (keeps an L2 copy); "drop": a leaf goes
+    else:  # "host": the deepest device node leaves device memory (keeps a host copy); "drop": a leaf goes
         for tree in (toks_tree, keys_tree):
             _evict(tree, kind, n_pages)
 
@@ -136,8 +136,8 @@ def test_integrity_rehashes_tokens() -> None:
 
 
 def test_follow_up_turn_hashes_only_its_new_pages() -> None:
-    """Admission (no L3) learns the held pages' keys from the tree and hashes nothing; the
-    commit hashes only the new pages; with L3 the probe hashes the pages past the match."""
+    """Admission (no storage) learns the held pages' keys from the tree and hashes nothing; the
+    commit hashes only the new pages; with storage the probe hashes the pages past the match."""
     for storage in (False, True):
         cache, mover = make_cache(device=32, host=32, storage=storage)
         ns = NAMESPACES[0]
@@ -163,8 +163,8 @@ def test_follow_up_turn_hashes_only_its_new_pages() -> None:
 
 
 def test_pages_from_storage_take_their_tokens() -> None:
-    """Pages prefetched from L3 join the tree with their token bytes: the next match of the
-    same prompt finds them by tokens (an L2 hit), and integrity rehashes them."""
+    """Pages prefetched from storage join the tree with their token bytes: the next match of the
+    same prompt finds them by tokens (a host hit), and integrity rehashes them."""
     ns = NAMESPACES[0]
     toks = np.arange(8 * PAGE, dtype=np.int32)
     cache, mover = make_cache(device=8, host=8)

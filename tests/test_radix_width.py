@@ -2,7 +2,7 @@
 bytes.
 
 A page's key hashes its int32 bytes whatever width the chain keeps, so a 2-byte chain's keys
-equal `page_keys` of the same ids (stored L3 keys keep matching). The tree holds one width per
+equal `page_keys` of the same ids (stored keys keep matching). The tree holds one width per
 namespace and rehashes 2-byte nodes in check_integrity. The metadata a cached page costs stays
 within 256 bytes (deterministic: tracemalloc counts the bytes the tree keeps).
 """
@@ -85,7 +85,7 @@ def test_two_byte_tree_matches_splits_and_rehashes() -> None:
 
 
 def test_pages_from_storage_keep_two_byte_tokens() -> None:
-    """Through a lease and every tier: an L3 prefetch hangs 2-byte pages that the next match
+    """Through a lease and every tier: a storage prefetch hangs 2-byte pages that the next match
     finds by tokens, and the stored keys are the int32 ones."""
     toks = _ids(8 * PAGE, seed=5)
     cache, mover = make_cache(device=8, host=8)

@@ -73,7 +73,8 @@ def test_ceiling_and_tiers_on_a_generated_trace() -> None:
     huge = replay(trace, ReplayConfig.sized(10**6))
     assert huge.ceiling_tokens == expect > 0
     assert sum(huge.hit_tokens_by_tier().values()) == expect
-    # small L1 and L2, unbounded L3: every tier serves hits and together they reach the ceiling
+    # small device and host pools, unbounded storage: every tier serves hits and together they reach
+    # the ceiling
     spill = replay(
         trace,
         ReplayConfig.sized(4096, 8192, "mem://", check_every=1, prefetch_policy="wait_complete"),
@@ -82,9 +83,11 @@ def test_ceiling_and_tiers_on_a_generated_trace() -> None:
     assert all(v > 0 for v in tiers.values()), tiers
     assert sum(tiers.values()) == expect == spill.ceiling_tokens
     rep = spill.report()
-    assert rep["bytes_moved"]["L3->L2"] == tiers["L3"] // 64 * 64  # 64-byte synthetic pages
+    assert (
+        rep["bytes_moved"]["storage->host"] == tiers["storage"] // 64 * 64
+    )  # 64-byte synthetic pages
     assert rep["storage"]["corrupt_pages"] == 0
-    assert rep["evictions"]["L1"] > 0 and rep["evictions"]["L2"] > 0
+    assert rep["evictions"]["device"] > 0 and rep["evictions"]["host"] > 0
 
 
 @pytest.mark.parametrize("seed,capacity", [(1, 12), (2, 20), (3, 33)])
@@ -98,10 +101,10 @@ def test_bounded_lru_matches_naive_reference(seed: int, capacity: int) -> None:
         hit = naive.match(mkeys)
         fits = len(ins) <= capacity and naive.insert(ins, hit)
         # admission is all or nothing: a request whose pages do not fit is served uncached
-        assert out.l1 == (hit if fits else 0) * 128, f"request {req.rid}"
+        assert out.device == (hit if fits else 0) * 128, f"request {req.rid}"
         cached = {k for n in r.cache.tree.nodes() for k in n.keys}
         assert cached == set(naive.pages), f"request {req.rid}"
-    assert r.cache.counters.evictions["L1"] > 0  # the capacity really bound
+    assert r.cache.counters.evictions["device"] > 0  # the capacity really bound
 
 
 def test_multi_turn_hits_previous_turn_including_output() -> None:
@@ -109,7 +112,7 @@ def test_multi_turn_hits_previous_turn_including_output() -> None:
         clients=3, rounds=3, request_length=400, output_length=130, think_time_s=0.5
     )
     res = replay(multi_turn(cfg), ReplayConfig.sized(10**6))
-    by_len = {o.prompt: o.l1 for o in res.outcomes}
+    by_len = {o.prompt: o.device for o in res.outcomes}
     assert by_len[400] == 0
     assert by_len[930] == 512  # 400 + 130 = 530 tokens cached -> 8 full pages (of 64)
     assert by_len[1460] == 1024  # 930 + 130 = 1060 -> 16 full pages
@@ -132,12 +135,12 @@ def test_file_storage_backend_gives_the_same_hits(tmp_path: Path) -> None:
     trace = small_trace(40, seed=5)
     cfg = ReplayConfig.sized(4096, 4096, "mem://")
     mem = replay(trace, cfg)
-    url = f"file://{tmp_path / 'l3'}"
+    url = f"file://{tmp_path / 'storage'}"
     disk = replay(
         trace, dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, storage_url=url))
     )
     assert [o.hit for o in disk.outcomes] == [o.hit for o in mem.outcomes]
-    assert disk.hit_tokens_by_tier()["L3"] > 0
+    assert disk.hit_tokens_by_tier()["storage"] > 0
 
 
 def test_replay_reads_a_trace_file(tmp_path: Path) -> None:
@@ -150,7 +153,7 @@ def test_replay_reads_a_trace_file(tmp_path: Path) -> None:
 
 
 def test_bad_replay_config() -> None:
-    with pytest.raises(ValueError, match="l1_tokens"):
+    with pytest.raises(ValueError, match="device_tokens"):
         ReplayConfig.sized(10)
     with pytest.raises(ValueError, match="unknown replay model"):
         Replayer(ReplayConfig(model="nope"))
@@ -170,20 +173,21 @@ def test_sample_trace_ceiling_equals_block_level_computation() -> None:
     assert res.ceiling_tokens == expect
     assert rep["ceiling"] == expect / trace.prompt_tokens
     tiers = res.hit_tokens_by_tier()
-    assert sum(tiers.values()) == expect and tiers["L3"] > 0 and tiers["L2"] > 0
+    assert sum(tiers.values()) == expect and tiers["storage"] > 0 and tiers["host"] > 0
 
 
-def _l3_only_trace() -> Trace:
-    """Request A (80 pages), three 80-page fillers that push A out of L1 and L2, then A again."""
+def _storage_only_trace() -> Trace:
+    """Request A (80 pages), three 80-page fillers that push A out of device and host memory, then A
+    again."""
     a = tuple(range(10))  # 10 blocks of 512 tokens = 80 pages of 64
     fillers = [tuple(range(100 * (f + 1), 100 * (f + 1) + 10)) for f in range(3)]
     chains = [a, *fillers, a]
     reqs = [TraceRequest(i, i * 1.0, 10 * BLOCK + 1, 1, hash_ids=c) for i, c in enumerate(chains)]
-    return Trace(reqs, source="l3-only")
+    return Trace(reqs, source="storage-only")
 
 
 @pytest.mark.parametrize(
-    "policy,l3_pages",
+    "policy,storage_pages",
     [
         ("wait_complete", 80),  # waits for every page: 2 ms + 80 x 10 ms = 0.802 s
         ("best_effort", 0),  # the request can run at once, so the prefetch stops at once
@@ -191,18 +195,18 @@ def _l3_only_trace() -> Trace:
         ("timeout", 59),
     ],
 )
-def test_prefetch_policy_decides_the_l3_hit(policy: str, l3_pages: int) -> None:
+def test_prefetch_policy_decides_the_storage_hit(policy: str, storage_pages: int) -> None:
     cfg = ReplayConfig.sized(100 * 64, 100 * 64, "mem://", prefetch_policy=policy, check_every=1)
-    res = replay(_l3_only_trace(), cfg)
+    res = replay(_storage_only_trace(), cfg)
     last = res.outcomes[-1]
-    assert (last.l1, last.l2, last.l3) == (0, 0, l3_pages * 64)
+    assert (last.device, last.host, last.storage) == (0, 0, storage_pages * 64)
     assert all(o.hit == 0 for o in res.outcomes[:-1])
     rep = res.report()
     assert rep["prefetch_policy"] == policy
     assert rep["storage"]["corrupt_pages"] == 0
     # the wait is what the policy allowed: all of the read, nothing, or the budget
     bound = {"wait_complete": 0.802, "best_effort": 0.0, "timeout": 0.6}[policy]
-    assert bound <= last.l3_wait_s <= bound + 0.02
+    assert bound <= last.storage_wait_s <= bound + 0.02
 
 
 @pytest.mark.parametrize(
@@ -212,8 +216,8 @@ def test_prefetch_policy_decides_the_l3_hit(policy: str, l3_pages: int) -> None:
 def test_round_robin_sessions_hit_as_vllm_block_pool(
     clients: int, rounds: int, capacity: int, hit_pages: int
 ) -> None:
-    """Sessions take turns and their histories together outgrow L1 a little. Evicting whole
-    tree nodes threw away a session's entire history to free a few pages (5 x 8 in 64 pages:
+    """Sessions take turns and their histories together outgrow device memory a little. Evicting
+    whole tree nodes threw away a session's entire history to free a few pages (5 x 8 in 64 pages:
     275 hit pages); evicting just the pages needed, from the tail, keeps prefixes the way vLLM's
     block pool does, and the hits equal its reference request by request."""
     trace = multi_turn(
@@ -232,7 +236,7 @@ def test_round_robin_sessions_hit_as_vllm_block_pool(
     total = 0
     for req in trace:
         out, mkeys, ins = r.serve(req)
-        assert out.l1 == pool.serve(mkeys, ins) * 64, f"request {req.rid}"
-        total += out.l1 // 64
+        assert out.device == pool.serve(mkeys, ins) * 64, f"request {req.rid}"
+        total += out.device // 64
     assert total == hit_pages
-    assert r.cache.counters.evictions["L1"] > 0
+    assert r.cache.counters.evictions["device"] > 0

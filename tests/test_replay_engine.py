@@ -23,7 +23,7 @@ CKPT = {"seed": 4, "max_position_embeddings": 4096}
 
 def test_engine_replay_matches_synthetic_and_recompute(ckpt: Path) -> None:
     trace = small_trace(20, seed=2, max_blocks=2)
-    # wait_complete: the hits do not depend on how long L3 reads take (synthetic vs real time)
+    # wait_complete: the hits do not depend on how long storage reads take (synthetic vs real time)
     base = dict(page_size=16, vocab_size=97, prefetch_policy="wait_complete")
     synth = Replayer(ReplayConfig.sized(16 * 80, 16 * 120, "mem://", **base))
     engine = Replayer(
@@ -32,11 +32,11 @@ def test_engine_replay_matches_synthetic_and_recompute(ckpt: Path) -> None:
         )
     )
     s_res, e_res = synth.run(trace), engine.run(trace)
-    tiers = [(o.rid, o.prompt, o.l1, o.l2, o.l3) for o in s_res.outcomes]
-    assert tiers == [(o.rid, o.prompt, o.l1, o.l2, o.l3) for o in e_res.outcomes]
-    assert e_res.hit_tokens_by_tier()["L2"] > 0  # the run spilled and came back from L2
-    assert e_res.hit_tokens_by_tier()["L3"] > 0
-    # every L1 page the tree holds equals the KV computed from scratch for its tokens
+    tiers = [(o.rid, o.prompt, o.device, o.host, o.storage) for o in s_res.outcomes]
+    assert tiers == [(o.rid, o.prompt, o.device, o.host, o.storage) for o in e_res.outcomes]
+    assert e_res.hit_tokens_by_tier()["host"] > 0  # the run spilled and came back from host memory
+    assert e_res.hit_tokens_by_tier()["storage"] > 0
+    # every device page the tree holds equals the KV computed from scratch for its tokens
     req: TraceRequest = trace.requests[-1]
     keys = engine.keys.keys(req)
     m = engine.cache.match(keys)

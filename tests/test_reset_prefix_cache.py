@@ -1,6 +1,6 @@
-"""Prefix-cache reset in the engine: L1 forgotten (L2 kept unless asked), refused while requests
-run, and with reset_running the running requests are preempted and recompute: their tokens and
-logits equal a run without any reset. Integrity is checked after every step and every reset."""
+"""Prefix-cache reset in the engine: device memory forgotten (host kept unless asked), refused while
+requests run, and with reset_running the running requests are preempted and recompute: their tokens
+and logits equal a run without any reset. Integrity is checked after every step and every reset."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def model(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 def engine(model, host_pages: int = 64) -> Engine:  # noqa: ANN001
     cfg = CacheConfig(page_size=PAGE, device_pages=48, host_pages=host_pages)
-    ecfg = EngineConfig(tiers="l1_l2", chunk_tokens=16, max_batch_tokens=64, max_running=4)
+    ecfg = EngineConfig(tiers="device_host", chunk_tokens=16, max_batch_tokens=64, max_running=4)
     return build_engine(ecfg, cfg, model=model).engine
 
 
@@ -56,7 +56,7 @@ def requests(tag: str, new: int = 12) -> list[Request]:
     return [Request(f"{tag}{i}", p, new, keep_logits=True) for i, p in enumerate(PROMPTS)]
 
 
-def test_reset_forgets_l1_and_with_drop_host_l2(model) -> None:  # noqa: ANN001
+def test_reset_forgets_device_and_with_drop_host(model) -> None:  # noqa: ANN001
     eng = engine(model)
     first = requests("a", 2)
     run(eng, first)
@@ -72,7 +72,11 @@ def test_reset_forgets_l1_and_with_drop_host_l2(model) -> None:  # noqa: ANN001
     assert cache.accounting()["device"] == {"free": 48, "cached": 0, "locked": 0, "in_flight": 0}
     again = [Request("b", PROMPTS[2], 2, keep_logits=True)]
     run(eng, again)
-    assert again[0].hits == {"L1": 0, "L2": 6, "L3": 0}  # all 6 hittable pages, from L2
+    assert again[0].hits == {
+        "device": 0,
+        "host": 6,
+        "storage": 0,
+    }  # all 6 hittable pages, from host memory
     assert again[0].output == first[2].output
     eng.drain()
     assert eng.reset_prefix_cache(drop_host=True)
@@ -81,7 +85,7 @@ def test_reset_forgets_l1_and_with_drop_host_l2(model) -> None:  # noqa: ANN001
     assert cache.accounting()["host"]["free"] == 64
     last = [Request("c", PROMPTS[2], 2)]
     run(eng, last)
-    assert last[0].hits == {"L1": 0, "L2": 0, "L3": 0}
+    assert last[0].hits == {"device": 0, "host": 0, "storage": 0}
 
 
 def test_refused_while_running_unless_preempting(model) -> None:  # noqa: ANN001

@@ -1,5 +1,5 @@
 """`kvstrata run` end to end on a tiny random Llama: all four tier sets, the report, the plot,
-L3 hits carried into a second run, and bad input rejected before the store is touched."""
+storage hits carried into a second run, and bad input rejected before the store is touched."""
 
 from __future__ import annotations
 
@@ -58,18 +58,19 @@ def tier_hits(rep: dict, tier: str | None = None) -> list[int]:
 
 
 def check_bytes_follow_hits(rep: dict) -> None:
-    """Every L2 or L3 hit page crossed L2->L1 once; every L3 hit page crossed L3->L2 once.
+    """Every host or storage hit page crossed host->device once; every storage hit page crossed
+    storage->host once.
 
-    A page read from L3 may count as an L2 hit: a waiting request whose lease stepped back
+    A page read from storage may count as a host hit: a waiting request whose lease stepped back
     (engine/admission.py: `_step_back`, when the request ahead does not fit) matches anew,
-    and the pages its first lease's prefetch landed are then L2 pages to the new lease. Whether
+    and the pages its first lease's prefetch landed are then host pages to the new lease. Whether
     that happens depends on when the storage reads finish (seen once under a loaded suite:
-    84 pages read, 74 counted as L3 hits), so that bound is a range; the exact totals are the
-    caller's (L3->L2 bytes == what the first run stored)."""
+    84 pages read, 74 counted as storage hits), so that bound is a range; the exact totals are the
+    caller's (storage->host bytes == what the first run stored)."""
     moved = rep["bytes_moved"]
-    l2, l3 = sum(tier_hits(rep, "L2")), sum(tier_hits(rep, "L3"))
-    assert moved["L2->L1"] == (l2 + l3) * PAGE_BYTES
-    assert l3 * PAGE_BYTES <= moved["L3->L2"] <= (l2 + l3) * PAGE_BYTES
+    host, storage = sum(tier_hits(rep, "host")), sum(tier_hits(rep, "storage"))
+    assert moved["host->device"] == (host + storage) * PAGE_BYTES
+    assert storage * PAGE_BYTES <= moved["storage->host"] <= (host + storage) * PAGE_BYTES
 
 
 def test_workload_is_deterministic_and_grows() -> None:
@@ -83,47 +84,55 @@ def test_workload_is_deterministic_and_grows() -> None:
     assert all(0 <= t < 97 for s in a for p in s for t in p)
 
 
-def test_run_all_configs_then_l3_hits_in_second_run(ckpt: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+def test_run_all_configs_then_storage_hits_in_second_run(
+    ckpt: Path, tmp_path: Path, capsys
+) -> None:  # noqa: ANN001
     out = tmp_path / "out"
     assert main(run_args(ckpt, out)) == 0
     printed = capsys.readouterr().out
     assert "identical" in printed and "report.json" in printed
     report = json.loads((out / "report.json").read_text())
     assert report["outputs_identical"] is True
-    assert set(report["configs"]) == {"none", "l1", "l1_l2", "l1_l2_l3"}
+    assert set(report["configs"]) == {"none", "device", "device_host", "device_host_storage"}
     for rep in report["configs"].values():
         for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "bytes_moved", "requests"):
             assert key in rep
-        assert set(rep["hit_rate_by_tier"]) == {"L1", "L2", "L3"}
+        assert set(rep["hit_rate_by_tier"]) == {"device", "host", "storage"}
         assert len(rep["requests"]) == 6
     cfg = report["configs"]
     best = ceiling_hits()
-    assert [(r["session"], r["turn"]) for r in cfg["l1"]["requests"]] == [
+    assert [(r["session"], r["turn"]) for r in cfg["device"]["requests"]] == [
         (s, t) for s in range(2) for t in range(3)
     ]
     assert tier_hits(cfg["none"]) == [0] * 6
-    # L1 alone is sized to spill (3/4 of the sessions' pages): it keeps part of the history ...
-    l1 = tier_hits(cfg["l1"], "L1")
-    assert all(h <= b for h, b in zip(l1, best, strict=True)) and sum(l1) < sum(best)
-    # ... and with L2 behind it (room for everything) every shareable page is a hit.
-    for name in ("l1_l2", "l1_l2_l3"):
+    # device memory alone is sized to spill (3/4 of the sessions' pages): it keeps part of the
+    # history ...
+    device = tier_hits(cfg["device"], "device")
+    assert all(h <= b for h, b in zip(device, best, strict=True)) and sum(device) < sum(best)
+    # ... and with host memory behind it (room for everything) every shareable page is a hit.
+    for name in ("device_host", "device_host_storage"):
         assert tier_hits(cfg[name]) == best
-        assert sum(tier_hits(cfg[name], "L2")) == sum(best) - sum(tier_hits(cfg[name], "L1")) > 0
+        assert (
+            sum(tier_hits(cfg[name], "host")) == sum(best) - sum(tier_hits(cfg[name], "device")) > 0
+        )
         check_bytes_follow_hits(cfg[name])
-        assert cfg[name]["bytes_moved"]["L3->L2"] == 0  # the store starts empty
-    stored = cfg["l1_l2"]["bytes_moved"]["L1->L2"]
-    assert stored % PAGE_BYTES == 0 and cfg["l1_l2_l3"]["bytes_moved"]["L2->L3"] == stored
+        assert cfg[name]["bytes_moved"]["storage->host"] == 0  # the store starts empty
+    stored = cfg["device_host"]["bytes_moved"]["device->host"]
+    assert (
+        stored % PAGE_BYTES == 0
+        and cfg["device_host_storage"]["bytes_moved"]["host->storage"] == stored
+    )
     assert (out / "ttft.png").stat().st_size > 1000
     assert any((out / "store").iterdir())
 
     assert main(run_args(ckpt, out)) == 0  # a new engine, the same file store
     again = json.loads((out / "report.json").read_text())
-    warm = again["configs"]["l1_l2_l3"]
+    warm = again["configs"]["device_host_storage"]
     hittable = [(r["prompt_tokens"] - 1) // PAGE for r in warm["requests"]]
     assert tier_hits(warm) == hittable  # every page the first run stored comes back
     first_turns = [r for r in warm["requests"] if r["turn"] == 0]
-    assert [r["hits"]["L3"] for r in first_turns] == [hittable[0], hittable[3]]
-    assert warm["bytes_moved"]["L3->L2"] == stored  # exactly what the first run backed up
+    assert [r["hits"]["storage"] for r in first_turns] == [hittable[0], hittable[3]]
+    assert warm["bytes_moved"]["storage->host"] == stored  # exactly what the first run backed up
     check_bytes_follow_hits(warm)
     assert again["outputs_identical"] is True
     assert [r["output"] for r in again["configs"]["none"]["requests"]] == [
@@ -168,16 +177,25 @@ def test_run_on_two_tensor_parallel_ranks_matches_one_rank(ckpt: Path, tmp_path:
     one = json.loads((tmp_path / "one" / "report.json").read_text())
     tp = json.loads((tmp_path / "tp" / "report.json").read_text())
     assert tp["outputs_identical"]
-    for name in ("none", "l1_l2_l3"):
+    for name in ("none", "device_host_storage"):
         outs = [r["output"] for r in one["configs"][name]["requests"]]
         assert [r["output"] for r in tp["configs"][name]["requests"]] == outs
-    for name in ("l1", "l1_l2", "l1_l2_l3"):  # the same cache decisions, request by request
+    for name in (
+        "device",
+        "device_host",
+        "device_host_storage",
+    ):  # the same cache decisions, request by request
         assert [r["hits"] for r in tp["configs"][name]["requests"]] == [
             r["hits"] for r in one["configs"][name]["requests"]
         ]
-    assert sum(tier_hits(tp["configs"]["l1"], "L1")) > 0  # the case is not vacuous
+    assert sum(tier_hits(tp["configs"]["device"], "device")) > 0  # the case is not vacuous
     assert all(r["ttft_s"] > 0 for r in tp["configs"]["none"]["requests"])  # wall time, per rank
-    for tiers in ("none", "l1", "l1_l2", "l1_l2_l3"):  # each configuration logged, ranks agree
+    for tiers in (
+        "none",
+        "device",
+        "device_host",
+        "device_host_storage",
+    ):  # each configuration logged, ranks agree
         assert (logs / "one" / tiers / "rank-0.jsonl").stat().st_size > 0
         assert main(["check-consensus", str(logs / "tp" / tiers)]) == 0
 

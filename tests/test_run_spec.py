@@ -31,7 +31,7 @@ def run_report(ckpt: Path, tmp: Path, *extra: str) -> dict:
 def accepts_of(report: dict) -> dict[str, dict[str, list[int]]]:
     """Each speculative configuration's per-request acceptance sequences."""
     cfg = report["configs"]
-    names = ("none", "l1", "l1_l2", "l1_l2_l3")
+    names = ("none", "device", "device_host", "device_host_storage")
     return {n: {r["rid"]: r["spec"]["accepts"] for r in cfg[n]["requests"]} for n in names}
 
 
@@ -44,16 +44,19 @@ def test_run_with_self_draft(one_rank: dict, capsys) -> None:  # noqa: ANN001
     report = one_rank
     assert report["outputs_identical"] is True
     cfg = report["configs"]
-    assert set(cfg) == {"none", "l1", "l1_l2", "l1_l2_l3", "plain"}
+    assert set(cfg) == {"none", "device", "device_host", "device_host_storage", "plain"}
     assert cfg["plain"]["spec"] is None
-    for name in ("none", "l1", "l1_l2", "l1_l2_l3"):
+    for name in ("none", "device", "device_host", "device_host_storage"):
         fig = cfg[name]["spec"]
         assert fig["proposed"] > 0 and 0.0 <= fig["acceptance_rate"] <= 1.0
         assert fig["accept_length"] == (fig["accepted"] + fig["verify_steps"]) / fig["verify_steps"]
     accepts = accepts_of(report)
     # restores from every tier leave each request's acceptance sequence as on a cold cache
     assert all(a == accepts["none"] for a in accepts.values())
-    assert cfg["l1_l2_l3"]["hit_rate"] > 0 and cfg["l1_l2"]["hit_rate_by_tier"]["L2"] > 0
+    assert (
+        cfg["device_host_storage"]["hit_rate"] > 0
+        and cfg["device_host"]["hit_rate_by_tier"]["host"] > 0
+    )
 
 
 def test_run_on_tp2_ranks_reports_the_same_acceptance(
@@ -67,7 +70,7 @@ def test_run_on_tp2_ranks_reports_the_same_acceptance(
     assert "acc len" in printed and "identical" in printed
     assert report["outputs_identical"] is True
     assert accepts_of(report) == accepts_of(one_rank)  # every request, every configuration
-    for name in ("none", "l1", "l1_l2", "l1_l2_l3"):
+    for name in ("none", "device", "device_host", "device_host_storage"):
         assert report["configs"][name]["spec"] == one_rank["configs"][name]["spec"]
     assert sum(sum(a) for a in accepts_of(report)["none"].values()) > 0
 

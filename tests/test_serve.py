@@ -71,7 +71,9 @@ def test_completion_streaming_equals_whole_and_cached_tokens_exact(client: opena
     assert text == whole.choices[0].text  # greedy: the same tokens, streamed or not
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     details = chunks[-1].usage.prompt_tokens_details
-    assert details.cached_tokens == 40  # the 5 full pages of the repeated prompt, from L1
+    assert (
+        details.cached_tokens == 40
+    )  # the 5 full pages of the repeated prompt, from device memory
     assert details.model_extra["cached_tokens_by_tier"] == {"device": 40, "host": 0, "storage": 0}
 
 

@@ -81,7 +81,7 @@ def test_sigterm_under_load_exits_0_and_restart_hits_the_store(ckpt: Path, tmp_p
             prompt=prompt(0), model="tiny", max_tokens=4, temperature=0
         )
         tiers = r.usage.prompt_tokens_details.model_extra["cached_tokens_by_tier"]
-        assert tiers == {"device": 0, "host": 0, "storage": 40}  # all 5 pages from L3
+        assert tiers == {"device": 0, "host": 0, "storage": 40}  # all 5 pages from storage
         assert r.choices[0].text == first.choices[0].text  # KV from storage: the same tokens
         assert again.wait_idle()["ok"]
     finally:
@@ -104,7 +104,9 @@ def test_kv_events_rebuild_the_cache(ckpt: Path, tmp_path: Path) -> None:
     try:
         time.sleep(1.0)  # the subscription reaches the publisher before the first event
         client = client_of(srv)
-        for i in range(8):  # 8 sessions x 2 turns through a 40-page L1: evictions, L2, L3
+        for i in range(
+            8
+        ):  # 8 sessions x 2 turns through a 40-page device pool: evictions, host, storage
             for turn in range(2):
                 client.completions.create(
                     prompt=prompt(i, 41 + 24 * turn), model="tiny", max_tokens=6, temperature=0
@@ -125,7 +127,9 @@ def test_kv_events_rebuild_the_cache(ckpt: Path, tmp_path: Path) -> None:
                 apply_events(payload, held)
         assert held == own
         assert seqs == list(range(len(seqs)))  # gap-free from 0
-        assert removed > 0  # L1 was too small: pages left the device and the events said so
+        assert (
+            removed > 0
+        )  # device memory was too small: pages left the device and the events said so
         replayed = replay(ctx, rep, 0)
         assert replayed[: len(payloads)] == list(zip(seqs, payloads, strict=True))
         assert replay(ctx, rep, 3)[0][0] == 3
@@ -186,7 +190,7 @@ def test_queue_full_is_503_then_recovers(ckpt: Path, tmp_path: Path) -> None:
     [
         (["--port", "70000"], "port must be in"),
         (["--max-pending", "0"], "max_pending must be positive"),
-        (["--tiers", "l1_l2_l3"], "needs --storage-url"),
+        (["--tiers", "device_host_storage"], "needs --storage-url"),
         (["--storage-url", "ftp://x"], "ftp"),
         (["--kv-events-replay-endpoint", "tcp://127.0.0.1:1"], "needs kv_events_endpoint"),
     ],

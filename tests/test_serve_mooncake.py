@@ -1,5 +1,5 @@
 """Two `kvstrata serve` processes on one real mooncake_master, each with its own Mooncake client
-contributing a segment: a prefix the first served is an L3 hit for the second, with the same
+contributing a segment: a prefix the first served is a storage hit for the second, with the same
 output (transformers' greedy tokens)."""
 
 from __future__ import annotations
@@ -28,10 +28,15 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def servers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("smc-logs")
     m = master()
-    l3 = ["--storage-url", m.url(segment="32m", buffer="16m"), "--prefetch-policy", "wait_complete"]
+    storage = [
+        "--storage-url",
+        m.url(segment="32m", buffer="16m"),
+        "--prefetch-policy",
+        "wait_complete",
+    ]
     started: list[Server] = []
     try:
-        started = start_all([(worker_args(ckpt, *l3), tmp / f"{n}.log") for n in ("a", "b")])
+        started = start_all([(worker_args(ckpt, *storage), tmp / f"{n}.log") for n in ("a", "b")])
         yield {"a": started[0], "b": started[1]}
     finally:
         for s in started:
@@ -45,7 +50,9 @@ def _tiers(r: object) -> dict[str, int]:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]  # type: ignore[attr-defined]
 
 
-def test_prefix_served_by_one_server_is_an_l3_hit_for_the_other(servers: dict, ckpt: Path) -> None:
+def test_prefix_served_by_one_server_is_a_storage_hit_for_the_other(
+    servers: dict, ckpt: Path
+) -> None:
     first = complete(servers["a"], PROMPT)
     assert first.status_code == 200, first.text
     assert _tiers(first) == {"device": 0, "host": 0, "storage": 0}

@@ -77,7 +77,9 @@ def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
         two.wait_idle()
         own = httpx.get(f"{two.url}/debug/blocks", timeout=30).json()  # checked on both ranks
         assert {m: set(v) for m, v in own.items()} == blocks_two
-        assert want[3][1] == 32  # the repeated prompt: its 4 full pages from L1, on both ranks
+        assert (
+            want[3][1] == 32
+        )  # the repeated prompt: its 4 full pages from device memory, on both ranks
         body = {"prompt": PROMPTS[2], "max_tokens": 300, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{two.url}/v1/completions", json=body, timeout=60) as r:
             next(r.iter_lines())  # then the client goes away: every rank aborts it

@@ -1,7 +1,8 @@
-"""`POST /reset_prefix_cache` on a real server: L1 forgotten (L2 too with reset_external), the
-KV events say AllBlocksCleared and a subscriber's rebuilt sets equal the cache's own after it;
-refused ({"success": false}, as vLLM) while a request runs, and with reset_running_requests=true that request is
-preempted, recomputes and ends with the same text as undisturbed."""
+"""`POST /reset_prefix_cache` on a real server: device memory forgotten (host too with
+reset_external), the KV events say AllBlocksCleared and a subscriber's rebuilt sets equal the
+cache's own after it; refused ({"success": false}, as vLLM) while a request runs, and with
+reset_running_requests=true that request is preempted, recomputes and ends with the same text as
+undisturbed."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def reset(srv: Server, query: str = "") -> httpx.Response:
 
 
 @pytest.mark.slow
-def test_reset_clears_l1_then_l2_and_events_follow(ckpt: Path, tmp_path: Path) -> None:
+def test_reset_clears_device_then_host_and_events_follow(ckpt: Path, tmp_path: Path) -> None:
     port = free_port()
     args = [
         "--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64", "--host-pages", "64",
@@ -79,7 +80,7 @@ def test_reset_clears_l1_then_l2_and_events_follow(ckpt: Path, tmp_path: Path) -
         first = [cached(client, p) for p in PROMPTS]
         assert first[0][1] == {"device": 0, "host": 0, "storage": 0}
         before = sub.catch_up(srv)
-        assert before["GPU"] and before["CPU"] == before["GPU"]  # write-through: L2 copies too
+        assert before["GPU"] and before["CPU"] == before["GPU"]  # write-through: host copies too
         r = reset(srv)
         assert r.status_code == 200 and r.json() == {"success": True}
         after = sub.catch_up(srv)

@@ -44,7 +44,7 @@ def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 def in_process(ckpt: Path, tmp: Path, draft: str) -> list[Request]:
     """The same requests one after another on an engine built like the server's."""
     cfg = EngineConfig(
-        model=str(ckpt), tiers="l1_l2", chunk_tokens=64, max_batch_tokens=256, threads=1,
+        model=str(ckpt), tiers="device_host", chunk_tokens=64, max_batch_tokens=256, threads=1,
         spec_draft=draft, spec_tokens=3, model_cache_dir=str(tmp),
     )  # fmt: skip
     built = build_engine(cfg, CacheConfig(page_size=8, device_pages=64, host_pages=64))
@@ -98,7 +98,7 @@ def test_usage_and_metrics_count_speculation(server: Server, ckpt: Path, tmp_pat
     ref = in_process(ckpt, tmp_path, "self:2")
     plain = in_process(ckpt, tmp_path, "")
     got = []
-    for i, p in enumerate([*PROMPTS, PROMPTS[0]]):  # the last one: its prefix is an L1 hit
+    for i, p in enumerate([*PROMPTS, PROMPTS[0]]):  # the last one: its prefix is a device hit
         kw = {"model": "tiny", "prompt": p, "max_tokens": NEW, "temperature": 0}
         if i == 1:  # streamed: the final usage chunk carries spec too
             chunks = list(

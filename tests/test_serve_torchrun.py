@@ -46,7 +46,7 @@ def test_torchrun_tp2_server(tmp_path: Path) -> None:
         assert httpx.post(f"{srv.url}/reset_prefix_cache", timeout=60).json() == {"success": True}
         after = client.completions.create(**body)
         tiers = after.usage.prompt_tokens_details.model_extra["cached_tokens_by_tier"]
-        assert tiers == {"device": 0, "host": 32, "storage": 0}  # L1 reset on both ranks
+        assert tiers == {"device": 0, "host": 32, "storage": 0}  # device reset on both ranks
         assert after.choices[0].text == first.choices[0].text
         assert srv.wait_idle()["ok"]
         pid = int(re.search(r"\(pid (\d+)\)", log.read_text()).group(1))  # rank 0

@@ -38,7 +38,9 @@ def test_decomposition_adds_up_and_cache_off_has_no_hit_terms(topo: str) -> None
     assert set(report["ablation"]) == set(ROWS)
     cells = report["ablation"]
     for label in cells["off"]:  # cache reuse never hurts here: compute dominates the transfers
-        assert cells["L1+L2+L3"][label]["ttft_mean_s"] < cells["off"][label]["ttft_mean_s"]
+        assert (
+            cells["device+host+storage"][label]["ttft_mean_s"] < cells["off"][label]["ttft_mean_s"]
+        )
 
 
 def test_compute_time_matches_hand_computed_flops() -> None:
@@ -103,9 +105,9 @@ def test_cli_simulate_and_replay_write_reports(
             "2",
             "--cp",
             "2",
-            "--l1-tokens",
+            "--device-tokens",
             "4096",
-            "--l2-tokens",
+            "--host-tokens",
             "8192",
             "--json",
             str(sim),
@@ -146,11 +148,14 @@ def test_cli_simulate_pd_reports_bytes_sent(tmp_path: Path, capsys: pytest.Captu
     path, sim = tmp_path / "t.jsonl", tmp_path / "sim.json"
     write_mooncake(small_trace(40).requests, path)
     args = ["simulate", str(path), "--hardware", "h100-nvme", "--tp", "2", "--pd"]
-    assert cli.main([*args, "--l1-tokens", "4096", "--l2-tokens", "8192", "--json", str(sim)]) == 0
+    assert (
+        cli.main([*args, "--device-tokens", "4096", "--host-tokens", "8192", "--json", str(sim)])
+        == 0
+    )
     rep = json.loads(sim.read_text())
     assert 0 < rep["pd_bytes_sent"] < rep["pd_bytes_whole_prompts"]
-    # the main row is L1+L2+L3: decode lacks exactly the tokens that row missed
+    # the main row is device+host+storage: decode lacks exactly the tokens that row missed
     assert math.isclose(rep["pd_bytes_sent_ratio"], 1 - rep["hit_rate"], rel_tol=1e-12)
     assert rep["ablation"]["off"]["tp2-pd"]["pd_bytes_sent"] == rep["pd_bytes_whole_prompts"]
-    assert rep["ablation"]["L1+L2+L3"]["tp2"]["pd_bytes_sent"] == 0
+    assert rep["ablation"]["device+host+storage"]["tp2"]["pd_bytes_sent"] == 0
     assert "P/D KV bytes sent" in capsys.readouterr().out

@@ -1,11 +1,12 @@
 """Speculative decoding on real gloo ranks (TP=2, PP=2, CP=2), a draft model (self:3: its
 acceptance here changes when restores drop the draft part; self:2's does not) and an MTP head,
-each layout run twice on one store (the second run: fresh processes, an L3 hit):
+each layout run twice on one store (the second run: fresh processes, a storage hit):
 
 - greedy tokens on every rank equal one rank's without speculation;
 - every request's acceptance sequence, on every rank, equals one rank's speculative run on a
-  cold cache (no tiers) exactly, in both runs: after L2 restores (every cached page is pushed
-  L1 -> L2 between turns: RankOptions.demote_when_idle) and after the second run's L3 restores;
+  cold cache (no tiers) exactly, in both runs: after host restores (every cached page is pushed
+  device -> host between turns: RankOptions.demote_when_idle) and after the second run's storage
+  restores;
 - every page a rank restored (its part: the target's layers it holds, and on the ranks holding
   them the draft's tail layers) equals the bytes the first run cached, bit for bit, and the
   draft's part is there (not zeros) on the ranks that hold it: the last pipeline stage, every
@@ -90,7 +91,7 @@ def refs(ckpt: Path, drafts: dict[str, str]) -> dict[str, Any]:
 
 
 def ranked(ckpt: Path, draft: str, layout: str, store: Path) -> list[dict[str, Any]]:
-    """The conversation on tp x cp x pp gloo ranks with tiers l1_l2_l3 on `store`."""
+    """The conversation on tp x cp x pp gloo ranks with tiers device_host_storage on `store`."""
     cache = CacheConfig(
         page_size=PAGE, device_pages=64, host_pages=64, storage_url=f"file://{store}",
         prefetch_policy="wait_complete",
@@ -99,7 +100,12 @@ def ranked(ckpt: Path, draft: str, layout: str, store: Path) -> list[dict[str, A
     dist = DistConfig(**dict.fromkeys(layout.split("+"), 2))
     work = MultiTurn([CONV], NEW)
     return run_distributed(
-        engine_cfg(ckpt, draft, "l1_l2_l3"), cache, dist, work, options=options, timeout_s=120
+        engine_cfg(ckpt, draft, "device_host_storage"),
+        cache,
+        dist,
+        work,
+        options=options,
+        timeout_s=120,
     )
 
 
@@ -126,13 +132,13 @@ def check_pages(run: list[dict[str, Any]], cold: list[dict[int, np.ndarray]]) ->
 
 def cold_bytes(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[dict]:
     """Per rank, the bytes the second run's restored pages must have: as the first run cached
-    them for the pages turn 0 restored from L3; as the second run first cached them for the
+    them for the pages turn 0 restored from storage; as the second run first cached them for the
     pages it computed itself (a prefill after a hit is not bit-equal to one over the whole
     prompt, so those pages may differ from the first run's in their last bits)."""
     out = []
     for a, b in zip(first, second, strict=True):
-        from_l3 = b["restored_pages"]["c0t0"]
-        out.append({**b["cached_pages"], **{k: a["cached_pages"][k] for k in from_l3}})
+        from_storage = b["restored_pages"]["c0t0"]
+        out.append({**b["cached_pages"], **{k: a["cached_pages"][k] for k in from_storage}})
     return out
 
 
@@ -153,15 +159,17 @@ def test_speculation_on_ranks_equals_one_rank_after_every_restore(
 ) -> None:
     store = tmp / f"store-{layout}-{kind}"
     first = ranked(ckpt, drafts[kind], layout, store)
-    second = ranked(ckpt, drafts[kind], layout, store)  # fresh ranks: turn 0 from L3
+    second = ranked(ckpt, drafts[kind], layout, store)  # fresh ranks: turn 0 from storage
     accepts, fingerprint = refs[kind]
     for rep in [*first, *second]:
         assert rep["outputs"] == refs["tokens"], rep["rank"]
         assert rep["spec_accepts"] == accepts, rep["rank"]
         assert rep["spec_fingerprint"] == fingerprint
     hits = first[0]["hits"]
-    assert hits["c0t0"]["L2"] == 0 and hits["c0t1"]["L2"] > 0 and hits["c0t2"]["L2"] > 0
-    assert second[0]["hits"]["c0t0"]["L3"] > 0
+    assert hits["c0t0"]["host"] == 0 and hits["c0t1"]["host"] > 0 and hits["c0t2"]["host"] > 0
+    assert second[0]["hits"]["c0t0"]["storage"] > 0
     cold = [rep["cached_pages"] for rep in first]  # each page's bytes when first cached
-    assert check_pages(first, cold) > 0  # L2 restores
-    assert check_pages(second, cold_bytes(first, second)) > 0  # L3 restores, then L1 / L2
+    assert check_pages(first, cold) > 0  # host restores
+    assert (
+        check_pages(second, cold_bytes(first, second)) > 0
+    )  # storage restores, then device / host

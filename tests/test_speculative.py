@@ -44,7 +44,7 @@ def generate(
     n: int,
     ps,
     new: int = 24,
-    tiers: str = "l1",
+    tiers: str = "device",
     check: bool = False,
     device_pages: int = 128,
 ):  # noqa: ANN001, ANN201

@@ -1,6 +1,7 @@
-"""The draft's KV is restored with the target's: after a hit from L1, L2 (forced demotion) or L3
-(a fresh process on the same store), every restored page's bytes, draft tail layers included,
-equal those the cold run cached, and each request's acceptance sequence equals a cold run's.
+"""The draft's KV is restored with the target's: after a hit from device, host (forced demotion) or
+storage (a fresh process on the same store), every restored page's bytes, draft tail layers
+included, equal those the cold run cached, and each request's acceptance sequence equals a cold
+run's.
 
 For an MTP head the draft's state also holds the target's hidden state at each page's last
 position (the next page's first entry reads it): "echo" is a head that reads almost nothing
@@ -56,7 +57,7 @@ def _pages(eng, keys: list[int], ids: list[int]) -> Pages:  # noqa: ANN001
 
 
 def _demote(eng, device_pages: int) -> None:  # noqa: ANN001
-    """Push every cached page out of L1 (as tests/test_engine_cache.py does)."""
+    """Push every cached page out of device memory (as tests/test_engine_cache.py does)."""
     ids = eng.cache.alloc_device(eng.cache.tiers.device.num_free)
     eng.cache.tiers.evict_device(device_pages)
     eng.cache.drain()
@@ -132,7 +133,7 @@ def assert_pages_as_fresh(model, prompts, results, tmp: Path, draft: str) -> Non
     """The last turn's pages (written after restoring earlier turns' pages) equal, within fp32
     tolerance, those of a fresh engine that computed its whole prompt: the draft's entries
     after each hit boundary read the real target state there (a zero state differs at once)."""
-    fresh = run_turns(model, "l1", tmp / "unused", [prompts[-1]], tmp, draft=draft)[0][4]
+    fresh = run_turns(model, "device", tmp / "unused", [prompts[-1]], tmp, draft=draft)[0][4]
     got = results[-1][4]
     common = sorted(set(fresh) & set(got))
     assert len(common) >= 3
@@ -149,7 +150,7 @@ def spec_draft(draft: str, ckpt: Path, tmp_path: Path) -> str:
 
 
 @pytest.mark.parametrize("draft", DRAFTS)
-def test_restore_from_l1_and_l2_keeps_draft_kv_and_acceptance(
+def test_restore_from_device_and_host_keeps_draft_kv_and_acceptance(
     ckpt: Path, tmp_path: Path, draft: str
 ) -> None:
     model = load_model(ckpt)
@@ -159,34 +160,41 @@ def test_restore_from_l1_and_l2_keeps_draft_kv_and_acceptance(
     plain = run_turns(model, "none", tmp_path / "s0", prompts, tmp_path, draft="")
     assert [r[0] for r in cold] == [r[0] for r in plain]  # greedy tokens as without drafts
     assert sum(sum(r[1]) for r in cold) > 0  # some drafts accepted
-    l1 = run_turns(model, "l1", tmp_path / "s1", prompts, tmp_path, draft=draft)
-    assert_same_acceptance(cold, l1)
-    assert_pages_as_fresh(model, prompts, l1, tmp_path, draft)
-    cached = {k: v for r in l1 for k, v in r[4].items()}
-    assert all(r[2]["L1"] == len(r[3]) for r in l1) and assert_restored(l1, cached, "L1") > 6
-    l2 = run_turns(model, "l1_l2", tmp_path / "s2", prompts, tmp_path, demote=True, draft=draft)
-    assert_same_acceptance(cold, l2)
-    assert_pages_as_fresh(model, prompts, l2, tmp_path, draft)
-    cached = {k: v for r in l2 for k, v in r[4].items()}
-    assert [r[2]["L1"] for r in l2] == [0] * 4
-    assert assert_restored(l2, cached, "L2") > 6 and all(r[2]["L2"] for r in l2[1:])
+    device = run_turns(model, "device", tmp_path / "s1", prompts, tmp_path, draft=draft)
+    assert_same_acceptance(cold, device)
+    assert_pages_as_fresh(model, prompts, device, tmp_path, draft)
+    cached = {k: v for r in device for k, v in r[4].items()}
+    assert (
+        all(r[2]["device"] == len(r[3]) for r in device)
+        and assert_restored(device, cached, "device") > 6
+    )
+    host = run_turns(
+        model, "device_host", tmp_path / "s2", prompts, tmp_path, demote=True, draft=draft
+    )
+    assert_same_acceptance(cold, host)
+    assert_pages_as_fresh(model, prompts, host, tmp_path, draft)
+    cached = {k: v for r in host for k, v in r[4].items()}
+    assert [r[2]["device"] for r in host] == [0] * 4
+    assert assert_restored(host, cached, "host") > 6 and all(r[2]["host"] for r in host[1:])
 
 
 def _child(ckpt: str, store: str, cache_dir: str, prompts, out: str, draft: str) -> None:  # noqa: ANN001
     torch.set_num_threads(1)
     res = run_turns(
-        load_model(ckpt), "l1_l2_l3", Path(store), prompts, Path(cache_dir), draft=draft
+        load_model(ckpt), "device_host_storage", Path(store), prompts, Path(cache_dir), draft=draft
     )
     torch.save(res, out)
 
 
 @pytest.mark.parametrize("draft", DRAFTS)
-def test_restore_from_l3_in_a_fresh_process(ckpt: Path, tmp_path: Path, draft: str) -> None:
+def test_restore_from_storage_in_a_fresh_process(ckpt: Path, tmp_path: Path, draft: str) -> None:
     model = load_model(ckpt)
     draft = spec_draft(draft, ckpt, tmp_path)
     prompts = conversation(3, seed=4)
     cold = run_turns(model, "none", tmp_path / "unused", prompts, tmp_path, draft=draft)
-    first = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=draft)
+    first = run_turns(
+        model, "device_host_storage", tmp_path / "store", prompts, tmp_path, draft=draft
+    )
     cached = {k: v for r in first for k, v in r[4].items()}
     out = tmp_path / "child.pt"
     args = (str(ckpt), str(tmp_path / "store"), str(tmp_path), prompts, str(out), draft)
@@ -195,35 +203,39 @@ def test_restore_from_l3_in_a_fresh_process(ckpt: Path, tmp_path: Path, draft: s
     proc.join(120)
     assert proc.exitcode == 0
     child = torch.load(out)
-    assert child[0][2] == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
-    assert assert_restored(child[:1], cached, "L3") == (len(prompts[0]) - 1) // PAGE
+    assert child[0][2] == {"device": 0, "host": 0, "storage": (len(prompts[0]) - 1) // PAGE}
+    assert assert_restored(child[:1], cached, "storage") == (len(prompts[0]) - 1) // PAGE
     # later turns also hit pages the child computed itself (a first turn's last page, through
     # another attention route than the cold run's: equal within float tolerance, not in bits);
     # every page restored from a tier equals the bytes of the run that computed it
     own = {k: v for r in child[:-1] for k, v in r[4].items()}
-    assert_restored(child, {**cached, **own}, "L3")
+    assert_restored(child, {**cached, **own}, "storage")
     assert_same_acceptance(cold, child)
     assert_pages_as_fresh(model, prompts, child, tmp_path, draft)
 
 
 def test_namespace_names_the_draft(ckpt: Path, tmp_path: Path) -> None:
     """KV made with one draft is never served to another: a draft of the same shape (2 layers)
-    but other weights gets no L3 hit from pages stored with self:2."""
+    but other weights gets no storage hit from pages stored with self:2."""
     model = load_model(ckpt)
     prompts = conversation(2, seed=6)
-    run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path)
-    again = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path)
-    assert again[0][2]["L3"] == (len(prompts[0]) - 1) // PAGE  # same draft: served
+    run_turns(model, "device_host_storage", tmp_path / "store", prompts, tmp_path)
+    again = run_turns(model, "device_host_storage", tmp_path / "store", prompts, tmp_path)
+    assert again[0][2]["storage"] == (len(prompts[0]) - 1) // PAGE  # same draft: served
     other = str(make_llama(tmp_path / "other", seed=9, num_hidden_layers=2))
-    stranger = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=other)
-    assert stranger[0][2]["L3"] == 0
-    run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft="mtp:random")
+    stranger = run_turns(
+        model, "device_host_storage", tmp_path / "store", prompts, tmp_path, draft=other
+    )
+    assert stranger[0][2]["storage"] == 0
+    run_turns(
+        model, "device_host_storage", tmp_path / "store", prompts, tmp_path, draft="mtp:random"
+    )
     head = load_head("mtp:random", model)
     head.layer.mlp.up_proj.weight.mul_(2.0)  # an MTP head of the same shape, other weights
     save_head(head, tmp_path / "head.safetensors")
     mtp = f"mtp:{tmp_path / 'head.safetensors'}"
-    mine = run_turns(model, "l1_l2_l3", tmp_path / "store", prompts, tmp_path, draft=mtp)
-    assert mine[0][2]["L3"] == 0 and again[0][2]["L3"] > 0
+    mine = run_turns(model, "device_host_storage", tmp_path / "store", prompts, tmp_path, draft=mtp)
+    assert mine[0][2]["storage"] == 0 and again[0][2]["storage"] > 0
 
 
 def test_page_keeps_the_target_state_at_its_last_position(ckpt: Path, tmp_path: Path) -> None:
@@ -232,7 +244,7 @@ def test_page_keeps_the_target_state_at_its_last_position(ckpt: Path, tmp_path: 
     model = load_model(ckpt)
     draft = spec_draft("echo", ckpt, tmp_path)
     prompt = conversation(1, seed=8)[0]
-    (res,) = run_turns(model, "l1", tmp_path / "unused", [prompt], tmp_path, draft=draft)
+    (res,) = run_turns(model, "device", tmp_path / "unused", [prompt], tmp_path, draft=draft)
     cached = list(res[4].values())  # the prompt's full pages, in order (outputs may follow)
     n_pages = len(prompt) // PAGE
     assert len(cached) >= n_pages >= 3
@@ -254,13 +266,17 @@ def test_page_keeps_the_target_state_at_its_last_position(ckpt: Path, tmp_path: 
 
 def test_page_without_draft_state_is_a_miss(ckpt: Path, tmp_path: Path) -> None:
     """An older version's store: the same page keys holding target + head KV but no state
-    layers. The new layout never reads them (a miss, L3 = 0), and the run drafts as cold."""
+    layers. The new layout never reads them (a miss, storage = 0), and the run drafts as cold."""
     model = load_model(ckpt)
     draft = spec_draft("echo", ckpt, tmp_path)
     prompts = conversation(1, seed=9)
-    first = run_turns(model, "l1_l2_l3", tmp_path / "new", prompts, tmp_path, draft=draft)
-    again = run_turns(model, "l1_l2_l3", tmp_path / "new", prompts, tmp_path, draft=draft)
-    assert again[0][2]["L3"] == (len(prompts[0]) - 1) // PAGE  # the new store serves
+    first = run_turns(
+        model, "device_host_storage", tmp_path / "new", prompts, tmp_path, draft=draft
+    )
+    again = run_turns(
+        model, "device_host_storage", tmp_path / "new", prompts, tmp_path, draft=draft
+    )
+    assert again[0][2]["storage"] == (len(prompts[0]) - 1) // PAGE  # the new store serves
     cached = first[0][4]
     s = model.kv_shape(PAGE)
     old = KVShape(TARGET_LAYERS + 1, s.num_kv_heads, s.head_dim, PAGE, s.dtype)
@@ -269,8 +285,10 @@ def test_page_without_draft_state_is_a_miss(ckpt: Path, tmp_path: Path) -> None:
     pages = [v[: old.num_layers].contiguous().view(torch.uint8).numpy() for v in cached.values()]
     assert store.put(list(cached), pages) == len(cached)
     store.close()
-    stale = run_turns(model, "l1_l2_l3", tmp_path / "old", prompts, tmp_path, draft=draft)
-    assert stale[0][2] == {"L1": 0, "L2": 0, "L3": 0}
+    stale = run_turns(
+        model, "device_host_storage", tmp_path / "old", prompts, tmp_path, draft=draft
+    )
+    assert stale[0][2] == {"device": 0, "host": 0, "storage": 0}
     cold = run_turns(model, "none", tmp_path / "unused", prompts, tmp_path, draft=draft)
     assert_same_acceptance(cold, stale)
     assert_same_acceptance(cold, again)

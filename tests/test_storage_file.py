@@ -48,7 +48,7 @@ def per_page(store: FileStore) -> int:
 
 @pytest.fixture
 def store(tmp_path: Path) -> FileStore:
-    s = open_storage(str(tmp_path / "l3"), PAGE)
+    s = open_storage(str(tmp_path / "storage"), PAGE)
     assert isinstance(s, FileStore)
     return s
 
@@ -147,7 +147,7 @@ def test_pages_read_in_pieces_are_verified_whole(tmp_path: Path, damage: str) ->
     """A page larger than READ_CHUNK is read and hashed piece by piece (the last piece partial):
     its bytes are exact, and damage past the first piece is still a miss."""
     nbytes = 2 * READ_CHUNK + 1000
-    store = FileStore(str(tmp_path / "l3"), nbytes)
+    store = FileStore(str(tmp_path / "storage"), nbytes)
     keys = make_keys(2)
     assert store.put(keys, [page_for(k, nbytes) for k in keys]) == 2
     victim = page_file(store, keys[1])

@@ -1,5 +1,6 @@
-"""Sealed L3 units (a cluster key): round trips, every tampering a miss that is counted, a store
-rewritten with valid headers gives the cold run's output, owner-only files; `kvstrata keys`."""
+"""Sealed storage units (a cluster key): round trips, every tampering a miss that is counted, a
+store rewritten with valid headers gives the cold run's output, owner-only files; `kvstrata
+keys`."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_a_rewritten_unit_with_a_valid_header_is_a_counted_miss(
 ) -> None:
     cfg = StorageConfig(key_file=str(key_file(tmp_path / "ck")), encrypt=encrypt)
     part = PagePart(SHAPE, (0, 2), (0, 2))
-    store = open_unit_storage(f"file://{tmp_path / 'l3'}", part, cfg)
+    store = open_unit_storage(f"file://{tmp_path / 'storage'}", part, cfg)
     pages = [
         np.random.default_rng(i).integers(0, 256, part.shape.page_nbytes, np.uint8)
         for i in range(3)
@@ -63,7 +64,9 @@ def test_a_rewritten_unit_with_a_valid_header_is_a_counted_miss(
     out = [np.zeros_like(p) for p in pages]
     assert store.get([11, 12, 13], out) == 3 and all(map(np.array_equal, out, pages))
     # a writer without the key rewrites one unit of page 12: new bytes, a header that verifies
-    victim = next(f for f in sorted((tmp_path / "l3").glob("??/*.kvp")) if _holds(f, store, 12))
+    victim = next(
+        f for f in sorted((tmp_path / "storage").glob("??/*.kvp")) if _holds(f, store, 12)
+    )
     raw = bytearray(victim.read_bytes())
     payload = np.frombuffer(bytes(raw[HEADER_NBYTES:]), np.uint8).copy()
     payload[30:60] ^= 0x55
@@ -82,7 +85,7 @@ def test_a_rewritten_unit_with_a_valid_header_is_a_counted_miss(
     victim.write_bytes(bytes(raw))
     assert store.get([11, 12, 13], out) == 1 and store.stats()["seal_failures"] == 2
     assert not victim.exists()
-    plain = open_unit_storage(f"file://{tmp_path / 'l3'}", part, StorageConfig())
+    plain = open_unit_storage(f"file://{tmp_path / 'storage'}", part, StorageConfig())
     assert plain.get([11], out) == 0  # a reader without the key reads nothing either
     plain.close()
     store.check_integrity()
@@ -97,12 +100,12 @@ def test_store_files_and_directories_are_owner_only(tmp_path: Path) -> None:
     part = PagePart(SHAPE, (0, 2), (0, 2))
     old = os.umask(0o022)
     try:
-        store = open_unit_storage(f"file://{tmp_path / 'l3'}", part, StorageConfig())
+        store = open_unit_storage(f"file://{tmp_path / 'storage'}", part, StorageConfig())
         store.put([5], [np.zeros(part.shape.page_nbytes, np.uint8)])
         store.close()
     finally:
         os.umask(old)
-    made = [p for p in (tmp_path / "l3").rglob("*")] + [tmp_path / "l3"]
+    made = [p for p in (tmp_path / "storage").rglob("*")] + [tmp_path / "storage"]
     assert len([p for p in made if p.is_file()]) >= 5  # units, commit marker
     for p in made:
         want = 0o700 if p.is_dir() else 0o600
@@ -133,15 +136,17 @@ def test_engine_output_over_a_tampered_sealed_store_equals_the_cold_run(
     cfg = StorageConfig(key_file=str(key_file(tmp_path / "ck")))
     prompts = conversation(2)
     cold = run_turns(model, "none", tmp_path / "s0", prompts)
-    run_turns(model, "l1_l2_l3", tmp_path / "l3", prompts[:1], storage_cfg=cfg)
-    warm = run_turns(model, "l1_l2_l3", tmp_path / "l3", prompts[:1], storage_cfg=cfg)
-    assert warm[0].hits["L3"] > 0  # sealed units read back
-    for f in (tmp_path / "l3").glob("??/*.kvp"):  # rewrite every unit, headers valid
+    run_turns(model, "device_host_storage", tmp_path / "storage", prompts[:1], storage_cfg=cfg)
+    warm = run_turns(
+        model, "device_host_storage", tmp_path / "storage", prompts[:1], storage_cfg=cfg
+    )
+    assert warm[0].hits["storage"] > 0  # sealed units read back
+    for f in (tmp_path / "storage").glob("??/*.kvp"):  # rewrite every unit, headers valid
         payload = np.frombuffer(f.read_bytes()[HEADER_NBYTES:], np.uint8).copy()
         payload[:-SEAL_OVERHEAD] ^= 0x3C  # the bodies
         f.write_bytes(encode_header(int(f.stem, 16), payload) + payload.tobytes())
-    after = run_turns(model, "l1_l2_l3", tmp_path / "l3", prompts, storage_cfg=cfg)
-    assert after[0].hits["L3"] == 0
+    after = run_turns(model, "device_host_storage", tmp_path / "storage", prompts, storage_cfg=cfg)
+    assert after[0].hits["storage"] == 0
     assert_same(cold, after)
 
 
@@ -150,7 +155,7 @@ def test_unit_store_cap_counts_what_it_takes_on_disk(tmp_path: Path) -> None:
     every unit file, marker file and fan-out directory takes a whole block)."""
     cap = 400_000
     part = PagePart(SHAPE, (0, 2), (0, 2))
-    root = tmp_path / "l3"
+    root = tmp_path / "storage"
     store = open_unit_storage(f"file://{root}", part, StorageConfig(max_bytes=cap))
     page = np.zeros(part.shape.page_nbytes, np.uint8)
     for key in range(1, 301):

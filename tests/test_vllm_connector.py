@@ -1,8 +1,8 @@
-"""kvstrata inside the real vLLM (CPU build, .venv-vllm): outputs, exact cached tokens, L3.
+"""kvstrata inside the real vLLM (CPU build, .venv-vllm): outputs, exact cached tokens, storage.
 
 One multi-turn workload, sessions round robin, whose histories exceed vLLM's KV space (16
 blocks of 32 tokens): vLLM alone evicts what the next turn needs; with kvstrata every turn's
-shared prefix comes back from L2 (host pages) or, after a restart, from L3 (file store).
+shared prefix comes back from host pages or, after a restart, from storage (file store).
 Every turn's prompt is the previous turn's prompt plus new tokens, so the exact cached count
 of turn t > 0 is the full blocks of turn t-1's prompt.
 """
@@ -51,14 +51,14 @@ def model() -> Path:
     return ensure_smollm2()
 
 
-def corrupt_unit(l3: Path, model: Path, prompt: list[int], page: int) -> None:
-    """Flip one payload byte of the first storage unit of `page` of `prompt` in the file L3."""
+def corrupt_unit(storage: Path, model: Path, prompt: list[int], page: int) -> None:
+    """Flip one payload byte of the first storage unit of `page` of `prompt` in the file storage."""
     ns = Namespace(model_fingerprint=str(model), kv_dtype="float32", page_size=BLOCK)
     key = page_keys(prompt[: (page + 1) * BLOCK], ns)[page]
     # SmolLM2: 30 layers, 3 KV heads of 64; units of 1 layer x 1 head
     unit = UnitLayout(KVShape(30, 3, 64, BLOCK)).unit_key(key, ((0, 1), (0, 1)))
     name = f"{unit:032x}"
-    path = l3 / name[:2] / f"{name}{PAGE_SUFFIX}"
+    path = storage / name[:2] / f"{name}{PAGE_SUFFIX}"
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -94,7 +94,7 @@ def alone(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[s
         return run(server, workload())
 
 
-def test_vllm_with_kvstrata_l2_then_l3_after_restart(
+def test_vllm_with_kvstrata_host_then_storage_after_restart(
     model: Path, tmp_path: Path, alone: tuple[list[str], list[int]]
 ) -> None:
     prompts = workload()
@@ -102,30 +102,33 @@ def test_vllm_with_kvstrata_l2_then_l3_after_restart(
     assert cached_alone != expected_cached(prompts), "the workload must exceed vLLM's KV space"
     extra = {
         "host_pages": 256,
-        "storage_url": f"file://{tmp_path / 'l3'}",
+        "storage_url": f"file://{tmp_path / 'storage'}",
         "check_integrity": True,  # tree and pools checked after every step: a fault stops vLLM
     }
     with VllmServer(model, tmp_path / "vllm_kvstrata.log", connector=extra) as kvs:
         texts, cached = run(kvs, prompts)
-        assert tier_hits(kvs, "L2") > 0 and tier_hits(kvs, "L3") == 0
+        assert tier_hits(kvs, "host") > 0 and tier_hits(kvs, "storage") == 0
     assert texts == texts_alone
     assert cached == expected_cached(prompts)
-    # a fresh server (empty L2, vLLM's cache cold) on the same L3: every prompt's full
+    # a fresh server (empty host pool, vLLM's cache cold) on the same storage: every prompt's full
     # blocks but the one holding its last token come back from storage
     last = prompts[-SESSIONS:]
-    corrupt_unit(tmp_path / "l3", model, last[0], page=2)  # session 0 reads 2 pages, recomputes
+    corrupt_unit(
+        tmp_path / "storage", model, last[0], page=2
+    )  # session 0 reads 2 pages, recomputes
     with VllmServer(model, tmp_path / "vllm_restart.log", connector=extra) as again:
         texts2, cached2 = run(again, last)
         salted = again.complete(last[0], max_tokens=OUT, salt="tenant-b")
-        # vLLM's own cache and kvstrata's L2 started cold: every cached token came from L3
-        assert wait_tier_hits(again, "L3", sum(cached2)) == sum(cached2)
-        assert tier_hits(again, "L2") == 0
+        # vLLM's own cache and kvstrata's host memory started cold: every cached token came from
+        # storage
+        assert wait_tier_hits(again, "storage", sum(cached2)) == sum(cached2)
+        assert tier_hits(again, "host") == 0
     assert texts2 == texts[-SESSIONS:]
     assert cached2 == [2 * BLOCK] + [(len(p) - 1) // BLOCK * BLOCK for p in last[1:]]
     assert salted.cached_tokens == 0 and salted.text == texts2[0]
 
 
-def test_redis_l3_killed_mid_run_is_a_miss_not_a_hang(
+def test_redis_storage_killed_mid_run_is_a_miss_not_a_hang(
     model: Path, tmp_path: Path, alone: tuple[list[str], list[int]]
 ) -> None:
     prompts = workload()
@@ -135,9 +138,9 @@ def test_redis_l3_killed_mid_run_is_a_miss_not_a_hang(
             first = run(kvs, prompts[:SESSIONS])
             assert redis_keys(redis.port) > 0, "write-through pages were backed up to redis"
             redis.kill()
-            rest = run(kvs, prompts[SESSIONS:])  # L3 probes and backups fail: misses
+            rest = run(kvs, prompts[SESSIONS:])  # storage probes and backups fail: misses
     assert first[0] + rest[0] == alone[0]
-    assert first[1] + rest[1] == expected_cached(prompts)  # L2 still holds every history
+    assert first[1] + rest[1] == expected_cached(prompts)  # host memory still holds every history
 
 
 def redis_keys(port: int) -> int:
@@ -168,7 +171,11 @@ def tiny_tp_model(path: Path, smollm2: Path) -> Path:
 
 def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
     tiny = tiny_tp_model(tmp_path / "tiny", model)
-    extra = {"host_pages": 64, "storage_url": f"file://{tmp_path / 'l3'}", "check_integrity": True}
+    extra = {
+        "host_pages": 64,
+        "storage_url": f"file://{tmp_path / 'storage'}",
+        "check_integrity": True,
+    }
     rng = np.random.default_rng(1)
     prompt, other = rng.integers(100, 40000, 200).tolist(), rng.integers(100, 40000, 100).tolist()
     tp2 = VllmServer(

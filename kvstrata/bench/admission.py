@@ -1,13 +1,14 @@
-"""`kvstrata bench admission`: TTFT of L1-hit requests queued behind one long L3 prefetch.
+"""`kvstrata bench admission`: TTFT of device-hit requests queued behind one long storage prefetch.
 
 One run, the same requests twice: with `admission_lookahead=1` (the head of the queue blocks
 everything behind it while it waits on storage: the old behaviour) and with the default
 lookahead (ready requests behind it go first). A random small Llama (no download) serves:
   1. a warm-up engine computes a long prompt and backs it up to a file store;
   2. a fresh engine sharing that store, whose reads are slowed to `READ_S_PER_PAGE` (remote
-     storage), first serves the short prompts once (they are now in its L1), then gets the long
-     prompt (an L3 hit: probe + prefetch) followed by the short prompts again (L1 hits).
-Reported: TTFT p50 of the short L1-hit requests and the long request's TTFT, per lookahead, and
+     storage), first serves the short prompts once (they are now in its device memory), then gets
+     the long prompt (a storage hit: probe + prefetch) followed by the short prompts again (device
+     hits).
+Reported: TTFT p50 of the short device-hit requests and the long request's TTFT, per lookahead, and
 their ratio (after / before) measured in this run.
 """
 
@@ -54,7 +55,7 @@ def _one(model: DecoderLM, path: Path, store: Path, lookahead: int, quick: bool)
     long, shorts = _prompts(quick, model.vocab_size)
     warm = _engine(model, path, store, lookahead, slow=False)
     warm.engine.run([Request("warm", long, 1)])
-    warm.close()  # drains the L3 backups
+    warm.close()  # drains the storage backups
     built = _engine(model, path, store, lookahead, slow=True)
     eng = built.engine
     eng.run([Request(f"s{i}", t, 1) for i, t in enumerate(shorts)])
@@ -64,11 +65,11 @@ def _one(model: DecoderLM, path: Path, store: Path, lookahead: int, quick: bool)
     eng.run([head, *behind])
     eng.check_integrity()
     built.close()
-    assert head.hits["L3"] > 0 and all(r.hits["L1"] == 2 for r in behind)
+    assert head.hits["storage"] > 0 and all(r.hits["device"] == 2 for r in behind)
     return {
-        "l1_hit_ttft_p50_s": statistics.median(r.ttft_s for r in behind),
+        "device_hit_ttft_p50_s": statistics.median(r.ttft_s for r in behind),
         "long_ttft_s": head.ttft_s,
-        "long_l3_pages": head.hits["L3"],
+        "long_storage_pages": head.hits["storage"],
     }
 
 
@@ -80,11 +81,11 @@ def bench_admission(quick: bool) -> dict[str, Any]:
         before = _one(model, path, Path(tmp) / "store1", 1, quick)
         after = _one(model, path, Path(tmp) / "store4", EngineConfig.admission_lookahead, quick)
     return {
-        "l1_hit_ttft_p50_s_head_blocks": before["l1_hit_ttft_p50_s"],
-        "l1_hit_ttft_p50_s_lookahead": after["l1_hit_ttft_p50_s"],
-        "l1_hit_ttft_ratio": after["l1_hit_ttft_p50_s"] / before["l1_hit_ttft_p50_s"],
+        "device_hit_ttft_p50_s_head_blocks": before["device_hit_ttft_p50_s"],
+        "device_hit_ttft_p50_s_lookahead": after["device_hit_ttft_p50_s"],
+        "device_hit_ttft_ratio": after["device_hit_ttft_p50_s"] / before["device_hit_ttft_p50_s"],
         "long_ttft_s_head_blocks": before["long_ttft_s"],
         "long_ttft_s_lookahead": after["long_ttft_s"],
-        "long_l3_pages": after["long_l3_pages"],
+        "long_storage_pages": after["long_storage_pages"],
         "read_s_per_page": READ_S_PER_PAGE,
     }

@@ -2,11 +2,11 @@
 
 Every term is the *exposed* time (the part not hidden behind compute), so a request's TTFT is the
 plain sum of its terms. Overlaps modelled (the rest is serial):
-- L2->L1 load is layer by layer: layer l+1 is copied while layer l computes, so only the first
+- host->device load is layer by layer: layer l+1 is copied while layer l computes, so only the first
   layer's copy and whatever the copies take beyond compute is exposed.
 - The CP gather uses two scratch buffers alternating across layers: same pipeline shape.
 - The P/D transfer streams layer by layer to the decode worker as layers finish: same shape.
-- The L3->L2 prefetch starts at arrival and overlaps queueing (see simulate.py).
+- The storage->host prefetch starts at arrival and overlaps queueing (see simulate.py).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Costs:
 
     compute_s: float
     load_s: float
-    prefetch_s: float  # full L3->L2 time; simulate.py hides the part that overlaps queueing
+    prefetch_s: float  # full storage->host time; simulate.py hides the part that overlaps queueing
     gather_s: float
     pd_transfer_s: float
     pd_bytes: float = 0.0
@@ -114,7 +114,7 @@ class CostModel:
         )
 
     def capacity_tokens(self) -> tuple[int, int]:
-        """(L1, L2) tokens this instance can cache: HBM left after weights, and host DRAM."""
+        """(device, host) tokens this instance can cache: HBM left after weights, and host DRAM."""
         hw, m, g = self.hw, self.model, self.topo.gpus
         weights = m.params * m.dtype_bytes
         kv_hbm = hw.gpu.hbm_bytes * hw.kv_mem_fraction * g - weights
@@ -122,9 +122,10 @@ class CostModel:
             raise ValueError(f"{m.name} weights do not fit {g} x {hw.gpu.name}; raise tp/pp")
         return int(kv_hbm // self.kv_per_token), int(hw.host_bytes_per_gpu * g // self.kv_per_token)
 
-    def costs(self, prompt: int, l1: int, l2: int, l3: int) -> Costs:
-        """Costs of a prompt of `prompt` tokens whose first l1 + l2 + l3 come from the tiers."""
-        hit = l1 + l2 + l3
+    def costs(self, prompt: int, device: int, host: int, storage: int) -> Costs:
+        """Costs of a prompt of `prompt` tokens whose first device + host + storage come from the
+        tiers."""
+        hit = device + host + storage
         if not 0 <= hit <= prompt:
             raise ValueError(f"hit tokens {hit} outside [0, {prompt}]")
         m, hw, topo = self.model, self.hw, self.topo
@@ -138,9 +139,9 @@ class CostModel:
             compute += (topo.pp - 1) * self.group_link.time(act)
         # Each GPU holds 1/gpus of a page's bytes (heads / tp, layers / pp, pages / cp) and
         # copies them over its own host link, all GPUs in parallel.
-        load_bytes = (l2 + l3) * self.kv_per_token
+        load_bytes = (host + storage) * self.kv_per_token
         load = pipelined(hw.host_link.time(load_bytes, lanes=topo.gpus), compute, layers)
-        prefetch = hw.storage.time(l3 * self.kv_per_token, lanes=self.nodes)
+        prefetch = hw.storage.time(storage * self.kv_per_token, lanes=self.nodes)
         gather = 0.0
         if topo.cp > 1:  # each rank receives the pages it does not own, of the whole context
             per_rank = prompt * self.kv_per_token / (topo.tp * topo.pp) * (topo.cp - 1) / topo.cp
@@ -148,7 +149,7 @@ class CostModel:
         pd, sent = 0.0, 0.0
         if topo.pd:
             # Decode matches first (docs/PD.md): it holds the `hit` prefix (its own tiers or the
-            # shared L3), so only the missed suffix, computed by prefill, goes over RDMA. Token
+            # shared storage), so only the missed suffix, computed by prefill, goes over RDMA. Token
             # granularity: the real send rounds up to whole pages (< one page more a request).
             sent = float((prompt - hit) * self.kv_per_token)
             pd = pipelined(hw.inter_node.time(sent, lanes=topo.gpus), compute, layers)

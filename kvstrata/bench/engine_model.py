@@ -2,7 +2,7 @@
 
 Cache decisions are the same as with the synthetic model (the replay drives them); here the bytes
 moved between tiers are real KV, computed by the model, copied layer by layer, stored and read
-back through the chosen L3 backend. For small traces: every prompt token is really computed.
+back through the chosen storage backend. For small traces: every prompt token is really computed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvstrata.workloads.trace import TokenMapper, TraceRequest
 
 @REPLAY_MODELS.register("engine")
 class EngineReplayModel:
-    """Computes prompt (and mapped output) tokens into the L1 pages the replay hands out."""
+    """Computes prompt (and mapped output) tokens into the device pages the replay hands out."""
 
     def __init__(self, cfg: ReplayConfig) -> None:
         self.lm = load_model(resolve_model_path(EngineConfig(model=cfg.model_path)))
@@ -52,7 +52,8 @@ class EngineReplayModel:
     def prefill(
         self, req: TraceRequest, hit_tokens: int, page_ids: list[int], load: TransferOp | None
     ) -> None:
-        """Compute tokens [hit_tokens, full pages) into `page_ids`; wait for the L2 load per layer."""
+        """Compute tokens [hit_tokens, full pages) into `page_ids`; wait for the host load per
+        layer."""
         toks = self.tokens.prompt_tokens(req)
         if req.output is not None:
             toks = np.concatenate([toks, np.asarray(req.output, dtype=np.int32)])
@@ -69,7 +70,7 @@ class EngineReplayModel:
         self.lm(batch, self.device, before_layer=before, last_only=True)
 
     def kv_of(self, page_ids: list[int]) -> torch.Tensor:
-        """[layers, 2, pages, page, heads, dim] copy of L1 pages (tests)."""
+        """[layers, 2, pages, page, heads, dim] copy of device pages (tests)."""
         return self.device.data[:, :, page_ids].clone()
 
     def close(self) -> None:

@@ -42,11 +42,11 @@ class HardwareProfile:
     name: str
     gpu: GPU
     gpus_per_node: int
-    host_link: Link  # L2 <-> L1, one per GPU
+    host_link: Link  # host <-> device, one per GPU
     intra_node: Link  # GPU <-> GPU inside a node (CP gather, PP activations)
     inter_node: Link  # RDMA NIC, one per GPU (P/D transfer, CP across nodes)
-    storage: Link  # L3 -> L2 per node
-    host_bytes_per_gpu: float  # DRAM a node can give the L2 pool, per GPU
+    storage: Link  # storage -> host per node
+    host_bytes_per_gpu: float  # DRAM a node can give the host pool, per GPU
     mfu: float = 0.5  # assumption: prefill reaches ~50% of peak on long prompts
     kv_mem_fraction: float = (
         0.9  # assumption: HBM share usable for weights + KV (SGLang mem_fraction_static ~0.88)
@@ -90,7 +90,8 @@ def _add(profile: HardwareProfile) -> None:
     PROFILES.register(profile.name)(lambda: profile)
 
 
-# DGX H100: 8 GPUs, 2 TB DDR5 per node (NVIDIA DGX H100 datasheet) -> 256 GB per GPU; give L2 half.
+# DGX H100: 8 GPUs, 2 TB DDR5 per node (NVIDIA DGX H100 datasheet) -> 256 GB per GPU; give the host
+# pool half.
 _add(
     HardwareProfile("h100-nvme", H100_SXM, 8, PCIE5_X16, NVLINK4, RDMA_400G, NVME_4X_GEN4, 128 * GB)
 )
@@ -103,7 +104,8 @@ _add(
 _add(
     HardwareProfile("h200-nvme", H200_SXM, 8, PCIE5_X16, NVLINK4, RDMA_400G, NVME_4X_GEN4, 128 * GB)
 )
-# DGX A100: 8 GPUs, 1 TB (2 TB option) DDR4 per node (NVIDIA DGX A100 datasheet) -> 64 GB per GPU to L2.
+# DGX A100: 8 GPUs, 1 TB (2 TB option) DDR4 per node (NVIDIA DGX A100 datasheet) -> 64 GB per GPU to
+# host memory.
 _add(
     HardwareProfile("a100-nvme", A100_SXM, 8, PCIE4_X16, NVLINK3, RDMA_200G, NVME_4X_GEN4, 64 * GB)
 )

@@ -1,5 +1,6 @@
 """LocalPD: a router, one prefill and one decode worker as local `kvstrata serve` processes on
-127.0.0.1 sharing one L3 directory (tests, `kvstrata bench pd`, the `pd` row of `kvstrata run`).
+127.0.0.1 sharing one storage directory (tests, `kvstrata bench pd`, the `pd` row of `kvstrata
+run`).
 
 Workers start together and are waited for with one bound (start_timeout_s), then the router,
 whose /health is 200 only when both workers' are. `stop()` sends SIGTERM to the router, then to
@@ -27,7 +28,7 @@ class LocalPDConfig:
     """What LocalPD starts: the model, the shared store, each process's extra options."""
 
     model: str = doc("", "checkpoint directory every worker loads")
-    store_dir: str = doc("", "L3 directory shared by both workers (file store)")
+    store_dir: str = doc("", "storage directory shared by both workers (file store)")
     log_dir: str = doc("", "directory of the three processes' logs")
     worker_args: tuple[str, ...] = doc((), "more `kvstrata serve` options of both workers")
     router_args: tuple[str, ...] = doc((), "more `kvstrata serve --role router` options")

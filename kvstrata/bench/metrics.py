@@ -46,7 +46,7 @@ class CacheCollector(Collector):
             evicted.add_metric([tier], pages)
         yield evicted
         prefetch = CounterMetricFamily(
-            f"{p}_prefetches", "L3 prefetch outcomes", labels=["outcome"]
+            f"{p}_prefetches", "storage prefetch outcomes", labels=["outcome"]
         )
         for outcome, n in c.prefetch.items():
             prefetch.add_metric([outcome], n)

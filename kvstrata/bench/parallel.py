@@ -1,6 +1,6 @@
 """`kvstrata bench parallel`: parallel KV placement costs, measured on real local gloo ranks.
 
-- L3 backup throughput per rank and in total at tp=1, tp=2 and cp=2: every rank's DistMover
+- storage backup throughput per rank and in total at tp=1, tp=2 and cp=2: every rank's DistMover
   backs up the same logical pages (its part, its own pages) into one file store of units;
   total = all bytes written / the slowest rank's time. Also the backup bytes rank 0 handled
   that belong to other ranks (goal 0: nothing is gathered).

@@ -74,10 +74,16 @@ def _run_both(
     from kvstrata.bench.local_pd import LocalPD, LocalPDConfig
 
     cfg = LocalPDConfig(
-        model=str(path), store_dir=f"{tmp}/pd-l3", log_dir=str(out_dir / "bench-pd-logs"),
+        model=str(path), store_dir=f"{tmp}/pd-storage", log_dir=str(out_dir / "bench-pd-logs"),
         worker_args=ENGINE_ARGS,
     )  # fmt: skip
-    single_args = ["--model", str(path), *ENGINE_ARGS, "--storage-url", f"file://{tmp}/single-l3"]
+    single_args = [
+        "--model",
+        str(path),
+        *ENGINE_ARGS,
+        "--storage-url",
+        f"file://{tmp}/single-storage",
+    ]
     pd = LocalPD(cfg)
     single = _start_both(pd, single_args, out_dir / "bench-pd-logs" / "single.log")
     try:

@@ -1,5 +1,5 @@
 """The `pd` row of `kvstrata run --pd`: the run's workload through a router,
-one prefill and one decode worker (LocalPD: local processes sharing one L3 directory under
+one prefill and one decode worker (LocalPD: local processes sharing one storage directory under
 --out), with the run's engine and cache settings.
 
 The workers answer in text, so the row joins the identical-outputs check by text: each of its
@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.bench.pd_load import Turn, drive
 from kvstrata.bench.run_report import TurnResult, config_report
-from kvstrata.cache.counters import DIRECTIONS
+from kvstrata.cache.counters import DIRECTIONS, TIERS
 from kvstrata.configtools import config_to_args
 from kvstrata.parallel.config import DistConfig
 
@@ -32,7 +32,6 @@ PD = "pd"
 ENGINE_SKIP = ("model", "model_cache_dir", "tiers", "spec_draft", "spec_tokens")
 """Set by LocalPD (model, tiers with its shared store) or not used by the row (speculation: the
 tokens are the same without it)."""
-TIER_OF = {"device": "L1", "host": "L2", "storage": "L3"}
 
 
 def pd_row_by_default(dist_cfg: DistConfig) -> bool:
@@ -62,7 +61,7 @@ class PDRow:
     bytes_moved: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(DIRECTIONS.values(), 0)
     )
-    """Both workers' KV bytes moved between tiers, by direction (L2->L1, ...)."""
+    """Both workers' KV bytes moved between tiers, by direction (host->device, ...)."""
     results: list[TurnResult] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,9 +69,9 @@ class PDRow:
 
     def _result(self, t: Turn) -> TurnResult:
         by_tier = (t.usage.get("prompt_tokens_details") or {}).get("cached_tokens_by_tier") or {}
-        hits = {tier: 0 for tier in TIER_OF.values()}
+        hits = dict.fromkeys(TIERS, 0)
         for name, tokens in by_tier.items():
-            hits[TIER_OF[name]] = int(tokens) // self.page_size
+            hits[name] = int(tokens) // self.page_size
         rid = f"s{t.session}t{t.turn}"
         return TurnResult(
             t.session, t.turn, rid, t.prompt_tokens, [], hits, t.ttft_s, self.page_size

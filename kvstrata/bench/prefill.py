@@ -7,7 +7,7 @@ against one transformers forward of the same prompt
 The two alternate in every round, so drifting load on a shared machine hits both alike; each
 side's median over the rounds is compared. Decode: tokens/s of kvstrata's greedy decode against
 transformers `generate` (greedy, KV cache on), both timed from the first generated token to the
-last. Also the TTFT of a prompt whose prefix is an L1 hit. Ratios: ours / transformers time for
+last. Also the TTFT of a prompt whose prefix is a device hit. Ratios: ours / transformers time for
 prefill (goal <= 1.0), ours / transformers tokens/s for decode (goal >= 1.0).
 """
 
@@ -45,8 +45,8 @@ def prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def engine_for(model: DecoderLM, tokens: int, tiers: str = "l1") -> Engine:
-    """An engine whose L1 holds one prompt of `tokens` plus its decode (cache empty).
+def engine_for(model: DecoderLM, tokens: int, tiers: str = "device") -> Engine:
+    """An engine whose device memory holds one prompt of `tokens` plus its decode (cache empty).
 
     Its pool is touched once here, as a serving engine's long-lived pool is: first-touch page
     faults of a fresh pool belong to start-up, not to a request's TTFT.
@@ -163,12 +163,12 @@ def decode_case(model: DecoderLM, hf: HF, n: int, new: int, rounds: int) -> dict
 
 
 def hit_ttft(model: DecoderLM, n: int) -> float:
-    """TTFT of a prompt whose first n - 1 tokens' full pages are an L1 hit (median of 3)."""
+    """TTFT of a prompt whose first n - 1 tokens' full pages are a device hit (median of 3)."""
     tokens = prompt(n, model.vocab_size, seed=7)
     eng = engine_for(model, n)
-    serve(eng, tokens, 1)  # cold: fills L1
+    serve(eng, tokens, 1)  # cold: fills device memory
     reqs = [serve(eng, tokens, 1) for _ in range(3)]
-    assert all(r.hits["L1"] == (n - 1) // PAGE for r in reqs), [r.hits for r in reqs]
+    assert all(r.hits["device"] == (n - 1) // PAGE for r in reqs), [r.hits for r in reqs]
     return statistics.median(r.ttft_s for r in reqs)
 
 

@@ -10,7 +10,7 @@ those, measured 2x slower on insert and 1.4x on match on this workload).
 Ours takes each request the way admission and commit do (cache/lease.py, cache/chain.py): the
 request's token ids become one bytes object, the tree is walked by token bytes (the matched
 pages' keys come from its nodes), and only the pages past the match are hashed, when the commit
-inserts them (or an L3 probe asks for them). So every hash our side really does is charged:
+inserts them (or a storage probe asks for them). So every hash our side really does is charged:
 match_s = chain + token walk + probe keys past the match; insert is timed as the admission walk
 (`admit_s`), the hash of the new pages (`hash_s`) and the tree insert below the matched node
 (`insert_s`, as a lease's commit inserts below the node it holds locked); total =
@@ -69,7 +69,7 @@ def time_insert_match(seqs: list[np.ndarray]) -> dict[str, float]:
     validation + bytes, what admission does) and walks the tree by tokens; `hash_s` hashes the
     pages past that match (the commit's only hashing); `insert_s` is the tree insert below the
     matched node. Match
-    (every sequence again): `match_s` = chain + token walk + the keys an L3 probe would ask for
+    (every sequence again): `match_s` = chain + token walk + the keys a storage probe would ask for
     past the match (none here: all pages are held), `match_tree_s` = the walk alone.
     """
     tree, n_pages = RadixTree(), [len(s) // PAGE for s in seqs]
@@ -111,7 +111,7 @@ def _time_matches(
         t1 = clock()
         matched += tree.match_chain(chain, n).pages
         t2 = clock()
-        chain.keys_upto(n)  # an L3 probe's keys: the pages past the match (here none)
+        chain.keys_upto(n)  # a storage probe's keys: the pages past the match (here none)
         t3 = clock()
         t["match_s"] += t3 - t0
         t["match_tree_s"] += t2 - t1

@@ -1,15 +1,15 @@
 """Replay a trace through the real cache (keys, tree, tiers, policies, storage backend).
 
 One request at a time, in arrival order, each driving its lease (kvstrata.cache.lease): match,
-L3 probe and prefetch under the prefetch policy, re-match, L2 -> L1 load, allocation of the
-rest, model.prefill, insert, release. A finished request leaves prompt (+ output) pages cached.
-With the synthetic model, time is a step clock: an L3 read takes `l3_first_byte_s +
-l3_page_s * pages` and a waiting request costs `step_s` per step, so the prefetch policies give
+storage probe and prefetch under the prefetch policy, re-match, host -> device load, allocation of
+the rest, model.prefill, insert, release. A finished request leaves prompt (+ output) pages cached.
+With the synthetic model, time is a step clock: a storage read takes `storage_first_byte_s +
+storage_page_s * pages` and a waiting request costs `step_s` per step, so the prefetch policies give
 different hit rates and waits (best_effort never waits here: nothing else runs, so the request
 can always be scheduled at once).
 
 The model is pluggable through REPLAY_MODELS: "synthetic" (kvstrata/bench/synthetic.py) moves no
-tensors and writes deterministic, checked page bytes to L3; "engine"
+tensors and writes deterministic, checked page bytes to storage; "engine"
 (kvstrata/bench/engine_model.py) computes every missed page with the real model.
 """
 
@@ -39,7 +39,7 @@ from kvstrata.workloads.trace import DEFAULT_VOCAB, KeyMapper, TokenMapper, Trac
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """Trace replay: the cache (its own config), the model that fills pages, L3 timing."""
+    """Trace replay: the cache (its own config), the model that fills pages, storage timing."""
 
     cache: CacheConfig = doc(CacheConfig(), "the cache under test", cli=False)
     model: str = doc(
@@ -47,14 +47,16 @@ class ReplayConfig:
     )
     model_path: str = doc("", "engine model: HF checkpoint dir; empty = SmolLM2-135M-Instruct")
     page_nbytes: int = doc(
-        64, "synthetic KV bytes per page written to L3 (tiny: only decisions matter)"
+        64, "synthetic KV bytes per page written to storage (tiny: only decisions matter)"
     )
-    l3_first_byte_s: float = doc(0.002, "synthetic L3 read: time to the first byte (seconds)")
-    l3_page_s: float = doc(
-        0.01, "synthetic L3 read: seconds per page (a 20 MB 70B-class page at 2 GB/s)"
+    storage_first_byte_s: float = doc(
+        0.002, "synthetic storage read: time to the first byte (seconds)"
+    )
+    storage_page_s: float = doc(
+        0.01, "synthetic storage read: seconds per page (a 20 MB 70B-class page at 2 GB/s)"
     )
     step_s: float = doc(0.005, "synthetic clock: one scheduler step while a request waits")
-    max_wait_s: float = doc(600.0, "a request waiting on L3 longer than this is an error")
+    max_wait_s: float = doc(600.0, "a request waiting on storage longer than this is an error")
     vocab_size: int = doc(DEFAULT_VOCAB, "token ids of mapped hash ids are < vocab_size")
     check_every: int = doc(
         0, "run the cache's check_integrity every N requests (0: only at the end)"
@@ -63,26 +65,26 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.page_nbytes <= 0:
             raise ValueError("page_nbytes must be > 0")
-        if min(self.l3_first_byte_s, self.l3_page_s, self.check_every) < 0:
-            raise ValueError("l3_first_byte_s, l3_page_s and check_every must be >= 0")
+        if min(self.storage_first_byte_s, self.storage_page_s, self.check_every) < 0:
+            raise ValueError("storage_first_byte_s, storage_page_s and check_every must be >= 0")
         if self.step_s <= 0 or self.max_wait_s <= 0:
             raise ValueError("step_s and max_wait_s must be > 0")
 
     @classmethod
     def sized(
-        cls, l1_tokens: int, l2_tokens: int = 0, storage_url: str = "", **fields: Any
+        cls, device_tokens: int, host_tokens: int = 0, storage_url: str = "", **fields: Any
     ) -> ReplayConfig:
         """A replay whose tier capacities are given in tokens; other keyword arguments go to
         the CacheConfig field or the ReplayConfig field of that name."""
         cache_names = {f.name for f in dataclasses.fields(CacheConfig)}
         cache_kw = {k: fields.pop(k) for k in list(fields) if k in cache_names}
         page = cache_kw.get("page_size", CacheConfig.page_size)
-        if l1_tokens < page:
-            raise ValueError(f"l1_tokens must hold at least one page ({page} tokens)")
+        if device_tokens < page:
+            raise ValueError(f"device_tokens must hold at least one page ({page} tokens)")
         cache = CacheConfig(
-            device_pages=l1_tokens // page,
-            host_pages=l2_tokens // page,
-            storage_url=storage_url if l2_tokens >= page else "",
+            device_pages=device_tokens // page,
+            host_pages=host_tokens // page,
+            storage_url=storage_url if host_tokens >= page else "",
             **cache_kw,
         )
         return cls(cache=cache, **fields)
@@ -94,11 +96,11 @@ class ReplayConfig:
     @property
     def tiers(self) -> str:
         c = self.cache
-        return "L1" + ("+L2" if c.host_pages else "") + ("+L3" if c.storage_url else "")
+        return "device" + ("+host" if c.host_pages else "") + ("+storage" if c.storage_url else "")
 
     @property
     def latency(self) -> StorageLatency:
-        return StorageLatency(self.l3_first_byte_s, self.l3_page_s)
+        return StorageLatency(self.storage_first_byte_s, self.storage_page_s)
 
 
 class ReplayModel(Protocol):
@@ -113,8 +115,9 @@ class ReplayModel(Protocol):
     def prefill(
         self, req: TraceRequest, hit_tokens: int, page_ids: list[int], load: TransferOp | None
     ) -> None:
-        """Compute prompt tokens [hit_tokens, input_length) into L1 `page_ids` (one per full page
-        of prompt + output); `load` is the L2 -> L1 copy of the hit pages to wait on per layer."""
+        """Compute prompt tokens [hit_tokens, input_length) into the device pages `page_ids` (one
+        per full page of prompt + output); `load` is the host -> device copy of the hit pages to
+        wait on per layer."""
 
     def close(self) -> None: ...
 
@@ -126,7 +129,8 @@ MODEL_MODULES: tuple[str, ...] = ("kvstrata.bench.engine_model",)
 
 @REPLAY_MODELS.register("synthetic")
 class SyntheticModel:
-    """No compute: the cache decisions and L3 page bytes are real, the KV values are synthetic."""
+    """No compute: the cache decisions and storage page bytes are real, the KV values are
+    synthetic."""
 
     virtual_time = True
 
@@ -162,12 +166,15 @@ class ReplayResult:
         return sum(o.prompt for o in self.outcomes)
 
     def hit_tokens_by_tier(self) -> dict[str, int]:
-        return {t: sum(getattr(o, t.lower()) for o in self.outcomes) for t in ("L1", "L2", "L3")}
+        return {
+            t: sum(getattr(o, t.lower()) for o in self.outcomes)
+            for t in ("device", "host", "storage")
+        }
 
     def report(self) -> dict[str, Any]:
         total = self.prompt_tokens
         by_tier = self.hit_tokens_by_tier()
-        waits = [o.l3_wait_s for o in self.outcomes]
+        waits = [o.storage_wait_s for o in self.outcomes]
         hits = sum(by_tier.values())
         return {
             "requests": len(self.outcomes),
@@ -182,8 +189,8 @@ class ReplayResult:
             "evictions": self.stats["evictions"],
             "prefetch": self.stats["prefetch"],
             "prefetch_policy": self.config.cache.prefetch_policy,
-            "l3_wait_s_total": sum(waits),
-            "l3_wait_s_max": max(waits, default=0.0),
+            "storage_wait_s_total": sum(waits),
+            "storage_wait_s_max": max(waits, default=0.0),
             "wall_s": self.wall_s,
             "tokens_per_s": total / self.wall_s if self.wall_s > 0 else 0.0,
             "storage": self.storage_stats,
@@ -214,7 +221,7 @@ class Replayer:
             page_nbytes=self.model.page_nbytes,
         )
         self.keys = KeyMapper(Namespace(page_size=cc.page_size), TokenMapper(cfg.vocab_size))
-        self.uncached = 0  # requests whose pages did not fit in L1
+        self.uncached = 0  # requests whose pages did not fit in device memory
 
     def clock(self) -> float:
         return self.now if self.model.virtual_time else time.monotonic()
@@ -237,7 +244,8 @@ class Replayer:
         while not lease.advance(self.clock(), can_schedule=True):
             if self.clock() - start > self.cfg.max_wait_s:
                 raise TimeoutError(
-                    f"request {req.rid}: L3 probe/prefetch unfinished after {self.cfg.max_wait_s} s"
+                    f"request {req.rid}: storage probe/prefetch unfinished after "
+                    f"{self.cfg.max_wait_s} s"
                 )
             self._tick()
         waited = self.clock() - start
@@ -246,7 +254,7 @@ class Replayer:
         if lease.state is LeaseState.ADMITTED:
             self.model.prefill(req, lease.hit_tokens, lease.page_table, lease.load)
             lease.commit(len(ins) * page)
-        else:  # nothing else runs here, so waiting cannot free L1: serve it uncached
+        else:  # nothing else runs here, so waiting cannot free device memory: serve it uncached
             self.uncached += 1
         lease.release()
         cache.drain()
@@ -258,7 +266,7 @@ class Replayer:
             h.device * page,
             h.host * page,
             h.storage * page,
-            l3_wait_s=waited,
+            storage_wait_s=waited,
         )
         return out, ins[: lease.match_pages], ins
 

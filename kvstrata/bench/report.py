@@ -32,11 +32,11 @@ def hit_rate_png(outcomes: Sequence[Outcome], path: Path, bins: int = 40, title:
     denom = np.where(prompt > 0, prompt, 1)
     layers = [
         np.bincount(idx, weights=[getattr(o, k) for o in outcomes], minlength=bins) / denom
-        for k in ("l1", "l2", "l3")
+        for k in ("device", "host", "storage")
     ]
     mid = (edges[:-1] + edges[1:]) / 2
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.stackplot(mid, *layers, labels=["L1 (device)", "L2 (host)", "L3 (storage)"], alpha=0.85)
+    ax.stackplot(mid, *layers, labels=["device", "host", "storage"], alpha=0.85)
     ax.set_xlabel("arrival time (s)")
     ax.set_ylabel("hit rate (tokens)")
     ax.set_ylim(0, 1)

@@ -1,7 +1,7 @@
 """The report of `kvstrata run`: per-configuration figures, the JSON file and the TTFT plot.
 
 JSON shape (docs/CONTRACTS.md):
-    {"configs": {name: {"hit_rate", "hit_rate_by_tier": {"L1","L2","L3"}, "ttft_p50_s",
+    {"configs": {name: {"hit_rate", "hit_rate_by_tier": {"device","host","storage"}, "ttft_p50_s",
                         "ttft_p90_s", "bytes_moved": {direction: bytes},
                         "spec": None | {"acceptance_rate", "accept_length", ...},
                         "requests": [{..., "spec": None | {..., "accepts": [...]}}]}},
@@ -31,7 +31,7 @@ class TurnResult:
     rid: str
     prompt_tokens: int
     output: list[int]
-    hits: dict[str, int]  # prompt pages by tier: L1, L2, L3
+    hits: dict[str, int]  # prompt pages by tier: device, host, storage
     ttft_s: float
     page_size: int
     spec_accepts: tuple[int, ...] = ()  # accepted drafts per verify step (speculation only)

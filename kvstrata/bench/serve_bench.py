@@ -4,7 +4,7 @@ Without --url it starts our server twice on a free port (default tiers, then --t
 drives each with the same sessions; with --url it drives that server (any OpenAI-compatible
 engine) twice, the second time with a fresh `cache_salt` per request, so nothing is shared.
 Prints TTFT p50/p90/p99, TPOT p50, output tokens/s, hit rate; writes a PNG. Without --url it
-also measures the server's overhead: TTFT through HTTP of a full L1 hit over the engine's own
+also measures the server's overhead: TTFT through HTTP of a full device hit over the engine's own
 TTFT for the same prompt tokens (an in-process engine with the same configs), interleaved,
 medians; and the same agent load driven straight into that in-process engine (`direct`), HTTP
 over direct for TTFT p50 and wall time; and that load once more with the decode-latency budget
@@ -71,8 +71,8 @@ def serve_bench(
     for mode, rep in (("on", on), ("off", off)):  # the scalars the table prints
         for key in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "output_tokens_per_s", "hit_rate"):
             report[f"{key}_{mode}"] = rep[key]
-    if "l1_hit_overhead" in report:
-        report["l1_hit_http_over_engine"] = report["l1_hit_overhead"]["http_over_engine"]
+    if "device_hit_overhead" in report:
+        report["device_hit_http_over_engine"] = report["device_hit_overhead"]["http_over_engine"]
     if "direct" in report:  # the same load straight into an in-process engine
         d = report["direct"]
         report["ttft_p50_http_over_direct"] = on["ttft_p50_s"] / d["ttft_p50_s"]
@@ -111,13 +111,16 @@ def _drive_ours(
     path = resolve_model_path(EngineConfig(model=model or ""))
     args = ["--model", str(path), *ENGINE_ARGS]
     report: dict[str, Any] = {"model": str(path)}
-    for mode, extra in (("cache_on", ["--tiers", "l1_l2"]), ("cache_off", ["--tiers", "none"])):
+    for mode, extra in (
+        ("cache_on", ["--tiers", "device_host"]),
+        ("cache_off", ["--tiers", "none"]),
+    ):
         srv = ServerProcess([*args, *extra], out_dir / f"bench-serve-{mode}.log")
         try:
             res = run_load(srv.url, None, spec, False, _ticker(progress, mode, spec))
             report[mode] = summarize(res)
             if mode == "cache_on":
-                report["l1_hit_overhead"] = _l1_overhead(srv.url, path, spec)
+                report["device_hit_overhead"] = _device_overhead(srv.url, path, spec)
         finally:
             if srv.terminate() != 0:
                 raise RuntimeError(f"server ({mode}) did not exit 0; see {srv.log}")
@@ -136,7 +139,7 @@ def _engine(path: Path, decode_step_tokens: int = 0) -> Any:
     cfg = CacheConfig(page_size=64, device_pages=512, host_pages=1024)
     ecfg = EngineConfig(
         model=str(path),
-        tiers="l1_l2",
+        tiers="device_host",
         threads=BENCH_THREADS,
         decode_step_tokens=decode_step_tokens,
     )
@@ -163,8 +166,8 @@ def _direct(
     return summarize(res)
 
 
-def _l1_overhead(url: str, path: Path, spec: LoadSpec) -> dict[str, float]:
-    """Full-L1-hit TTFT through HTTP vs the engine's own, for the same prompt tokens."""
+def _device_overhead(url: str, path: Path, spec: LoadSpec) -> dict[str, float]:
+    """Full-device-hit TTFT through HTTP vs the engine's own, for the same prompt tokens."""
     import httpx2 as httpx
 
     from kvstrata.engine.request import Request

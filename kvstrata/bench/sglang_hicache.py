@@ -101,7 +101,8 @@ def run_sglang_bench(quick: bool, base_dir: str) -> dict[str, Any]:
 
 @BENCHES.register("sglang")
 def bench_sglang(quick: bool) -> dict[str, Any]:
-    """Our store as SGLang's HiCache L3 vs SGLang's own file backend, same calls and pages."""
+    """Our store as SGLang's HiCache storage tier vs SGLang's own file backend, same calls and
+    pages."""
     try:
         import sglang  # noqa: F401
     except ImportError:

@@ -2,14 +2,14 @@
 
 Two phases, exact for a FIFO instance: (1) the trace is replayed through the real cache manager in
 arrival order (kvstrata/bench/replay.py), recording for each request how many prompt tokens came
-from L1, L2 and L3; (2) a single-server FIFO turns those outcomes into times with the cost model.
-A FIFO serves requests in arrival order whatever the timings, and each prefill finishes (and
-inserts its pages) before the next starts, so the cache sees exactly the order phase 1 used.
+from device, host and storage; (2) a single-server FIFO turns those outcomes into times with the
+cost model. A FIFO serves requests in arrival order whatever the timings, and each prefill finishes
+(and inserts its pages) before the next starts, so the cache sees exactly the order phase 1 used.
 
 TTFT decomposition per request (seconds, all exposed time, summing to the TTFT):
     queue_s        waiting for the instance to free up
-    prefetch_s     L3 -> L2 time not hidden behind queueing (the prefetch starts at arrival)
-    load_s         L2 -> L1 time not hidden behind layer compute
+    prefetch_s     storage -> host time not hidden behind queueing (the prefetch starts at arrival)
+    load_s         host -> device time not hidden behind layer compute
     compute_s      prefill FLOPs of the missed suffix (+ PP activation hops)
     gather_s       CP gather not hidden behind compute
     pd_transfer_s  P/D KV transfer not hidden behind compute
@@ -41,15 +41,15 @@ class Outcome:
     rid: int
     arrival_s: float
     prompt: int
-    l1: int = 0
-    l2: int = 0
-    l3: int = 0
-    l3_wait_s: float = 0.0
-    """Time the request waited on its L3 probe and prefetch (the replay's clock)."""
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+    storage_wait_s: float = 0.0
+    """Time the request waited on its storage probe and prefetch (the replay's clock)."""
 
     @property
     def hit(self) -> int:
-        return self.l1 + self.l2 + self.l3
+        return self.device + self.host + self.storage
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def fifo(outcomes: Sequence[Outcome], cost: CostModel, time_scale: float = 1.0) 
     free_at = 0.0
     out: list[Timing] = []
     for o in sorted(outcomes, key=lambda o: (o.arrival_s, o.rid)):
-        c = cost.costs(o.prompt, o.l1, o.l2, o.l3)
+        c = cost.costs(o.prompt, o.device, o.host, o.storage)
         arrival = o.arrival_s * time_scale
         start = max(
             free_at, arrival + c.prefetch_s

@@ -1,6 +1,6 @@
 """`kvstrata bench spec`: speculative decoding of SmolLM2 with its NextN draft layer on the agent
 workload, in one run: output tokens/s with and without speculation, and acceptance on a cold
-cache and after restores from L1, L2 (forced demotion after every round) and L3 (a fresh
+cache and after restores from device, host (forced demotion after every round) and storage (a fresh
 engine every round).
 
 The sessions' turn k run together as round k; turn k's prompt extends turn k-1's, so from round 1
@@ -42,7 +42,8 @@ Rounds = list[list[list[int]]]  # [turn][session] -> prompt
 
 
 def _demote(eng: Engine) -> None:
-    """Push every cached page out of L1 (to L2): fill the free pages, evict, give them back."""
+    """Push every cached page out of device memory (to host memory): fill the free pages, evict,
+    give them back."""
     cache = eng.cache
     assert cache is not None
     ids = cache.alloc_device(cache.tiers.device.num_free)
@@ -116,7 +117,7 @@ def _summary(reqs: list[Request], busy: float) -> dict[str, Any]:
         "acceptance": accepted / proposed if proposed else 0.0,
         "accept_length": sum(r.accept_length for r in reqs) / len(reqs),
         "tokens_per_s": sum(len(r.output) for r in reqs) / busy,
-        "hits": {t: sum(r.hits[t] for r in later) for t in ("L1", "L2", "L3")},
+        "hits": {t: sum(r.hits[t] for r in later) for t in ("device", "host", "storage")},
         "outputs": {r.rid: r.output for r in reqs},
         "accepts": {r.rid: r.spec_accepts for r in reqs},
     }
@@ -154,9 +155,11 @@ def measure(
     plain = run.serve("none", "")
     cold = run.serve("none", draft)
     cases = {
-        "l1": run.serve("l1_l2_l3", draft),  # also fills L3 for the fresh engines below
-        "l2": run.serve("l1_l2", draft, demote=True),
-        "l3": run.serve("l1_l2_l3", draft, fresh=True),
+        "device": run.serve(
+            "device_host_storage", draft
+        ),  # also fills storage for the fresh engines below
+        "host": run.serve("device_host", draft, demote=True),
+        "storage": run.serve("device_host_storage", draft, fresh=True),
     }
     report: dict[str, Any] = {"draft": draft, "spec_tokens": SPEC_TOKENS, "page_size": PAGE}
     report["draft_cost_ratio"] = draft_cost_ratio(model, draft)
@@ -164,7 +167,7 @@ def measure(
     report["acceptance_cold"] = cold["acceptance"]
     for name, case in cases.items():
         report[f"acceptance_{name}"] = case["acceptance"]
-        report[f"{name}_hit_pages"] = case["hits"][name.upper()]
+        report[f"{name}_hit_pages"] = case["hits"][name]
     report["accept_length_cold"] = cold["accept_length"]
     report["tokens_per_s_spec"] = cold["tokens_per_s"]
     report["tokens_per_s_plain"] = plain["tokens_per_s"]

@@ -1,4 +1,5 @@
-"""The networked L3 backends in `kvstrata bench storage`: mooncake and redis vs their own clients.
+"""The networked storage backends in `kvstrata bench storage`: mooncake and redis vs their own
+clients.
 
 Each backend gets a server this bench starts (a mooncake_master with its HTTP metadata server, a
 redis-server; both on 127.0.0.1, free ports) and is measured two ways on the same 2 MiB pages:

@@ -1,12 +1,12 @@
 """Synthetic-KV replay model: real cache decisions, deterministic page bytes, no compute.
 
-`SyntheticMover` is a PageMover whose L1/L2 moves finish at once (there are no tensors: the cache
-is tensor-free and the replay needs only its decisions) and whose L3 side talks to a real
+`SyntheticMover` is a PageMover whose device/host moves finish at once (there are no tensors: the
+cache is tensor-free and the replay needs only its decisions) and whose storage side talks to a real
 StorageBackend: a backup writes each page's deterministic bytes (a function of its key), a
-prefetch reads them back and counts a page only if its bytes are exactly what was written. So L3
-hits at full trace scale are real reads of real stored pages, checked.
+prefetch reads them back and counts a page only if its bytes are exactly what was written. So
+storage hits at full trace scale are real reads of real stored pages, checked.
 
-L3 reads take time on the replay's clock (`StorageLatency`), so the prefetch policies decide
+storage reads take time on the replay's clock (`StorageLatency`), so the prefetch policies decide
 differently: best_effort stops as soon as the request could run, wait_complete waits for every
 page, timeout waits for a budget that grows with the prefetch length.
 """
@@ -30,7 +30,7 @@ def synthetic_page(key: int, nbytes: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class StorageLatency:
-    """Time an L3 read takes in the synthetic model: first byte, then a fixed time per page."""
+    """Time a storage read takes in the synthetic model: first byte, then a fixed time per page."""
 
     first_byte_s: float = 0.0
     per_page_s: float = 0.0
@@ -55,7 +55,7 @@ class _Pending:
 
 
 class SyntheticMover:
-    """PageMover for replays: instant L1/L2 moves and backups, checked L3 reads that take
+    """PageMover for replays: instant device/host moves and backups, checked storage reads that take
     `latency` on the replay's `clock` (probes pay the first byte, prefetches every page)."""
 
     def __init__(

@@ -1,11 +1,12 @@
-"""`kvstrata bench ttft`: TTFT of a long prompt whose prefix is cached in L1, L2 or L3, over the
-cold TTFT of the same prompt, on the real SmolLM2 model, in one run.
+"""`kvstrata bench ttft`: TTFT of a long prompt whose prefix is cached in device, host or storage,
+over the cold TTFT of the same prompt, on the real SmolLM2 model, in one run.
 
-One cold prefill (an l1_l2_l3 engine over an empty file store) fills every tier: L1 in place,
-L2 by write-through, L3 by backup. Then the same prompt again on that engine is an L1 hit; after
-every cached device page is forced out (demotion) it is an L2 hit; on a fresh engine sharing the
-file store it is an L3 hit. The prefix is all but the last page (the page holding the last
-prompt token is always computed). Goals: l1 <= 0.05, l2 <= 0.10, l3 <= 0.20 of cold.
+One cold prefill (a device_host_storage engine over an empty file store) fills every tier: device in
+place, host by write-through, storage by backup. Then the same prompt again on that engine is a
+device hit; after every cached device page is forced out (demotion) it is a host hit; on a fresh
+engine sharing the file store it is a storage hit. The prefix is all but the last page (the page
+holding the last prompt token is always computed). Goals: device <= 0.05, host <= 0.10, storage
+<= 0.20 of cold.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 
 PAGE = 64
-GOALS = {"l1_ratio": 0.05, "l2_ratio": 0.10, "l3_ratio": 0.20}
+GOALS = {"device_ratio": 0.05, "host_ratio": 0.10, "storage_ratio": 0.20}
 
 
 def _serve(eng: Engine, tokens: list[int], rid: str) -> Request:
@@ -41,7 +42,8 @@ def _serve(eng: Engine, tokens: list[int], rid: str) -> Request:
 
 
 def _demote(eng: Engine, device_pages: int) -> None:
-    """Force every cached page out of L1 (to L2) by filling the free pages and evicting."""
+    """Force every cached page out of device memory (to host memory) by filling the free pages and
+    evicting."""
     cache = eng.cache
     assert cache is not None
     ids = cache.alloc_device(cache.tiers.device.num_free)
@@ -57,9 +59,9 @@ def _engine(model: DecoderLM, store: Path, n_tokens: int) -> tuple[Built, int]:
         device_pages=device_pages,
         host_pages=2 * device_pages,
         storage_url=f"file://{store}",
-        prefetch_policy="wait_complete",  # measure a full L3 hit, not a partial one
+        prefetch_policy="wait_complete",  # measure a full storage hit, not a partial one
     )
-    return build_engine(EngineConfig(tiers="l1_l2_l3"), cfg, model=model), device_pages
+    return build_engine(EngineConfig(tiers="device_host_storage"), cfg, model=model), device_pages
 
 
 def _case(reqs: list[Request], tier: str) -> dict[str, Any]:
@@ -76,21 +78,25 @@ def measure(model: DecoderLM, n_tokens: int, repeats: int, store: Path) -> dict[
     built, device_pages = _engine(model, store, n_tokens)
     try:
         cold = _serve(built.engine, tokens, "cold")
-        l1 = [_serve(built.engine, tokens, f"l1-{i}") for i in range(repeats)]
-        l2 = []
+        device = [_serve(built.engine, tokens, f"device-{i}") for i in range(repeats)]
+        host = []
         for i in range(repeats):
             _demote(built.engine, device_pages)
-            l2.append(_serve(built.engine, tokens, f"l2-{i}"))
+            host.append(_serve(built.engine, tokens, f"host-{i}"))
     finally:
         built.close()
-    l3 = []
-    for i in range(repeats):  # a fresh engine each time: its L1 and L2 start empty
+    storage = []
+    for i in range(repeats):  # a fresh engine each time: its device and host memory start empty
         fresh, _ = _engine(model, store, n_tokens)
         try:
-            l3.append(_serve(fresh.engine, tokens, f"l3-{i}"))
+            storage.append(_serve(fresh.engine, tokens, f"storage-{i}"))
         finally:
             fresh.close()
-    cases = {"l1": _case(l1, "L1"), "l2": _case(l2, "L2"), "l3": _case(l3, "L3")}
+    cases = {
+        "device": _case(device, "device"),
+        "host": _case(host, "host"),
+        "storage": _case(storage, "storage"),
+    }
     report: dict[str, Any] = {
         "prompt_tokens": n_tokens,
         "page_size": PAGE,

@@ -2,7 +2,7 @@
 
 Multi-turn sessions, served round robin, each turn the session's history plus new tokens; the
 histories together exceed vLLM's KV space (16 blocks of 32 tokens), so vLLM alone has evicted a
-session's prefix by the time its next turn comes, while kvstrata's L2 (host pages) still holds
+session's prefix by the time its next turn comes, while kvstrata's host tier still holds
 it. Both servers run in this one run with the same KV space, model (SmolLM2, float32) and
 prompts; greedy outputs must match. vLLM's own OffloadingConnector is documented for
 CUDA/ROCm/XPU only and is not run here (reported as such).
@@ -56,7 +56,7 @@ def vllm_bench(quick: bool) -> dict[str, Any]:
     model = ensure_smollm2()
     logs = Path(tempfile.mkdtemp(prefix="kvstrata-bench-vllm-"))
     alone = _serve(VllmServer(model, logs / "vllm_alone.log"), prompts, 4)
-    extra = {"host_pages": 512, "storage_url": f"file://{logs / 'l3'}"}
+    extra = {"host_pages": 512, "storage_url": f"file://{logs / 'storage'}"}
     kvs = _serve(VllmServer(model, logs / "vllm_kvstrata.log", connector=extra), prompts, 4)
     a, k = _summary(alone), _summary(kvs)
     return {

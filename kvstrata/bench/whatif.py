@@ -1,10 +1,10 @@
 """The what-if study behind `kvstrata simulate`: one topology in detail, plus an ablation table.
 
-Ablation rows are cache configurations (off, L1, L1+L2, L1+L2+L3), each replayed once through
-the real cache; columns are topologies. Capacities are the same in every column (those of the
-main topology unless given), so along a row only parallelism changes and down a column only
-the cache does: the table separates the gain of cache reuse from that of the parallel layout
-and the storage tier.
+Ablation rows are cache configurations (off, device, device+host, device+host+storage), each
+replayed once through the real cache; columns are topologies. Capacities are the same in every
+column (those of the main topology unless given), so along a row only parallelism changes and down a
+column only the cache does: the table separates the gain of cache reuse from that of the parallel
+layout and the storage tier.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvstrata.bench.replay import ReplayConfig, replay
 from kvstrata.bench.simulate import Outcome, Timing, fifo, no_cache, summarize
 from kvstrata.workloads.trace import Trace
 
-ROWS: tuple[str, ...] = ("off", "L1", "L1+L2", "L1+L2+L3")
+ROWS: tuple[str, ...] = ("off", "device", "device+host", "device+host+storage")
 
 
 def row_config(row: str, base: ReplayConfig) -> ReplayConfig | None:
@@ -27,11 +27,11 @@ def row_config(row: str, base: ReplayConfig) -> ReplayConfig | None:
     c = base.cache
     if row == "off":
         return None
-    if row == "L1":
+    if row == "device":
         return dataclasses.replace(base, cache=dataclasses.replace(c, host_pages=0, storage_url=""))
-    if row == "L1+L2":
+    if row == "device+host":
         return dataclasses.replace(base, cache=dataclasses.replace(c, storage_url=""))
-    if row == "L1+L2+L3":
+    if row == "device+host+storage":
         return dataclasses.replace(
             base, cache=dataclasses.replace(c, storage_url=c.storage_url or "mem://")
         )
@@ -53,13 +53,13 @@ def default_topologies(main: Topology, model: ModelSpec) -> list[Topology]:
 
 
 def with_capacities(
-    base: ReplayConfig, cost: CostModel, l1: int | None, l2: int | None
+    base: ReplayConfig, cost: CostModel, device_tokens: int | None, host_tokens: int | None
 ) -> ReplayConfig:
     """Fill unset capacities (tokens) from what the main topology's HBM and host DRAM hold."""
     hbm, dram = cost.capacity_tokens()
     page = base.page_size
-    device = (hbm if l1 is None else l1) // page
-    host = (dram if l2 is None else l2) // page
+    device = (hbm if device_tokens is None else device_tokens) // page
+    host = (dram if host_tokens is None else host_tokens) // page
     c = base.cache
     cache = dataclasses.replace(
         c, device_pages=device, host_pages=host, storage_url=c.storage_url if host else ""
@@ -77,7 +77,8 @@ def whatif(
     time_scale: float = 1.0,
     progress: Callable[[str, int], None] | None = None,
 ) -> tuple[dict[str, Any], list[Timing]]:
-    """Report (JSON-ready) and the per-request timings of the main row/topology (L1+L2+L3)."""
+    """Report (JSON-ready) and the per-request timings of the main row/topology
+    (device+host+storage)."""
     main_cost = CostModel(model, hw, main)  # validates the main topology first
     tops = list(topologies) if topologies else default_topologies(main, model)
     costs = {t.label: CostModel(model, hw, t) for t in tops}
@@ -87,8 +88,8 @@ def whatif(
         row: {label: _cell(fifo(outcomes[row], c, time_scale)) for label, c in costs.items()}
         for row in ROWS
     }
-    main_timings = fifo(outcomes["L1+L2+L3"], main_cost, time_scale)
-    top = replays["L1+L2+L3"]
+    main_timings = fifo(outcomes["device+host+storage"], main_cost, time_scale)
+    top = replays["device+host+storage"]
     report: dict[str, Any] = {
         "trace": trace.source,
         "hardware": hw.name,
@@ -97,7 +98,7 @@ def whatif(
         "time_scale": time_scale,
         "capacity_tokens": _capacity(base),
         **summarize(main_timings),
-        **_pd_figures(outcomes["L1+L2+L3"], main_cost, main_timings),
+        **_pd_figures(outcomes["device+host+storage"], main_cost, main_timings),
         "hit_rate": top["hit_rate"],
         "hit_rate_by_tier": top["hit_rate_by_tier"],
         "ceiling": top["ceiling"],
@@ -111,19 +112,20 @@ REPLAY_KEYS = ("hit_rate", "hit_rate_by_tier", "bytes_moved", "wall_s")
 
 
 def _capacity(base: ReplayConfig) -> dict[str, Any]:
-    """Tokens each tier holds (L3: unbounded)."""
+    """Tokens each tier holds (storage: unbounded)."""
     page = base.page_size
     return {
-        "L1": base.cache.device_pages * page,
-        "L2": base.cache.host_pages * page,
-        "L3": "unbounded",
+        "device": base.cache.device_pages * page,
+        "host": base.cache.host_pages * page,
+        "storage": "unbounded",
     }
 
 
 def _replay_rows(
     trace: Trace, base: ReplayConfig, progress: Callable[[str, int], None] | None
 ) -> tuple[dict[str, list[Outcome]], dict[str, dict[str, Any]]]:
-    """Replay the trace once per cache row; the "off" row is L1's requests with no hits."""
+    """Replay the trace once per cache row; the "off" row is the device row's requests with no
+    hits."""
     outcomes: dict[str, list[Outcome]] = {}
     replays: dict[str, dict[str, Any]] = {}
     for row in ROWS:
@@ -134,7 +136,7 @@ def _replay_rows(
         res = replay(trace, cfg, cb)
         outcomes[row] = res.outcomes
         replays[row] = res.report()
-    outcomes["off"] = no_cache(outcomes["L1"])
+    outcomes["off"] = no_cache(outcomes["device"])
     return outcomes, replays
 
 

@@ -1,4 +1,4 @@
-/* The cache's two hot loops, native: chained page keys (commit, L3 probes; see keys.py) and the
+/* The cache's two hot loops, native: chained page keys (commit, storage probes; see keys.py) and the
  * token-index walk (admission's match; see radix.py). Both only read bytes and dicts; all tier
  * state stays in Python.
  *

@@ -3,7 +3,7 @@
 Token ids are kept 2 bytes each when the model's vocab fits 16 bits (`token_width`), else 4;
 the keys hash int32 bytes either way (keys.py), so the width only changes what is kept.
 
-A request's page keys are needed for the pages the tree does not hold yet (an L3 probe, an
+A request's page keys are needed for the pages the tree does not hold yet (a storage probe, an
 insert), never for the pages a match walks: the tree keeps each node's token bytes and finds
 children by them, and the matched pages' keys come from the nodes (`learn`). So admission of
 a follow-up turn hashes only the pages past what the tree holds. A chain built from keys alone

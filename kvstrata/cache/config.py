@@ -12,19 +12,21 @@ class CacheConfig:
     """Prefix cache: page size, tier capacities and the policies chosen by name."""
 
     page_size: int = doc(64, "tokens per page: the unit of caching, transfer and storage")
-    device_pages: int = doc(256, "L1 capacity in pages (device KV pool)")
-    host_pages: int = doc(1024, "L2 capacity in pages (host KV pool); 0 disables L2")
+    device_pages: int = doc(256, "device pool capacity in pages")
+    host_pages: int = doc(1024, "host pool capacity in pages; 0 disables the host tier")
     storage_url: str = doc(
         "",
-        "L3 storage URL (file:///dir, a path, redis://host:port/db, "
-        "mooncake://host:rpc_port?metadata=URL&segment=BYTES); empty disables L3",
+        "storage URL (file:///dir, a path, redis://host:port/db, "
+        "mooncake://host:rpc_port?metadata=URL&segment=BYTES); empty disables the storage tier",
     )
     eviction: str = doc("lru", "eviction policy name (lru, lfu)")
     write_policy: str = doc(
-        "write_through", "L1->L2 backup: write_through, write_through_selective, write_back"
+        "write_through", "device->host backup: write_through, write_through_selective, write_back"
     )
     write_through_threshold: int = doc(2, "hits before write_through_selective backs a page up")
-    prefetch_policy: str = doc("timeout", "L3->L2 prefetch: best_effort, wait_complete, timeout")
+    prefetch_policy: str = doc(
+        "timeout", "storage->host prefetch: best_effort, wait_complete, timeout"
+    )
     prefetch_timeout_base_s: float = doc(0.2, "timeout policy: fixed part of the budget (seconds)")
     prefetch_timeout_per_page_s: float = doc(
         0.005, "timeout policy: budget added per prefetched page"
@@ -38,6 +40,8 @@ class CacheConfig:
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         if self.storage_url and not self.host_pages:
-            raise ValueError("storage_url needs host_pages > 0: L3 pages move through L2")
+            raise ValueError(
+                "storage_url needs host_pages > 0: storage pages move through host memory"
+            )
         if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_page_s < 0:
             raise ValueError("prefetch timeouts must be >= 0")

@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-TIERS = ("L1", "L2", "L3")
-DIRECTIONS = {"load": "L2->L1", "store": "L1->L2", "backup": "L2->L3", "prefetch": "L3->L2"}
+TIERS = ("device", "host", "storage")
+DIRECTIONS = {
+    "load": "host->device",
+    "store": "device->host",
+    "backup": "host->storage",
+    "prefetch": "storage->host",
+}
 
 
 def _zeros(names: tuple[str, ...] | list[str]) -> dict[str, int]:
@@ -23,9 +28,9 @@ class CacheCounters:
     prompt_pages: int = 0
     """Full pages of every admitted prompt."""
     hit_pages: dict[str, int] = field(default_factory=lambda: _zeros(TIERS))
-    """Pages of admitted prompts served from each tier (L3: prefetched and used)."""
+    """Pages of admitted prompts served from each tier (storage: prefetched and used)."""
     pages_moved: dict[str, int] = field(default_factory=lambda: _zeros(list(DIRECTIONS.values())))
-    evictions: dict[str, int] = field(default_factory=lambda: _zeros(("L1", "L2")))
+    evictions: dict[str, int] = field(default_factory=lambda: _zeros(("device", "host")))
     """Pages that left a tier to make room."""
     prefetch: dict[str, int] = field(
         default_factory=lambda: _zeros(("complete", "partial", "empty", "stopped"))
@@ -33,12 +38,12 @@ class CacheCounters:
     """Prefetch outcomes: every page arrived, some, none; stopped early by the policy."""
     failed_pages: dict[str, int] = field(default_factory=lambda: _zeros(list(DIRECTIONS.values())))
 
-    def record_request(self, prompt_pages: int, l1: int, l2: int, l3: int) -> None:
+    def record_request(self, prompt_pages: int, device: int, host: int, storage: int) -> None:
         self.requests += 1
         self.prompt_pages += prompt_pages
-        self.hit_pages["L1"] += l1
-        self.hit_pages["L2"] += l2
-        self.hit_pages["L3"] += l3
+        self.hit_pages["device"] += device
+        self.hit_pages["host"] += host
+        self.hit_pages["storage"] += storage
 
     def record_move(self, kind: str, asked: int, ok: int) -> None:
         direction = DIRECTIONS[kind]

@@ -2,9 +2,9 @@
 
 The tree is the cache's agreed state, so the changes are agreed decisions: every rank would
 report the same ones, and rank 0 publishes them. A page is on "GPU" while a node holds device
-pages for it (an L2 -> L1 load in flight included: the decision is made), on "CPU" while it holds
-host pages, on "DISK" once a backup or prefetch agreed it is in storage. `diff` walks the whole
-tree; the server calls it once per step, only when events are enabled.
+pages for it (a host -> device load in flight included: the decision is made), on "CPU" while it
+holds host pages, on "DISK" once a backup or prefetch agreed it is in storage. `diff` walks the
+whole tree; the server calls it once per step, only when events are enabled.
 """
 
 from __future__ import annotations

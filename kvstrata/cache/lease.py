@@ -1,8 +1,8 @@
 """One request's way through the cache: a tensor-free lease, advanced at step boundaries.
 
-    NEW --match+lock--> PROBING --agreed L3 answer--> PREFETCHING --landed or stopped--> READY
-                     \\______________ (nothing to ask L3) _______________________________/
-    READY --admit(): device pages for the rest + the L2 -> L1 load, all or nothing--> ADMITTED
+    NEW --match+lock--> PROBING --agreed storage answer--> PREFETCHING --landed or stopped--> READY
+                     \\______________ (nothing to ask storage) _______________________________/
+    READY --admit(): device pages for the rest + the host -> device load, all or nothing--> ADMITTED
     ADMITTED --commit(tokens) as prefill goes: full computed pages join the tree-->
     --release(): unlock, free what the tree did not take--> RELEASED
 
@@ -12,10 +12,10 @@ the agreed clock passed in), so every rank moves every lease the same way.
 
 Rules that live here, once:
 - the page holding the last prompt token is never a hit: its logits must be computed;
-- hits per tier come from the final match: L1 pages, L2 pages, and the L2 pages that this
-  lease's own prefetch brought from L3 count as L3;
+- hits per tier come from the final match: device pages, host pages, and the host pages that this
+  lease's own prefetch brought from storage count as storage;
 - admission is all or nothing: a lease either owns every device page it needs or none;
-- a page is hashed only when its key is needed (an L3 probe, an insert): the match walks the
+- a page is hashed only when its key is needed (a storage probe, an insert): the match walks the
   request's token bytes, and the matched pages' keys come from the tree (cache/chain.py).
 """
 
@@ -38,8 +38,8 @@ def hittable_pages(prompt_tokens: int, page_size: int) -> int:
 
 class LeaseState(enum.Enum):
     NEW = "new"
-    PROBING = "probing"  # asked L3 how many of the pages after the L1+L2 prefix it holds
-    PREFETCHING = "prefetching"  # L3 -> L2 copy under way, under the prefetch policy
+    PROBING = "probing"  # asked storage how many of the pages after the device+host prefix it holds
+    PREFETCHING = "prefetching"  # storage -> host copy under way, under the prefetch policy
     READY = "ready"  # matched; may be admitted
     ADMITTED = "admitted"  # owns its device pages; prefill/decode running
     RELEASED = "released"
@@ -91,10 +91,10 @@ class Lease:
         self.locked: Node | None = None  # the deepest node this lease holds locked
         self.probe: TransferOp | None = None
         self.prefetch: TransferOp | None = None
-        self.load: TransferOp | None = None  # L2 -> L1 copy the first forward waits on
+        self.load: TransferOp | None = None  # host -> device copy the first forward waits on
         self.page_table: list[int] = []  # device page of each logical page once admitted
         self.inserted = 0  # leading pages of page_table that the tree owns
-        self.from_storage = 0  # pages this lease's prefetch landed in L2
+        self.from_storage = 0  # pages this lease's prefetch landed in host memory
         self.hits = Hits()
 
     @property
@@ -161,10 +161,10 @@ class Lease:
 
     # ---- admission ----------------------------------------------------------------------------
     def admit(self) -> bool:
-        """Own every device page the request needs and start the L2 -> L1 load, or nothing.
+        """Own every device page the request needs and start the host -> device load, or nothing.
 
-        False: L1 cannot hold it now (the caller retries at a later step, or gives up when
-        nothing it runs can free pages); the lease stays READY and keeps its lock.
+        False: device memory cannot hold it now (the caller retries at a later step, or gives up
+        when nothing it runs can free pages); the lease stays READY and keeps its lock.
         """
         assert self.state is LeaseState.READY, f"admit in state {self.state.value}"
         if not self.can_ever_fit:

@@ -23,7 +23,7 @@ from kvstrata.cache.tiers import Allocator, Tiers
 
 
 class HiCache:
-    """One logical prefix cache over L1 (device), L2 (host) and L3 (storage, through the mover)."""
+    """One logical prefix cache over device, host and storage (through the mover)."""
 
     def __init__(
         self,
@@ -106,9 +106,9 @@ class HiCache:
         self.tiers.device.free(ids)
 
     def load_host(self, m: Match) -> TransferOp | None:
-        """Give the match's host-only pages device pages and start the L2 -> L1 copy.
+        """Give the match's host-only pages device pages and start the host -> device copy.
 
-        The caller has locked m.last_node. Returns None (try later) when L1 is too full.
+        The caller has locked m.last_node. Returns None (try later) when device memory is too full.
         """
         n = m.host_pages
         if n == 0:
@@ -169,7 +169,7 @@ class HiCache:
                 walk = walk.parent
         return node
 
-    # ---- L3 probe and prefetch ----------------------------------------------------------------
+    # ---- storage probe and prefetch -----------------------------------------------------------
     def start_probe(self, keys: list[int]) -> TransferOp | None:
         """Ask storage how many leading `keys` it holds; the agreed answer lands in op.agreed."""
         if not self.has_storage or not keys:
@@ -187,7 +187,7 @@ class HiCache:
         seed: int = 0,
         width: int = 4,
     ) -> TransferOp | None:
-        """Read the leading pages of `keys` that storage has into L2, under `parent`
+        """Read the leading pages of `keys` that storage has into host memory, under `parent`
         (tokens/seed/width: their token bytes, which the landed pages take into the tree)."""
         if not self.has_storage or not keys:
             return None
@@ -254,7 +254,7 @@ class HiCache:
         self.mover.submit(op)
 
     def _store(self, node: Node) -> None:
-        """Start the L1 -> L2 copy of a node without one (no-op when busy or no room)."""
+        """Start the device -> host copy of a node without one (no-op when busy or no room)."""
         if node.host is not None or node.pins or node.device is None:
             return
         host_ids = self.tiers.alloc_host(len(node), like=node.device)  # same owner (cp)
@@ -339,9 +339,9 @@ class HiCache:
         return len(self.owned) + locked
 
     def reset_prefix(self, drop_host: bool = False) -> bool:
-        """Forget every L1 page (vLLM's prefix-cache reset); drop_host: every L2 page too.
+        """Forget every device page (vLLM's prefix-cache reset); drop_host: every host page too.
 
-        L3 is never touched. False (nothing changed) while a page is in use or a copy is in
+        storage is never touched. False (nothing changed) while a page is in use or a copy is in
         flight: the caller releases waiting leases, preempts running requests and drains
         (agreed) first. Each reset bumps `resets`, so KV events announce AllBlocksCleared.
         """

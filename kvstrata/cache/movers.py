@@ -1,9 +1,9 @@
-"""A tensor-free PageMover: moves no bytes, tracks which keys L3 holds.
+"""A tensor-free PageMover: moves no bytes, tracks which keys storage holds.
 
 Used where only the cache's decisions matter: full-scale trace replay, the what-if simulator
 (which charges time per moved page from a hardware profile), and property tests of the
 manager. `delay` makes an op finish only after that many polls (seeded per rank to test late
-completions); `fail_storage` makes L3 reads and writes fail, as an unreachable backend would.
+completions); `fail_storage` makes storage reads and writes fail, as an unreachable backend would.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from kvstrata.cache.ops import BACKUP, PREFETCH, PROBE, TransferOp
 
 
 class KeySetMover:
-    """Completes ops after a (possibly random) number of polls; L3 is a set of keys."""
+    """Completes ops after a (possibly random) number of polls; storage is a set of keys."""
 
     def __init__(self, max_delay: int = 0, seed: int = 0, storage_capacity: int = 0) -> None:
-        self.stored: dict[int, None] = {}  # insertion-ordered set of keys in L3
+        self.stored: dict[int, None] = {}  # insertion-ordered set of keys in storage
         self.storage_capacity = storage_capacity  # pages; 0 = unbounded (oldest dropped first)
         self.max_delay = max_delay
         self.rng = random.Random(seed)

@@ -16,8 +16,8 @@ from kvstrata.cache.radix import Node
 
 LOAD, STORE, BACKUP, PROBE, PREFETCH = "load", "store", "backup", "probe", "prefetch"
 KINDS: tuple[str, ...] = (LOAD, STORE, BACKUP, PROBE, PREFETCH)
-"""load: L2->L1, store: L1->L2, backup: L2->L3, probe: how many leading keys L3 has,
-prefetch: L3->L2."""
+"""load: host->device, store: device->host, backup: host->storage, probe: how many leading keys
+storage has, prefetch: storage->host."""
 NOT_DONE = -1
 
 

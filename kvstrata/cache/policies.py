@@ -1,8 +1,8 @@
 """Pluggable cache policies, each chosen by name through a registry.
 
 - eviction: a priority per node; the lowest is evicted first (leaf first).
-- write: when a page on L1 gets its L2 copy.
-- prefetch: when a waiting request stops waiting for its L3 -> L2 prefetch.
+- write: when a page on device memory gets its host copy.
+- prefetch: when a waiting request stops waiting for its storage -> host prefetch.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ def lfu_priority() -> Priority:
 
 @dataclass(frozen=True)
 class WritePolicy:
-    """When L1 pages are copied to L2 (L2 -> L3 backup always follows an L2 copy, asynchronously)."""
+    """When device pages are copied to host memory (host -> storage backup always follows a host
+    copy, asynchronously)."""
 
     on_insert: bool
     """Back a page up as soon as it is inserted."""
     hit_threshold: int
     """Back a page up once its node was hit this many times (0 = never for this reason)."""
     on_evict: bool
-    """Demote to L2 on L1 eviction instead of dropping the page."""
+    """Demote to host memory on device eviction instead of dropping the page."""
 
 
 WRITE: Registry[WritePolicy] = Registry("write policy")
@@ -68,7 +69,7 @@ class PrefetchState:
     waited_s: float
     """Agreed time since the prefetch started (the scheduler's step clock)."""
     can_schedule: bool
-    """The request would fit in L1 now."""
+    """The request would fit in device memory now."""
 
 
 StopRule = Callable[[PrefetchState], bool]

@@ -1,17 +1,17 @@
 """Paged radix tree over chained page keys (tensor-free).
 
-Each edge holds a run of page keys and, per tier, where those pages live: `device` (L1 logical page
-ids), `host` (L2 host page ids) and `in_storage` (written to L3). An edge may also hold its pages'
-token bytes (2 or 4 bytes an id, one width per namespace: `RadixTree.widths`): then it is found
-by them too, so a request's prompt is matched without hashing it (`match_chain`); the keys of
+Each edge holds a run of page keys and, per tier, where those pages live: `device` (device logical
+page ids), `host` (host page ids) and `in_storage` (written to storage). An edge may also hold its
+pages' token bytes (2 or 4 bytes an id, one width per namespace: `RadixTree.widths`): then it is
+found by them too, so a request's prompt is matched without hashing it (`match_chain`); the keys of
 the matched pages come from the nodes. Children are indexed twice: by first key (`children`,
 every node) and by the first page's token bytes (`tindex`, nodes with tokens; at the root one
 index per namespace seed, `RadixTree.top`). Token bytes are an in-memory index only: a page's
 identity stays its chained xxh3 key, and `check_integrity` rehashes every node's tokens to its
 keys. Tier invariants:
 - every node except the root is on the device, on the host, or both;
-- the device-resident nodes are closed under ancestors (eviction from L1 is leaf-first), so a
-  match is an L1 prefix followed by host-only pages;
+- the device-resident nodes are closed under ancestors (eviction from device memory is leaf-first),
+  so a match is a device prefix followed by host-only pages;
 - a node with `lock_ref > 0` (a running request uses it) or `pins > 0` (a copy reads it) is never
   evicted from any tier.
 Time is a logical clock (one tick per match/insert), identical on every rank, never wall time.
@@ -223,7 +223,7 @@ class RadixTree:
         below: Node | None = None,
         width: int = 4,
     ) -> tuple[Node, list[int]]:
-        """Cache `keys` with their L1 pages. Returns (last node, ids the caller must free).
+        """Cache `keys` with their device pages. Returns (last node, ids the caller must free).
 
         Pages already on the device keep their existing ids (the caller's duplicates come back
         to be freed); matched nodes that had left the device adopt the caller's ids. The tree

@@ -69,10 +69,10 @@ class Match:
     """The longest cached prefix of a key chain, split by tier (a plain slotted class: one is
     made per lookup, on the admission path).
 
-    - device_ids: L1 page ids of the leading pages resident on the device;
-    - host_nodes: nodes after the L1 prefix whose pages are only in host memory (L2), in order;
+    - device_ids: device page ids of the leading pages resident on the device;
+    - host_nodes: nodes after the device prefix whose pages are only in host memory, in order;
     - device_node: deepest matched node that is on the device (root if none);
-    - last_node: deepest matched node (the end of the L1 + L2 prefix).
+    - last_node: deepest matched node (the end of the device + host prefix).
     """
 
     __slots__ = ("device_ids", "host_nodes", "device_node", "last_node")

@@ -1,4 +1,5 @@
-"""Tier residency of tree nodes: allocation with eviction cascading L1 -> L2 -> (L3 / gone).
+"""Tier residency of tree nodes: allocation with eviction cascading device -> host -> (storage
+/ gone).
 
 Tensor-free: page ids come from allocators, bytes move through the manager's ops. Every rank
 runs the same calls in the same order, so evictions pick the same nodes everywhere.
@@ -42,8 +43,8 @@ class Tiers:
     """Device and host residency with leaf-first eviction under one priority.
 
     Sharded allocators (context parallel, n_shards > 1: owner = id % n_shards) must have the
-    same n_shards in both tiers: a page's L2 id gets the owner of its L1 id and back (`like=`),
-    so its bytes stay on one rank; pages coming from L3 take any owner.
+    same n_shards in both tiers: a page's host id gets the owner of its device id and back
+    (`like=`), so its bytes stay on one rank; pages coming from storage take any owner.
     """
 
     def __init__(
@@ -63,7 +64,7 @@ class Tiers:
                 f"host allocator has {getattr(host, 'n_shards', 1)} shards, device {self.shards}"
             )
         self.write, self.counters = write, counters
-        self.demote = demote  # submits the L1 -> L2 copy of a node being evicted
+        self.demote = demote  # submits the device -> host copy of a node being evicted
         self.device_q = TierQueue(_device_candidate, priority)
         self.host_q = TierQueue(_host_candidate, priority)
         self.freeing = 0  # device pages whose demotion copy is in flight
@@ -78,7 +79,7 @@ class Tiers:
         if node.host is not None:
             self.host_q.push(node)
 
-    # ---- L1 -----------------------------------------------------------------------------------
+    # ---- device -------------------------------------------------------------------------------
     def alloc_device(self, n: int, like: list[int] | None = None) -> list[int] | None:
         """n device pages, evicting cached pages if needed; None if they cannot be had now.
 
@@ -133,10 +134,10 @@ class Tiers:
         return self._drop_subtree(node)
 
     def drop_device(self, node: Node) -> None:
-        """Release a node's L1 copy (it keeps its L2 copy if any)."""
+        """Release a node's device copy (it keeps its host copy if any)."""
         assert node.device is not None
         self.device.free(node.device)
-        self.counters.evictions["L1"] += len(node)
+        self.counters.evictions["device"] += len(node)
         node.device = None
         parent = node.parent
         if node.host is None:
@@ -146,7 +147,7 @@ class Tiers:
         self.touched(parent)  # type: ignore[arg-type]
 
     def _drop_subtree(self, node: Node) -> bool:
-        """Drop a node without an L2 copy, with its host-only descendants; False if one is busy."""
+        """Drop a node without a host copy, with its host-only descendants; False if one is busy."""
         below = [n for n in _subtree(node) if n is not node]
         if any(not n.evictable for n in below):
             return False
@@ -155,7 +156,7 @@ class Tiers:
         self.drop_device(node)
         return True
 
-    # ---- L2 -----------------------------------------------------------------------------------
+    # ---- host ---------------------------------------------------------------------------------
     def alloc_host(self, n: int, like: list[int] | None = None) -> list[int] | None:
         """n host pages (like: device ids whose owners they must have), evicting if needed."""
         if self.host is None:
@@ -180,7 +181,7 @@ class Tiers:
             node = self._tail(node, need)
             if node.device is not None:
                 self.host.free(node.host)  # type: ignore[arg-type]
-                self.counters.evictions["L2"] += len(node)
+                self.counters.evictions["host"] += len(node)
                 node.host = None
             else:
                 self._drop_host_only(node)
@@ -189,7 +190,7 @@ class Tiers:
         assert node.device is None and node.host is not None and not node.children
         assert self.host is not None
         self.host.free(node.host)
-        self.counters.evictions["L2"] += len(node)
+        self.counters.evictions["host"] += len(node)
         node.host = None
         parent = node.parent
         self.tree.remove_leaf(node)
@@ -229,10 +230,10 @@ class Tiers:
 
     # ---- reset --------------------------------------------------------------------------------
     def clear_device(self, drop_host: bool) -> None:
-        """Drop every cached L1 copy (a prefix-cache reset); with drop_host every L2 copy too.
+        """Drop every cached device copy (a prefix-cache reset); with drop_host every host copy too.
 
         The caller checked that nothing is locked, pinned or in flight. A node keeps its place
-        only with an L2 copy kept and a parent that stays (a match walks from the root); the
+        only with a host copy kept and a parent that stays (a match walks from the root); the
         eviction queues' entries for dropped nodes go stale and are skipped when popped.
         """
         assert self.freeing == 0, "clear_device with a demotion in flight"
@@ -247,7 +248,7 @@ class Tiers:
                 self.device.free(node.device)
                 node.device = None
             if node in stay:
-                self.host_q.push(node)  # may have become an L2 candidate (no L1 copy now)
+                self.host_q.push(node)  # may have become a host candidate (no device copy now)
                 continue
             if node.host is not None:
                 assert self.host is not None

@@ -1,6 +1,6 @@
 """`kvstrata keys`: generate key files, owner-only (0600).
 
-    kvstrata keys cluster PATH      the cluster key of a shared L3 (--storage-key-file): 32
+    kvstrata keys cluster PATH      the cluster key of shared storage (--storage-key-file): 32
                                     random bytes in hex; every worker of the store reads it
     kvstrata keys curve DIR NAME    a ZMQ CURVE key pair in pyzmq's certificate format:
                                     DIR/NAME.key (public, give it to peers) and

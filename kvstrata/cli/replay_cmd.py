@@ -118,9 +118,9 @@ def check_replay(args: argparse.Namespace, cfg: ReplayConfig) -> None:
     validate.check_out_file(args.json, "--json")
     validate.check_out_file(args.png, "--png")
     page = _engine_page_nbytes(cfg) if cfg.model == "engine" else cfg.page_nbytes
-    l1, l2 = c.device_pages, c.host_pages
+    device, host = c.device_pages, c.host_pages
     what = f"{page:,} bytes per page "
-    validate.check_memory([("--device-pages", l1 * page), ("--host-pages", l2 * page)], what)
+    validate.check_memory([("--device-pages", device * page), ("--host-pages", host * page)], what)
 
 
 def run(args: argparse.Namespace) -> int:

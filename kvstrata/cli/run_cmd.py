@@ -1,4 +1,5 @@
-"""`kvstrata run`: replay the built-in coding-agent workload under none / l1 / l1_l2 / l1_l2_l3.
+"""`kvstrata run`: replay the built-in coding-agent workload under none / device / device_host
+/ device_host_storage.
 
 Every configuration serves the same prompts with the same model (loaded once); the job checks that
 they all generated the same tokens, prints a table, and writes report.json and ttft.png to --out.
@@ -112,8 +113,9 @@ def _check_prompts(prompts: Prompts, max_new: int, model: DecoderLM, cache: Cach
 
 
 def _default_device_pages(prompts: Prompts, max_new: int, page: int) -> int:
-    """L1 that must spill: room for the longest request, 3/4 of the sessions' final pages, so
-    interleaved sessions evict part of each other's history (L2 hits) and keep part (L1 hits)."""
+    """A device pool that must spill: room for the longest request, 3/4 of the sessions' final
+    pages, so interleaved sessions evict part of each other's history (host hits) and keep part
+    (device hits)."""
     needs = [-(-(len(s[-1]) + max_new - 1) // page) for s in prompts]
     return max(max(needs) + 1, 3 * sum(needs) // 4)
 
@@ -214,7 +216,15 @@ def _single_rank_log(dist_cfg: DistConfig, cfgs: Any, tiers: str, run_id: str) -
 # ---- the job --------------------------------------------------------------------------------------
 def _table(configs: dict[str, dict[str, Any]]) -> Table:
     table = Table(title="kvstrata run")
-    for col in ("config", "hit rate", "L1 hit", "L2 hit", "L3 hit", "TTFT p50", "TTFT p90"):
+    for col in (
+        "config",
+        "hit rate",
+        "device hit",
+        "host hit",
+        "storage hit",
+        "TTFT p50",
+        "TTFT p90",
+    ):
         table.add_column(col, justify="right")
     directions = list(next(iter(configs.values()))["bytes_moved"])
     for d in directions:
@@ -233,7 +243,7 @@ def _table(configs: dict[str, dict[str, Any]]) -> Table:
         table.add_row(
             name,
             f"{rep['hit_rate']:.1%}",
-            *(f"{by[t]:.1%}" for t in ("L1", "L2", "L3")),
+            *(f"{by[t]:.1%}" for t in ("device", "host", "storage")),
             f"{rep['ttft_p50_s']:.3f}s",
             f"{rep['ttft_p90_s']:.3f}s",
             *(f"{rep['bytes_moved'][d] / 1e6:.1f}" for d in directions),

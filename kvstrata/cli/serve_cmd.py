@@ -50,15 +50,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, StorageConfig]:
-    """Engine, cache and storage configs; without --storage-url the default tiers are l1_l2."""
+    """Engine, cache and storage configs; without --storage-url the default tiers are
+    device_host."""
     cache_cfg = config_from_args(CacheConfig, args)
-    over = {} if args.tiers is not None or cache_cfg.storage_url else {"tiers": "l1_l2"}
+    over = {} if args.tiers is not None or cache_cfg.storage_url else {"tiers": "device_host"}
     engine_cfg = config_from_args(EngineConfig, args, **over)
     validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
     if cache_cfg.storage_url:
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url")
-    if engine_cfg.tiers == "l1_l2_l3" and not cache_cfg.storage_url:
-        raise ValueError("--tiers l1_l2_l3 needs --storage-url")
+    if engine_cfg.tiers == "device_host_storage" and not cache_cfg.storage_url:
+        raise ValueError("--tiers device_host_storage needs --storage-url")
     return engine_cfg, cache_cfg, config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
 
 

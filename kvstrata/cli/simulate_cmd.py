@@ -62,22 +62,29 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         help="stretch arrival times (2 = half the request rate)",
     )
     p.add_argument(
-        "--l1-tokens",
+        "--device-tokens",
         type=int,
         default=None,
-        help="L1 capacity (default: what HBM holds after weights)",
+        help="device capacity (default: what HBM holds after weights)",
     )
     p.add_argument(
-        "--l2-tokens", type=int, default=None, help="L2 capacity (default: the profile's host DRAM)"
+        "--host-tokens",
+        type=int,
+        default=None,
+        help="host capacity (default: the profile's host DRAM)",
     )
-    p.add_argument("--l3", default="mem", help="L3 for the L1+L2+L3 row: 'mem' or a storage URL")
+    p.add_argument(
+        "--storage-url",
+        default="mem",
+        help="storage of the device+host+storage row: 'mem' or a storage URL",
+    )
     p.add_argument("--page-size", type=int, default=64, help="tokens per page")
     p.add_argument("--eviction", default="lru", help="eviction policy")
     p.add_argument("--write-policy", default="write_through", help="write policy")
     p.add_argument(
         "--prefetch-policy",
         default="timeout",
-        help="L3 -> L2 prefetch policy: best_effort, wait_complete, timeout",
+        help="storage -> host prefetch policy: best_effort, wait_complete, timeout",
     )
 
 
@@ -89,19 +96,19 @@ def check_simulate(args: argparse.Namespace) -> None:
     validate.check_policies(args.eviction, args.write_policy, args.prefetch_policy)
     for opt in ("tp", "cp", "pp", "page_size"):
         validate.check_min(getattr(args, opt), "--" + opt.replace("_", "-"), 1)
-    for opt in ("l1_tokens", "l2_tokens"):
+    for opt in ("device_tokens", "host_tokens"):
         validate.check_min(getattr(args, opt), "--" + opt.replace("_", "-"), 0)
     if not args.time_scale > 0:
         raise ValueError(f"--time-scale must be > 0, got {args.time_scale}")
-    if args.l3 != "mem":
-        validate.check_storage_url(args.l3, "--l3")
+    if args.storage_url != "mem":
+        validate.check_storage_url(args.storage_url, "--storage-url")
     validate.check_out_file(args.json, "--json")
 
 
 def _cache(args: argparse.Namespace) -> CacheConfig:
     return CacheConfig(
         page_size=args.page_size,
-        storage_url="mem://" if args.l3 == "mem" else args.l3,
+        storage_url="mem://" if args.storage_url == "mem" else args.storage_url,
         eviction=args.eviction,
         write_policy=args.write_policy,
         prefetch_policy=args.prefetch_policy,
@@ -117,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     tops = [Topology.parse(t) for t in args.ablate.split(";")] if args.ablate else None
     for t in tops or []:
         t.check(model)
-    base = with_capacities(ReplayConfig(cache=_cache(args)), cost, args.l1_tokens, args.l2_tokens)
+    base = with_capacities(
+        ReplayConfig(cache=_cache(args)), cost, args.device_tokens, args.host_tokens
+    )
     trace = load_trace(args, console)
     with Progress(console=console, transient=True) as bar:
         tasks: dict[str, int] = {}

@@ -56,13 +56,13 @@ def resolve_model_path(config: EngineConfig) -> Path:
 
 
 def tiers_of(cache: CacheConfig, tiers: str) -> CacheConfig:
-    """Restrict a cache config to a tier set (none/l1/l1_l2/l1_l2_l3)."""
-    if tiers in ("none", "l1"):
+    """Restrict a cache config to a tier set (none/device/device_host/device_host_storage)."""
+    if tiers in ("none", "device"):
         return dataclasses.replace(cache, host_pages=0, storage_url="")
-    if tiers == "l1_l2":
+    if tiers == "device_host":
         return dataclasses.replace(cache, storage_url="")
     if not cache.storage_url:
-        raise ValueError("tiers l1_l2_l3 needs --storage-url")
+        raise ValueError("tiers device_host_storage needs --storage-url")
     return cache
 
 
@@ -114,7 +114,8 @@ def build_engine(
 def _tiered_parts(
     pool: DevicePool, cache_cfg: CacheConfig, storage_cfg: StorageConfig
 ) -> CacheParts:
-    """A single rank's L1 pool with its L2 pool (if any) and L3 store (if any), and their mover."""
+    """A single rank's device pool with its host pool (if any) and storage backend (if any), and
+    their mover."""
     shape = pool.shape
     host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
     storage = None
@@ -127,8 +128,8 @@ def _tiered_parts(
 
 @dataclass(frozen=True)
 class CacheParts:
-    """What one rank's cache is made of: its L1 pool, optional L2 pool, and the mover over them
-    (None: no cache). A single rank and a parallel rank differ only in how these are made."""
+    """What one rank's cache is made of: its device pool, optional host pool, and the mover over
+    them (None: no cache). A single rank and a parallel rank differ only in how these are made."""
 
     pool: DevicePool
     host: HostPool | None = None

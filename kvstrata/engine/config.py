@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvstrata.configtools import doc
 
-TIER_SETS = ("none", "l1", "l1_l2", "l1_l2_l3")
+TIER_SETS = ("none", "device", "device_host", "device_host_storage")
 """Cache configurations: no cache, device only, + host memory, + storage."""
 
 
@@ -21,7 +21,9 @@ class EngineConfig:
         "", "where the converted SmolLM2 checkpoint lives; empty = ~/.cache/kvstrata"
     )
     dtype: str = doc("float32", "model and KV dtype")
-    tiers: str = doc("l1_l2_l3", "cache tiers: none, l1, l1_l2, l1_l2_l3")
+    tiers: str = doc(
+        "device_host_storage", "cache tiers: none, device, device_host, device_host_storage"
+    )
     # 0: the first waiting prefill takes all the step's budget has left, the next one the rest
     # (vLLM's scheduler does the same, with the same 2048-token budget on CPU). Attention over a
     # 4k prompt costs the same in chunks of 1024, 2048 or one shot, but a cap of 1024 split each

@@ -181,7 +181,7 @@ class Engine:
                     "admit",
                     rid=req.rid,
                     pages=req.page_table,
-                    hits=[req.hits["L1"], req.hits["L2"], req.hits["L3"]],
+                    hits=[req.hits["device"], req.hits["host"], req.hits["storage"]],
                 )
 
     def abort(self, rid: str) -> Request | None:
@@ -234,8 +234,8 @@ class Engine:
         return self.scheduler.preempt_running()
 
     def reset_prefix_cache(self, reset_running: bool = False, drop_host: bool = False) -> bool:
-        """Forget every cached L1 page (drop_host: L2 too; never L3); False while requests run
-        and reset_running is off (see Scheduler.reset_prefix_cache)."""
+        """Forget every cached device page (drop_host: host too; never storage); False while
+        requests run and reset_running is off (see Scheduler.reset_prefix_cache)."""
         return self.scheduler.reset_prefix_cache(reset_running, drop_host, self._drain_step)
 
     def _drain_step(self) -> bool:

@@ -1,14 +1,15 @@
 """The KV manager: the one owner of every request's cache lease (kvstrata.cache.lease).
 
 It opens a request's lease, advances it to admission, commits its computed pages, waits for its
-L2 -> L1 loads and gives everything back; nothing else sets or clears `req.lease`. The scheduler
-asks it to admit, preempt, reset and abort; the model runner asks it which loads to wait for.
+host -> device loads and gives everything back; nothing else sets or clears `req.lease`. The
+scheduler asks it to admit, preempt, reset and abort; the model runner asks it which loads to wait
+for.
 
 Every decision here depends only on agreed state (the tree, agreed op results, the agreed step
 clock), so all ranks admit the same requests with the same pages in the same order.
 
 No head-of-line blocking: the first `lookahead` waiting requests advance their leases (match,
-L3 probe, prefetch) at once; a request still waiting on storage is passed over, and the ready
+storage probe, prefetch) at once; a request still waiting on storage is passed over, and the ready
 ones behind it are admitted in arrival order while slots and pages last. Among ready requests
 admission stays first come first served: a ready request that does not fit stops the scan, so a
 large request is not starved by small ones behind it, and the leases behind it let go of their
@@ -70,7 +71,7 @@ class KVManager:
                 failed[req.rid] = f"{type(exc).__name__}: {exc}"
                 continue
             if not ready:
-                continue  # waiting on L3: the ready requests behind it go first
+                continue  # waiting on storage: the ready requests behind it go first
             if slots <= 0:
                 break
             if not lease.admit():
@@ -93,7 +94,7 @@ class KVManager:
     def _open(self, req: Request) -> Lease:
         """The request's lease over the full pages of what it prefills (its prompt): their
         token bytes, validated here; a page is hashed only once its key is needed (the lease's
-        L3 probe, its commit), so the pages the tree already holds never are."""
+        storage probe, its commit), so the pages the tree already holds never are."""
         seq = req.prefill_tokens
         req.lease = Lease(
             self.cache,
@@ -116,7 +117,8 @@ class KVManager:
         return page_keys(seq[: n_full * self.page], self._ns(req), self.vocab_size)
 
     def held_keys(self, req: Request) -> list[int]:
-        """Keys of the prompt pages an admitted request's tiers served (L1, L2, L3 prefetch)."""
+        """Keys of the prompt pages an admitted request's tiers served (device, host, storage
+        prefetch)."""
         lease = req.lease
         assert lease is not None, f"request {req.rid} was never admitted"
         return lease.keys[: lease.hits.pages]
@@ -131,7 +133,8 @@ class KVManager:
         return list(req.lease.page_table)
 
     def copies_pending(self) -> bool:
-        """Cache copies (L1 -> L2 stores, L3 backups, loads) whose results are still to apply."""
+        """Cache copies (device -> host stores, storage backups, loads) whose results are still to
+        apply."""
         return self.cache is not None and len(self.cache.queues) > 0
 
     def holds(self, req: Request) -> bool:
@@ -146,7 +149,7 @@ class KVManager:
             self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{req.cache_salt}"
         )
 
-    # ---- loads (L2 -> L1, layer by layer) -------------------------------------------------------
+    # ---- loads (host -> device, layer by layer) -------------------------------------------------
     def layer_wait(self, reqs: list[Request]) -> Callable[[int], None] | None:
         """Waits, per layer, for the loads of these requests not waited for yet; None: none."""
         loads = [r.lease.load.handle for r in reqs if _pending_load(r)]  # type: ignore[union-attr]
@@ -154,7 +157,9 @@ class KVManager:
             return None
 
         def wait_layer(layer: int) -> None:
-            for handle in loads:  # layer l's pages arrived from L2 before layer l reads them
+            for (
+                handle
+            ) in loads:  # layer l's pages arrived from host memory before layer l reads them
                 handle.wait_layer(layer)
 
         return wait_layer
@@ -166,7 +171,7 @@ class KVManager:
             req.lease.load = None
 
     def wait_loaded(self, req: Request, timeout_s: float) -> None:
-        """Block until the request's whole L2 -> L1 load (if any is pending) has landed."""
+        """Block until the request's whole host -> device load (if any is pending) has landed."""
         if _pending_load(req):
             req.lease.load.handle.wait(timeout_s)  # type: ignore[union-attr]
 
@@ -207,6 +212,6 @@ class KVManager:
 
 
 def _pending_load(req: Request) -> bool:
-    """The request's L2 -> L1 copy has not been waited for yet."""
+    """The request's host -> device copy has not been waited for yet."""
     lease = req.lease
     return lease is not None and lease.load is not None and lease.load.handle is not None

@@ -127,7 +127,7 @@ class MTPSpeculator(Speculator):
                 prev = self._before(r, r.computed, wait)
             hs.append(torch.cat([prev.to(h.dtype), h[:-1]]))
             self._keep(r, r.computed, h)
-        # pending L2 -> L1 loads carry the head's layer too: wait for it before it is read
+        # pending host -> device loads carry the head's layer too: wait for it before it is read
         before = None if wait is None else (lambda i: wait(self.offset + i))
         kv = DraftKV(pool, self.offset)
         self._head(reqs, toks, [r.computed for r in reqs], hs, kv, before)

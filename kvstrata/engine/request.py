@@ -13,7 +13,7 @@ from kvstrata.engine.sampling import Sampler
 
 
 class State(enum.Enum):
-    WAITING = "waiting"  # its lease matches, probes L3, prefetches, or waits for L1 room
+    WAITING = "waiting"  # its lease matches, probes storage, prefetches, or waits for device room
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     """Admitted (its pages allocated) while another worker fills some of them: the scheduler
     plans none of its prompt until the engine's connector says they landed or failed."""
@@ -96,11 +96,11 @@ class Request:
 
     @property
     def hits(self) -> dict[str, int]:
-        """Prompt pages served by each tier: L1 (device), L2 (host), L3 (storage)."""
+        """Prompt pages served by each tier: device, host, storage."""
         if self.reported_hits is not None:
             return dict(self.reported_hits)
         h = self.lease.hits if self.lease is not None else Hits()
-        return {"L1": h.device, "L2": h.host, "L3": h.storage}
+        return {"device": h.device, "host": h.host, "storage": h.storage}
 
     @hits.setter
     def hits(self, value: dict[str, int]) -> None:

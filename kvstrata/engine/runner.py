@@ -1,6 +1,6 @@
 """The model runner: a scheduled batch in, logits rows and sampled tokens out.
 
-It waits for the batch's L2 -> L1 loads layer by layer (the KV manager names them), runs the
+It waits for the batch's host -> device loads layer by layer (the KV manager names them), runs the
 draft's proposals, the target forward (decodes verifying drafts in a forward of their own, all
 rows kept) and the draft's catch-up, and reports each finished layer of completed prompts to a
 connector around each layer (P/D prefill sends a layer's pages at once). It changes no request

@@ -211,8 +211,8 @@ class Scheduler:
     def reset_prefix_cache(
         self, reset_running: bool, drop_host: bool, settle: Callable[[], bool]
     ) -> bool:
-        """Forget every cached L1 page (drop_host: L2 too; never L3). False, changing nothing,
-        while requests run and reset_running is off, or while remote work is in flight (its
+        """Forget every cached device page (drop_host: host too; never storage). False, changing
+        nothing, while requests run and reset_running is off, or while remote work is in flight (its
         pages are being written by another worker: it cannot be preempted). `settle` applies
         the agreed finished copies (the same call on every rank); True when some landed."""
         cache = self.kv.cache

@@ -35,7 +35,7 @@ from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.model.draft import DraftKV
 
 Work = list[tuple[Request, list[int]]]
-Wait = Callable[[int], None] | None  # wait(pool layer) for pending L2 -> L1 loads
+Wait = Callable[[int], None] | None  # wait(pool layer) for pending host -> device loads
 Proposals = dict[str, list[int]]  # rid -> drafted tokens d_1 .. d_n
 
 
@@ -92,7 +92,7 @@ class Speculator:
     def propose(self, work: Work, pool: object, wait: Callable[[int], None] | None) -> Proposals:
         """Run the draft over this step's prefill chunks and decodes; the decodes' proposals.
 
-        `wait(layer)` blocks until pool layer `layer` of pending L2 -> L1 loads has arrived.
+        `wait(layer)` blocks until pool layer `layer` of pending host -> device loads has arrived.
         """
         seqs: list[tuple[Request, list[int], int]] = []
         for req, toks in work:

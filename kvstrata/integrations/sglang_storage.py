@@ -1,4 +1,4 @@
-"""kvstrata's L3 stores behind SGLang's HiCache (`--hicache-storage-backend dynamic`).
+"""kvstrata's stores behind SGLang's HiCache (`--hicache-storage-backend dynamic`).
 
 SGLang builds this class from its extra config as `KvstrataHiCacheStorage(storage_config, kwargs)`
 and then registers its host pool. Every store of our registry works (chosen by

@@ -74,8 +74,8 @@ class PageAllocator:
 
     def alloc_owners(self, owners: list[int]) -> list[int] | None:
         """One id per entry, owned by that shard (owner = id % n_shards), in order; None (and
-        no change) if some shard has too few free. Used to give a page the same owner in L1 and
-        L2 under context parallel, so its bytes never leave the owner rank."""
+        no change) if some shard has too few free. Used to give a page the same owner in device
+        memory and host under context parallel, so its bytes never leave the owner rank."""
         need = [0] * self.n_shards
         for s in owners:
             if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.n_shards:

@@ -1,4 +1,4 @@
-"""Options of the memory + transfer layer (L1 device pool, L2 host pool, copy engine)."""
+"""Options of the memory + transfer layer (device pool, host pool, copy engine)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from kvstrata.configtools import doc
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """The copy engine between the L1 and L2 pools (pool sizes are the cache's: CacheConfig)."""
+    """The copy engine between the device and host pools (pool sizes are the cache's:
+    CacheConfig)."""
 
     copy_threads: int = doc(
         0,
@@ -31,7 +32,7 @@ class MemoryConfig:
     def resolved_copy_threads(self) -> int:
         """copy_threads, with 0 meaning as many as torch uses for its own copies.
 
-        Measured on 2 shared cores (SmolLM2, L2 hit of a 2k prompt, alternating): TTFT 0.90 s
+        Measured on 2 shared cores (SmolLM2, host hit of a 2k prompt, alternating): TTFT 0.90 s
         with 1 copy thread, 0.88 s with 2; a lone 256 MiB copy is ~1.6x faster with 2. So the
         copies keep torch's thread count: giving the forward a core back did not pay here.
         """

@@ -1,8 +1,8 @@
-"""Asynchronous, layer-by-layer page copies between the L1 device pool and the L2 host pool.
+"""Asynchronous, layer-by-layer page copies between the device pool and the host pool.
 
-`load(host_ids, device_ids)` (L2 -> L1) and `store(device_ids, host_ids)` (L1 -> L2) validate
-their input, queue one op and return a TransferHandle at once. One worker thread runs the ops in
-submission order, layer by layer, and signals each layer as it completes, so layer l can be
+`load(host_ids, device_ids)` (host -> device) and `store(device_ids, host_ids)` (device -> host)
+validate their input, queue one op and return a TransferHandle at once. One worker thread runs the
+ops in submission order, layer by layer, and signals each layer as it completes, so layer l can be
 computed while layer l+1 is still being copied.
 
 CPU path: the worker copies numpy uint8 views of the pools (np.copyto releases the GIL), one call
@@ -250,7 +250,7 @@ class CopyEngine:
     # -- submission -------------------------------------------------------------------------
 
     def load(self, host_ids: IdsLike, device_ids: IdsLike) -> TransferHandle:
-        """L2 -> L1: host page host_ids[i] goes to (logical) device page device_ids[i]."""
+        """Host -> device: host page host_ids[i] goes to (logical) device page device_ids[i]."""
         src = self.host_pool.local_slots_np(
             as_id_array(host_ids, "host_ids", self.host_pool.capacity)
         )
@@ -258,7 +258,7 @@ class CopyEngine:
         return self._submit("load", src, dst, "device_ids")
 
     def store(self, device_ids: IdsLike, host_ids: IdsLike) -> TransferHandle:
-        """L1 -> L2: (logical) device page device_ids[i] goes to host page host_ids[i]."""
+        """Device -> host: (logical) device page device_ids[i] goes to host page host_ids[i]."""
         src = self._device_slots(device_ids)
         dst = self.host_pool.local_slots_np(
             as_id_array(host_ids, "host_ids", self.host_pool.capacity)

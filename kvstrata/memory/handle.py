@@ -18,7 +18,7 @@ class TransferHandle:
         num_layers: int,
         cuda_device: torch.device | None,
     ) -> None:
-        self.kind = kind  # "load" (L2 -> L1) or "store" (L1 -> L2)
+        self.kind = kind  # "load" (host -> device) or "store" (device -> host)
         self.num_pages = num_pages
         self.nbytes = nbytes
         self.num_layers = num_layers

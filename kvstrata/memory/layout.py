@@ -1,4 +1,4 @@
-"""KV page shape and the byte layouts of the device (L1) and host (L2) pools.
+"""KV page shape and the byte layouts of the device and host pools.
 
 The shape and its layouts live in kvstrata/kv_shape.py, below memory/ and storage/ (a storage
 unit describes its part of a page by it too); the pools import them from here.

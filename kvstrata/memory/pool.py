@@ -1,12 +1,12 @@
-"""L1 device pool (layer-first) and L2 host pool (page-first) of KV pages.
+"""Device pool (layer-first) and host pool (page-first) of KV pages.
 
 DevicePool.data  # [num_layers, 2, capacity_local, page_size, kv_heads, head_dim]
 HostPool.data    # [capacity_local, num_layers, 2, page_size, kv_heads, head_dim]
 
 With n_shards > 1 (context parallel) each pool of rank r holds only the pages it owns
 (id % n_shards == r) at local slot id // n_shards; its allocator still hands out global logical
-ids, identically on every rank. The cache gives a page the same owner in both pools, so L1 <-> L2
-copies stay on the owner rank.
+ids, identically on every rank. The cache gives a page the same owner in both pools, so device
+<-> host copies stay on the owner rank.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def owned_slots(ids: np.ndarray, capacity: int, n_shards: int, rank: int) -> np.
 
 
 class DevicePool:
-    """L1: this rank's KV pages, layer-first so one layer's K (or V) is one tensor."""
+    """Device: this rank's KV pages, layer-first so one layer's K (or V) is one tensor."""
 
     def __init__(
         self, shape: KVShape, capacity: int, device: str = "cpu", n_shards: int = 1, rank: int = 0
@@ -133,7 +133,7 @@ class DevicePool:
 
 
 class HostPool:
-    """L2: pages in host memory, page-first so one page is one contiguous block of bytes.
+    """Host: pages in host memory, page-first so one page is one contiguous block of bytes.
 
     capacity counts logical ids over all shards; this rank stores capacity_local of them."""
 

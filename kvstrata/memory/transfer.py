@@ -1,7 +1,7 @@
 """The real PageMover: moves KV bytes between the device pool, the host pool and storage.
 
-L2 <-> L1 copies go through the CopyEngine (per-layer completion); L2 <-> L3 I/O runs on one
-storage worker thread in submission order, reading and writing host pages in place (the host
+host <-> device copies go through the CopyEngine (per-layer completion); host <-> storage I/O runs
+on one storage worker thread in submission order, reading and writing host pages in place (the host
 layout is page-first, so a page is one contiguous buffer). The cache manager pins the pages an
 op reads until it is applied, so the bytes stay valid while the worker uses them.
 """
@@ -47,7 +47,7 @@ class TensorMover:
     # ---- PageMover ----------------------------------------------------------------------------
     def submit(self, op: TransferOp) -> None:
         if op.kind in (LOAD, STORE):
-            assert self.copies is not None, "L1 <-> L2 copies need a host pool"
+            assert self.copies is not None, "device <-> host copies need a host pool"
             if op.kind == LOAD:
                 op.handle = self.copies.load(op.src, op.dst)
             else:

@@ -118,7 +118,7 @@ class ForwardArgs:
     batch: SeqBatch
     kv: Any  # KVPool (a DevicePool; sharded under cp)
     before_layer: Callable[[int], None] | None = None
-    """Called before each layer (local index) runs: e.g. wait for its pages from L2."""
+    """Called before each layer (local index) runs: e.g. wait for its pages from host memory."""
     last_only: bool = False  # logits of each sequence's last token only
     hidden_out: list[torch.Tensor] | None = None  # gets the last layer's output [T, hidden]
 

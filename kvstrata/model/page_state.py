@@ -69,7 +69,7 @@ class PageStates:
         self, pool: Any, page_id: int, wait: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Page `page_id`'s state [1, hidden] (zeros where inactive); the same on every rank.
-        `wait(layer)` first, for each state layer (a pending L2 -> L1 load carries them)."""
+        `wait(layer)` first, for each state layer (a pending host -> device load carries them)."""
         if not self.active:
             return torch.zeros(1, self.hidden_size)
         for i in range(self.first, self.first + self.layers):

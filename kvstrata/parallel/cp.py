@@ -7,7 +7,7 @@ on write). Per layer l:
   scratch  # [2, n_pages, page, kv_heads, head_dim]: the batch's pages (each once, logical
              order) gathered from their owners by CPGather, double-buffered: layer l+1's async
              all_gather runs while layer l computes (it packs pool pages written before this
-             forward, so it may start early; L2 loads of layer l+1 are waited for first)
+             forward, so it may start early; host loads of layer l+1 are waited for first)
   new      # [cp, 2, m, kv_heads, head_dim]: every rank's new-token K/V of layer l, one
              synchronous all_gather (m = most new tokens any rank computes; padded)
 The new K/V overlay the scratch (whatever the early gather packed for those slots is stale),

@@ -50,7 +50,7 @@ class CPOwnership:
 
     def owned(self, page_ids: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
         """(positions in page_ids, local slots) of the pages `rank` owns, in logical order.
-        A restore from L2/L3 writes exactly these pages on `rank` before the gather."""
+        A restore from host/storage writes exactly these pages on `rank` before the gather."""
         pos = [i for i, p in enumerate(page_ids) if p % self.cp == rank]
         return pos, [page_ids[i] // self.cp for i in pos]
 

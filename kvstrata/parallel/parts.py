@@ -2,12 +2,13 @@
 
 A rank's pools hold one *part* of every page (its pipeline stage's layers, its tensor-parallel
 heads: kvstrata.storage.units.PagePart). Under context parallel a page lives on one owner
-rank, owner = logical id % cp, in L1 *and* L2: the cache gives a page's host id the owner of its
-device id and back (Tiers `like=`), each rank's host pool stores only its 1/cp of the host ids.
-So, with no collective at all:
-- L1 -> L2 store and L2 -> L1 load: each rank copies only the pages it owns, own L1 <-> own L2;
-- L2 -> L3 backup: each rank writes its units (UnitStorage) of the pages its host pool owns;
-- L3 -> L2 prefetch: each rank reads its units of the pages whose new host id it owns;
+rank, owner = logical id % cp, in device *and* host memory: the cache gives a page's host id the
+owner of its device id and back (Tiers `like=`), each rank's host pool stores only its 1/cp of the
+host ids. So, with no collective at all:
+- device -> host store and host -> device load: each rank copies only the pages it owns, own device
+  <-> own host;
+- host -> storage backup: each rank writes its units (UnitStorage) of the pages its host pool owns;
+- storage -> host prefetch: each rank reads its units of the pages whose new host id it owns;
 - probe: every rank asks the commit markers (one small value per page).
 A backup becomes visible only after the step consensus applied it (agreed: every rank wrote):
 then the page's commit writer (tp rank 0, pp rank 0 of the owner's cp group) writes the marker.
@@ -68,10 +69,10 @@ class DistMover(TensorMover):
 
     def submit(self, op: TransferOp) -> None:
         if self.own.cp > 1 and op.kind in (STORE, LOAD):
-            assert self.copies is not None, "L1 <-> L2 copies need a host pool"
+            assert self.copies is not None, "device <-> host copies need a host pool"
             src, dst = op.src, op.dst
             pos = self._mine(src)
-            assert pos == self._mine(dst), "a page has different owners in L1 and L2"
+            assert pos == self._mine(dst), "a page has different owners in device and host memory"
             copy = self.copies.load if op.kind == LOAD else self.copies.store
             op.handle = copy([src[i] for i in pos], [dst[i] for i in pos])
             return

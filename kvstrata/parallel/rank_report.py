@@ -28,7 +28,7 @@ class PageWatch:
             lease = req.lease
             if req.rid in self.restored or lease is None or req.state is State.WAITING:
                 continue
-            if lease.load is None:  # no L2 -> L1 copy in flight: the hit pages are final
+            if lease.load is None:  # no host -> device copy in flight: the hit pages are final
                 n = sum(req.hits.values())
                 self.restored[req.rid] = self._owned(lease.keys[:n], lease.page_table[:n])
         for req in finished:
@@ -87,7 +87,8 @@ def rank_result(re: Any, done: list[Request]) -> dict[str, Any]:
 
 
 def _host_report(re: Any) -> dict[str, Any]:
-    """This rank's L2: cached host pages it owns (by id), its slots and bytes; mover counts."""
+    """This rank's host memory: cached host pages it owns (by id), its slots and bytes; mover
+    counts."""
     assert re.cache is not None and re.mover is not None
     pool = re.mover.host
     ids = [h for n in re.cache.tree.nodes() if n.host is not None for h in n.host]

@@ -67,13 +67,17 @@ class RankOptions:
 
     delay: int = doc(0, "testing: each op looks unfinished for random 0..delay polls per rank")
     seed: int = doc(0, "seed of the injected delays (each rank draws its own stream)")
-    demote_when_idle: bool = doc(False, "testing: push every cached page L1 -> L2 between turns")
+    demote_when_idle: bool = doc(
+        False, "testing: push every cached page device -> host between turns"
+    )
     tree_digests: bool = doc(False, "digest the radix tree every step (returned and logged)")
     cp_scratch_bytes: int = doc(0, "cp: most bytes both gather buffer pairs may take; 0 = any")
-    report_host_pages: bool = doc(False, "testing: report each owned cached L2 page's bytes")
-    report_pages: bool = doc(False, "testing: report owned restored and cached L1 page bytes")
+    report_host_pages: bool = doc(False, "testing: report each owned cached host page's bytes")
+    report_pages: bool = doc(False, "testing: report owned restored and cached device page bytes")
     crash_rank: int = doc(-1, "testing: this global rank dies mid-backup (see crash_after_units)")
-    crash_after_units: int = doc(0, "testing: crash_rank exits after writing this many L3 units")
+    crash_after_units: int = doc(
+        0, "testing: crash_rank exits after writing this many storage units"
+    )
 
     def __post_init__(self) -> None:
         for name in ("delay", "cp_scratch_bytes", "crash_after_units"):
@@ -192,7 +196,8 @@ class RankEngine:
         if ecfg.tiers == "none":
             return CacheParts(self.pool)
         cp, ctx, o = self.ctx.config.cp, self.ctx, self.options
-        # L2 sharded like L1: this rank stores only the host ids it owns (id % cp == cp_rank)
+        # host pages sharded like device pages: this rank stores only the host ids it owns (id % cp
+        # == cp_rank)
         host = (
             HostPool(part.shape, ccfg.host_pages, n_shards=cp, rank=ctx.cp_rank)
             if ccfg.host_pages
@@ -255,7 +260,8 @@ class RankEngine:
             time.sleep(0.0005)
 
     def demote_all(self) -> None:
-        """Push every cached page out of L1 (to L2 where there is room), agreed."""
+        """Push every cached page out of device memory (to host memory where there is room),
+        agreed."""
         cache = self.cache
         if cache is None:
             return

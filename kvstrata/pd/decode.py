@@ -1,7 +1,7 @@
 """The decode worker's side of a hand-off (the decode role's KV connector).
 
-Decode's own Lease matched and admitted the request over its tiers (L1, L2, L3 prefetch into
-L2), locked the held prefix and allocated every other page; a request that names a prefill
+Decode's own Lease matched and admitted the request over its tiers (device, host, storage prefetch
+into host), locked the held prefix and allocated every other page; a request that names a prefill
 worker then waits for remote KV (the scheduler plans none of its prompt). Once admitted, a
 thread per hand-off sends prefill the keys of the pages decode holds and waits (bounded by
 pd_timeout_s of silence) for exactly the missing pages and the first-token logits row. The
@@ -307,7 +307,7 @@ class DecodeSide(KVConnector):
         if not remote_tokens:
             return
         assert req.kv_params is not None
-        held = self.view.kv.held_keys(req)  # every tier: L1, L2 (and what L3 brought)
+        held = self.view.kv.held_keys(req)  # every tier: device, host (and what storage brought)
         h = Handoff(self, req, str(req.kv_params["prefill"]), held, pages)
         if self.layout.cp > 1:  # the same page tables on every cp rank: the same owners
             h.owners = owners_of(pages, len(held), h.n_pages, self.layout.cp)
@@ -362,7 +362,7 @@ class DecodeSide(KVConnector):
 
     def _serve_pulls(self) -> None:
         """Engine thread: copy out the held pages prefill pulls (locked by the request's lease,
-        so nothing writes them; an L2 -> L1 load of some is waited for first)."""
+        so nothing writes them; a host -> device load of some is waited for first)."""
         while True:
             try:
                 rid, first, end, reply = self.pulls.get_nowait()
@@ -392,7 +392,7 @@ class DecodeSide(KVConnector):
             # whole pages: every rank landed its verified part (equal to got.nbytes on one rank)
             "bytes_received": (n - at) * self.layout.page_bytes,
             "pages_skipped": sum(h.hits.values()),
-            "pages_from_storage": h.hits["L3"],
+            "pages_from_storage": h.hits["storage"],
             "prefill_computed_tokens": int(got.stats.get("computed_tokens", 0)),
             "pages_pulled": out.pulled,  # held pages prefill pulled from here
             "bytes_pulled": out.pulled * self.layout.page_bytes,

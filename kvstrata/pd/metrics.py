@@ -19,7 +19,7 @@ class PDMetrics:
         self.pages = counter("pd_pages", "KV pages of P/D hand-offs", ("direction",))
         self.bytes = counter("pd_bytes", "KV bytes of P/D hand-offs", ("direction",))
         self.skipped = counter("pd_pages_skipped", "prompt pages decode held: not sent")
-        self.storage = counter("pd_pages_from_storage", "held pages decode took from L3")
+        self.storage = counter("pd_pages_from_storage", "held pages decode took from storage")
         self.computed = counter("pd_prefill_computed_tokens", "prompt tokens prefill computed")
         self.handoffs = counter("pd_handoffs", "hand-offs by outcome", ("outcome",))
 

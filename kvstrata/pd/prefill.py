@@ -4,9 +4,9 @@ One thread per rank owns the transport's listener. A `handoff` from decode is ch
 (layout, then decode's key chain against the prompt under the request's cache_salt namespace,
 then the rule that the page of the last prompt token is never held); a bad one is refused with
 the reason. A good one runs as an ordinary engine request (max 1 token, logits kept), submitted
-through the step loop's inbox, so its own Lease serves what prefill's L1/L2/L3 hold and only the
-rest is computed. At its first token each rank's sink (kvstrata/pd/sink.py) queues the pages
-decode lacks; the listener thread sends them with the logits row, and heartbeats each hand-off
+through the step loop's inbox, so its own Lease serves what prefill's device/host/storage hold and
+only the rest is computed. At its first token each rank's sink (kvstrata/pd/sink.py) queues the
+pages decode lacks; the listener thread sends them with the logits row, and heartbeats each hand-off
 that is still computing every pd_heartbeat_s. Held pages that prefill's own tiers lack are
 pulled from decode first (kvstrata/pd/pull.py); under several ranks see kvstrata/pd/ranks.py.
 """

@@ -1,8 +1,8 @@
 """Prefill pulls the held pages it lacks from decode, over the hand-off's own channel.
 
 Decode's hand-off says it holds prompt pages [0, held). A hand-off's Lease matches, probes and
-prefetches over prefill's own L1/L2/L3 and is admitted as any request's. At admission its hits
-`have` are known (the connector's get_num_new_matched_tokens): with have >= held it goes on at
+prefetches over prefill's own device/host/storage and is admitted as any request's. At admission its
+hits `have` are known (the connector's get_num_new_matched_tokens): with have >= held it goes on at
 once; else it waits for remote KV while prefill asks decode for pages [have, held), bounded by
 pd_timeout_s. The leading pulled pages that pass their checksums are
 written into the request's own pages, which then count as computed and join the tree through
@@ -66,8 +66,8 @@ class Puller:
         self.arrived.set()
 
     def matched(self, req: Request, local_tokens: int) -> int:
-        """At admission: prompt tokens of held pages prefill's own tiers (L1, L2 and the shared
-        L3: `local_tokens`) lack, which decode provides (0: nothing to pull)."""
+        """At admission: prompt tokens of held pages prefill's own tiers (device, host and the
+        shared storage: `local_tokens`) lack, which decode provides (0: nothing to pull)."""
         self._drain()
         sink = self.sinks.pop(req.rid, None)
         have = local_tokens // self.view.page_size

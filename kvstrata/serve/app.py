@@ -154,10 +154,10 @@ def _flag(request: Request, name: str) -> bool:
 def _cache_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> dict[str, Any]:
-        """vLLM's reset: every rank forgets its L1 pages between the same two steps.
+        """vLLM's reset: every rank forgets its device pages between the same two steps.
 
         reset_running_requests=true preempts running requests first (they recompute and go
-        on); reset_external=true drops the L2 (host) copies too. L3 is never touched. As vLLM
+        on); reset_external=true drops the host copies too. Storage is never touched. As vLLM
         (0.32): 200 with {"success": bool}, false while requests run and hold pages (callers
         may retry); here a false one also says why in "message".
         """

@@ -8,7 +8,7 @@ type, fields in vLLM's order:
   ["BlockRemoved", block_hashes, medium]
   ["AllBlocksCleared"]
 After a prefix-cache reset the batch starts with AllBlocksCleared (a subscriber forgets every
-medium), followed by BlockStored for what the reset kept (L2 copies; L3 where the tree still
+medium), followed by BlockStored for what the reset kept (host copies; storage where the tree still
 knows it), so the sets a subscriber rebuilds always equal the cache's own.
 Block hashes are the low 64 bits of our 128-bit page keys (msgpack integers are 64-bit).
 A ROUTER socket (optional) answers a request [start_seq (8 bytes)] with every buffered batch from

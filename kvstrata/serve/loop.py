@@ -201,5 +201,5 @@ class EngineLoop(LoopFront):
             self._fail_all("server is stopping")  # requests that raced the stop
             self.built.close()  # engine.drain(): every pending backup reaches storage
             if self.events is not None:
-                self.events.after_step(eng)  # the drained state (new L3 copies) is reported
+                self.events.after_step(eng)  # the drained state (new storage copies) is reported
                 self.events.close()

@@ -56,7 +56,7 @@ def engine_stats(engine: Engine) -> PoolStats:
 
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-SOURCES = {"L1": "local_device_hit", "L2": "local_host_hit", "L3": "storage_hit"}
+SOURCES = {"device": "local_device_hit", "host": "local_host_hit", "storage": "storage_hit"}
 
 
 class ServeMetrics(LoopObserver):
@@ -194,7 +194,7 @@ class _PoolCollector(Collector):
         yield moved
         yield errors
         prefetch = CounterMetricFamily(
-            "kvstrata:prefetch", "L3 prefetch outcomes", labels=["model_name", "outcome"]
+            "kvstrata:prefetch", "storage prefetch outcomes", labels=["model_name", "outcome"]
         )
         for outcome, n in c.prefetch.items():
             prefetch.add_metric([self.name, outcome], n)

@@ -99,10 +99,10 @@ def _serve_steps(
         if not steps.apply(msg):
             break
     eng.check_integrity()
-    re.close()  # drains pending cache ops (L3 backups), agreed
+    re.close()  # drains pending cache ops (storage backups), agreed
     eng.check_integrity()
     if events is not None:
-        events.after_step(eng)  # the drained state (new L3 copies) is reported too
+        events.after_step(eng)  # the drained state (new storage copies) is reported too
 
 
 class RankedLoop(LoopFront):

@@ -9,8 +9,6 @@ from typing import Any
 from kvstrata.engine.request import Request
 from kvstrata.serve.codec import Codec
 
-TIER_NAMES = {"L1": "device", "L2": "host", "L3": "storage"}
-
 
 class TextState:
     """Decoded text of one request's output, cut at the first stop string.
@@ -60,7 +58,7 @@ def usage(
     req: Request, page_size: int, completion_tokens: int, speculative: bool = False
 ) -> dict[str, Any]:
     """OpenAI's usage; with speculative decoding on, also `spec` (spec_usage)."""
-    by_tier = {TIER_NAMES[t]: n * page_size for t, n in req.hits.items()}
+    by_tier = {t: n * page_size for t, n in req.hits.items()}
     prompt = len(req.tokens)
     pd = {"pd": dict(req.transfer)} if req.transfer is not None else {}
     out: dict[str, Any] = {

@@ -3,7 +3,7 @@
 On SIGTERM (or SIGINT) uvicorn stops accepting connections and in-flight requests get
 `stop_timeout_s` to finish; then they are aborted (their streams end cleanly, finish_reason
 "abort", pages released), and the lifespan shutdown stops the engine loop, which drains pending
-L3 backups and closes the store. Exit 0 when all of that finished.
+storage backups and closes the store. Exit 0 when all of that finished.
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ from kvstrata.serve.events import KVEventPublisher
 from kvstrata.serve.metrics import engine_stats
 
 IDLE_WAIT_S = 0.05  # no work: wait this long at most for an input
-# With no request but cache ops pending (L1 -> L2 stores, L3 backups) the loop still steps, so
-# their results are applied (pages unpinned, events sent) without waiting for the next request.
+# With no request but cache ops pending (device -> host stores, storage backups) the loop still
+# steps, so their results are applied (pages unpinned, events sent) without waiting for the next
+# request.
 
 Out = Callable[[Any], None]
 Gather = Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]

@@ -1,4 +1,4 @@
-"""L3 storage: the backend protocol, its config, the stored page format and the URL registry.
+"""Storage: the backend protocol, its config, the stored page format and the URL registry.
 
 A backend stores whole pages (numpy uint8 buffers of exactly `page_nbytes`) under 128-bit page
 keys. Backends are chosen by URL scheme through `STORAGE_BACKENDS` (`file://DIR` or a plain path
@@ -37,7 +37,7 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class StorageConfig:
-    """L3 storage backend options (file, redis and mooncake backends)."""
+    """Storage backend options (file, redis and mooncake backends)."""
 
     max_bytes: int = doc(
         0, "file backend: size cap of the directory in bytes (0 = unbounded); LRU clean-up"
@@ -151,7 +151,7 @@ class StorageConfig:
 
 @runtime_checkable
 class StorageBackend(Protocol):
-    """What the cache manager needs from an L3 store (see docs/CONTRACTS.md)."""
+    """What the cache manager needs from a store (see docs/CONTRACTS.md)."""
 
     page_nbytes: int
 

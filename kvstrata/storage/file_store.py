@@ -63,12 +63,12 @@ _COUNTERS = (
 
 
 class FileStore:
-    """L3 pages as files in one directory (the embedded default backend)."""
+    """Storage pages as files in one directory (the embedded default backend)."""
 
     def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
         self.config = config or StorageConfig()
-        # owner-only unless asked: L3 pages hold every tenant's KV (prompts are recoverable)
+        # owner-only unless asked: storage pages hold every tenant's KV (prompts are recoverable)
         self.file_mode, self.dir_mode = (
             (0o660, 0o770) if self.config.group_access else (0o600, 0o700)
         )
@@ -265,7 +265,7 @@ class FileStore:
             return
         self._warned = True
         print(
-            f"kvstrata: warning: L3 write to {self._root_s} failed: {exc.strerror or exc} "
+            f"kvstrata: warning: storage write to {self._root_s} failed: {exc.strerror or exc} "
             "(pages are not stored; further failures only counted in put_errors)",
             file=sys.stderr,
         )

@@ -2,7 +2,7 @@
 
 `open_storage` applies it when `StorageConfig.emulate_read_s_per_page` > 0: each `get` sleeps
 that long per page asked for, before the inner backend reads. Benchmarks and tests use it to put
-a realistic L3 read time (a 20 MB page over a 2 GB/s link takes 10 ms) behind a local store.
+a realistic storage read time (a 20 MB page over a 2 GB/s link takes 10 ms) behind a local store.
 """
 
 from __future__ import annotations

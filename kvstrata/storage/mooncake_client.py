@@ -195,7 +195,7 @@ class MooncakeClient:
             first, self._warned = not self._warned, True
         if first:
             print(
-                f"kvstrata: warning: mooncake master {self.target.master} failed ({why}); L3 "
+                f"kvstrata: warning: mooncake master {self.target.master} failed ({why}); storage "
                 "reads are misses and backups skipped until it answers again (counted in stats)",
                 file=sys.stderr,
             )

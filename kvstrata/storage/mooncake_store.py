@@ -48,7 +48,7 @@ _COUNTERS = (
 
 
 class MooncakeStore:
-    """L3 pages in a Mooncake Store under `prefix` + 32 hex digits."""
+    """Storage pages in a Mooncake Store under `prefix` + 32 hex digits."""
 
     def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)

@@ -49,7 +49,7 @@ _COUNTERS = (
 
 
 class RedisStore:
-    """L3 pages in a Redis (or Valkey) server under `redis_key_prefix` + 32 hex digits."""
+    """Storage pages in a Redis (or Valkey) server under `redis_key_prefix` + 32 hex digits."""
 
     def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
@@ -222,7 +222,7 @@ class RedisStore:
         with self._lock:
             why = "server unreachable" if self._failed else "server refused (e.g. maxmemory)"
         print(
-            f"kvstrata: warning: L3 write to {self.url} failed ({why}): {skipped} page(s) not "
+            f"kvstrata: warning: storage write to {self.url} failed ({why}): {skipped} page(s) not "
             "stored; further failures only counted in put_skipped",
             file=sys.stderr,
         )

@@ -1,4 +1,4 @@
-"""Topology-free L3 layout: a page is stored as units of (layer block x K/V-head block).
+"""Topology-free storage layout: a page is stored as units of (layer block x K/V-head block).
 
 Canonical page  # [num_layers, 2, page_size, kv_heads, head_dim]
 A rank of a tp x pp layout holds one *part* of it, layers [l0, l1) and heads [h0, h1)

@@ -1,4 +1,5 @@
-"""kvstrata as a vLLM KV connector: vLLM keeps L1 (its paged KV), kvstrata adds L2 and L3.
+"""kvstrata as a vLLM KV connector: vLLM keeps device memory (its paged KV), kvstrata adds host and
+storage.
 
 Load it with `--kv-transfer-config '{"kv_connector": "KvstrataConnector",
 "kv_connector_module_path": "kvstrata.integrations.vllm.connector", "kv_role": "kv_both",

@@ -14,9 +14,9 @@ from kvstrata.cache.policies import EVICTION, PREFETCH
 from kvstrata.configtools import doc
 
 SUPPORTED_WRITE_POLICIES = ("write_through",)
-"""vLLM owns L1 and frees a block once its request ends: a page is copied to L2 while vLLM
-still holds it (write-through); policies that copy later (on eviction, after N hits) would read
-blocks vLLM has already reused."""
+"""vLLM owns device memory and frees a block once its request ends: a page is copied to host memory
+while vLLM still holds it (write-through); policies that copy later (on eviction, after N hits)
+would read blocks vLLM has already reused."""
 
 
 class ConnectorConfigError(ValueError):
@@ -25,17 +25,19 @@ class ConnectorConfigError(ValueError):
 
 @dataclass(frozen=True)
 class VllmConnectorConfig:
-    """kvstrata's tiers under vLLM: L2 host pages, L3 storage, keys and policies."""
+    """kvstrata's tiers under vLLM: host pages, storage, keys and policies."""
 
-    host_pages: int = doc(0, "L2 capacity in kvstrata pages (0: derived from host_bytes)")
-    host_bytes: int = doc(0, "L2 capacity in bytes when host_pages is 0 (per vLLM worker)")
+    host_pages: int = doc(0, "host capacity in kvstrata pages (0: derived from host_bytes)")
+    host_bytes: int = doc(0, "host capacity in bytes when host_pages is 0 (per vLLM worker)")
     page_size: int = doc(0, "tokens per kvstrata page; 0: vLLM's block size (else a multiple)")
-    storage_url: str = doc("", "L3 storage URL (file:///dir, redis://host:port/db); empty: none")
-    write_policy: str = doc("write_through", "L1->L2 backup (write_through only under vLLM)")
-    prefetch_policy: str = doc("timeout", "L3->L2 prefetch: best_effort, wait_complete, timeout")
+    storage_url: str = doc("", "storage URL (file:///dir, redis://host:port/db); empty: none")
+    write_policy: str = doc("write_through", "device->host backup (write_through only under vLLM)")
+    prefetch_policy: str = doc(
+        "timeout", "storage->host prefetch: best_effort, wait_complete, timeout"
+    )
     prefetch_timeout_base_s: float = doc(2.0, "timeout policy: fixed part of the budget (s)")
     prefetch_timeout_per_page_s: float = doc(0.01, "timeout policy: budget added per page (s)")
-    eviction: str = doc("lru", "L2 eviction policy name (lru, lfu)")
+    eviction: str = doc("lru", "host eviction policy name (lru, lfu)")
     tenant_salt: str = doc("", "salt of every key (a request's cache_salt joins it)")
     model_fingerprint: str = doc("", "identity of the weights in the keys ('' : vLLM's model name)")
     check_integrity: bool = doc(False, "check the tree and pools after every step (tests)")
@@ -45,7 +47,7 @@ class VllmConnectorConfig:
             if getattr(self, name) < 0:
                 _bad(name, getattr(self, name), "must be >= 0")
         if not self.host_pages and not self.host_bytes:
-            _bad("host_pages", 0, "host_pages or host_bytes must be > 0 (the L2 pool)")
+            _bad("host_pages", 0, "host_pages or host_bytes must be > 0 (the host pool)")
         if self.write_policy not in SUPPORTED_WRITE_POLICIES:
             _bad("write_policy", self.write_policy, f"must be one of {SUPPORTED_WRITE_POLICIES}")
         for name, registry in (("prefetch_policy", PREFETCH), ("eviction", EVICTION)):
@@ -72,7 +74,7 @@ class VllmConnectorConfig:
         return cls(**extra)
 
     def resolved_host_pages(self, page_nbytes: int) -> int:
-        """L2 pages: host_pages, or as many whole pages as host_bytes holds."""
+        """Host pages: host_pages, or as many whole pages as host_bytes holds."""
         if self.host_pages:
             return self.host_pages
         pages = self.host_bytes // page_nbytes

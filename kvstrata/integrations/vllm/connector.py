@@ -1,7 +1,7 @@
 """KvstrataConnector: the class vLLM loads by module path (`kv_connector_module_path`).
 
 It only routes vLLM's calls: the scheduler role to SchedulerSide (kvstrata's cache manager),
-the worker role to WorkerSide (host pool, L3, copies). Jobs go down in StepMeta; each op's
+the worker role to WorkerSide (host pool, storage, copies). Jobs go down in StepMeta; each op's
 pages-moved count comes back in StepResults, which vLLM aggregates over the tensor-parallel
 workers with `aggregate` (the minimum: an op counts only as far as every worker got).
 """
@@ -61,7 +61,7 @@ class StepResults(KVConnectorWorkerMetadata):
 
 
 class KvstrataConnector(KVConnectorBase_V1):
-    """vLLM's KV connector API over kvstrata's L2 host pages and L3 storage."""
+    """vLLM's KV connector API over kvstrata's host pages and storage."""
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -25,7 +25,7 @@ class BlockCopy:
 
 @dataclass(frozen=True)
 class CopyJob:
-    """L2 -> vLLM (load) or vLLM -> L2 (store) pages of one op."""
+    """Host -> vLLM (load) or vLLM -> host (store) pages of one op."""
 
     op_id: int
     pages: tuple[BlockCopy, ...]
@@ -33,7 +33,8 @@ class CopyJob:
 
 @dataclass(frozen=True)
 class StorageJob:
-    """L3 work of one op: probe (host_ids empty), backup (L2 -> L3) or prefetch (L3 -> L2)."""
+    """Storage work of one op: probe (host_ids empty), backup (host -> storage) or prefetch (storage
+    -> host)."""
 
     op_id: int
     kind: str

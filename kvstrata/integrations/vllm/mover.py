@@ -1,7 +1,7 @@
 """The scheduler side's PageMover: the cache manager's ops become worker jobs, results come back.
 
-kvstrata's device page ids are *transit* ids here: vLLM owns L1, so a device id only names
-"the vLLM blocks of page i of some running request" (`bind`). An op submitted during a
+kvstrata's device page ids are *transit* ids here: vLLM owns device memory, so a device id only
+names "the vLLM blocks of page i of some running request" (`bind`). An op submitted during a
 scheduler step is turned into a job when the step's metadata is built (its transit ids are
 bound by then), runs on every worker in that step, and its pages-moved count comes back
 through `report` (the minimum over workers) before the manager's next step.

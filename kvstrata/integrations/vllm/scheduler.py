@@ -1,14 +1,16 @@
-"""The connector's scheduler side: vLLM's prefix hit is L1; kvstrata's cache manager adds L2/L3.
+"""The connector's scheduler side: vLLM's prefix hit is the device tier; kvstrata's cache manager
+adds host/storage.
 
 One HiCache over three tiers decides everything: its device tier holds *transit* pages (a
 transit id names the vLLM blocks of one page of a running request, bound in JobMover), its host
-tier is the workers' host pools (same ids on every worker), its storage the L3 backend the
+tier is the workers' host pools (same ids on every worker), its storage tier the backend the
 workers open. Each vLLM request drives one Lease, as our own engine's admission does:
 
-    get_num_new_matched_tokens: open the lease, advance it (match, L3 probe, prefetch under the
-        policy); while it waits on L3 the answer is "ask again" and vLLM schedules others;
-        ready: the tokens past vLLM's own hit that the match holds in L2 (L3 pages landed in L2)
-    update_state_after_alloc: admit (transit pages + the L2 -> vLLM load), bind transit ids
+    get_num_new_matched_tokens: open the lease, advance it (match, storage probe, prefetch under the
+        policy); while it waits on storage the answer is "ask again" and vLLM schedules others;
+        ready: the tokens past vLLM's own hit that the match holds in host memory (storage pages
+        landed in host memory)
+    update_state_after_alloc: admit (transit pages + the host -> vLLM load), bind transit ids
     build_connector_meta: commit the full pages this step computes (insert -> write-through
         store, which the workers run after the forward), then ship the step's jobs
     request_finished: release (the stores already ran in the step that computed the pages)
@@ -90,7 +92,10 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self.load_errors: set[int] = set()
         self.check_each_step = config.check_integrity
-        self.hit_tokens = {"L2": 0, "L3": 0}  # tokens vLLM took from each tier, since last taken
+        self.hit_tokens = {
+            "host": 0,
+            "storage": 0,
+        }  # tokens vLLM took from each tier, since last taken
 
     # ---- vLLM's scheduler calls ---------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
@@ -102,7 +107,7 @@ class SchedulerSide:
         if st is None or st.lease.state is LeaseState.RELEASED:
             st = self.requests[request.request_id] = RequestState(request, self._open(request))
         if not st.lease.advance(time.monotonic(), can_schedule=True):
-            return None, False  # L3 still answering or prefetching: vLLM runs others meanwhile
+            return None, False  # storage still answering or prefetching: vLLM runs others meanwhile
         assert st.lease.match is not None
         st.vllm_hit = num_computed
         st.external = self._loadable(st.lease.match, num_computed)
@@ -128,8 +133,8 @@ class SchedulerSide:
         return dataclasses.replace(self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{salt}")
 
     def _loadable(self, m: Match, num_computed: int) -> int:
-        """Tokens past vLLM's hit that L2 provides: the match, unless a page past vLLM's hit
-        is only a transit copy (another running request's blocks, which vLLM did not share)."""
+        """Tokens past vLLM's hit that host memory provides: the match, unless a page past vLLM's
+        hit is only a transit copy (another running request's blocks, which vLLM did not share)."""
         if m.device_pages * self.page > num_computed:
             return 0
         return max(0, m.pages * self.page - num_computed)
@@ -150,9 +155,9 @@ class SchedulerSide:
             st.lease.release()
             return
         self._bind(st)
-        from_l3 = min(num_external, st.lease.hits.storage * self.page)
-        self.hit_tokens["L3"] += from_l3
-        self.hit_tokens["L2"] += num_external - from_l3
+        from_storage = min(num_external, st.lease.hits.storage * self.page)
+        self.hit_tokens["storage"] += from_storage
+        self.hit_tokens["host"] += num_external - from_storage
 
     def _bind(self, st: RequestState) -> None:
         """Bind each transit page of the request to its vLLM blocks (-1: not copied)."""
@@ -214,7 +219,7 @@ class SchedulerSide:
             st.lease.release()
 
     def take_hit_tokens(self) -> dict[str, int]:
-        out, self.hit_tokens = self.hit_tokens, {"L2": 0, "L3": 0}
+        out, self.hit_tokens = self.hit_tokens, {"host": 0, "storage": 0}
         return out
 
     def report(self, results: dict[int, int]) -> None:

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 HIT_PREFIX, BYTES_PREFIX = "hit_tokens_", "moved_bytes_"
-TIERS = ("L2", "L3")
+TIERS = ("host", "storage")
 MOVES = ("load", "store", "backup", "prefetch")
 
 

@@ -1,9 +1,9 @@
 """The connector's worker side: moves page bytes between vLLM's paged KV and the host pool.
 
 Each vLLM worker holds a host pool of its own KV heads (the same page ids on every worker,
-decided by the scheduler side) and opens the L3 store as topology-free units of its heads
+decided by the scheduler side) and opens the store as topology-free units of its heads
 (kvstrata.storage.units), so a page stored at one tensor-parallel size is read at another.
-A step runs its jobs in order: L3 jobs and L2 -> vLLM loads before the forward, vLLM -> L2
+A step runs its jobs in order: storage jobs and host -> vLLM loads before the forward, vLLM -> host
 stores after it (they read blocks this forward writes). Each op's pages-moved count goes back to
 the scheduler side; storage trouble is a short count (a miss), never an exception.
 """
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    """One vLLM worker's host pool, L3 view and copies (see module doc)."""
+    """One vLLM worker's host pool, storage view and copies (see module doc)."""
 
     def __init__(self, config: VllmConnectorConfig, spec: KVSpec, tp_rank: int) -> None:
         self.spec = spec
@@ -93,7 +93,7 @@ class WorkerSide:
                 assert job.kind == PREFETCH, job.kind
                 done = self.storage.get(list(job.keys), pages)
         except Exception as exc:  # noqa: BLE001 - unreachable or broken storage is a miss
-            log.warning("kvstrata: L3 %s of %d pages failed: %s", job.kind, len(job.keys), exc)
+            log.warning("kvstrata: storage %s of %d pages failed: %s", job.kind, len(job.keys), exc)
             return 0
         self.moved_bytes[job.kind] += done * self.spec.page_nbytes
         return done

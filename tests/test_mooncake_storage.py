@@ -1,4 +1,4 @@
-"""Engines over a real Mooncake Store as L3: a fresh engine hits what another backed up, and a
+"""Engines over a real Mooncake Store as storage: a fresh engine hits what another backed up, and a
 master killed (kill -9) mid-run and restarted changes no output (only hits; the counters show
 the failures).
 
@@ -41,13 +41,13 @@ def turns_with(
     prompts: list[list[int]],
     between: Callable[[int], None] = lambda turn: None,
 ) -> tuple[list[Request], dict[str, int | float]]:
-    """run_turns' loop over mooncake, calling between(k) after turn k; requests + L3 stats."""
+    """run_turns' loop over mooncake, calling between(k) after turn k; requests + storage stats."""
     cfg = CacheConfig(
         page_size=PAGE, device_pages=64, host_pages=64, storage_url=url,
         prefetch_policy="wait_complete",
     )  # fmt: skip
     built = build_engine(
-        EngineConfig(tiers="l1_l2_l3", max_batch_tokens=1024), cfg, LENIENT, model=model
+        EngineConfig(tiers="device_host_storage", max_batch_tokens=1024), cfg, LENIENT, model=model
     )
     eng, results = built.engine, []
     for k, prompt in enumerate(prompts):
@@ -75,7 +75,7 @@ def test_a_fresh_engine_hits_what_another_backed_up(model, mc, tmp_path: Path) -
     second, _ = turns_with(model, url, prompts)
     assert_same(ref, first)
     assert_same(ref, second)
-    assert second[0].hits == {"L1": 0, "L2": 0, "L3": (len(prompts[0]) - 1) // PAGE}
+    assert second[0].hits == {"device": 0, "host": 0, "storage": (len(prompts[0]) - 1) // PAGE}
 
 
 def test_master_killed_mid_run_and_restarted_changes_no_output(model, mc, tmp_path: Path) -> None:  # noqa: ANN001, F811
