@@ -9,8 +9,10 @@ they wrote outlives them."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,9 +41,10 @@ def turns_with(
     model,  # noqa: ANN001
     url: str,
     prompts: list[list[int]],
-    between: Callable[[int], None] = lambda turn: None,
+    between: Callable[[int, Any], None] = lambda turn, storage: None,
 ) -> tuple[list[Request], dict[str, int | float]]:
-    """run_turns' loop over mooncake, calling between(k) after turn k; requests + storage stats."""
+    """run_turns' loop over mooncake, calling between(k, the engine's storage) after turn k;
+    requests + storage stats."""
     cfg = CacheConfig(
         page_size=PAGE, device_pages=64, host_pages=64, storage_url=url,
         prefetch_policy="wait_complete",
@@ -50,6 +53,7 @@ def turns_with(
         EngineConfig(tiers="device_host_storage", max_batch_tokens=1024), cfg, LENIENT, model=model
     )
     eng, results = built.engine, []
+    storage = built.engine.cache.mover.storage if built.engine.cache else None  # type: ignore[union-attr]
     for k, prompt in enumerate(prompts):
         req = Request(f"t{k}", prompt, max_new_tokens=4, keep_logits=True)
         eng.submit(req)
@@ -59,8 +63,7 @@ def turns_with(
         eng.drain()
         eng.check_integrity()
         results.append(req)
-        between(k)
-    storage = built.engine.cache.mover.storage if built.engine.cache else None  # type: ignore[union-attr]
+        between(k, storage)
     stats = storage.stats() if storage is not None else {}
     built.close()
     return results, stats
@@ -78,16 +81,28 @@ def test_a_fresh_engine_hits_what_another_backed_up(model, mc, tmp_path: Path) -
     assert second[0].hits == {"device": 0, "host": 0, "storage": (len(prompts[0]) - 1) // PAGE}
 
 
+def rejoined(storage: Any, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until the engine's client answers the restarted master again."""
+    deadline = time.monotonic() + timeout_s
+    while storage.stats()["reconnects"] == 0:
+        assert time.monotonic() < deadline, (
+            f"the client did not re-join the restarted master in {timeout_s} s: {storage.stats()}"
+        )
+        storage.exists_prefix([1])  # a call: after the backoff it tries the master again
+        time.sleep(0.2)
+
+
 def test_master_killed_mid_run_and_restarted_changes_no_output(model, mc, tmp_path: Path) -> None:  # noqa: ANN001, F811
     m, url = mc
     prompts = conversation(6, seed=32)
     ref = run_turns(model, "none", tmp_path / "unused", prompts)
 
-    def between(turn: int) -> None:
+    def between(turn: int, storage: Any) -> None:
         if turn == 1:
             m.kill()  # kill -9: the master and every object it placed are gone
         if turn == 3:
             m.start()  # same ports, empty; the clients re-join by themselves
+            rejoined(storage)  # before the next turns (the wheel's own reconnect takes seconds)
 
     got, st = turns_with(model, url, prompts, between)
     assert_same(ref, got)
