@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -103,21 +104,28 @@ def assert_same(a, b) -> None:  # noqa: ANN001
             assert rel_err(la, lb) <= 1e-4
 
 
-def test_turns_equal_across_tiers(model, tmp_path: Path) -> None:  # noqa: ANN001
-    prompts = conversation(4)
-    ref = run_turns(model, "none", tmp_path / "s0", prompts)
-    device = run_turns(model, "device", tmp_path / "s1", prompts)
+def turns_from_every_tier(
+    model: Any, tmp: Path, prompts: list[list[int]], stored_turns: int, **kw: Any
+) -> list[Request]:
+    """The turns from device, host (forced demotion) and storage (a fresh engine over a store the
+    first `stored_turns` filled) equal the cold turns, with exact hit counts; the storage run."""
+    ref = run_turns(model, "none", tmp / "s0", prompts, **kw)
+    device = run_turns(model, "device", tmp / "s1", prompts, **kw)
     assert_same(ref, device)
     hit = cached_pages(device[-2], prompts[-1])
     assert hit > 0 and device[-1].hits == {"device": hit, "host": 0, "storage": 0}
-    host = run_turns(model, "device_host", tmp_path / "s2", prompts, demote=True)
+    host = run_turns(model, "device_host", tmp / "s2", prompts, demote=True, **kw)
     assert_same(ref, host)
     assert host[-1].hits == {"device": 0, "host": cached_pages(host[-2], prompts[-1]), "storage": 0}
-    run_turns(model, "device_host_storage", tmp_path / "s3", prompts[:2])
-    storage = run_turns(
-        model, "device_host_storage", tmp_path / "s3", prompts
-    )  # fresh engine, same store
+    run_turns(model, "device_host_storage", tmp / "s3", prompts[:stored_turns], **kw)
+    storage = run_turns(model, "device_host_storage", tmp / "s3", prompts, **kw)  # same store
     assert_same(ref, storage)
+    return storage
+
+
+def test_turns_equal_across_tiers(model, tmp_path: Path) -> None:  # noqa: ANN001
+    prompts = conversation(4)
+    storage = turns_from_every_tier(model, tmp_path, prompts, stored_turns=2)
     first = (len(prompts[0]) - 1) // PAGE  # turn 0's prompt pages, all stored by the first run
     assert storage[0].hits == {"device": 0, "host": 0, "storage": first}
     in_device = cached_pages(

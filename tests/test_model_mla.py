@@ -20,7 +20,7 @@ from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.model.deepseek import MLADecoderLM
 from kvstrata.model.mla_attention import MLAttention
 from kvstrata.storage.units import PagePart, UnitLayout
-from tests.test_engine_cache import assert_same, cached_pages, conversation, run_turns
+from tests.test_engine_cache import conversation, turns_from_every_tier
 from tests.tiny_models import YARN_SCALING, hf_greedy, hf_logits, load_hf, rel_err
 
 torch.set_num_threads(1)
@@ -145,19 +145,7 @@ def test_absorbed_equals_plain(model: DecoderLM) -> None:
 
 def test_prefix_hits_from_every_tier_equal_cold(model: DecoderLM, tmp_path: Path) -> None:
     prompts = conversation(3, seed=2)
-    ref = run_turns(model, "none", tmp_path / "s0", prompts)
-    device = run_turns(model, "device", tmp_path / "s1", prompts, chunk=16)
-    assert_same(ref, device)
-    hit = cached_pages(device[-2], prompts[-1])
-    assert hit > 0 and device[-1].hits == {"device": hit, "host": 0, "storage": 0}
-    host = run_turns(model, "device_host", tmp_path / "s2", prompts, demote=True)
-    assert_same(ref, host)
-    assert host[-1].hits == {"device": 0, "host": cached_pages(host[-2], prompts[-1]), "storage": 0}
-    run_turns(model, "device_host_storage", tmp_path / "s3", prompts[:1])
-    storage = run_turns(
-        model, "device_host_storage", tmp_path / "s3", prompts
-    )  # fresh engine, same store
-    assert_same(ref, storage)
+    storage = turns_from_every_tier(model, tmp_path, prompts, stored_turns=1, chunk=16)
     assert storage[0].hits == {"device": 0, "host": 0, "storage": (len(prompts[0]) - 1) // 8}
 
 
