@@ -169,7 +169,8 @@ def tiny_tp_model(path: Path, smollm2: Path) -> Path:
     return path
 
 
-def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
+def test_tp2_store_is_a_tp1_hit_and_back(model: Path, tmp_path: Path) -> None:
+    """TP=1 and TP=2 servers live at once on one file store: each hits what the other stored."""
     tiny = tiny_tp_model(tmp_path / "tiny", model)
     extra = {
         "host_pages": 64,
@@ -177,7 +178,8 @@ def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
         "check_integrity": True,
     }
     rng = np.random.default_rng(1)
-    prompt, other = rng.integers(100, 40000, 200).tolist(), rng.integers(100, 40000, 100).tolist()
+    one, two, filler = (rng.integers(100, 40000, n).tolist() for n in (200, 200, 100))
+    full = (len(one) - 1) // BLOCK * BLOCK  # every full block but the one with the last token
     tp2 = VllmServer(
         tiny,
         tmp_path / "vllm_tp2.log",
@@ -185,12 +187,15 @@ def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
         extra_args=("--tensor-parallel-size", "2"),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
-    with tp2:
-        first = tp2.complete(prompt, max_tokens=OUT)
-        tp2.complete(other, max_tokens=OUT)  # more steps: the first prompt's backups run
-    # each TP=2 worker stored its own KV head as units; TP=1 reads both heads' units
     with VllmServer(tiny, tmp_path / "vllm_tp1.log", connector=extra) as tp1:
-        again = tp1.complete(prompt, max_tokens=OUT)
-    assert first.cached_tokens == 0
-    assert again.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
-    assert again.text == first.text
+        stored_by_1 = tp1.complete(one, max_tokens=OUT)
+        tp1.complete(filler, max_tokens=OUT)  # more steps: the first prompt's backups commit
+        with tp2:  # each worker reads (and writes) only its own KV head's units
+            read_by_2 = tp2.complete(one, max_tokens=OUT)
+            stored_by_2 = tp2.complete(two, max_tokens=OUT)
+            tp2.complete(filler[::-1], max_tokens=OUT)
+        # committed only once both workers wrote: TP=1 reads both heads' units
+        read_by_1 = tp1.complete(two, max_tokens=OUT)
+    assert (stored_by_1.cached_tokens, stored_by_2.cached_tokens) == (0, 0)
+    assert (read_by_2.cached_tokens, read_by_1.cached_tokens) == (full, full)
+    assert (read_by_2.text, read_by_1.text) == (stored_by_1.text, stored_by_2.text)

@@ -145,6 +145,8 @@ class KvstrataConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
 
     # ---- scheduler role -----------------------------------------------------------------------
     def _sched(self) -> SchedulerSide:

@@ -13,6 +13,8 @@ workers open. Each vLLM request drives one Lease, as our own engine's admission 
     update_state_after_alloc: admit (transit pages + the host -> vLLM load), bind transit ids
     build_connector_meta: commit the full pages this step computes (insert -> write-through
         store, which the workers run after the forward), then ship the step's jobs
+    update_connector_output: the workers' agreed results; a backup every worker wrote gets its
+        storage commit markers here (the only writer of markers: JobMover)
     request_finished: release (the stores already ran in the step that computed the pages)
 
 A transit copy in the tree is dropped as soon as no lease holds it: vLLM may reuse the block.
@@ -36,6 +38,8 @@ from kvstrata.integrations.vllm.metadata import StepJobs
 from kvstrata.integrations.vllm.mover import JobMover
 from kvstrata.integrations.vllm.spec import KVSpec
 from kvstrata.memory.allocator import PageAllocator
+from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.units import PagePart, UnitStorage, open_unit_storage
 
 TRANSIT_PAGES = 1 << 16
 """Transit ids: far more than any vLLM KV space holds pages, so transit allocation never evicts
@@ -74,7 +78,8 @@ class SchedulerSide:
             prefetch_timeout_per_page_s=config.prefetch_timeout_per_page_s,
             results_per_step=64,
         )
-        self.mover = JobMover()
+        self.storage = _marker_store(config, spec)
+        self.mover = JobMover(self.storage.commit if self.storage is not None else None)
         self.cache = HiCache(
             cache_config,
             PageAllocator(TRANSIT_PAGES),
@@ -191,7 +196,7 @@ class SchedulerSide:
         jobs.failed_blocks = sorted(self.load_errors)
         self.load_errors.clear()
         if self.check_each_step:
-            self.cache.check_integrity()
+            self.check_integrity()
         return jobs
 
     def _commit(self, st: RequestState, upto: int) -> None:
@@ -227,6 +232,22 @@ class SchedulerSide:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+        if self.storage is not None:
+            self.storage.check_integrity()
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+
+
+def _marker_store(config: VllmConnectorConfig, spec: KVSpec) -> UnitStorage | None:
+    """The store seen whole (every layer and head): the scheduler side only writes its commit
+    markers, the workers write the units."""
+    if not config.storage_url:
+        return None
+    full = spec.full_shape
+    whole = PagePart(full, (0, full.num_layers), (0, full.num_kv_heads))
+    return open_unit_storage(config.storage_url, whole, StorageConfig(), commit_on_put=False)
 
 
 def _new_blocks(out: Any) -> list[tuple[str, list[int]]]:

@@ -35,7 +35,10 @@ class WorkerSide:
         self.storage: StorageBackend | None = None
         if config.storage_url:
             part = PagePart(spec.full_shape, (0, spec.num_layers), spec.heads_of(tp_rank))
-            self.storage = open_unit_storage(config.storage_url, part, StorageConfig())
+            # markers: the scheduler side commits once every worker wrote its units (JobMover)
+            self.storage = open_unit_storage(
+                config.storage_url, part, StorageConfig(), commit_on_put=False
+            )
         self.blocks: BlockLayout | None = None
         self.check_each_step = config.check_integrity
         self.results: dict[int, int] = {}
@@ -87,8 +90,9 @@ class WorkerSide:
             if job.kind == PROBE:
                 return self.storage.exists_prefix(list(job.keys))
             pages = [self.host.page_bytes(h) for h in job.host_ids]
-            if job.kind == BACKUP:
-                done = self.storage.put(list(job.keys), pages)
+            if job.kind == BACKUP:  # all or nothing: only a whole backup is committed
+                put = self.storage.put(list(job.keys), pages)
+                done = put if put == len(job.keys) else 0
             else:
                 assert job.kind == PREFETCH, job.kind
                 done = self.storage.get(list(job.keys), pages)
