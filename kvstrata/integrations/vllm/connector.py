@@ -8,10 +8,12 @@ workers with `aggregate` (the minimum: an op counts only as far as every worker 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -19,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvstrata.cache.events import block_hash
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.metadata import StepJobs
 from kvstrata.integrations.vllm.scheduler import SchedulerSide
@@ -29,6 +32,7 @@ from kvstrata.integrations.vllm.stats import (
     KvstrataPromMetrics,
     KvstrataStats,
 )
+from kvstrata.integrations.vllm.tier_events import TierChange
 from kvstrata.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -77,7 +81,10 @@ class KvstrataConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(config, spec)
+            events = vllm_config.kv_events_config
+            self.scheduler_side = SchedulerSide(
+                config, spec, kv_events=events is not None and events.enable_kv_cache_events
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -172,8 +179,29 @@ class KvstrataConnector(KVConnectorBase_V1):
         if isinstance(results, StepResults):
             self._sched().report(results.moved)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        page = self._sched().page
+        return [vllm_event(c, page) for c in self._sched().take_tier_changes()]
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._sched().request_finished(request)
         return False, None
+
+
+def vllm_event(tc: TierChange, page_size: int) -> KVCacheEvent:
+    """One run of host ("CPU") or storage ("DISK") pages as vLLM's KV event (a block = a page)."""
+    c = tc.change
+    hashes = [block_hash(k) for k in c.keys]
+    if not c.stored:
+        return BlockRemoved(block_hashes=hashes, medium=c.medium)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None if c.parent is None else block_hash(c.parent),
+        token_ids=tc.tokens,
+        block_size=page_size,
+        lora_id=None,
+        medium=c.medium,
+        lora_name=None,
+    )

@@ -37,6 +37,7 @@ from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.metadata import StepJobs
 from kvstrata.integrations.vllm.mover import JobMover
 from kvstrata.integrations.vllm.spec import KVSpec
+from kvstrata.integrations.vllm.tier_events import TierChange, TierEvents
 from kvstrata.memory.allocator import PageAllocator
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.units import PagePart, UnitStorage, open_unit_storage
@@ -61,7 +62,7 @@ class RequestState:
 class SchedulerSide:
     """Drives one HiCache for every request vLLM schedules (see module doc)."""
 
-    def __init__(self, config: VllmConnectorConfig, spec: KVSpec) -> None:
+    def __init__(self, config: VllmConnectorConfig, spec: KVSpec, kv_events: bool = False) -> None:
         self.spec = spec
         self.page = spec.page_size
         self.ratio = spec.page_size // spec.block_size
@@ -95,6 +96,7 @@ class SchedulerSide:
             page_size=spec.page_size,
         )
         self.requests: dict[str, RequestState] = {}
+        self.events = TierEvents(spec.page_size) if kv_events else None  # vLLM publishes events
         self.load_errors: set[int] = set()
         self.check_each_step = config.check_integrity
         self.hit_tokens = {
@@ -192,6 +194,9 @@ class SchedulerSide:
             if st is not None and st.lease.state is LeaseState.ADMITTED:
                 self._commit(st, upto)
         self._drop_transit()
+        if self.events is not None:  # the token ids of every page a live lease knows
+            for st in self.requests.values():
+                self.events.record(st.lease.keys, st.request.all_token_ids)
         jobs = self.mover.take_jobs()
         jobs.failed_blocks = sorted(self.load_errors)
         self.load_errors.clear()
@@ -222,6 +227,10 @@ class SchedulerSide:
         st = self.requests.pop(request.request_id, None)
         if st is not None:
             st.lease.release()
+
+    def take_tier_changes(self) -> list[TierChange]:
+        """Host / storage pages stored or removed since the last take (none without events)."""
+        return self.events.take(self.cache.tree) if self.events is not None else []
 
     def take_hit_tokens(self) -> dict[str, int]:
         out, self.hit_tokens = self.hit_tokens, {"host": 0, "storage": 0}
