@@ -55,8 +55,8 @@ def corrupt_unit(storage: Path, model: Path, prompt: list[int], page: int) -> No
     """Flip one payload byte of the first storage unit of `page` of `prompt` in the file storage."""
     ns = Namespace(model_fingerprint=str(model), kv_dtype="float32", page_size=BLOCK)
     key = page_keys(prompt[: (page + 1) * BLOCK], ns)[page]
-    # SmolLM2: 30 layers, 3 KV heads of 64; units of 1 layer x 1 head
-    unit = UnitLayout(KVShape(30, 3, 64, BLOCK)).unit_key(key, ((0, 1), (0, 1)))
+    # SmolLM2: 30 layers, 3 KV heads of 64; the connector's units: every layer x 1 head
+    unit = UnitLayout(KVShape(30, 3, 64, BLOCK), layer_block=30).unit_key(key, ((0, 30), (0, 1)))
     name = f"{unit:032x}"
     path = storage / name[:2] / f"{name}{PAGE_SUFFIX}"
     data = bytearray(path.read_bytes())

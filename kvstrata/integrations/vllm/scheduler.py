@@ -256,7 +256,9 @@ def _marker_store(config: VllmConnectorConfig, spec: KVSpec) -> UnitStorage | No
         return None
     full = spec.full_shape
     whole = PagePart(full, (0, full.num_layers), (0, full.num_kv_heads))
-    return open_unit_storage(config.storage_url, whole, StorageConfig(), commit_on_put=False)
+    return open_unit_storage(
+        config.storage_url, whole, StorageConfig(), commit_on_put=False, layout=spec.units
+    )
 
 
 def _new_blocks(out: Any) -> list[tuple[str, list[int]]]:

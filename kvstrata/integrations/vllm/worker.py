@@ -37,7 +37,7 @@ class WorkerSide:
             part = PagePart(spec.full_shape, (0, spec.num_layers), spec.heads_of(tp_rank))
             # markers: the scheduler side commits once every worker wrote its units (JobMover)
             self.storage = open_unit_storage(
-                config.storage_url, part, StorageConfig(), commit_on_put=False
+                config.storage_url, part, StorageConfig(), commit_on_put=False, layout=spec.units
             )
         self.blocks: BlockLayout | None = None
         self.check_each_step = config.check_integrity
