@@ -12,9 +12,11 @@ trailing dims are a permutation of the host's [2, block, heads, dim]:
 Any other shape is refused by name at registration.
 
 vLLM (0.32) places every layer of a KV cache tensor in one backing allocation at a fixed layer
-stride; then the layers are one strided view [num_layers, num_blocks, ...] and a copy is a
-single gather and a single indexed write for all layers and pages of a step. Layers that are not
-evenly spaced (another vLLM, another backend) fall back to one indexed copy per layer.
+stride; then the layers are one strided view [num_layers, num_blocks, ...] and a block moves in
+one strided copy for all layers, straight between the host page and vLLM's block (no gathered
+intermediate): 6 pages of SmolLM2 (30 layers) 1.1-1.3 ms, against 5.6-6.1 ms for one indexed
+copy per layer and 7.4-8.3 ms for one indexed copy over all layers. Layers that are not evenly
+spaced (another vLLM, another backend) fall back to one indexed copy per layer.
 """
 
 from __future__ import annotations
@@ -87,22 +89,42 @@ class BlockLayout:
         if not triples:
             return
         s = self.spec
-        r = s.page_size // s.block_size
-        slot, off, idx = (torch.tensor(col, dtype=torch.long) for col in zip(*triples, strict=True))
         # [capacity, layers, 2, r, block, heads, dim]: a page's r blocks in token order
         host_view = host.data.view(
-            host.capacity_local, s.num_layers, 2, r, s.block_size, s.local_heads, s.head_dim
+            host.capacity_local,
+            s.num_layers,
+            2,
+            s.page_size // s.block_size,
+            s.block_size,
+            s.local_heads,
+            s.head_dim,
         )
+        if self.stacked is not None:
+            self._copy_blocks(host_view, triples, to_vllm)
+        else:
+            self._copy_layers(host_view, triples, to_vllm)
+
+    def _copy_blocks(
+        self, host_view: torch.Tensor, triples: list[tuple[int, int, int]], to_vllm: bool
+    ) -> None:
+        """One strided copy per block, every layer at once: host [layers, 2, block, heads, dim]."""
+        assert self.stacked is not None
         perm = _LAYOUTS[self.name][2]
-        if self.stacked is not None:  # host [N, layers, 2, block, heads, dim] <-> [layers, N, ...]
-            every = (1, 0, *(i + 1 for i in perm[1:]))
+        for h, j, blk in triples:
+            host_block, vllm_block = host_view[h, :, :, j], self.stacked[:, blk]
             if to_vllm:
-                self.stacked[:, idx] = host_view[slot, :, :, off].permute(*every)
+                vllm_block.copy_(host_block.permute(*perm))
             else:
-                host_view[slot, :, :, off] = self.stacked[:, idx].permute(*_inverse(every))
-            return
+                host_block.copy_(vllm_block.permute(*_inverse(perm)))
+
+    def _copy_layers(
+        self, host_view: torch.Tensor, triples: list[tuple[int, int, int]], to_vllm: bool
+    ) -> None:
+        """One indexed copy per layer, every block at once: host slices [N, 2, block, heads, dim]."""
+        slot, off, idx = (torch.tensor(col, dtype=torch.long) for col in zip(*triples, strict=True))
+        perm = _LAYOUTS[self.name][2]
         for layer, view in enumerate(self.views):
-            if to_vllm:  # host slice [N, 2, block, heads, dim]
+            if to_vllm:
                 view[idx] = host_view[slot, layer, :, off].permute(*perm)
             else:
                 host_view[slot, layer, :, off] = view[idx].permute(*_inverse(perm))

@@ -47,6 +47,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.blocks = BlockLayout.of(list(kv_caches.values()), self.spec)
+        how = "one copy per block, all layers" if self.blocks.stacked is not None else "per layer"
+        log.info("kvstrata: vLLM KV layout %s, page copies %s", self.blocks.name, how)
 
     # ---- a step -------------------------------------------------------------------------------
     def before_forward(self, jobs: StepJobs) -> None:
