@@ -64,13 +64,21 @@ def corrupt_unit(storage: Path, model: Path, prompt: list[int], page: int) -> No
     path.write_bytes(bytes(data))
 
 
+def metric(text: str, name: str, label: str, value: str) -> float:
+    """Counter `name` with label `label`="`value`" in a /metrics text (0 if absent)."""
+    pat = re.compile(r"^" + name + r"\{[^}]*" + label + '="' + value + r'"[^}]*\} (\S+)$', re.M)
+    m = pat.search(text)
+    return float(m.group(1)) if m else 0.0
+
+
 def tier_hits(server: VllmServer, tier: str) -> float:
     """vllm:kvstrata_hit_tokens_total for `tier` from the server's /metrics (0 if absent)."""
-    pat = re.compile(
-        r'^vllm:kvstrata_hit_tokens_total\{[^}]*tier="' + tier + r'"[^}]*\} (\S+)$', re.M
-    )
-    m = pat.search(server.metrics())
-    return float(m.group(1)) if m else 0.0
+    return metric(server.metrics(), "vllm:kvstrata_hit_tokens_total", "tier", tier)
+
+
+def by_source(text: str, source: str) -> float:
+    """vLLM's own vllm:prompt_tokens_cached_by_source_total for `source`."""
+    return metric(text, "vllm:prompt_tokens_cached_by_source_total", "source", source)
 
 
 def wait_tier_hits(server: VllmServer, tier: str, want: float, timeout_s: float = 30) -> float:
@@ -108,6 +116,12 @@ def test_vllm_with_kvstrata_host_then_storage_after_restart(
     with VllmServer(model, tmp_path / "vllm_kvstrata.log", connector=extra) as kvs:
         texts, cached = run(kvs, prompts)
         assert tier_hits(kvs, "host") > 0 and tier_hits(kvs, "storage") == 0
+        # vLLM's own per-source counter gets the same split (host -> "host", storage -> "disk")
+        text = kvs.metrics()
+        assert by_source(text, "host") == metric(
+            text, "vllm:kvstrata_hit_tokens_total", "tier", "host"
+        )
+        assert by_source(text, "disk") == 0
     assert texts == texts_alone
     assert cached == expected_cached(prompts)
     # a fresh server (empty host pool, vLLM's cache cold) on the same storage: every prompt's full
@@ -123,6 +137,8 @@ def test_vllm_with_kvstrata_host_then_storage_after_restart(
         # storage
         assert wait_tier_hits(again, "storage", sum(cached2)) == sum(cached2)
         assert tier_hits(again, "host") == 0
+        text = again.metrics()
+        assert (by_source(text, "disk"), by_source(text, "host")) == (sum(cached2), 0)
     assert texts2 == texts[-SESSIONS:]
     assert cached2 == [2 * BLOCK] + [(len(p) - 1) // BLOCK * BLOCK for p in last[1:]]
     assert salted.cached_tokens == 0 and salted.text == texts2[0]

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.cache.events import block_hash
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+_HIT_SOURCE = {"host": CacheHitSource.HOST, "storage": CacheHitSource.DISK}
 
 
 @dataclass
@@ -164,6 +168,15 @@ class KvstrataConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._sched().num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """vLLM's per-source hit counter: host pages as HOST, storage as DISK."""
+        split = self._sched().hit_sources(request.request_id)
+        if sum(split.values()) != num_external_tokens:
+            return {}  # not admitted as planned: vLLM counts it as external_unspecified
+        return {_HIT_SOURCE[tier]: n for tier, n in split.items()}
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -57,6 +57,7 @@ class RequestState:
     vllm_hit: int = 0  # tokens vLLM's own prefix cache provided at admission
     external: int = 0  # tokens this connector told vLLM it loads
     fresh: bool = False  # admitted this step: `blocks` already lists every block it has
+    sources: dict[str, int] = field(default_factory=dict)  # external tokens by tier (admitted)
 
 
 class SchedulerSide:
@@ -163,8 +164,9 @@ class SchedulerSide:
             return
         self._bind(st)
         from_storage = min(num_external, st.lease.hits.storage * self.page)
-        self.hit_tokens["storage"] += from_storage
-        self.hit_tokens["host"] += num_external - from_storage
+        st.sources = {"host": num_external - from_storage, "storage": from_storage}
+        for tier, n in st.sources.items():
+            self.hit_tokens[tier] += n
 
     def _bind(self, st: RequestState) -> None:
         """Bind each transit page of the request to its vLLM blocks (-1: not copied)."""
@@ -227,6 +229,11 @@ class SchedulerSide:
         st = self.requests.pop(request.request_id, None)
         if st is not None:
             st.lease.release()
+
+    def hit_sources(self, request_id: str) -> dict[str, int]:
+        """The admitted request's external tokens by tier ({} if it was not admitted)."""
+        st = self.requests.get(request_id)
+        return {t: n for t, n in st.sources.items() if n} if st is not None else {}
 
     def take_tier_changes(self) -> list[TierChange]:
         """Host / storage pages stored or removed since the last take (none without events)."""
