@@ -55,8 +55,8 @@ def corrupt_unit(storage: Path, model: Path, prompt: list[int], page: int) -> No
     """Flip one payload byte of the first storage unit of `page` of `prompt` in the file storage."""
     ns = Namespace(model_fingerprint=str(model), kv_dtype="float32", page_size=BLOCK)
     key = page_keys(prompt[: (page + 1) * BLOCK], ns)[page]
-    # SmolLM2: 30 layers, 3 KV heads of 64; units of 1 layer x 1 head
-    unit = UnitLayout(KVShape(30, 3, 64, BLOCK)).unit_key(key, ((0, 1), (0, 1)))
+    # SmolLM2: 30 layers, 3 KV heads of 64; the connector's units: every layer x 1 head
+    unit = UnitLayout(KVShape(30, 3, 64, BLOCK), layer_block=30).unit_key(key, ((0, 30), (0, 1)))
     name = f"{unit:032x}"
     path = storage / name[:2] / f"{name}{PAGE_SUFFIX}"
     data = bytearray(path.read_bytes())
@@ -64,13 +64,21 @@ def corrupt_unit(storage: Path, model: Path, prompt: list[int], page: int) -> No
     path.write_bytes(bytes(data))
 
 
+def metric(text: str, name: str, label: str, value: str) -> float:
+    """Counter `name` with label `label`="`value`" in a /metrics text (0 if absent)."""
+    pat = re.compile(r"^" + name + r"\{[^}]*" + label + '="' + value + r'"[^}]*\} (\S+)$', re.M)
+    m = pat.search(text)
+    return float(m.group(1)) if m else 0.0
+
+
 def tier_hits(server: VllmServer, tier: str) -> float:
     """vllm:kvstrata_hit_tokens_total for `tier` from the server's /metrics (0 if absent)."""
-    pat = re.compile(
-        r'^vllm:kvstrata_hit_tokens_total\{[^}]*tier="' + tier + r'"[^}]*\} (\S+)$', re.M
-    )
-    m = pat.search(server.metrics())
-    return float(m.group(1)) if m else 0.0
+    return metric(server.metrics(), "vllm:kvstrata_hit_tokens_total", "tier", tier)
+
+
+def by_source(text: str, source: str) -> float:
+    """vLLM's own vllm:prompt_tokens_cached_by_source_total for `source`."""
+    return metric(text, "vllm:prompt_tokens_cached_by_source_total", "source", source)
 
 
 def wait_tier_hits(server: VllmServer, tier: str, want: float, timeout_s: float = 30) -> float:
@@ -108,6 +116,12 @@ def test_vllm_with_kvstrata_host_then_storage_after_restart(
     with VllmServer(model, tmp_path / "vllm_kvstrata.log", connector=extra) as kvs:
         texts, cached = run(kvs, prompts)
         assert tier_hits(kvs, "host") > 0 and tier_hits(kvs, "storage") == 0
+        # vLLM's own per-source counter gets the same split (host -> "host", storage -> "disk")
+        text = kvs.metrics()
+        assert by_source(text, "host") == metric(
+            text, "vllm:kvstrata_hit_tokens_total", "tier", "host"
+        )
+        assert by_source(text, "disk") == 0
     assert texts == texts_alone
     assert cached == expected_cached(prompts)
     # a fresh server (empty host pool, vLLM's cache cold) on the same storage: every prompt's full
@@ -123,6 +137,8 @@ def test_vllm_with_kvstrata_host_then_storage_after_restart(
         # storage
         assert wait_tier_hits(again, "storage", sum(cached2)) == sum(cached2)
         assert tier_hits(again, "host") == 0
+        text = again.metrics()
+        assert (by_source(text, "disk"), by_source(text, "host")) == (sum(cached2), 0)
     assert texts2 == texts[-SESSIONS:]
     assert cached2 == [2 * BLOCK] + [(len(p) - 1) // BLOCK * BLOCK for p in last[1:]]
     assert salted.cached_tokens == 0 and salted.text == texts2[0]
@@ -169,7 +185,8 @@ def tiny_tp_model(path: Path, smollm2: Path) -> Path:
     return path
 
 
-def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
+def test_tp2_store_is_a_tp1_hit_and_back(model: Path, tmp_path: Path) -> None:
+    """TP=1 and TP=2 servers live at once on one file store: each hits what the other stored."""
     tiny = tiny_tp_model(tmp_path / "tiny", model)
     extra = {
         "host_pages": 64,
@@ -177,7 +194,8 @@ def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
         "check_integrity": True,
     }
     rng = np.random.default_rng(1)
-    prompt, other = rng.integers(100, 40000, 200).tolist(), rng.integers(100, 40000, 100).tolist()
+    one, two, filler = (rng.integers(100, 40000, n).tolist() for n in (200, 200, 100))
+    full = (len(one) - 1) // BLOCK * BLOCK  # every full block but the one with the last token
     tp2 = VllmServer(
         tiny,
         tmp_path / "vllm_tp2.log",
@@ -185,12 +203,15 @@ def test_tp2_store_is_a_tp1_hit(model: Path, tmp_path: Path) -> None:
         extra_args=("--tensor-parallel-size", "2"),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
-    with tp2:
-        first = tp2.complete(prompt, max_tokens=OUT)
-        tp2.complete(other, max_tokens=OUT)  # more steps: the first prompt's backups run
-    # each TP=2 worker stored its own KV head as units; TP=1 reads both heads' units
     with VllmServer(tiny, tmp_path / "vllm_tp1.log", connector=extra) as tp1:
-        again = tp1.complete(prompt, max_tokens=OUT)
-    assert first.cached_tokens == 0
-    assert again.cached_tokens == (len(prompt) - 1) // BLOCK * BLOCK
-    assert again.text == first.text
+        stored_by_1 = tp1.complete(one, max_tokens=OUT)
+        tp1.complete(filler, max_tokens=OUT)  # more steps: the first prompt's backups commit
+        with tp2:  # each worker reads (and writes) only its own KV head's units
+            read_by_2 = tp2.complete(one, max_tokens=OUT)
+            stored_by_2 = tp2.complete(two, max_tokens=OUT)
+            tp2.complete(filler[::-1], max_tokens=OUT)
+        # committed only once both workers wrote: TP=1 reads both heads' units
+        read_by_1 = tp1.complete(two, max_tokens=OUT)
+    assert (stored_by_1.cached_tokens, stored_by_2.cached_tokens) == (0, 0)
+    assert (read_by_2.cached_tokens, read_by_1.cached_tokens) == (full, full)
+    assert (read_by_2.text, read_by_1.text) == (stored_by_1.text, stored_by_2.text)

@@ -5,7 +5,8 @@ histories together exceed vLLM's KV space (16 blocks of 32 tokens), so vLLM alon
 session's prefix by the time its next turn comes, while kvstrata's host tier still holds
 it. Both servers run in this one run with the same KV space, model (SmolLM2, float32) and
 prompts; greedy outputs must match. vLLM's own OffloadingConnector is documented for
-CUDA/ROCm/XPU only and is not run here (reported as such).
+CUDA/ROCm/XPU only and is not run here (reported as such). Both servers get the same CPU layout
+(one core reserved for vLLM's scheduler process: bench/vllm_server.py says why).
 """
 
 from __future__ import annotations

@@ -89,6 +89,12 @@ class VllmServer:
             "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "OMP_NUM_THREADS": "1",
+            # vLLM's CPU build keeps cores off its workers for its busy-polling scheduler process:
+            # one, plus one more whenever a KV connector is set (meant for nixl). On few cores
+            # that extra one leaves none, and the worker's OpenMP threads then share both cores
+            # with the spinning scheduler (forwards ~2x slower and erratic under load). One
+            # reserved core gives vLLM alone and vLLM + kvstrata the same layout.
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
             **(env or {}),
         }
         self.proc: subprocess.Popen[bytes] | None = None

@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from kvstrata.cache.radix import Node, RadixTree
 
 MEDIA = ("GPU", "CPU", "DISK")
+MASK64 = (1 << 64) - 1
+
+
+def block_hash(key: int) -> int:
+    """A page key as KV events carry it: its low 64 bits (msgpack integers are 64-bit)."""
+    return key & MASK64
 
 
 @dataclass(frozen=True)

@@ -33,18 +33,13 @@ from typing import Any
 import msgpack
 import zmq
 
-from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker
+from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker, block_hash
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.serve.config import ServeConfig
 from kvstrata.zmq_curve import CurveKeys, authenticator
 
-MASK64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def block_hash(key: int) -> int:
-    return key & MASK64
 
 
 def encode_change(change: BlockChange, tokens: list[int], page_size: int) -> list[Any]:

@@ -9,7 +9,14 @@ trailing dims are a permutation of the host's [2, block, heads, dim]:
     kv_blocks_heads_tokens [2, num_blocks, kv_heads, block, head_dim]
     kv_blocks_tokens_heads [2, num_blocks, block, kv_heads, head_dim]
     blocks_kv_tokens_heads [num_blocks, 2, block, kv_heads, head_dim]
-Any other shape is refused by name at registration. One indexed copy per layer and direction.
+Any other shape is refused by name at registration.
+
+vLLM (0.32) places every layer of a KV cache tensor in one backing allocation at a fixed layer
+stride; then the layers are one strided view [num_layers, num_blocks, ...] and a block moves in
+one strided copy for all layers, straight between the host page and vLLM's block (no gathered
+intermediate): 6 pages of SmolLM2 (30 layers) 1.1-1.3 ms, against 5.6-6.1 ms for one indexed
+copy per layer and 7.4-8.3 ms for one indexed copy over all layers. Layers that are not evenly
+spaced (another vLLM, another backend) fall back to one indexed copy per layer.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ class BlockLayout:
     views: list[torch.Tensor]
     name: str
     spec: KVSpec
+    stacked: torch.Tensor | None = None  # [num_layers, *views[0].shape] over the same memory
 
     @classmethod
     def of(cls, layers: list[torch.Tensor], spec: KVSpec) -> BlockLayout:
@@ -69,7 +77,8 @@ class BlockLayout:
         for name, (make, view, _) in _LAYOUTS.items():
             n = shape[1] if name.startswith("kv_") else shape[0]
             if shape == make(n, h, b, d):
-                return cls([view(t, n, h, b, d) for t in layers], name, spec)
+                views = [view(t, n, h, b, d) for t in layers]
+                return cls(views, name, spec, _stacked(views))
         raise ValueError(
             f"kvstrata does not know vLLM's KV layer layout {shape} (known: {', '.join(_LAYOUTS)})"
         )
@@ -80,16 +89,65 @@ class BlockLayout:
         if not triples:
             return
         s = self.spec
-        r = s.page_size // s.block_size
-        slot, off, idx = (torch.tensor(col, dtype=torch.long) for col in zip(*triples, strict=True))
         # [capacity, layers, 2, r, block, heads, dim]: a page's r blocks in token order
         host_view = host.data.view(
-            host.capacity_local, s.num_layers, 2, r, s.block_size, s.local_heads, s.head_dim
+            host.capacity_local,
+            s.num_layers,
+            2,
+            s.page_size // s.block_size,
+            s.block_size,
+            s.local_heads,
+            s.head_dim,
         )
+        if self.stacked is not None:
+            self._copy_blocks(host_view, triples, to_vllm)
+        else:
+            self._copy_layers(host_view, triples, to_vllm)
+
+    def _copy_blocks(
+        self, host_view: torch.Tensor, triples: list[tuple[int, int, int]], to_vllm: bool
+    ) -> None:
+        """One strided copy per block, every layer at once: host [layers, 2, block, heads, dim]."""
+        assert self.stacked is not None
         perm = _LAYOUTS[self.name][2]
-        inverse = tuple(perm.index(i) for i in range(len(perm)))
+        for h, j, blk in triples:
+            host_block, vllm_block = host_view[h, :, :, j], self.stacked[:, blk]
+            if to_vllm:
+                vllm_block.copy_(host_block.permute(*perm))
+            else:
+                host_block.copy_(vllm_block.permute(*_inverse(perm)))
+
+    def _copy_layers(
+        self, host_view: torch.Tensor, triples: list[tuple[int, int, int]], to_vllm: bool
+    ) -> None:
+        """One indexed copy per layer, every block at once: host slices [N, 2, block, heads, dim]."""
+        slot, off, idx = (torch.tensor(col, dtype=torch.long) for col in zip(*triples, strict=True))
+        perm = _LAYOUTS[self.name][2]
         for layer, view in enumerate(self.views):
-            if to_vllm:  # host slice [N, 2, block, heads, dim]
+            if to_vllm:
                 view[idx] = host_view[slot, layer, :, off].permute(*perm)
             else:
-                host_view[slot, layer, :, off] = view[idx].permute(*inverse)
+                host_view[slot, layer, :, off] = view[idx].permute(*_inverse(perm))
+
+
+def _inverse(perm: Shape) -> Shape:
+    return tuple(perm.index(i) for i in range(len(perm)))
+
+
+def _stacked(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """All layers as one view when they are equally spaced in one allocation, else None."""
+    first = views[0]
+    if len(views) < 2 or any(
+        v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for v in views
+    ):
+        return None
+    step = views[1].storage_offset() - first.storage_offset()
+    for i, v in enumerate(views):
+        if v.stride() != first.stride() or v.storage_offset() != first.storage_offset() + i * step:
+            return None
+    extent = 1 + sum((n - 1) * st for n, st in zip(first.shape, first.stride(), strict=True))
+    if step < extent:  # overlapping layers (cache groups sharing bytes): copy layer by layer
+        return None
+    return first.as_strided(
+        (len(views), *first.shape), (step, *first.stride()), first.storage_offset()
+    )

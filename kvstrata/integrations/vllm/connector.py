@@ -8,17 +8,21 @@ workers with `aggregate` (the minimum: an op counts only as far as every worker 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvstrata.cache.events import block_hash
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.metadata import StepJobs
 from kvstrata.integrations.vllm.scheduler import SchedulerSide
@@ -29,6 +33,7 @@ from kvstrata.integrations.vllm.stats import (
     KvstrataPromMetrics,
     KvstrataStats,
 )
+from kvstrata.integrations.vllm.tier_events import TierChange
 from kvstrata.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -39,6 +44,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+_HIT_SOURCE = {"host": CacheHitSource.HOST, "storage": CacheHitSource.DISK}
 
 
 @dataclass
@@ -77,7 +85,10 @@ class KvstrataConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(config, spec)
+            events = vllm_config.kv_events_config
+            self.scheduler_side = SchedulerSide(
+                config, spec, kv_events=events is not None and events.enable_kv_cache_events
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -145,6 +156,8 @@ class KvstrataConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
 
     # ---- scheduler role -----------------------------------------------------------------------
     def _sched(self) -> SchedulerSide:
@@ -155,6 +168,15 @@ class KvstrataConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._sched().num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """vLLM's per-source hit counter: host pages as HOST, storage as DISK."""
+        split = self._sched().hit_sources(request.request_id)
+        if sum(split.values()) != num_external_tokens:
+            return {}  # not admitted as planned: vLLM counts it as external_unspecified
+        return {_HIT_SOURCE[tier]: n for tier, n in split.items()}
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -170,8 +192,29 @@ class KvstrataConnector(KVConnectorBase_V1):
         if isinstance(results, StepResults):
             self._sched().report(results.moved)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        page = self._sched().page
+        return [vllm_event(c, page) for c in self._sched().take_tier_changes()]
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._sched().request_finished(request)
         return False, None
+
+
+def vllm_event(tc: TierChange, page_size: int) -> KVCacheEvent:
+    """One run of host ("CPU") or storage ("DISK") pages as vLLM's KV event (a block = a page)."""
+    c = tc.change
+    hashes = [block_hash(k) for k in c.keys]
+    if not c.stored:
+        return BlockRemoved(block_hashes=hashes, medium=c.medium)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None if c.parent is None else block_hash(c.parent),
+        token_ids=tc.tokens,
+        block_size=page_size,
+        lora_id=None,
+        medium=c.medium,
+        lora_name=None,
+    )

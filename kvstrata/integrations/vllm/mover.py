@@ -5,20 +5,34 @@ names "the vLLM blocks of page i of some running request" (`bind`). An op submit
 scheduler step is turned into a job when the step's metadata is built (its transit ids are
 bound by then), runs on every worker in that step, and its pages-moved count comes back
 through `report` (the minimum over workers) before the manager's next step.
+
+Storage visibility: workers write their own units of a backed-up page and never its commit
+marker. Only once the aggregated (minimum) result says every worker wrote every page of a backup
+does `report` commit it (the `commit` callback writes the markers): a page is never visible with
+one worker's heads missing. A backup some worker did not finish counts 0 pages (never committed;
+its units are swept as stale).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+from collections.abc import Callable, Sequence
 
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
 from kvstrata.integrations.vllm.metadata import BlockCopy, CopyJob, StepJobs, StorageJob
+
+log = logging.getLogger(__name__)
+
+Commit = Callable[[Sequence[int]], int]
+"""Writes the commit markers of these page keys; returns how many were written."""
 
 
 class JobMover:
     """Queues ops as jobs for the next step's metadata; results arrive with `report`."""
 
-    def __init__(self) -> None:
+    def __init__(self, commit: Commit | None = None) -> None:
+        self._commit = commit
         self._ids = itertools.count(1)
         self._queued: list[TransferOp] = []
         self._sent: dict[int, TransferOp] = {}  # op id -> op, until its result came back
@@ -74,7 +88,19 @@ class JobMover:
         for op_id, pages in results.items():
             op = self._sent.pop(op_id, None)
             if op is not None:
-                self._results[id(op)] = pages
+                self._results[id(op)] = self._committed(op, pages) if op.kind == BACKUP else pages
+
+    def _committed(self, op: TransferOp, agreed: int) -> int:
+        """A backup every worker completed becomes visible now; anything less is 0 pages."""
+        keys = list(op.keys)
+        if agreed != len(keys) or not keys or self._commit is None:
+            return 0
+        try:
+            done = self._commit(keys)
+        except Exception as exc:  # noqa: BLE001 - unreachable storage: the pages stay invisible
+            log.warning("kvstrata: commit of %d backed-up pages failed: %s", len(keys), exc)
+            return 0
+        return len(keys) if done == len(keys) else 0
 
     @property
     def outstanding(self) -> int:

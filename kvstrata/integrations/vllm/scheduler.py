@@ -13,6 +13,8 @@ workers open. Each vLLM request drives one Lease, as our own engine's admission 
     update_state_after_alloc: admit (transit pages + the host -> vLLM load), bind transit ids
     build_connector_meta: commit the full pages this step computes (insert -> write-through
         store, which the workers run after the forward), then ship the step's jobs
+    update_connector_output: the workers' agreed results; a backup every worker wrote gets its
+        storage commit markers here (the only writer of markers: JobMover)
     request_finished: release (the stores already ran in the step that computed the pages)
 
 A transit copy in the tree is dropped as soon as no lease holds it: vLLM may reuse the block.
@@ -35,7 +37,10 @@ from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.metadata import StepJobs
 from kvstrata.integrations.vllm.mover import JobMover
 from kvstrata.integrations.vllm.spec import KVSpec
+from kvstrata.integrations.vllm.tier_events import TierChange, TierEvents
 from kvstrata.memory.allocator import PageAllocator
+from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.units import PagePart, UnitStorage, open_unit_storage
 
 TRANSIT_PAGES = 1 << 16
 """Transit ids: far more than any vLLM KV space holds pages, so transit allocation never evicts
@@ -52,12 +57,13 @@ class RequestState:
     vllm_hit: int = 0  # tokens vLLM's own prefix cache provided at admission
     external: int = 0  # tokens this connector told vLLM it loads
     fresh: bool = False  # admitted this step: `blocks` already lists every block it has
+    sources: dict[str, int] = field(default_factory=dict)  # external tokens by tier (admitted)
 
 
 class SchedulerSide:
     """Drives one HiCache for every request vLLM schedules (see module doc)."""
 
-    def __init__(self, config: VllmConnectorConfig, spec: KVSpec) -> None:
+    def __init__(self, config: VllmConnectorConfig, spec: KVSpec, kv_events: bool = False) -> None:
         self.spec = spec
         self.page = spec.page_size
         self.ratio = spec.page_size // spec.block_size
@@ -74,7 +80,8 @@ class SchedulerSide:
             prefetch_timeout_per_page_s=config.prefetch_timeout_per_page_s,
             results_per_step=64,
         )
-        self.mover = JobMover()
+        self.storage = _marker_store(config, spec)
+        self.mover = JobMover(self.storage.commit if self.storage is not None else None)
         self.cache = HiCache(
             cache_config,
             PageAllocator(TRANSIT_PAGES),
@@ -90,6 +97,7 @@ class SchedulerSide:
             page_size=spec.page_size,
         )
         self.requests: dict[str, RequestState] = {}
+        self.events = TierEvents(spec.page_size) if kv_events else None  # vLLM publishes events
         self.load_errors: set[int] = set()
         self.check_each_step = config.check_integrity
         self.hit_tokens = {
@@ -156,8 +164,9 @@ class SchedulerSide:
             return
         self._bind(st)
         from_storage = min(num_external, st.lease.hits.storage * self.page)
-        self.hit_tokens["storage"] += from_storage
-        self.hit_tokens["host"] += num_external - from_storage
+        st.sources = {"host": num_external - from_storage, "storage": from_storage}
+        for tier, n in st.sources.items():
+            self.hit_tokens[tier] += n
 
     def _bind(self, st: RequestState) -> None:
         """Bind each transit page of the request to its vLLM blocks (-1: not copied)."""
@@ -187,11 +196,14 @@ class SchedulerSide:
             if st is not None and st.lease.state is LeaseState.ADMITTED:
                 self._commit(st, upto)
         self._drop_transit()
+        if self.events is not None:  # the token ids of every page a live lease knows
+            for st in self.requests.values():
+                self.events.record(st.lease.keys, st.request.all_token_ids)
         jobs = self.mover.take_jobs()
         jobs.failed_blocks = sorted(self.load_errors)
         self.load_errors.clear()
         if self.check_each_step:
-            self.cache.check_integrity()
+            self.check_integrity()
         return jobs
 
     def _commit(self, st: RequestState, upto: int) -> None:
@@ -218,6 +230,15 @@ class SchedulerSide:
         if st is not None:
             st.lease.release()
 
+    def hit_sources(self, request_id: str) -> dict[str, int]:
+        """The admitted request's external tokens by tier ({} if it was not admitted)."""
+        st = self.requests.get(request_id)
+        return {t: n for t, n in st.sources.items() if n} if st is not None else {}
+
+    def take_tier_changes(self) -> list[TierChange]:
+        """Host / storage pages stored or removed since the last take (none without events)."""
+        return self.events.take(self.cache.tree) if self.events is not None else []
+
     def take_hit_tokens(self) -> dict[str, int]:
         out, self.hit_tokens = self.hit_tokens, {"host": 0, "storage": 0}
         return out
@@ -227,6 +248,24 @@ class SchedulerSide:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+        if self.storage is not None:
+            self.storage.check_integrity()
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+
+
+def _marker_store(config: VllmConnectorConfig, spec: KVSpec) -> UnitStorage | None:
+    """The store seen whole (every layer and head): the scheduler side only writes its commit
+    markers, the workers write the units."""
+    if not config.storage_url:
+        return None
+    full = spec.full_shape
+    whole = PagePart(full, (0, full.num_layers), (0, full.num_kv_heads))
+    return open_unit_storage(
+        config.storage_url, whole, StorageConfig(), commit_on_put=False, layout=spec.units
+    )
 
 
 def _new_blocks(out: Any) -> list[tuple[str, list[int]]]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvstrata.integrations.vllm.config import ConnectorConfigError, VllmConnectorConfig
 from kvstrata.memory.layout import KVShape
+from kvstrata.storage.units import UnitLayout
 
 _DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
@@ -41,6 +42,13 @@ class KVSpec:
     @property
     def page_nbytes(self) -> int:
         return self.local_shape.page_nbytes
+
+    @property
+    def units(self) -> UnitLayout:
+        """Storage units of every layer x one KV head: any TP size dividing the heads reads them,
+        and a page is kv_heads files, not num_layers x kv_heads (90 for SmolLM2) of 1 x 1 units.
+        The commit key names the layout, so a reader with other units sees a miss, never bytes."""
+        return UnitLayout(self.full_shape, layer_block=self.num_layers)
 
     def heads_of(self, tp_rank: int) -> tuple[int, int]:
         return tp_rank * self.local_heads, (tp_rank + 1) * self.local_heads

@@ -35,7 +35,10 @@ class WorkerSide:
         self.storage: StorageBackend | None = None
         if config.storage_url:
             part = PagePart(spec.full_shape, (0, spec.num_layers), spec.heads_of(tp_rank))
-            self.storage = open_unit_storage(config.storage_url, part, StorageConfig())
+            # markers: the scheduler side commits once every worker wrote its units (JobMover)
+            self.storage = open_unit_storage(
+                config.storage_url, part, StorageConfig(), commit_on_put=False, layout=spec.units
+            )
         self.blocks: BlockLayout | None = None
         self.check_each_step = config.check_integrity
         self.results: dict[int, int] = {}
@@ -44,6 +47,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.blocks = BlockLayout.of(list(kv_caches.values()), self.spec)
+        how = "one copy per block, all layers" if self.blocks.stacked is not None else "per layer"
+        log.info("kvstrata: vLLM KV layout %s, page copies %s", self.blocks.name, how)
 
     # ---- a step -------------------------------------------------------------------------------
     def before_forward(self, jobs: StepJobs) -> None:
@@ -87,8 +92,9 @@ class WorkerSide:
             if job.kind == PROBE:
                 return self.storage.exists_prefix(list(job.keys))
             pages = [self.host.page_bytes(h) for h in job.host_ids]
-            if job.kind == BACKUP:
-                done = self.storage.put(list(job.keys), pages)
+            if job.kind == BACKUP:  # all or nothing: only a whole backup is committed
+                put = self.storage.put(list(job.keys), pages)
+                done = put if put == len(job.keys) else 0
             else:
                 assert job.kind == PREFETCH, job.kind
                 done = self.storage.get(list(job.keys), pages)

@@ -1,0 +1,52 @@
+"""The vLLM connector's KV events: exact host ("CPU") and storage ("DISK") stores and removals.
+
+tests/vllm_events_driver.py runs under .venv-vllm (vLLM's own request, scheduler-output and
+event types) and plays vLLM's engine loop around the connector's scheduler and worker sides with
+real KV tensors and a file store: request a (10 tokens: 2 full pages of 4) is stored in host
+memory, then backed up; request b's 2 pages then push a's out of the 2 host pages.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from kvstrata.bench.vllm_server import VLLM_BIN
+from kvstrata.cache.events import block_hash
+from kvstrata.cache.keys import Namespace, page_keys
+
+DRIVER = Path(__file__).with_name("vllm_events_driver.py")
+
+
+def keys(first: int) -> list[int]:
+    """The page keys of tokens first .. first+7 under the driver's namespace."""
+    ns = Namespace(model_fingerprint="events-test", kv_dtype="float32", page_size=4)
+    return page_keys(list(range(first, first + 8)), ns)
+
+
+def hashes(page_keys_: list[int]) -> list[int]:
+    return [block_hash(k) for k in page_keys_]
+
+
+def test_host_and_storage_events_are_exact(tmp_path: Path) -> None:
+    python = VLLM_BIN.parent / "python"
+    assert python.exists(), f"{python} missing: run scripts/setup_vllm.sh (scripts/test.sh does)"
+    run = subprocess.run(
+        [str(python), str(DRIVER), f"file://{tmp_path / 'storage'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=DRIVER.parent.parent,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    batches = [json.loads(line) for line in run.stdout.splitlines()]
+    a, b = hashes(keys(100)), hashes(keys(200))
+    a_gone = hashes(sorted(keys(100)))  # removals come in key order
+    assert batches == [
+        [["stored", a, None, 8, "CPU"]],
+        [["stored", a, None, 8, "DISK"]],
+        [["removed", a_gone, None, 0, "CPU"]],  # b's store took a's host pages
+        [["stored", b, None, 8, "CPU"]],
+        [["stored", b, None, 8, "DISK"]],
+    ]
