@@ -216,8 +216,9 @@ def _single_rank_log(dist_cfg: DistConfig, cfgs: Any, tiers: str, run_id: str) -
 # ---- the job --------------------------------------------------------------------------------------
 def _table(configs: dict[str, dict[str, Any]]) -> Table:
     table = Table(title="kvstrata run")
+    # the config names (device_host_storage) are never cut: the other columns wrap instead
+    table.add_column("config", justify="right", no_wrap=True, min_width=max(map(len, configs)))
     for col in (
-        "config",
         "hit rate",
         "device hit",
         "host hit",
@@ -371,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     spec, model_path, model, prompts, cfgs = _prepare(args)
     console = Console()
     if not console.is_terminal:  # logs and pipes: don't squeeze the table into 80 columns
-        console = Console(width=140)
+        console = Console(width=170)
     try:
         served = _serve_all(args, console, model, prompts, cfgs, spec.max_new_tokens)
     except RankFailure as exc:  # a rank diverged (live check), raised, died or hung
