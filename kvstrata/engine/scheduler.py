@@ -179,6 +179,8 @@ class Scheduler:
             if req in self.running:
                 self.running.remove(req)
             self.kv.abort(req)
+            if self.connector is not None:  # its remote KV, if any, is no longer awaited
+                self.connector.request_finished(req)
             return ended(req, "error")
 
     def abort(self, rid: str) -> Request | None:
