@@ -141,17 +141,24 @@ class ModelPart:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). `attn` and `mlp` default to GQA
+    paged attention and SwiGLU; another architecture passes its own (latent attention, MoE)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         s = spec
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
-        self.self_attn = PagedAttention(
+        self.self_attn = attn or PagedAttention(
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.qkv_bias, s.o_bias, dtype
         )
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(s.hidden_size, s.intermediate_size, s.mlp_bias, dtype)
+        self.mlp = mlp or SwiGLU(s.hidden_size, s.intermediate_size, s.mlp_bias, dtype)
 
     def forward(
         self,

@@ -15,9 +15,8 @@ import torch
 from torch import nn
 
 from kvstrata.memory.layout import KVShape
-from kvstrata.model.attn_meta import AttnMeta
-from kvstrata.model.decoder import DecoderLM, ModelSpec
-from kvstrata.model.layers import RMSNorm, Rotary, SwiGLU, softmax_mscale
+from kvstrata.model.decoder import DecoderLayer, DecoderLM, ModelSpec
+from kvstrata.model.layers import Rotary, SwiGLU, softmax_mscale
 from kvstrata.model.mla_attention import MLADims, MLAttention
 from kvstrata.model.moe import MoE, MoESpec
 
@@ -35,44 +34,22 @@ class MLASpec(ModelSpec):
     """first_k_dense_replace: layers before this index use the dense MLP, later ones MoE."""
 
 
-class MLADecoderLayer(nn.Module):
-    """Pre-norm block: x + mla(norm(x)), then + mlp_or_moe(norm(x))."""
-
-    def __init__(self, spec: MLASpec, index: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        assert spec.mla is not None and spec.moe is not None
-        h = spec.hidden_size
-        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps, dtype)
-        self.self_attn = MLAttention(spec.mla, dtype)
-        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps, dtype)
-        self.mlp: nn.Module
-        if index < spec.first_dense:
-            self.mlp = SwiGLU(h, spec.intermediate_size, False, dtype)
-        else:
-            self.mlp = MoE(h, spec.moe, dtype)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        meta: AttnMeta,
-        rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[T, hidden], or [len(rows), hidden] (every row's latent is still written)."""
-        h = self.self_attn(self.input_layernorm(x), *rope, k_pool, v_pool, meta, rows)
-        x = (x if rows is None else x[rows]) + h
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class MLADecoderLM(DecoderLM):
     """DeepseekV3ForCausalLM over latent pages; inference only."""
 
     spec: MLASpec
 
     def make_layer(self, index: int, dtype: torch.dtype) -> nn.Module:
-        return MLADecoderLayer(self.spec, index, dtype)
+        """The pre-norm block over latent attention, with a dense MLP before `first_dense` and
+        MoE after."""
+        s = self.spec
+        assert s.mla is not None and s.moe is not None
+        mlp: nn.Module
+        if index < s.first_dense:
+            mlp = SwiGLU(s.hidden_size, s.intermediate_size, False, dtype)
+        else:
+            mlp = MoE(s.hidden_size, s.moe, dtype)
+        return DecoderLayer(s, dtype, MLAttention(s.mla, dtype), mlp)
 
     def make_rotary(self) -> Rotary:
         s = self.spec
