@@ -190,6 +190,8 @@ def test_every_backend_gets_sealed_units(tmp_path: Path, scheme: str) -> None:
         forged = np.zeros(raw.page_nbytes, np.uint8)
         assert raw.put(store.all_unit_keys(21)[:1], [forged]) == 1
         assert store.get([21], out) == 0 and store.stats()["seal_failures"] == 1
+        if server is not None:
+            _redis_tampering_and_a_keyless_reader(store, url, part, page)
         store.close()
     finally:
         if server is not None:
@@ -300,3 +302,30 @@ def _flipped(data: bytes, at: int) -> bytes:
     raw = bytearray(data)
     raw[at] ^= 0x10
     return bytes(raw)
+
+
+def _redis_tampering_and_a_keyless_reader(store, url: str, part: PagePart, page) -> None:  # noqa: ANN001
+    """Redis under a seal: checked by the tag, not xxh3. A value rewritten with a valid header
+    is a seal failure and stays; a bit flipped on the server fails xxh3 too: removed. A reader
+    without the key sees another size: a miss counted as foreign, nothing removed."""
+    raw = store.units.inner
+    assert store.put([22], [page]) == 1
+    ukey = store.all_unit_keys(22)[0]
+    value = raw._client.get(raw._name(ukey))
+    assert len(value) == HEADER_NBYTES + store.units.page_nbytes + SEAL_OVERHEAD
+    out = [np.zeros_like(page)]
+    plain = open_unit_storage(url, part, StorageConfig())
+    assert plain.get([22], out) == 0 and plain.stats()["foreign"] == 1
+    assert plain.stats()["corrupt"] == 0
+    plain.close()
+    assert store.get([22], out) == 1 and np.array_equal(out[0], page)
+    flipped = bytearray(value)
+    flipped[HEADER_NBYTES + 5] ^= 1  # a body byte
+    raw._client.set(raw._name(ukey), bytes(flipped))
+    failures = store.stats()["seal_failures"]
+    assert store.get([22], out) == 0 and store.stats()["seal_failures"] == failures + 1
+    assert raw._client.get(raw._name(ukey)) is None  # corrupt (xxh3 fails too): removed
+    payload = np.frombuffer(bytes(flipped[HEADER_NBYTES:]), np.uint8)
+    raw._client.set(raw._name(ukey), encode_header(ukey, payload) + payload.tobytes())
+    assert store.get([22], out) == 0 and store.stats()["seal_failures"] == failures + 2
+    assert raw._client.get(raw._name(ukey)) is not None  # intact under its checksum: stays
