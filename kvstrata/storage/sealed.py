@@ -40,7 +40,7 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvstrata.storage.base import StorageBackend, check_batch
+from kvstrata.storage.base import StorageBackend, check_batch, page_view
 
 SEAL_TAG = b"kvstrata-seal-v2"  # v2: MAC-only units carry the label as GCM plaintext
 SALT, NONCE, TAG = 16, 12, 16
@@ -182,7 +182,7 @@ class SealedStore:
         leading units a get returns (out[i:] are its own unpublished pages, as with a plain
         store's corrupt read), so no unverified byte is ever seen."""
         check_batch(keys, out, "get")
-        dst = [o.reshape(-1).view(np.uint8) for o in out]
+        dst = [page_view(o, self.page_nbytes, "get out") for o in out]  # never a copy
         failed = [0]
         read = getattr(self.inner, "get_verified", None)
         if read is None:
@@ -242,7 +242,9 @@ class SealedStore:
         the unit's own bytes and a tail (MAC only) or one reused ciphertext scratch (encrypt),
         sealed one unit at a time as it asks for them: no copy, no fresh buffer."""
         check_batch(keys, pages, "put")
-        pairs = [(k, p.reshape(-1).view(np.uint8)) for k, p in zip(keys, pages, strict=True)]
+        pairs = [
+            (k, page_view(p, self.page_nbytes, "put")) for k, p in zip(keys, pages, strict=True)
+        ]
         write = getattr(self.inner, "put_pieces", None)
         self._count(sealed=len(pairs))
         if write is None:
