@@ -266,13 +266,42 @@ def new_checksum() -> xxhash.xxh3_64:
 
 
 def encode_header(key: int, payload: np.ndarray) -> bytes:
+    return pack_header(key, payload.nbytes, checksum(payload))
+
+
+def encode_header_of_pieces(key: int, pieces: Sequence[memoryview]) -> bytes:
+    """The header of a payload given as pieces stored one after another (no copy joins them)."""
+    digest = new_checksum()
+    for piece in pieces:
+        digest.update(piece)
+    return pack_header(key, sum(p.nbytes for p in pieces), digest.intdigest())
+
+
+def pack_header(key: int, payload_nbytes: int, digest: int) -> bytes:
     return _HEADER.pack(
         PAGE_MAGIC,
         PAGE_FORMAT_VERSION,
         HEADER_NBYTES,
-        payload.nbytes,
-        checksum(payload),
+        payload_nbytes,
+        digest,
         key.to_bytes(16, "big"),
+    )
+
+
+def header_foreign(header: bytes | bytearray | memoryview, key: int, stored_nbytes: int) -> bool:
+    """True if `header` is an intact header of page `key` in another format version or page size
+    than the reader's, consistent with the `stored_nbytes` actually stored (header + payload):
+    a store of another configuration over the same place (a sealed store's units read without
+    the key, or the other way round). That is a miss, never corruption: the value is not removed.
+    Call it only where header_ok said no."""
+    if len(header) < HEADER_NBYTES:
+        return False
+    magic, _, hlen, plen, _, kbytes = _HEADER.unpack_from(header)
+    return (
+        magic == PAGE_MAGIC
+        and kbytes == (key & ((1 << 128) - 1)).to_bytes(16, "big")
+        and hlen >= HEADER_NBYTES
+        and hlen + plen == stored_nbytes
     )
 
 

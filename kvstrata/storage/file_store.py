@@ -8,7 +8,9 @@ locks:
   either the old complete file, the new complete file, or nothing;
 - a reader verifies length, header and xxh3-64 checksum; any mismatch is a miss and the file is
   removed (only if the name still points at the inode that was read, so a freshly replaced good
-  page is not thrown away);
+  page is not thrown away); a file whose intact header names another page size or format (a
+  store of another configuration over the same directory: sealed units read without the key)
+  is a miss that stays (counted `foreign`);
 - the LRU clock is the file mtime, set explicitly (ns) on write and on read; the size cap is kept
   by a running estimate plus an occasional rescan, and the clean-up removes the oldest files;
 - the size cap counts what the store takes on disk (`du`): the blocks allocated to its page files
@@ -31,7 +33,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -42,8 +44,10 @@ from kvstrata.storage.base import (
     StorageConfig,
     check_batch,
     check_page_nbytes,
-    encode_header,
+    encode_header_of_pieces,
+    header_foreign,
     header_ok,
+    new_checksum,
     page_view,
 )
 from kvstrata.storage.file_dirs import resolve_dir
@@ -58,8 +62,11 @@ _WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _COUNTERS = (
     "puts", "put_existing", "put_errors", "gets", "get_hits", "get_misses", "corrupt",
     "read_errors", "exists_queries", "deleted", "evicted", "rescans", "bytes_written", "bytes_read",
-    "tmp_swept",
+    "tmp_swept", "foreign",
 )  # fmt: skip
+Verify = Callable[[int], bool]
+"""verify(i) of get_verified: True if value i, just read into its pieces, is good (must not
+change the pieces)."""
 
 
 class FileStore:
@@ -123,24 +130,37 @@ class FileStore:
         return n
 
     def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
-        return self._get(keys, out, checked=True)
-
-    def get_unchecked(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
-        """As get, without the xxh3 pass over the payload (the header's key and length are
-        still checked): for a caller that verifies every byte itself (a SealedStore, whose
-        tag covers the whole stored value) and calls get on a failure (which discards a
-        corrupt file)."""
-        return self._get(keys, out, checked=False)
-
-    def _get(self, keys: Sequence[int], out: Sequence[np.ndarray], checked: bool) -> int:
-        self._check_open()
         check_batch(keys, out, "get")
         views = [page_view(o, self.page_nbytes, "get out") for o in out]
+        return self._get(keys, [[memoryview(v)] for v in views], None)
+
+    def get_verified(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify
+    ) -> int:
+        """As get, each stored payload read in one call into its `pieces` (writable buffers,
+        lengths summing to page_nbytes; later values may reuse a piece once verify returned)
+        and checked by `verify(i)` right after it lands, while it is still in cache, in place of
+        the xxh3 pass: for a caller whose check covers every stored byte (a SealedStore's tag).
+        A False is a miss; the file is then removed only if the bytes read fail the checksum
+        too (a value intact under its checksum is someone else's, e.g. another key's: it stays)."""
+        check_batch(keys, pieces, "get")
+        for p in pieces:
+            if sum(v.nbytes for v in p) != self.page_nbytes:
+                raise ValueError(f"get_verified: pieces must hold {self.page_nbytes} bytes")
+        return self._get(keys, pieces, verify)
+
+    def _get(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
+    ) -> int:
+        self._check_open()
         header = bytearray(HEADER_NBYTES)  # per call: the store may be shared by threads
-        counts = {"gets": 1, "get_hits": 0, "get_misses": 0, "corrupt": 0, "read_errors": 0}
+        counts = {
+            "gets": 1, "get_hits": 0, "get_misses": 0, "corrupt": 0, "read_errors": 0, "foreign": 0
+        }  # fmt: skip
         freed = 0
-        for key, view in zip(keys, views, strict=True):
-            ok, gone = self._read_one(key, header, view, counts, checked)
+        for i, (key, value) in enumerate(zip(keys, pieces, strict=True)):
+            check = None if verify is None else (lambda i=i: verify(i))
+            ok, gone = self._read_one(key, header, value, counts, check)
             freed += gone
             if not ok:
                 counts["get_misses"] += 1
@@ -151,10 +171,14 @@ class FileStore:
         return counts["get_hits"]
 
     def _read_one(
-        self, key: int, header: bytearray, view: np.ndarray, counts: dict[str, int], checked: bool
+        self,
+        key: int,
+        header: bytearray,
+        value: Sequence[memoryview],
+        counts: dict[str, int],
+        check: Callable[[], bool] | None,
     ) -> tuple[bool, int]:
-        """Read page `key` into `view`; (ok, bytes of a removed corrupt file). Unchecked: no
-        payload checksum (the caller verifies the bytes)."""
+        """Read page `key` into `value` (pieces); (ok, bytes of a removed corrupt file)."""
         path = self._path(key)
         try:
             fd = os.open(path, _RD)
@@ -164,22 +188,46 @@ class FileStore:
             counts["read_errors"] += 1
             return False, 0
         try:
-            if checked:
-                n, actual = read_hashed(fd, header, memoryview(view))
-            else:
-                n = transfer_all(os.readv, fd, [memoryview(header), memoryview(view)])
-            digest = header_ok(header, key, self.page_nbytes) if n == self.file_nbytes else None
-            if digest is None or (checked and actual != digest):
-                counts["corrupt"] += 1
+            outcome = self._read_fd(fd, key, header, value, check)
+            if outcome in ("corrupt", "foreign"):
+                counts[outcome] += 1
+            if outcome == "corrupt":
                 return False, self._discard(path, fd)
-            if self.config.touch_on_read:
+            if outcome == "ok" and self.config.touch_on_read:
                 self._touch(fd)
-            return True, 0
+            return outcome == "ok", 0
         except OSError:
             counts["read_errors"] += 1
             return False, 0
         finally:
             os.close(fd)
+
+    def _read_fd(
+        self,
+        fd: int,
+        key: int,
+        header: bytearray,
+        value: Sequence[memoryview],
+        check: Callable[[], bool] | None,
+    ) -> str:
+        """One file's outcome: "ok", "corrupt", "foreign" (an intact header of another size or
+        format) or "rejected" (the caller's check failed, the checksum holds: left in place).
+        Unchecked reads (a `check`) skip the payload checksum unless the check fails."""
+        if check is None:
+            n, actual = read_hashed(fd, header, value[0])
+        else:
+            n = transfer_all(os.readv, fd, [memoryview(header), *value])
+        digest = header_ok(header, key, self.page_nbytes) if n == self.file_nbytes else None
+        if digest is None:
+            return "foreign" if header_foreign(header, key, os.fstat(fd).st_size) else "corrupt"
+        if check is None:
+            return "ok" if actual == digest else "corrupt"
+        if check():
+            return "ok"
+        hashed = new_checksum()
+        for piece in value:
+            hashed.update(piece)
+        return "rejected" if hashed.intdigest() == digest else "corrupt"
 
     @staticmethod
     def _touch(fd: int) -> None:
@@ -204,13 +252,21 @@ class FileStore:
 
     # ---- updates -----------------------------------------------------------------------------
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
-        self._check_open()
         check_batch(keys, pages, "put")
         views = [page_view(p, self.page_nbytes, "put") for p in pages]
+        return self.put_pieces(keys, ([memoryview(v)] for v in views))
+
+    def put_pieces(self, keys: Sequence[int], values: Iterable[Sequence[memoryview]]) -> int:
+        """As put, each payload given as pieces written one after another (lengths summing to
+        page_nbytes; no copy joins them). `values` is taken in order, one per key, each written
+        before the next is taken: a producer may reuse its buffers (a SealedStore's scratch)."""
+        self._check_open()
         counts = {"puts": 0, "put_existing": 0, "put_errors": 0}
         added = 0
-        for key, view in zip(keys, views, strict=True):
-            outcome = self._write_one(key, view)
+        for key, value in zip(keys, values, strict=True):
+            if sum(v.nbytes for v in value) != self.page_nbytes:
+                raise ValueError(f"put: each page must hold {self.page_nbytes} bytes")
+            outcome = self._write_one(key, value)
             counts[outcome] += 1
             added += self.file_disk_nbytes if outcome == "puts" else 0
         counts["bytes_written"] = counts["puts"] * self.file_nbytes
@@ -218,7 +274,7 @@ class FileStore:
         self._maybe_cleanup()
         return counts["puts"] + counts["put_existing"]
 
-    def _write_one(self, key: int, view: np.ndarray) -> str:
+    def _write_one(self, key: int, value: Sequence[memoryview]) -> str:
         """Write one page atomically; returns the counter name of the outcome."""
         path = self._path(key)
         now = time.time_ns()
@@ -239,7 +295,7 @@ class FileStore:
                 self._add({}, self.dir_disk_nbytes)  # (or another writer made it: rescans fix)
                 fd = os.open(tmp, _WR, self.file_mode)
             try:
-                bufs = [memoryview(encode_header(key, view)), memoryview(view)]
+                bufs = [memoryview(encode_header_of_pieces(key, value)), *value]
                 if transfer_all(os.writev, fd, bufs) != self.file_nbytes:
                     raise OSError("short write")
                 if self.config.fsync:
@@ -423,9 +479,15 @@ class FileStore:
             assert os.path.basename(sub) == stem[:2], (
                 f"page file {path} is in the wrong fan-out directory"
             )
-            assert size == self.file_nbytes, (
+            assert size == self.file_nbytes or self._foreign_file(path, int(stem, 16), size), (
                 f"page file {path} has {size} bytes, expected {self.file_nbytes}"
             )
+
+    @staticmethod
+    def _foreign_file(path: str, key: int, size: int) -> bool:
+        """A page file of another store configuration (see header_foreign), whole."""
+        with open(path, "rb") as f:
+            return header_foreign(f.read(HEADER_NBYTES), key, size)
 
 
 def disk_nbytes(st: os.stat_result) -> int:

@@ -1,7 +1,9 @@
 """Redis/Valkey backend: pages shared by many workers on many machines.
 
 Every value is the stored page format of `kvstrata.storage.base` (header with length, key and
-xxh3-64 checksum + payload), so a corrupt or foreign value is detected and is a miss. Batches go
+xxh3-64 checksum + payload), so a corrupt value is detected, is a miss and is removed; a value
+whose intact header names another page size or format (a sealed store's units read without the
+key) is a miss that stays (counted `foreign`). Batches go
 in pipelined round trips of `redis_batch_pages` pages (STRLEN for exists_prefix, MGET for get,
 SET for put).
 
@@ -35,6 +37,7 @@ from kvstrata.storage.base import (
     check_page_nbytes,
     checksum,
     encode_header,
+    header_foreign,
     header_ok,
     page_view,
 )
@@ -44,8 +47,9 @@ _KEY_LIMIT = 1 << 128
 _COUNTERS = (
     "puts", "put_skipped", "gets", "get_hits", "get_misses", "corrupt", "exists_queries",
     "deleted", "connection_errors", "server_errors", "calls_skipped_down", "reconnects",
-    "bytes_written", "bytes_read",
+    "bytes_written", "bytes_read", "foreign",
 )  # fmt: skip
+Verify = Callable[[int], bool]
 
 
 class RedisStore:
@@ -154,6 +158,24 @@ class RedisStore:
     def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
         check_batch(keys, out, "get")
         views = [page_view(o, self.page_nbytes, "get out") for o in out]
+        return self._get(keys, [[memoryview(v)] for v in views], None)
+
+    def get_verified(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify
+    ) -> int:
+        """As get, each payload copied into its `pieces` (lengths summing to page_nbytes; later
+        values may reuse a piece once verify returned) and checked by `verify(i)` in place of
+        the xxh3 pass (a SealedStore's tag); a False is a miss, and the value is removed only
+        if its checksum fails too (see FileStore.get_verified)."""
+        check_batch(keys, pieces, "get")
+        for p in pieces:
+            if sum(v.nbytes for v in p) != self.page_nbytes:
+                raise ValueError(f"get_verified: pieces must hold {self.page_nbytes} bytes")
+        return self._get(keys, pieces, verify)
+
+    def _get(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
+    ) -> int:
         names = [self._name(k) for k in keys]
         hits = 0
         for lo in self._chunks(len(names)):
@@ -161,7 +183,7 @@ class RedisStore:
             values = self._guarded(lambda part=part: self._client.mget(part))
             if values is None:
                 break
-            got = self._unpack(keys, views, lo, values)
+            got = self._unpack(keys, pieces, lo, values, verify)
             hits += got
             if got < len(part):
                 break
@@ -174,23 +196,49 @@ class RedisStore:
         return hits
 
     def _unpack(
-        self, keys: Sequence[int], views: list[np.ndarray], lo: int, values: list[Any]
+        self,
+        keys: Sequence[int],
+        pieces: Sequence[Sequence[memoryview]],
+        lo: int,
+        values: list[Any],
+        verify: Verify | None,
     ) -> int:
-        """Check and copy values into views[lo:]; returns the leading count that was valid."""
+        """Check and copy values into pieces[lo:]; returns the leading count that was valid."""
         for i, value in enumerate(values):
             key = keys[lo + i]
             if value is None:
                 return i
-            body = memoryview(value)[HEADER_NBYTES:]
-            digest = (
-                header_ok(value, key, self.page_nbytes) if len(value) == self.value_nbytes else None
-            )
-            if digest is None or checksum(body) != digest:
-                self._count(corrupt=1)
+            check = None if verify is None else (lambda j=lo + i: verify(j))
+            outcome = self._take(key, value, pieces[lo + i], check)
+            if outcome == "ok":
+                continue
+            if outcome == "corrupt":
                 self._guarded(lambda key=key: self._client.delete(self._name(key)))
-                return i
-            views[lo + i][:] = np.frombuffer(body, dtype=np.uint8)
+            if outcome in ("corrupt", "foreign"):
+                self._count(**{outcome: 1})
+            return i
         return len(values)
+
+    def _take(
+        self, key: int, value: bytes, dst: Sequence[memoryview], check: Callable[[], bool] | None
+    ) -> str:
+        """Copy one value's payload into dst: "ok", "corrupt", "foreign" (an intact header of
+        another size or format) or "rejected" (the caller's check failed, the checksum holds)."""
+        digest = (
+            header_ok(value, key, self.page_nbytes) if len(value) == self.value_nbytes else None
+        )
+        if digest is None:
+            return "foreign" if header_foreign(value, key, len(value)) else "corrupt"
+        body = memoryview(value)[HEADER_NBYTES:]
+        if check is None and checksum(body) != digest:
+            return "corrupt"
+        at = 0
+        for piece in dst:
+            piece[:] = body[at : at + piece.nbytes]
+            at += piece.nbytes
+        if check is None or check():
+            return "ok"
+        return "rejected" if checksum(body) == digest else "corrupt"
 
     # ---- updates -----------------------------------------------------------------------------
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
