@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvstrata.model import small_matmul
 from kvstrata.model.prepack import (
     EDITED,
     PackOwner,
@@ -132,7 +133,7 @@ class Fused:
             return packed(x)
         if is_placeholder(self.weight):
             raise RuntimeError(EDITED)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return small_matmul.linear(x, self.weight, self.bias)  # few rows: the native kernel
 
 
 def _address(t: torch.Tensor | None) -> int:
@@ -175,7 +176,7 @@ class SwiGLU(PackOwner):
             gate, up = self.gate_proj(x), self.up_proj(x)
         # in place: gate and up are this call's own temporaries, [T, inter] each
         act = nn.functional.silu(gate, inplace=True).mul_(up)
-        return self.down_proj(act)  # a PackedLinear once prepacked
+        return small_matmul.run(self.down_proj, act)  # a PackedLinear once prepacked
 
 
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
