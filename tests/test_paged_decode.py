@@ -119,7 +119,8 @@ BF16_TOL = 2e-2  # bf16 keeps 8 mantissa bits (0.4% a rounding); measured 0.36-0
 
 def test_bf16_model_and_pages_follow_transformers_bf16(ckpt: Path) -> None:
     """bf16 weights and bf16 pages: a prompt, then batched decode steps of two sequences,
-    within BF16_TOL (max abs error / max abs logit) of transformers in bf16."""
+    within BF16_TOL (max abs error / max abs logit) of transformers in bf16; the steps' linears
+    all run in the native few-row kernel (model/small_matmul.py)."""
     from transformers import AutoModelForCausalLM
 
     model = load_model(ckpt, dtype="bfloat16")
@@ -134,7 +135,10 @@ def test_bf16_model_and_pages_follow_transformers_bf16(ckpt: Path) -> None:
     seqs = [list(p) for p in prompts]
     for step in range(2):
         nxt = [[(17 * step + 5 * s) % 97] for s in range(2)]
-        got = model(SeqBatch.build(nxt, [len(x) for x in seqs], tables), pool, last_only=True)
+        with Ops() as ops:
+            got = model(SeqBatch.build(nxt, [len(x) for x in seqs], tables), pool, last_only=True)
+        # every linear of the step (the LM head too) by the native few-row kernel, none by torch
+        assert not {"linear", "mm", "addmm", "matmul"} & set(ops.n), {"linear", "mm", "addmm", "matmul"} & set(ops.n)
         for s in range(2):
             seqs[s] += nxt[s]
             ref = hf_logits(hf, seqs[s])[-1]

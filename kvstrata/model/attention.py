@@ -118,9 +118,9 @@ class PagedAttention(PackOwner):
             return qk[:, :h], qk[:, h:], y[:, h + kv :]
         if self.fused is not None:  # a part was replaced: the others' plain weights back
             self.fused.unpack(parts)
-        q = apply_rotary(self.q_proj(x).view(t, h, d), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, kv, d), cos, sin)
-        return q, k, self.v_proj(x).view(t, kv, d)
+        q, k, v = (small_matmul.run(p, x) for p in parts)
+        q = apply_rotary(q.view(t, h, d), cos, sin)
+        return q, apply_rotary(k.view(t, kv, d), cos, sin), v.view(t, kv, d)
 
     def forward(
         self,
