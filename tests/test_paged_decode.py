@@ -138,7 +138,12 @@ def test_bf16_model_and_pages_follow_transformers_bf16(ckpt: Path) -> None:
         with Ops() as ops:
             got = model(SeqBatch.build(nxt, [len(x) for x in seqs], tables), pool, last_only=True)
         # every linear of the step (the LM head too) by the native few-row kernel, none by torch
-        assert not {"linear", "mm", "addmm", "matmul"} & set(ops.n), {"linear", "mm", "addmm", "matmul"} & set(ops.n)
+        assert not {"linear", "mm", "addmm", "matmul"} & set(ops.n), {
+            "linear",
+            "mm",
+            "addmm",
+            "matmul",
+        } & set(ops.n)
         for s in range(2):
             seqs[s] += nxt[s]
             ref = hf_logits(hf, seqs[s])[-1]
