@@ -11,12 +11,20 @@ setup(
             extra_compile_args=["-O3"],
         ),
         # decode attention over the paged pool; fast-math lets expf vectorize (libmvec),
-        # infinities stay meaningful (the running max starts at -inf)
+        # infinities stay meaningful (the running max starts at -inf); OpenMP resolves to
+        # torch's own libgomp when torch is loaded first
         Extension(
             "kvstrata.model._paged_decode",
             ["kvstrata/model/_paged_decode.c"],
-            extra_compile_args=["-O3", "-ffast-math", "-fno-finite-math-only", "-pthread"],
-            extra_link_args=["-pthread", "-lm"],
+            extra_compile_args=["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
+            extra_link_args=["-fopenmp", "-lm"],
+        ),
+        # decode-sized linears; OpenMP resolves to torch's own libgomp when torch is loaded
+        Extension(
+            "kvstrata.model._small_matmul",
+            ["kvstrata/model/_small_matmul.c"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
         ),
     ]
 )

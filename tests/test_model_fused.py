@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model import page_runs as runs_mod
+from kvstrata.model import small_matmul
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.model.page_runs import MAX_RUNS, MIN_RUN_TOKENS, page_runs
@@ -33,11 +34,26 @@ UNFUSED_MM = 7 * LAYERS + 1  # q, k, v, o, gate, up, down per layer; the LM head
 
 class Ops(TorchDispatchMode):
     """Counts the aten ops a forward runs; every matmul (linear, mm, addmm, oneDNN's
-    prepacked linear) as "mm", the prepacked ones also as "packed"."""
+    prepacked linear, the native few-row kernel) as "mm", the prepacked ones also as "packed",
+    the native ones also as "small"."""
 
     def __init__(self) -> None:
         super().__init__()
         self.n: Counter[str] = Counter()
+        self._kernel = small_matmul.small_linear
+
+    def __enter__(self) -> Ops:
+        def counted(*args: Any) -> torch.Tensor:
+            self.n["mm"] += 1
+            self.n["small"] += 1
+            return self._kernel(*args)
+
+        small_matmul.small_linear = counted  # type: ignore[assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        small_matmul.small_linear = self._kernel  # type: ignore[assignment]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__

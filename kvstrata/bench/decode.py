@@ -32,6 +32,7 @@ from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.paged_decode import isa
+from kvstrata.model.small_matmul import isa as matmul_isa
 
 PAGE = 64
 
@@ -165,7 +166,8 @@ def measure_dtype(dtype: str, case: Case, vllm_url: str | None) -> dict[str, Any
 
 def measure(case: Case, vllm_url: str | None) -> dict[str, Any]:
     report: dict[str, Any] = {
-        "threads": torch.get_num_threads(), "kernel_isa": isa(), "prompt": case.prompt,
+        "threads": torch.get_num_threads(), "kernel_isa": isa(), "matmul_isa": matmul_isa(),
+        "prompt": case.prompt,
         "new": case.new, "vllm": vllm_url or "not measured",
     }  # fmt: skip
     for dtype in ("float32", "bfloat16"):

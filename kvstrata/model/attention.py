@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from kvstrata.model import small_matmul
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, apply_rotary
 from kvstrata.model.paged_decode import paged_decode, usable
@@ -117,9 +118,9 @@ class PagedAttention(PackOwner):
             return qk[:, :h], qk[:, h:], y[:, h + kv :]
         if self.fused is not None:  # a part was replaced: the others' plain weights back
             self.fused.unpack(parts)
-        q = apply_rotary(self.q_proj(x).view(t, h, d), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, kv, d), cos, sin)
-        return q, k, self.v_proj(x).view(t, kv, d)
+        q, k, v = (small_matmul.run(p, x) for p in parts)
+        q = apply_rotary(q.view(t, h, d), cos, sin)
+        return q, apply_rotary(k.view(t, kv, d), cos, sin), v.view(t, kv, d)
 
     def forward(
         self,
@@ -143,13 +144,13 @@ class PagedAttention(PackOwner):
         if self.native_decode and meta.all_decode and usable(q, k_pool, v_pool):
             flat, starts, ctx = meta.decode_tables  # one kernel, pages read in place
             out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [S, heads, dim]
-            return self.o_proj(out.view(t, self.heads * self.head_dim))
+            return small_matmul.run(self.o_proj, out.view(t, self.heads * self.head_dim))
         if k_flat.dtype != q.dtype:  # attend to the K/V as stored, as a cached read would
             k, v = k.to(k_flat.dtype).to(q.dtype), v.to(v_flat.dtype).to(q.dtype)
         if len(meta.seq_lens) == 1:  # one sequence: no per-sequence slicing or copy back
             out = self._attend(q, k, v, k_pool, v_pool, meta, 0)  # [1, heads, T, dim]
             out = out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim)
-            return self.o_proj(out)
+            return small_matmul.run(self.o_proj, out)
         out = torch.empty_like(q)  # [T, heads, head_dim]
         start = 0
         for s, n in enumerate(meta.seq_lens):
@@ -157,7 +158,7 @@ class PagedAttention(PackOwner):
             o = self._attend(q[rows], k[rows], v[rows], k_pool, v_pool, meta, s)
             out[rows] = o[0].transpose(0, 1)
             start += n
-        return self.o_proj(out.view(t, self.heads * self.head_dim))
+        return small_matmul.run(self.o_proj, out.view(t, self.heads * self.head_dim))
 
     def _attend(
         self,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kvstrata.memory.layout import DTYPES, KVShape
+from kvstrata.model import small_matmul
 from kvstrata.model.attention import PagedAttention
 from kvstrata.model.attn_meta import AttnMeta, build_meta
 from kvstrata.model.layers import RMSNorm, Rotary, SwiGLU
@@ -275,7 +276,7 @@ def head_logits(
     x = norm(x)
     if packed is not None and packed.holds(weight, None):
         return packed(x).float()
-    return nn.functional.linear(x, weight).float()
+    return small_matmul.linear(x, weight, None).float()  # few rows: the native kernel
 
 
 @dataclass

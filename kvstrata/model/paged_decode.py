@@ -26,7 +26,7 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The instruction set its inner loops run with: "avx512f", "avx2" or "portable"."""
+    """The instruction set its fast path runs with: "avx2" or "portable"."""
     return _native.isa() if _native is not None else "not built"
 
 

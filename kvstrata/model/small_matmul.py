@@ -1,0 +1,81 @@
+"""Linears over a few rows (a decode step's tokens) by the native `_small_matmul` kernel.
+
+At a few rows a linear is bound by reading its weight once; the kernel streams the plain
+[out, in] weight front to back and meets every row of x on the way (fp32 sums, fp32 or bf16
+weights and activations). Measured on this project's 2-core AVX2 machine with SmolLM2's shapes,
+weights cycling through 30 layers as in a step: in bf16 it takes ~0.2-0.3 of torch's bf16
+F.linear time at 8 rows (torch has no native bf16 matmul on a CPU without AVX512-BF16/AMX); in
+fp32 it is on par with oneDNN's prepacked linear and ahead of F.linear, and on the LM head,
+whose plain weight the model keeps anyway (the tied embedding), ahead of both. Larger inputs
+(prefill) go to torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:
+    from kvstrata.model import _small_matmul as _native
+except ImportError:  # not built (an old checkout): torch's linear everywhere
+    _native = None
+
+MAX_ROWS = 16
+"""Most rows of x the kernel takes; beyond it torch's blocked matmuls win (compute-bound)."""
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def isa() -> str:
+    """The instruction set the kernel's inner loop runs with: "avx2" or "portable"."""
+    return _native.isa() if _native is not None else "not built"
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True where the kernel runs y = x @ weight.T: CPU, at most MAX_ROWS rows, fp32 or bf16
+    (x and weight the same dtype), plain contiguous tensors (not a released placeholder)."""
+    return (
+        _native is not None
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and x.dtype in _DTYPES
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and not weight.requires_grad
+    )
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] @ weight [out, in].T + bias [out] -> [M, out] in x's dtype, by the kernel
+    (see `fits`; the caller checked it)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if k != weight.shape[1]:
+        raise ValueError(f"small_linear: x has {k} columns, the weight {weight.shape[1]}")
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    bf16 = x.dtype == torch.bfloat16
+    _native.matmul(
+        y.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if b is None else b.data_ptr(),
+        m, n, k, bf16, bf16, bf16, torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the kernel where it `fits`."""
+    if fits(x, weight):
+        return small_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain nn.Linear over few rows through the kernel (anything else, e.g. a
+    tensor-parallel or prepacked linear, runs its own forward)."""
+    if type(module) is nn.Linear and fits(x, module.weight):
+        return small_linear(x, module.weight, module.bias)
+    return module(x)
