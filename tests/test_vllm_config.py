@@ -35,6 +35,8 @@ def test_fields_by_name() -> None:
         ({"host_pages": 8, "eviction": "fifo"}, "'eviction'"),
         ({"host_pages": 8, "check_integrity": "yes"}, "'check_integrity'"),
         ({"host_pages": 8, "prefetch_timeout_base_s": -1.0}, "'prefetch_timeout_base_s'"),
+        ({"host_pages": 8, "copy_mode": "async"}, "'copy_mode'"),
+        ({"host_pages": 8, "copy_timeout_s": 0}, "'copy_timeout_s'"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict, named: str) -> None:
@@ -45,3 +47,11 @@ def test_host_bytes_too_small_for_a_page() -> None:
     cfg = VllmConnectorConfig.from_extra({"host_bytes": 10})
     with pytest.raises(ConnectorConfigError, match="'host_bytes'"):
         cfg.resolved_host_pages(1000)
+
+
+def test_copy_mode_auto_is_layer_by_layer_on_cuda_only() -> None:
+    auto = VllmConnectorConfig.from_extra({"host_pages": 8})
+    assert (auto.layer_copies("cpu"), auto.layer_copies("cuda")) == (False, True)
+    layer = VllmConnectorConfig.from_extra({"host_pages": 8, "copy_mode": "layer"})
+    step = VllmConnectorConfig.from_extra({"host_pages": 8, "copy_mode": "step"})
+    assert (layer.layer_copies("cpu"), step.layer_copies("cuda")) == (True, False)
