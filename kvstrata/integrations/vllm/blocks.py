@@ -166,7 +166,7 @@ class BlockLayout:
                 view[idx.to(view.device)] = src.to(view.device, non_blocking=non_blocking)
             else:
                 got = view[idx.to(view.device)].permute(*_inverse(perm))
-                host_view[slot, layer, :, off] = got.to("cpu", non_blocking=non_blocking)
+                host_view[slot, layer, :, off] = got.cpu()  # blocking: the gather is a temporary
 
 
 Triple = tuple[int, int, int]
