@@ -126,10 +126,14 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
     "vllm_copies": (
         frozenset(
             {
-                "copies_only_ratio_layer_vs_step",
-                "with_compute_ratio_layer_vs_step",
-                "with_compute_ms_step",
-                "with_compute_ms_layer",
+                f"{k}_{blocks}"
+                for k in (
+                    "copies_only_ratio_layer_vs_step",
+                    "with_compute_ratio_layer_vs_step",
+                    "with_compute_ms_step",
+                    "with_compute_ms_layer",
+                )
+                for blocks in ("scattered", "consecutive")
             }
         ),
         False,

@@ -4,8 +4,9 @@ once (copy_mode "step") against layer by layer on the copy thread ("layer"), in 
 No vLLM here: SmolLM2-135M's KV geometry (30 layers, 3 KV heads of 64, fp32, block 32) in vLLM's
 CPU layout (every layer in one buffer), a step that loads `pages` host pages into vLLM blocks,
 runs 30 layers of stand-in compute (a matmul per layer, one torch thread, as vLLM's CPU worker)
-and stores `stored` pages. The modes alternate rep by rep; "copies only" runs no compute (the
-copies' own cost), "with compute" is what overlap can win back.
+and stores `stored` pages, with vLLM blocks scattered or consecutive (a run of consecutive blocks
+is one copy). The modes alternate rep by rep; "copies only" runs no compute (the copies' own
+cost), "with compute" is what overlap can win back.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ BLOCKS = 256  # vLLM blocks
 class _Step:
     """One simulated vLLM step over real layer tensors and a real host pool."""
 
-    def __init__(self, pages: int, stored: int, compute_reps: int) -> None:
+    def __init__(self, pages: int, stored: int, compute_reps: int, stride: int) -> None:
         s = SPEC
         per = BLOCKS * s.local_heads * s.block_size * 2 * s.head_dim
         buf = torch.randn(s.num_layers * per)
@@ -42,9 +43,9 @@ class _Step:
         self.host.data.normal_()
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(s.num_layers)]
         self.moves = LayerMoves(self.layout, self.host, self.names, timeout_s=60)
-        # scattered vLLM blocks, as a running server hands them out
-        loads = tuple(BlockCopy(i, (3 * i + 1,)) for i in range(pages))
-        stores = tuple(BlockCopy(pages + i, (3 * pages + 2 + i,)) for i in range(stored))
+        # vLLM blocks `stride` apart: 1 = consecutive (one copy per run), 3 = scattered
+        loads = tuple(BlockCopy(i, (stride * i + 1,)) for i in range(pages))
+        stores = tuple(BlockCopy(pages + i, (stride * (pages + i) + 1,)) for i in range(stored))
         self.jobs = lambda: StepJobs(loads=[CopyJob(1, loads)], stores=[CopyJob(2, stores)])
         self.x, self.w = torch.randn(64, 576), torch.randn(576, 1536)  # ~ a layer's MLP, 64 tokens
         self.reps = compute_reps
@@ -90,21 +91,21 @@ def vllm_copies_bench(quick: bool) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     pages, stored, reps = (6, 2, 5) if quick else (12, 6, 30)
+    out: dict[str, Any] = {"pages_loaded": pages, "pages_stored": stored}
     try:
-        bare, busy = _Step(pages, stored, 0), _Step(pages, stored, 3)
-        copies, compute = _pair(bare, reps), _pair(busy, reps)
-        bare.moves.close()
-        busy.moves.close()
+        for blocks, stride in (("scattered", 3), ("consecutive", 1)):
+            bare, busy = _Step(pages, stored, 0, stride), _Step(pages, stored, 3, stride)
+            copies, compute = _pair(bare, reps), _pair(busy, reps)
+            bare.moves.close()
+            busy.moves.close()
+            out |= {
+                f"copies_only_ms_step_{blocks}": copies["step"],
+                f"copies_only_ms_layer_{blocks}": copies["layer"],
+                f"copies_only_ratio_layer_vs_step_{blocks}": copies["layer"] / copies["step"],
+                f"with_compute_ms_step_{blocks}": compute["step"],
+                f"with_compute_ms_layer_{blocks}": compute["layer"],
+                f"with_compute_ratio_layer_vs_step_{blocks}": compute["layer"] / compute["step"],
+            }
     finally:
         torch.set_num_threads(threads)
-    return {
-        "pages_loaded": pages,
-        "pages_stored": stored,
-        "copies_only_ms_step": copies["step"],
-        "copies_only_ms_layer": copies["layer"],
-        "copies_only_ratio_layer_vs_step": copies["layer"] / copies["step"],
-        "with_compute_ms_step": compute["step"],
-        "with_compute_ms_layer": compute["layer"],
-        "with_compute_ratio_layer_vs_step": compute["layer"] / compute["step"],
-        "load_average_1m": os.getloadavg()[0],
-    }
+    return out | {"load_average_1m": os.getloadavg()[0]}

@@ -135,15 +135,19 @@ class BlockLayout:
         to_vllm: bool,
         non_blocking: bool,
     ) -> None:
-        """One strided copy per block over `layers`: host [layers, 2, block, heads, dim]."""
+        """One strided copy per run of blocks over `layers`: host [n, layers, 2, block, heads,
+        dim] <-> vLLM [layers, n, ...] (a run: consecutive host pages, same block of the page,
+        consecutive vLLM blocks; vLLM often hands a request consecutive blocks)."""
         assert self.stacked is not None
-        perm, (a, b) = _LAYOUTS[self.name][2], (layers.start, layers.stop)
-        for h, j, blk in triples:
-            host_block, vllm_block = host_view[h, a:b, :, j], self.stacked[a:b, blk]
+        perm = _LAYOUTS[self.name][2]  # perm[0] == 0: the leading dim stays first
+        run_perm = (1, 0, *(1 + p for p in perm[1:]))  # [n, G, ...] -> [G, n, view order]
+        a, b = layers.start, layers.stop
+        for h, j, blk, n in block_runs(triples):
+            host_run, vllm_run = host_view[h : h + n, a:b, :, j], self.stacked[a:b, blk : blk + n]
             if to_vllm:
-                vllm_block.copy_(host_block.permute(*perm), non_blocking=non_blocking)
+                vllm_run.copy_(host_run.permute(*run_perm), non_blocking=non_blocking)
             else:
-                host_block.copy_(vllm_block.permute(*_inverse(perm)), non_blocking=non_blocking)
+                host_run.copy_(vllm_run.permute(*_inverse(run_perm)), non_blocking=non_blocking)
 
     def _copy_layers(
         self,
@@ -176,6 +180,19 @@ Triple = tuple[int, int, int]
 def block_triples(pages: Sequence[BlockCopy]) -> list[Triple]:
     """Every copied block of these pages (blocks named -1 are skipped)."""
     return [(p.host_id, j, blk) for p in pages for j, blk in enumerate(p.blocks) if blk >= 0]
+
+
+def block_runs(triples: Sequence[Triple]) -> list[tuple[int, int, int, int]]:
+    """(first host page, block in page, first vLLM block, length) of maximal runs of triples that
+    step by one host page and one vLLM block at the same block of the page, in order."""
+    runs: list[list[int]] = []
+    for h, j, blk in triples:
+        last = runs[-1] if runs else None
+        if last is not None and (h, j, blk) == (last[0] + last[3], last[1], last[2] + last[3]):
+            last[3] += 1
+        else:
+            runs.append([h, j, blk, 1])
+    return [(h, j, blk, n) for h, j, blk, n in runs]
 
 
 def _inverse(perm: Shape) -> Shape:
