@@ -30,15 +30,21 @@ SPEC = KVSpec(32, 32, 30, 3, 1, 64, "float32", "bench-vllm-copies")
 BLOCKS = 256  # vLLM blocks
 
 
+def _one_buffer_layers() -> list[torch.Tensor]:
+    """Every layer a view of one buffer, [blocks, heads, block, 2*dim] each (vLLM's CPU layout)."""
+    s = SPEC
+    per = BLOCKS * s.local_heads * s.block_size * 2 * s.head_dim
+    buf = torch.randn(s.num_layers * per)
+    shape = (BLOCKS, s.local_heads, s.block_size, 2 * s.head_dim)
+    return [buf[i * per : (i + 1) * per].view(shape) for i in range(s.num_layers)]
+
+
 class _Step:
     """One simulated vLLM step over real layer tensors and a real host pool."""
 
     def __init__(self, pages: int, stored: int, compute_reps: int, stride: int) -> None:
         s = SPEC
-        per = BLOCKS * s.local_heads * s.block_size * 2 * s.head_dim
-        buf = torch.randn(s.num_layers * per)
-        layers = [buf[i * per : (i + 1) * per].view(BLOCKS, s.local_heads, s.block_size, -1) for i in range(s.num_layers)]  # fmt: skip
-        self.layout = BlockLayout.of(layers, s)
+        self.layout = BlockLayout.of(_one_buffer_layers(), s)
         self.host = HostPool(s.local_shape, 2 * (pages + stored), pin_memory=False)
         self.host.data.normal_()
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(s.num_layers)]
@@ -46,9 +52,12 @@ class _Step:
         # vLLM blocks `stride` apart: 1 = consecutive (one copy per run), 3 = scattered
         loads = tuple(BlockCopy(i, (stride * i + 1,)) for i in range(pages))
         stores = tuple(BlockCopy(pages + i, (stride * (pages + i) + 1,)) for i in range(stored))
-        self.jobs = lambda: StepJobs(loads=[CopyJob(1, loads)], stores=[CopyJob(2, stores)])
+        self.loads, self.stores = loads, stores
         self.x, self.w = torch.randn(64, 576), torch.randn(576, 1536)  # ~ a layer's MLP, 64 tokens
         self.reps = compute_reps
+
+    def jobs(self) -> StepJobs:
+        return StepJobs(loads=[CopyJob(1, self.loads)], stores=[CopyJob(2, self.stores)])
 
     def _compute(self) -> None:
         for _ in range(self.reps):

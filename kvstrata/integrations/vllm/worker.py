@@ -34,6 +34,7 @@ class WorkerSide:
 
     def __init__(self, config: VllmConnectorConfig, spec: KVSpec, tp_rank: int) -> None:
         self.spec = spec
+        # pinned whenever CUDA is available (HostPool's rule): the CUDA block copier needs it
         self.host = HostPool(spec.local_shape, config.resolved_host_pages(spec.page_nbytes))
         self.storage: StorageBackend | None = None
         if config.storage_url:
@@ -52,7 +53,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.blocks = BlockLayout.of(list(kv_caches.values()), self.spec)
-        how = "one copy per block, all layers" if self.blocks.stacked is not None else "per layer"
+        stacked = self.blocks.stacked is not None
+        how = "one copy per run of blocks, all layers" if stacked else "per layer"
         if self.config.layer_copies(self.blocks.device.type):
             self.layers = LayerMoves(
                 self.blocks, self.host, list(kv_caches), self.config.copy_timeout_s
