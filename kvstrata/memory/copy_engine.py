@@ -402,6 +402,19 @@ class CopyEngine(CopyQueue):
         )
         return self.submit("store", src, dst, dst_name="host_ids")
 
+    def submit(
+        self,
+        kind: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        layers: range | None = None,
+        dst_name: str = "dst",
+    ) -> TransferHandle:
+        """As CopyQueue.submit; the pool copiers move layers from 0 on (whole pages)."""
+        if layers is not None and layers.start != 0:
+            raise ValueError(f"{kind}: CopyEngine copies layers from 0 on, got {layers}")
+        return super().submit(kind, src, dst, layers, dst_name)
+
     def _device_slots(self, device_ids: IdsLike) -> np.ndarray:
         ids = as_id_array(device_ids, "device_ids", self.device_pool.capacity)
         return self.device_pool.local_slots_np(ids)
