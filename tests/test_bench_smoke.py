@@ -123,6 +123,21 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         ),
         False,
     ),
+    "vllm_copies": (
+        frozenset(
+            {
+                f"{k}_{blocks}"
+                for k in (
+                    "copies_only_ratio_layer_vs_step",
+                    "with_compute_ratio_layer_vs_step",
+                    "with_compute_ms_step",
+                    "with_compute_ms_layer",
+                )
+                for blocks in ("scattered", "consecutive")
+            }
+        ),
+        False,
+    ),
 }
 COVERED_ELSEWHERE = {
     "serve": "tests/test_bench_serve.py",

@@ -207,6 +207,12 @@ def test_bad_input_is_rejected_at_submission(pools: tuple) -> None:
         engine.load([[1]], [[2]])
     with pytest.raises(ValueError, match="ints"):
         engine.load([1.5], [2])
+    one = np.array([1])
+    for layers in (range(0), range(0, 5), range(0, 4, 2)):  # empty, past the last, strided
+        with pytest.raises(ValueError, match="non-empty range within 4"):
+            engine.submit("load", one, one, layers)
+    with pytest.raises(ValueError, match="from 0 on"):
+        engine.submit("load", one, one, range(1, 2))  # the pool copiers move whole pages
     assert engine.submitted_count() == 0
     empty = engine.load([], [])
     empty.wait(timeout=10)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.integrations.vllm.blocks import BlockLayout
+from kvstrata.integrations.vllm.blocks import BlockLayout, block_runs, block_triples
 from kvstrata.integrations.vllm.metadata import BlockCopy
 from kvstrata.integrations.vllm.spec import KVSpec
 from kvstrata.memory.pool import HostPool
@@ -68,3 +68,29 @@ def test_all_layers_at_once_moves_the_same_bytes_as_layer_by_layer() -> None:
         assert torch.equal(out.data[3], host.data[2])
         assert float(out.data[1, :, :, 4:].abs().sum()) == 0  # block 4 was never written
     host.check_integrity()
+
+
+def test_runs_of_consecutive_pages_and_blocks_move_the_same_bytes() -> None:
+    """Page = block: consecutive host pages onto consecutive vLLM blocks go as one strided copy
+    per run; the bytes equal the per-layer path's, both directions."""
+    spec = KVSpec(4, 4, 3, 2, 1, 8, "float32", "runs-test")  # block = page = 4 tokens
+    # host 0,1,2 -> blocks 1,2,3 (one run), host 3 -> block 5, host 5 -> block 4 (runs of 1)
+    pages = tuple(BlockCopy(h, (b,)) for h, b in ((0, 1), (1, 2), (2, 3), (3, 5), (5, 4)))
+    assert block_runs(block_triples(pages)) == [(0, 0, 1, 3), (3, 0, 5, 1), (5, 0, 4, 1)]
+    per = N * spec.kv_heads * spec.block_size * 2 * spec.head_dim
+    buf = torch.zeros(3 * per)
+    stacked = [buf[i * per : (i + 1) * per].view(N, 2, 4, -1) for i in range(3)]
+    separate = [torch.zeros(N, 2, 4, 2 * spec.head_dim) for _ in range(3)]
+    host = HostPool(spec.local_shape, 6)
+    host.data.copy_(torch.randn(host.data.shape, generator=torch.Generator().manual_seed(1)))
+    fast, slow = BlockLayout.of(stacked, spec), BlockLayout.of(separate, spec)
+    assert fast.stacked is not None and slow.stacked is None
+    fast.copy(host, pages, to_vllm=True)
+    slow.copy(host, pages, to_vllm=True)
+    assert all(torch.equal(a, b) for a, b in zip(stacked, separate, strict=True))
+    assert float(stacked[0][0].abs().sum()) == 0  # block 0 untouched
+    back = HostPool(spec.local_shape, 6)
+    fast.copy(back, pages, to_vllm=False)
+    for p in pages:
+        assert torch.equal(back.data[p.host_id], host.data[p.host_id])
+    assert float(back.data[4].abs().sum()) == 0

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from kvstrata.integrations.vllm.config import ConnectorConfigError, VllmConnectorConfig
+from kvstrata.integrations.vllm.spec import kv_spec
 
 
 def refused(extra: dict) -> str:
@@ -35,6 +38,8 @@ def test_fields_by_name() -> None:
         ({"host_pages": 8, "eviction": "fifo"}, "'eviction'"),
         ({"host_pages": 8, "check_integrity": "yes"}, "'check_integrity'"),
         ({"host_pages": 8, "prefetch_timeout_base_s": -1.0}, "'prefetch_timeout_base_s'"),
+        ({"host_pages": 8, "copy_mode": "async"}, "'copy_mode'"),
+        ({"host_pages": 8, "copy_timeout_s": 0}, "'copy_timeout_s'"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict, named: str) -> None:
@@ -45,3 +50,22 @@ def test_host_bytes_too_small_for_a_page() -> None:
     cfg = VllmConnectorConfig.from_extra({"host_bytes": 10})
     with pytest.raises(ConnectorConfigError, match="'host_bytes'"):
         cfg.resolved_host_pages(1000)
+
+
+def test_copy_mode_auto_is_layer_by_layer_on_cuda_only() -> None:
+    auto = VllmConnectorConfig.from_extra({"host_pages": 8})
+    assert (auto.layer_copies("cpu"), auto.layer_copies("cuda")) == (False, True)
+    layer = VllmConnectorConfig.from_extra({"host_pages": 8, "copy_mode": "layer"})
+    step = VllmConnectorConfig.from_extra({"host_pages": 8, "copy_mode": "step"})
+    assert (layer.layer_copies("cpu"), step.layer_copies("cuda")) == (True, False)
+
+
+def test_pipeline_parallel_is_refused_by_name() -> None:
+    """A worker's host pages and storage units hold every layer: PP > 1 is not handled."""
+    vllm_config = SimpleNamespace(  # the three parts of vLLM's config kv_spec reads
+        model_config=None,
+        cache_config=SimpleNamespace(block_size=32),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1),
+    )
+    with pytest.raises(ConnectorConfigError, match="pipeline_parallel_size=2"):
+        kv_spec(vllm_config, VllmConnectorConfig.from_extra({"host_pages": 8}))

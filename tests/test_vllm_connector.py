@@ -30,6 +30,7 @@ from tests.tiny_models import make_llama
 pytestmark = pytest.mark.slow
 
 BLOCK = 32
+LAYERS = 30  # SmolLM2-135M
 SESSIONS, TURNS, FIRST, GROW, OUT = 3, 3, 160, 48, 4
 
 
@@ -83,8 +84,17 @@ def by_source(text: str, source: str) -> float:
 
 def wait_tier_hits(server: VllmServer, tier: str, want: float, timeout_s: float = 30) -> float:
     """The tier's counter once it reached `want` (stats ride the engine's outputs), or the last."""
+    return wait_metric(server, "vllm:kvstrata_hit_tokens_total", "tier", tier, want, timeout_s)
+
+
+def wait_metric(
+    server: VllmServer, name: str, label: str, value: str, want: float, timeout_s: float = 30
+) -> float:
+    """Counter `name`{label=value} once it reached `want`, or its last value after timeout_s."""
     deadline = time.monotonic() + timeout_s
-    while (got := tier_hits(server, tier)) < want and time.monotonic() < deadline:
+    while (got := metric(server.metrics(), name, label, value)) < want:
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.5)
     return got
 
@@ -144,17 +154,38 @@ def test_vllm_with_kvstrata_host_then_storage_after_restart(
     assert salted.cached_tokens == 0 and salted.text == texts2[0]
 
 
-def test_redis_storage_killed_mid_run_is_a_miss_not_a_hang(
+def test_two_live_servers_share_redis_then_redis_dies_mid_run(
     model: Path, tmp_path: Path, alone: tuple[list[str], list[int]]
 ) -> None:
+    """Server A backs turn 0 up to redis; server B, started while A runs (copies layer by layer),
+    gets every turn-1 history from redis; then redis dies under A: misses, never a hang."""
     prompts = workload()
+    turn1 = slice(SESSIONS, 2 * SESSIONS)
+    filler = np.random.default_rng(5).integers(100, 40000, 100).tolist()
     with RedisServer() as redis:
         extra = {"host_pages": 256, "storage_url": redis.url, "check_integrity": True}
         with VllmServer(model, tmp_path / "vllm_redis.log", connector=extra) as kvs:
             first = run(kvs, prompts[:SESSIONS])
+            kvs.complete(filler, max_tokens=OUT)  # more steps: the last prompt's backups commit
             assert redis_keys(redis.port) > 0, "write-through pages were backed up to redis"
+            layer = {**extra, "copy_mode": "layer"}
+            log_b = tmp_path / "vllm_redis_b.log"
+            with VllmServer(model, log_b, connector=layer) as other:
+                shared = run(other, prompts[turn1])
+                from_storage = wait_tier_hits(other, "storage", sum(shared[1]))
+                calls = [
+                    wait_metric(other, "vllm:kvstrata_layer_calls_total", "call", c, LAYERS * 3)
+                    for c in ("wait", "save")
+                ]
             redis.kill()
             rest = run(kvs, prompts[SESSIONS:])  # storage probes and backups fail: misses
+    assert shared == (alone[0][turn1], expected_cached(prompts)[turn1])
+    assert from_storage == sum(shared[1])  # B's vLLM cache and host memory started cold
+    # each request: one step loads its history (vLLM waited for every layer's load), and stores
+    # its one new full page (vLLM saved every layer)
+    assert calls == [LAYERS * 3, LAYERS * 3]
+    text_b = log_b.read_text()
+    assert "saved no KV" not in text_b and "waited for no load" not in text_b
     assert first[0] + rest[0] == alone[0]
     assert first[1] + rest[1] == expected_cached(prompts)  # host memory still holds every history
 

@@ -32,6 +32,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.pd",
     "kvstrata.bench.sglang_hicache",
     "kvstrata.bench.vllm_bench",
+    "kvstrata.bench.vllm_copies",
 )
 
 

@@ -14,6 +14,10 @@ pages measured 0.81 of a plain copy's speed one layer per call, 0.88-0.89 four t
 CUDA path: pinned host pool, a dedicated copy stream, non_blocking copies and one
 torch.cuda.Event per layer recorded on the copy stream; wait_layer() makes the caller's current
 stream wait on that event instead of blocking the host.
+
+The queue, its worker thread and the handles are CopyQueue, which drives any PageCopier; CopyEngine
+is that queue over kvstrata's own pools. Other memory (vLLM's paged blocks: integrations/vllm)
+brings its own copier and reuses the rest.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, Self
 
 import numpy as np
 import torch
@@ -39,11 +43,14 @@ LAYER_GROUP_BYTES = 512 * 1024
 
 
 @dataclass
-class _Op:
+class CopyOp:
+    """One queued op as its copier sees it."""
+
     handle: TransferHandle
     src: np.ndarray  # source slots (host ids for load, device local slots for store)
     dst: np.ndarray
     ready: Any = None  # CUDA: event on the submitter's stream the copy stream waits for
+    first_layer: int = 0  # the op's layer k is the model's layer first_layer + k (pools: 0)
 
 
 def page_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
@@ -60,7 +67,7 @@ def page_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
 LayerDone = Callable[[int], None]  # called once per layer, in layer order
 
 
-class _CopyFailedError(Exception):
+class CopyFailedError(Exception):
     """A copy raised; layers before `layer` are complete, the cause is in __cause__."""
 
     def __init__(self, layer: int) -> None:
@@ -73,7 +80,7 @@ def layer_groups(num_layers: int, group: int) -> list[range]:
     return [range(a, min(a + group, num_layers)) for a in range(0, num_layers, group)]
 
 
-def _serial_layers(
+def serial_layers(
     copy: Callable[[str, range, Runs], None],
     kind: str,
     groups: list[range],
@@ -84,7 +91,7 @@ def _serial_layers(
         try:
             copy(kind, layers, runs)
         except BaseException as exc:
-            raise _CopyFailedError(layers.start) from exc
+            raise CopyFailedError(layers.start) from exc
         for layer in layers:
             done(layer)
 
@@ -138,11 +145,11 @@ class _CpuCopier:
         bounds = [0, *cuts.tolist(), len(runs)]
         return [runs[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
-    def run(self, op: _Op, runs: Runs, done: LayerDone) -> None:
+    def run(self, op: CopyOp, runs: Runs, done: LayerDone) -> None:
         kind, groups = op.handle.kind, layer_groups(op.handle.num_layers, self.group)
         parts = self._split(runs)
         if len(parts) == 1 or self.pool is None:
-            _serial_layers(self.copy_layers, kind, groups, runs, done)
+            serial_layers(self.copy_layers, kind, groups, runs, done)
             return
         left = [len(parts)] * len(groups)  # threads still copying each group
         lock = threading.Lock()
@@ -170,10 +177,10 @@ class _CpuCopier:
             f.result()
         if errors:
             failed = next(groups[g].start for g, c in enumerate(left) if c)
-            raise _CopyFailedError(failed) from errors[0]
+            raise CopyFailedError(failed) from errors[0]
 
     def mark(self, handle: TransferHandle, layer: int) -> None:
-        handle._complete_layer(layer)
+        handle.complete_layer(layer)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -189,10 +196,10 @@ class _CudaCopier:
         self.dev, self.host = dev.data, host.data
         self.stream = torch.cuda.Stream(device=dev.device)
 
-    def run(self, op: _Op, runs: Runs, done: LayerDone) -> None:
+    def run(self, op: CopyOp, runs: Runs, done: LayerDone) -> None:
         self.stream.wait_event(op.ready)  # pages written by compute before submit are final
         groups = layer_groups(op.handle.num_layers, 1)  # one event per layer, as it lands
-        _serial_layers(self.copy_layers, op.handle.kind, groups, runs, done)
+        serial_layers(self.copy_layers, op.handle.kind, groups, runs, done)
 
     def copy_layers(self, kind: str, layers: range, runs: Runs) -> None:
         # Host pages are strided per layer, so each page is its own H2D/D2H copy: a [2, page,
@@ -208,35 +215,38 @@ class _CudaCopier:
                         dst.copy_(src, non_blocking=True)
 
     def mark(self, handle: TransferHandle, layer: int) -> None:
-        assert handle._cuda_events is not None
-        handle._cuda_events[layer].record(self.stream)
-        handle._complete_layer(layer)
+        handle.complete_layer(layer, self.stream)
 
     def close(self) -> None:
         pass
 
 
-class CopyEngine:
-    """Moves pages between one DevicePool and one HostPool; ops complete in submission order."""
+class PageCopier(Protocol):
+    """Copies one op's pages layer by layer on the queue's worker thread (CPU, CUDA, or a copier
+    of another owner's memory, e.g. vLLM's paged blocks)."""
+
+    cuda: bool  # True: ops carry a `ready` event and handles one CUDA event per layer
+
+    def run(self, op: CopyOp, runs: Runs, done: LayerDone) -> None:
+        """Copy `runs` of `op`, calling done(k) for each of its layers k in order; raise
+        CopyFailedError (or anything: layer 0) on failure."""
+
+    def mark(self, handle: TransferHandle, layer: int) -> None:
+        """Layer `layer` of the op is copied (CUDA: enqueued; record its event)."""
+
+    def close(self) -> None: ...
+
+
+class CopyQueue:
+    """Runs copy ops in submission order on one worker thread through a PageCopier; each op's
+    TransferHandle completes layer by layer."""
 
     def __init__(
-        self, device_pool: DevicePool, host_pool: HostPool, config: MemoryConfig | None = None
+        self, copier: PageCopier, num_layers: int, layer_nbytes: int, device: torch.device
     ) -> None:
-        if device_pool.shape != host_pool.shape:
-            raise ValueError(
-                f"host_pool shape {host_pool.shape} != device_pool shape {device_pool.shape}"
-            )
-        cfg = config or MemoryConfig()
-        self.device_pool, self.host_pool = device_pool, host_pool
-        if device_pool.device.type == "cuda":
-            if not host_pool.pinned:
-                raise ValueError(
-                    "host_pool must be pinned (pin_memory=True) for a CUDA device pool"
-                )
-            self._copier: _CpuCopier | _CudaCopier = _CudaCopier(device_pool, host_pool)
-        else:
-            self._copier = _CpuCopier(device_pool, host_pool, cfg.resolved_copy_threads())
-        self._queue: queue.SimpleQueue[_Op | None] = queue.SimpleQueue()
+        self._copier = copier
+        self.num_layers, self.layer_nbytes, self.device = num_layers, layer_nbytes, device
+        self._queue: queue.SimpleQueue[CopyOp | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending: list[TransferHandle] = []  # submitted, not yet counted as completed
         self._completed = 0
@@ -247,47 +257,36 @@ class CopyEngine:
         self._worker = threading.Thread(target=self._run, name="kvstrata-copy-engine", daemon=True)
         self._worker.start()
 
-    # -- submission -------------------------------------------------------------------------
-
-    def load(self, host_ids: IdsLike, device_ids: IdsLike) -> TransferHandle:
-        """Host -> device: host page host_ids[i] goes to (logical) device page device_ids[i]."""
-        src = self.host_pool.local_slots_np(
-            as_id_array(host_ids, "host_ids", self.host_pool.capacity)
-        )
-        dst = self._device_slots(device_ids)
-        return self._submit("load", src, dst, "device_ids")
-
-    def store(self, device_ids: IdsLike, host_ids: IdsLike) -> TransferHandle:
-        """Device -> host: (logical) device page device_ids[i] goes to host page host_ids[i]."""
-        src = self._device_slots(device_ids)
-        dst = self.host_pool.local_slots_np(
-            as_id_array(host_ids, "host_ids", self.host_pool.capacity)
-        )
-        return self._submit("store", src, dst, "host_ids")
-
-    def _device_slots(self, device_ids: IdsLike) -> np.ndarray:
-        ids = as_id_array(device_ids, "device_ids", self.device_pool.capacity)
-        return self.device_pool.local_slots_np(ids)
-
-    def _submit(self, kind: str, src: np.ndarray, dst: np.ndarray, dst_name: str) -> TransferHandle:
+    def submit(
+        self,
+        kind: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        layers: range | None = None,
+        dst_name: str = "dst",
+    ) -> TransferHandle:
+        """Queue `kind` ("load" / "store") of slots src[i] -> dst[i] over `layers` (default: every
+        layer); returns at once. The copier reads the slots (validated by the caller)."""
         if src.size != dst.size:
             raise ValueError(
                 f"{kind}: host_ids and device_ids differ in length ({src.size} != {dst.size})"
             )
         if np.unique(dst).size != dst.size:
             raise ValueError(f"{kind}: {dst_name} holds a page twice")
-        shape = self.device_pool.shape
+        layers = range(self.num_layers) if layers is None else layers
+        if not layers or layers.step != 1 or layers.start < 0 or layers.stop > self.num_layers:
+            raise ValueError(f"{kind}: layers must be a non-empty range within {self.num_layers}")
         handle = TransferHandle(
             kind,
             int(src.size),
-            int(src.size) * shape.page_nbytes,
-            shape.num_layers,
-            self.device_pool.device if self._copier.cuda else None,
+            int(src.size) * self.layer_nbytes * len(layers),
+            len(layers),
+            self.device if self._copier.cuda else None,
         )
-        op = _Op(handle, src, dst)
+        op = CopyOp(handle, src, dst, first_layer=layers.start)
         if self._copier.cuda:
             op.ready = torch.cuda.Event()
-            op.ready.record(torch.cuda.current_stream(self.device_pool.device))
+            op.ready.record(torch.cuda.current_stream(self.device))
         with self._lock:
             if self._closed:
                 raise RuntimeError("CopyEngine is closed")
@@ -301,7 +300,7 @@ class CopyEngine:
         while (op := self._queue.get()) is not None:
             self._execute(op)
 
-    def _execute(self, op: _Op) -> None:
+    def _execute(self, op: CopyOp) -> None:
         h = op.handle
         t0 = time.perf_counter()
 
@@ -316,11 +315,11 @@ class CopyEngine:
         try:
             self._copier.run(op, page_runs(op.src, op.dst), layer_done)
         except BaseException as exc:  # noqa: BLE001 - surfaced to the waiter, never lost
-            layer = exc.layer if isinstance(exc, _CopyFailedError) else 0
+            layer = exc.layer if isinstance(exc, CopyFailedError) else 0
             with self._lock:
                 self._stats["failed_ops"] += 1
             h._fail(
-                layer, exc.__cause__ if isinstance(exc, _CopyFailedError) and exc.__cause__ else exc
+                layer, exc.__cause__ if isinstance(exc, CopyFailedError) and exc.__cause__ else exc
             )
 
     # -- completion, stats, lifetime --------------------------------------------------------
@@ -354,8 +353,68 @@ class CopyEngine:
         self._worker.join()
         self._copier.close()
 
-    def __enter__(self) -> CopyEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class CopyEngine(CopyQueue):
+    """Moves pages between one DevicePool and one HostPool; ops complete in submission order."""
+
+    def __init__(
+        self, device_pool: DevicePool, host_pool: HostPool, config: MemoryConfig | None = None
+    ) -> None:
+        if device_pool.shape != host_pool.shape:
+            raise ValueError(
+                f"host_pool shape {host_pool.shape} != device_pool shape {device_pool.shape}"
+            )
+        cfg = config or MemoryConfig()
+        self.device_pool, self.host_pool = device_pool, host_pool
+        copier: _CpuCopier | _CudaCopier
+        if device_pool.device.type == "cuda":
+            if not host_pool.pinned:
+                raise ValueError(
+                    "host_pool must be pinned (pin_memory=True) for a CUDA device pool"
+                )
+            copier = _CudaCopier(device_pool, host_pool)
+        else:
+            copier = _CpuCopier(device_pool, host_pool, cfg.resolved_copy_threads())
+        shape = device_pool.shape
+        super().__init__(
+            copier, shape.num_layers, shape.page_nbytes // shape.num_layers, device_pool.device
+        )
+
+    def load(self, host_ids: IdsLike, device_ids: IdsLike) -> TransferHandle:
+        """Host -> device: host page host_ids[i] goes to (logical) device page device_ids[i]."""
+        src = self.host_pool.local_slots_np(
+            as_id_array(host_ids, "host_ids", self.host_pool.capacity)
+        )
+        dst = self._device_slots(device_ids)
+        return self.submit("load", src, dst, dst_name="device_ids")
+
+    def store(self, device_ids: IdsLike, host_ids: IdsLike) -> TransferHandle:
+        """Device -> host: (logical) device page device_ids[i] goes to host page host_ids[i]."""
+        src = self._device_slots(device_ids)
+        dst = self.host_pool.local_slots_np(
+            as_id_array(host_ids, "host_ids", self.host_pool.capacity)
+        )
+        return self.submit("store", src, dst, dst_name="host_ids")
+
+    def submit(
+        self,
+        kind: str,
+        src: np.ndarray,
+        dst: np.ndarray,
+        layers: range | None = None,
+        dst_name: str = "dst",
+    ) -> TransferHandle:
+        """As CopyQueue.submit; the pool copiers move layers from 0 on (whole pages)."""
+        if layers is not None and layers.start != 0:
+            raise ValueError(f"{kind}: CopyEngine copies layers from 0 on, got {layers}")
+        return super().submit(kind, src, dst, layers, dst_name)
+
+    def _device_slots(self, device_ids: IdsLike) -> np.ndarray:
+        ids = as_id_array(device_ids, "device_ids", self.device_pool.capacity)
+        return self.device_pool.local_slots_np(ids)

@@ -34,7 +34,11 @@ class TransferHandle:
     def error(self) -> BaseException | None:
         return self._error
 
-    def _complete_layer(self, layer: int) -> None:
+    def complete_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """The copier is done with layer `layer` (CUDA: its copies are enqueued on `stream`, whose
+        point here the layer's event records). Called by the copy worker only."""
+        if self._cuda_events is not None:
+            self._cuda_events[layer].record(stream)
         self._layer_set[layer].set()
 
     def _fail(self, layer: int, exc: BaseException) -> None:

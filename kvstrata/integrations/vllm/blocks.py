@@ -83,14 +83,20 @@ class BlockLayout:
             f"kvstrata does not know vLLM's KV layer layout {shape} (known: {', '.join(_LAYOUTS)})"
         )
 
-    def copy(self, host: HostPool, pages: Sequence[BlockCopy], to_vllm: bool) -> None:
-        """Copy each page's blocks (skipping -1) between the host pool and vLLM, every layer."""
-        triples = [(p.host_id, j, blk) for p in pages for j, blk in enumerate(p.blocks) if blk >= 0]
-        if not triples:
-            return
+    @property
+    def device(self) -> torch.device:
+        return self.views[0].device
+
+    @property
+    def layer_block_nbytes(self) -> int:
+        """Bytes of one block (K and V) of one layer."""
         s = self.spec
-        # [capacity, layers, 2, r, block, heads, dim]: a page's r blocks in token order
-        host_view = host.data.view(
+        return 2 * s.block_size * s.local_heads * s.head_dim * self.views[0].element_size()
+
+    def host_view(self, host: HostPool) -> torch.Tensor:
+        """[capacity, layers, 2, r, block, heads, dim]: a host page's r blocks in token order."""
+        s = self.spec
+        return host.data.view(
             host.capacity_local,
             s.num_layers,
             2,
@@ -99,35 +105,94 @@ class BlockLayout:
             s.local_heads,
             s.head_dim,
         )
-        if self.stacked is not None:
-            self._copy_blocks(host_view, triples, to_vllm)
-        else:
-            self._copy_layers(host_view, triples, to_vllm)
 
-    def _copy_blocks(
-        self, host_view: torch.Tensor, triples: list[tuple[int, int, int]], to_vllm: bool
+    def copy(self, host: HostPool, pages: Sequence[BlockCopy], to_vllm: bool) -> None:
+        """Copy each page's blocks (skipping -1) between the host pool and vLLM, every layer."""
+        triples = block_triples(pages)
+        if triples:
+            self.copy_blocks(self.host_view(host), triples, range(self.spec.num_layers), to_vllm)
+
+    def copy_blocks(
+        self,
+        host_view: torch.Tensor,
+        triples: Sequence[Triple],
+        layers: range,
+        to_vllm: bool,
+        non_blocking: bool = False,
     ) -> None:
-        """One strided copy per block, every layer at once: host [layers, 2, block, heads, dim]."""
+        """Copy (host page, block in page, vLLM block) triples over `layers` (host_view: see
+        `host_view`); all layers in one strided copy per block where the layers are one view."""
+        if self.stacked is not None:
+            self._copy_stacked(host_view, triples, layers, to_vllm, non_blocking)
+        else:
+            self._copy_layers(host_view, triples, layers, to_vllm, non_blocking)
+
+    def _copy_stacked(
+        self,
+        host_view: torch.Tensor,
+        triples: Sequence[Triple],
+        layers: range,
+        to_vllm: bool,
+        non_blocking: bool,
+    ) -> None:
+        """One strided copy per run of blocks over `layers`: host [n, layers, 2, block, heads,
+        dim] <-> vLLM [layers, n, ...] (a run: consecutive host pages, same block of the page,
+        consecutive vLLM blocks; vLLM often hands a request consecutive blocks)."""
         assert self.stacked is not None
-        perm = _LAYOUTS[self.name][2]
-        for h, j, blk in triples:
-            host_block, vllm_block = host_view[h, :, :, j], self.stacked[:, blk]
+        perm = _LAYOUTS[self.name][2]  # perm[0] == 0: the leading dim stays first
+        run_perm = (1, 0, *(1 + p for p in perm[1:]))  # [n, G, ...] -> [G, n, view order]
+        a, b = layers.start, layers.stop
+        for h, j, blk, n in block_runs(triples):
+            host_run, vllm_run = host_view[h : h + n, a:b, :, j], self.stacked[a:b, blk : blk + n]
             if to_vllm:
-                vllm_block.copy_(host_block.permute(*perm))
+                vllm_run.copy_(host_run.permute(*run_perm), non_blocking=non_blocking)
             else:
-                host_block.copy_(vllm_block.permute(*_inverse(perm)))
+                host_run.copy_(vllm_run.permute(*_inverse(run_perm)), non_blocking=non_blocking)
 
     def _copy_layers(
-        self, host_view: torch.Tensor, triples: list[tuple[int, int, int]], to_vllm: bool
+        self,
+        host_view: torch.Tensor,
+        triples: Sequence[Triple],
+        layers: range,
+        to_vllm: bool,
+        non_blocking: bool,
     ) -> None:
         """One indexed copy per layer, every block at once: host slices [N, 2, block, heads, dim]."""
-        slot, off, idx = (torch.tensor(col, dtype=torch.long) for col in zip(*triples, strict=True))
+        slot, off, idx = (
+            torch.tensor(col, dtype=torch.long, device=host_view.device)
+            for col in zip(*triples, strict=True)
+        )
         perm = _LAYOUTS[self.name][2]
-        for layer, view in enumerate(self.views):
+        for layer in layers:
+            view = self.views[layer]
             if to_vllm:
-                view[idx] = host_view[slot, layer, :, off].permute(*perm)
+                src = host_view[slot, layer, :, off].permute(*perm)
+                view[idx.to(view.device)] = src.to(view.device, non_blocking=non_blocking)
             else:
-                host_view[slot, layer, :, off] = view[idx].permute(*_inverse(perm))
+                got = view[idx.to(view.device)].permute(*_inverse(perm))
+                host_view[slot, layer, :, off] = got.cpu()  # blocking: the gather is a temporary
+
+
+Triple = tuple[int, int, int]
+"""(host page id, block index j within the page, vLLM block id)."""
+
+
+def block_triples(pages: Sequence[BlockCopy]) -> list[Triple]:
+    """Every copied block of these pages (blocks named -1 are skipped)."""
+    return [(p.host_id, j, blk) for p in pages for j, blk in enumerate(p.blocks) if blk >= 0]
+
+
+def block_runs(triples: Sequence[Triple]) -> list[tuple[int, int, int, int]]:
+    """(first host page, block in page, first vLLM block, length) of maximal runs of triples that
+    step by one host page and one vLLM block at the same block of the page, in order."""
+    runs: list[list[int]] = []
+    for h, j, blk in triples:
+        last = runs[-1] if runs else None
+        if last is not None and (h, j, blk) == (last[0] + last[3], last[1], last[2] + last[3]):
+            last[3] += 1
+        else:
+            runs.append([h, j, blk, 1])
+    return [(h, j, blk, n) for h, j, blk, n in runs]
 
 
 def _inverse(perm: Shape) -> Shape:

@@ -13,6 +13,11 @@ from typing import Any, get_type_hints
 from kvstrata.cache.policies import EVICTION, PREFETCH
 from kvstrata.configtools import doc
 
+COPY_MODES = ("auto", "step", "layer")
+"""How host <-> vLLM copies run: "step" all layers at once (loads before the forward, stores after
+it, on vLLM's thread); "layer" layer by layer on a copy thread (layer l+1 loads while layer l
+computes, a layer's store starts once vLLM saved it); "auto": layer on CUDA, step on CPU."""
+
 SUPPORTED_WRITE_POLICIES = ("write_through",)
 """vLLM owns device memory and frees a block once its request ends: a page is copied to host memory
 while vLLM still holds it (write-through); policies that copy later (on eviction, after N hits)
@@ -40,6 +45,10 @@ class VllmConnectorConfig:
     eviction: str = doc("lru", "host eviction policy name (lru, lfu)")
     tenant_salt: str = doc("", "salt of every key (a request's cache_salt joins it)")
     model_fingerprint: str = doc("", "identity of the weights in the keys ('' : vLLM's model name)")
+    copy_mode: str = doc("auto", "host<->vLLM copies: step, layer or auto (see COPY_MODES)")
+    copy_timeout_s: float = doc(
+        30.0, "longest wait for one layer's copies (s); past it the step fails naming the layer"
+    )
     check_integrity: bool = doc(False, "check the tree and pools after every step (tests)")
 
     def __post_init__(self) -> None:
@@ -58,6 +67,10 @@ class VllmConnectorConfig:
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_page_s"):
             if getattr(self, name) < 0:
                 _bad(name, getattr(self, name), "must be >= 0")
+        if self.copy_mode not in COPY_MODES:
+            _bad("copy_mode", self.copy_mode, f"must be one of {COPY_MODES}")
+        if self.copy_timeout_s <= 0:
+            _bad("copy_timeout_s", self.copy_timeout_s, "must be > 0")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> VllmConnectorConfig:
@@ -72,6 +85,12 @@ class VllmConnectorConfig:
                 )
             extra[key] = _coerce(key, value, hints[key])
         return cls(**extra)
+
+    def layer_copies(self, device_type: str) -> bool:
+        """Whether copies run layer by layer for vLLM's KV on this device type."""
+        if self.copy_mode == "auto":
+            return device_type != "cpu"
+        return self.copy_mode == "layer"
 
     def resolved_host_pages(self, page_nbytes: int) -> int:
         """Host pages: host_pages, or as many whole pages as host_bytes holds."""

@@ -30,6 +30,7 @@ from kvstrata.integrations.vllm.spec import kv_spec
 from kvstrata.integrations.vllm.stats import (
     BYTES_PREFIX,
     HIT_PREFIX,
+    LAYER_PREFIX,
     KvstrataPromMetrics,
     KvstrataStats,
 )
@@ -75,6 +76,11 @@ class KvstrataConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a later miss
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-by-layer copies wait and save between layers: not inside a CUDA graph."""
+        return VllmConnectorConfig.from_extra(extra_config).copy_mode != "step"
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -101,6 +107,7 @@ class KvstrataConnector(KVConnectorBase_V1):
         else:
             moved = self._worker().take_moved_bytes().items()
             data = {BYTES_PREFIX + k: n for k, n in moved}
+            data.update({LAYER_PREFIX + k: n for k, n in self._worker().take_layer_calls().items()})
         stats = KvstrataStats(data)
         return None if stats.is_empty() else stats
 
@@ -135,12 +142,14 @@ class KvstrataConnector(KVConnectorBase_V1):
         self._worker().before_forward(self._jobs())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv completes every load before it returns
+        # layer-by-layer copies: this layer's loads (all-at-once copies: done in start_load_kv)
+        self._worker().wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # stores run whole in wait_for_save, after the forward wrote the blocks
+        # layer-by-layer copies: this layer's stores start (all-at-once: in wait_for_save)
+        self._worker().save_layer(layer_name, self._jobs())
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():

@@ -29,6 +29,7 @@ class CopyJob:
 
     op_id: int
     pages: tuple[BlockCopy, ...]
+    requests: tuple[str, ...] = ()  # the vLLM requests whose blocks these are (for errors)
 
 
 @dataclass(frozen=True)

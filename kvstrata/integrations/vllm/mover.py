@@ -38,11 +38,13 @@ class JobMover:
         self._sent: dict[int, TransferOp] = {}  # op id -> op, until its result came back
         self._results: dict[int, int] = {}  # id(op) -> pages moved (agreed over workers)
         self._blocks: dict[int, tuple[int, ...]] = {}  # transit id -> vLLM blocks (-1: skip)
+        self._owner: dict[int, str] = {}  # transit id -> the vLLM request it was bound for
 
     # ---- transit ids --------------------------------------------------------------------------
-    def bind(self, transit_id: int, blocks: tuple[int, ...]) -> None:
-        """Transit page `transit_id` is these vLLM blocks (until bound again)."""
+    def bind(self, transit_id: int, blocks: tuple[int, ...], request_id: str = "") -> None:
+        """Transit page `transit_id` is these vLLM blocks of `request_id` (until bound again)."""
         self._blocks[transit_id] = blocks
+        self._owner[transit_id] = request_id
 
     # ---- PageMover ----------------------------------------------------------------------------
     def submit(self, op: TransferOp) -> None:
@@ -65,9 +67,9 @@ class JobMover:
         for op in self._queued:
             self._sent[op.handle] = op
             if op.kind == LOAD:
-                jobs.loads.append(CopyJob(op.handle, self._copies(op.src, op.dst)))
+                jobs.loads.append(self._copy_job(op.handle, op.src, op.dst))
             elif op.kind == STORE:
-                jobs.stores.append(CopyJob(op.handle, self._copies(op.dst, op.src)))
+                jobs.stores.append(self._copy_job(op.handle, op.dst, op.src))
             elif op.kind == BACKUP:
                 jobs.storage.append(StorageJob(op.handle, BACKUP, tuple(op.keys), tuple(op.src)))
             elif op.kind == PREFETCH:
@@ -78,10 +80,12 @@ class JobMover:
         self._queued.clear()
         return jobs
 
-    def _copies(self, host_ids: list[int], transit_ids: list[int]) -> tuple[BlockCopy, ...]:
-        return tuple(
+    def _copy_job(self, op_id: int, host_ids: list[int], transit_ids: list[int]) -> CopyJob:
+        pages = tuple(
             BlockCopy(h, self._blocks[t]) for h, t in zip(host_ids, transit_ids, strict=True)
         )
+        owners = tuple(sorted({self._owner[t] for t in transit_ids if self._owner.get(t)}))
+        return CopyJob(op_id, pages, owners)
 
     def report(self, results: dict[int, int]) -> None:
         """Pages moved per op id (agreed over workers) for ops sent in an earlier step."""

@@ -180,7 +180,7 @@ class SchedulerSide:
             for b in range(first, first + self.ratio):
                 loaded = i < m.pages and not (load_lo <= b < load_hi)
                 ids.append(-1 if loaded or b >= len(st.blocks) else st.blocks[b])
-            self.mover.bind(transit, tuple(ids))
+            self.mover.bind(transit, tuple(ids), st.request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepJobs:
         self.cache.step()

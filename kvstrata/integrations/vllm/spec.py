@@ -68,6 +68,11 @@ def kv_spec(vllm_config: Any, config: VllmConnectorConfig) -> KVSpec:
             f"kv_connector_extra_config['page_size'] = {page}: must be a multiple of vLLM's "
             f"block size {block}"
         )
+    pp = int(getattr(par, "pipeline_parallel_size", 1))
+    if pp != 1:  # a worker's pages and storage units hold every layer
+        raise ConnectorConfigError(
+            f"kvstrata's vLLM connector does not handle pipeline_parallel_size={pp} (only 1)"
+        )
     tp = int(par.tensor_parallel_size)
     heads = int(model.get_total_num_kv_heads())
     if heads % tp:

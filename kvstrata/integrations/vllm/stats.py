@@ -3,7 +3,8 @@
 Both sides report increments since their last report under flat names (the scheduler side:
 tokens vLLM took from each of kvstrata's tiers; the workers: bytes each kind of move carried);
 vLLM sums them over workers (`aggregate`) and hands them to KvstrataPromMetrics, which adds them
-to counters `vllm:kvstrata_hit_tokens{tier}` and `vllm:kvstrata_moved_bytes{kind}`.
+to counters `vllm:kvstrata_hit_tokens{tier}`, `vllm:kvstrata_moved_bytes{kind}` and
+`vllm:kvstrata_layer_calls{call}` (layer-by-layer copies only).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-HIT_PREFIX, BYTES_PREFIX = "hit_tokens_", "moved_bytes_"
+HIT_PREFIX, BYTES_PREFIX, LAYER_PREFIX = "hit_tokens_", "moved_bytes_", "layer_calls_"
 TIERS = ("host", "storage")
 MOVES = ("load", "store", "backup", "prefetch")
+LAYER_CALLS = ("wait", "save")
+"""Layer-by-layer copies: layers whose loads vLLM awaited / whose stores vLLM started."""
 
 
 @dataclass
@@ -58,6 +61,12 @@ class KvstrataPromMetrics(KVConnectorPromMetrics):
             documentation="KV bytes kvstrata moved, by kind (load, store, backup, prefetch)",
             labelnames=[*labelnames, "kind"],
         )
+        layer_calls = self._counter_cls(
+            name="vllm:kvstrata_layer_calls",
+            documentation="Layer-by-layer copies: layers whose loads vLLM awaited (wait) or "
+            "whose stores it started (save), counted when there was a copy",
+            labelnames=[*labelnames, "call"],
+        )
         self.children: dict[str, dict[int, Any]] = {}
         for tier in TIERS:
             per = {i: [*v, tier] for i, v in per_engine.items()}
@@ -65,6 +74,9 @@ class KvstrataPromMetrics(KVConnectorPromMetrics):
         for kind in MOVES:
             per = {i: [*v, kind] for i, v in per_engine.items()}
             self.children[BYTES_PREFIX + kind] = create_metric_per_engine(moved, per)
+        for call in LAYER_CALLS:
+            per = {i: [*v, call] for i, v in per_engine.items()}
+            self.children[LAYER_PREFIX + call] = create_metric_per_engine(layer_calls, per)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
