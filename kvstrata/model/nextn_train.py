@@ -48,15 +48,15 @@ class TrainConfig:
     """Seeds the eh_proj init and the order of training windows."""
     data: DataConfig = DataConfig()
     """The texts the target continues (kvstrata.model.nextn_data)."""
-    vocab: int = 8192
+    vocab: int = 4096
     """Target ids the head scores (the most frequent choices of the data); 0: all."""
     window: int = 128
     """Entries per training window."""
     batch: int = 16
     """Windows per optimizer step."""
-    steps: int = 240
+    steps: int = 120
     """Optimizer steps."""
-    lr: float = 2e-3
+    lr: float = 3e-3
     """AdamW peak learning rate (cosine decay to 0)."""
 
 
