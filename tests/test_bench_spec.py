@@ -13,6 +13,7 @@ from kvstrata.bench import spec as bench_spec
 from kvstrata.bench.registry import load_benches
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.nextn import NEXTN_FILE
+from kvstrata.model.nextn_data import DataConfig
 from kvstrata.model.nextn_train import TrainConfig, train_nextn
 from tests.tiny_models import make_llama
 
@@ -40,7 +41,8 @@ def test_bench_spec_with_a_nextn_layer(tmp_path: Path, monkeypatch) -> None:  # 
     ckpt = make_llama(tmp_path / "m", seed=2, num_hidden_layers=3)
     model = load_model(ckpt)
     rounds = _rounds()
-    cfg = TrainConfig(prompts=4, new_tokens=12, steps=20, lr=3e-3)
+    data = DataConfig(new_tokens=12, batch=4)
+    cfg = TrainConfig(data=data, vocab=48, window=16, batch=4, steps=20, lr=3e-3)
     train_nextn(model, [r[0][:30] for r in rounds], ckpt / NEXTN_FILE, cfg)
     rep = bench_spec.measure(
         model, rounds, 10, tmp_path, draft="nextn", cache_dir=str(tmp_path), model_dir=str(ckpt)

@@ -18,19 +18,23 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import SeqBatch
+from kvstrata.model.mtp import load_head_file
 from kvstrata.model.nextn import NEXTN_FILE
+from kvstrata.model.nextn_data import DataConfig, distill
 from kvstrata.model.nextn_train import (
     TrainConfig,
+    choose_vocab,
     head_train_logits,
     init_head,
-    teacher_states,
     train_nextn,
 )
 
 torch.set_num_threads(1)
 CKPT = {"seed": 11, "num_hidden_layers": 3, "max_position_embeddings": 512}
 """This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
-TINY_TRAIN = TrainConfig(prompts=6, new_tokens=12, steps=30, lr=3e-3)
+TINY_TRAIN = TrainConfig(
+    data=DataConfig(new_tokens=12, batch=4), vocab=48, window=16, batch=4, steps=30, lr=3e-3
+)
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -54,20 +58,35 @@ def _run(model, draft: str, cache_dir: Path, prompts, model_dir: Path | None = N
     return reqs
 
 
-def test_train_forward_equals_paged_forward(ckpt: Path) -> None:
-    """head_train_logits (causal sdpa, autograd) = MTPHead.forward over a pool (fp32 1e-4)."""
+@pytest.mark.parametrize("vocab", [0, 40])
+def test_train_forward_equals_paged_forward(ckpt: Path, vocab: int) -> None:
+    """head_train_logits (causal sdpa, autograd) = MTPHead.forward over a pool (fp32 1e-4), with
+    the whole vocabulary and with a reduced one (then -inf outside vocab_ids)."""
     model = load_model(ckpt)
     head = init_head(model, seed=1)
     head.requires_grad_(False)
     seq = _prompts(1)[0] + [7, 8, 9, 10, 11, 12]
-    h, _ = teacher_states(model, seq)
+    data = distill(model, [seq], DataConfig(new_tokens=0))
+    h = data.hidden
+    ids = choose_vocab(torch.arange(model.vocab_size).flip(0) % 61, vocab, model.vocab_size)
+    if ids is not None:
+        head.set_vocab(ids)
+        assert ids.tolist() == list(range(40))  # counts tie: the lower ids
     want = head_train_logits(head, torch.tensor(seq), h)
     s = model.kv_shape(8)
     pool = DevicePool(KVShape(1, s.num_kv_heads, s.head_dim, 8, s.dtype), 4)
     prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
     batch = SeqBatch.build([seq], [0], [[0, 1, 2, 3]])
     got, _ = head(batch, prev, pool, last_only=False)
-    assert float((got - want).norm() / want.norm()) <= 1e-4
+    keep = torch.arange(model.vocab_size) if ids is None else ids
+    assert float((got[:, keep] - want[:, keep]).norm() / want[:, keep].norm()) <= 1e-4
+    outside = torch.ones(model.vocab_size, dtype=torch.bool)
+    outside[keep] = False
+    assert bool(torch.isneginf(got[:, outside]).all()) and bool(
+        torch.isneginf(want[:, outside]).all()
+    )
+    target_pool = DevicePool(model.kv_shape(8), 4)
+    assert data.labels.tolist() == model(batch, target_pool).argmax(-1).tolist()
 
 
 def test_trained_nextn_is_reproducible_and_drafts_accepted(ckpt: Path, tmp_path: Path) -> None:
@@ -78,6 +97,8 @@ def test_trained_nextn_is_reproducible_and_drafts_accepted(ckpt: Path, tmp_path:
     a = train_nextn(model, _prompts(6), tmp_path / "a.safetensors", TINY_TRAIN)
     b = train_nextn(model, _prompts(6), tmp_path / "b.safetensors", TINY_TRAIN)
     assert a.read_bytes() == b.read_bytes()
+    head = load_head_file(a, model, "nextn")
+    assert head.vocab_ids is not None and len(head.vocab_ids) == 48  # the reduced head is kept
     model_dir = tmp_path / "model"
     shutil.copytree(ckpt, model_dir)
     shutil.copy(a, model_dir / NEXTN_FILE)

@@ -54,7 +54,7 @@ def ckpt(tmp: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def drafts(ckpt: Path, tmp: Path) -> dict[str, str]:
-    return {"self": "self:3", "mtp": save_echo_head(ckpt, tmp / "echo.safetensors")}
+    return {"self": "self:3", "mtp": save_echo_head(ckpt, tmp / "echo.safetensors", vocab=80)}
 
 
 def engine_cfg(ckpt: Path, draft: str, tiers: str) -> EngineConfig:

@@ -98,10 +98,11 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-def save_echo_head(ckpt: Path, path: Path) -> str:
+def save_echo_head(ckpt: Path, path: Path, vocab: int = 0) -> str:
     """An MTP head (`mtp:random`'s fixed weights) set to echo the target's prediction at the
     previous position, saved at `path`; its --spec-draft. A random head accepts nothing on these
-    tiny models, which would make acceptance checks vacuous."""
+    tiny models, which would make acceptance checks vacuous. `vocab` > 0: the head scores only
+    ids 0 .. vocab-1 (a reduced output head)."""
     from kvstrata.model.checkpoint import load_model
     from kvstrata.model.mtp import load_head, save_head
 
@@ -114,6 +115,8 @@ def save_echo_head(ckpt: Path, path: Path) -> str:
         head.norm.weight.copy_(model.model.norm.weight)
         head.layer.self_attn.o_proj.weight.mul_(0.1)
         head.layer.mlp.down_proj.weight.mul_(0.1)
+    if vocab:
+        head.set_vocab(torch.arange(vocab))
     save_head(head, path)
     return f"mtp:{path}"
 

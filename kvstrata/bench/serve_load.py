@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstrata.workloads.agent import ACTIONS, LINE_TEMPLATES, NAMES, QUESTIONS, SYSTEM, TASKS
+from kvstrata.agent_text import ACTIONS, LINE_TEMPLATES, NAMES, QUESTIONS, SYSTEM, TASKS
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,13 @@ Entry 0 takes h = 0 (nothing precedes it). A prefix hit never produces the targe
 states, so each page keeps h at its last position inside the page (kvstrata.model.page_state):
 the entry after a page boundary reads it from there, the real state a cold run computes.
 
+A head may score only part of the vocabulary (`vocab_ids`, a trained draft's choice: the target
+tokens its training data needed): its output head is then those rows of the target's, its logits
+-inf at every other id. The target still verifies every draft, so outputs are unchanged; the
+draft pass reads a fraction of the shared head's weights.
+
 `mtp:random` is a head with fixed random weights (seeded; for tests), `mtp:PATH` a safetensors
-file of this module's state dict (save_head writes one).
+file of this module's state dict (save_head writes one; `vocab_ids` [K] int64 is in it when set).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from kvstrata.memory.layout import DTYPES
 from kvstrata.model.attn_meta import build_meta
 from kvstrata.model.decoder import DecoderLayer, DecoderLM, KVPool, SeqBatch
 from kvstrata.model.layers import RMSNorm
+from kvstrata.model.prepack import Prepacked
+
+VOCAB_IDS = "vocab_ids"  # the state-dict entry of a reduced-vocabulary head
 
 MTP_PREFIX = "mtp:"
 NEXTN = "nextn"  # the checkpoint's own NextN layer (kvstrata.model.nextn)
@@ -41,6 +49,8 @@ RANDOM_SEED = 20260  # mtp:random: the same weights in every process
 
 class MTPHead(nn.Module):
     """One NextN layer over a target's geometry; inference only."""
+
+    vocab_ids: torch.Tensor | None
 
     def __init__(self, target: DecoderLM) -> None:
         super().__init__()
@@ -52,7 +62,47 @@ class MTPHead(nn.Module):
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.target = [target]  # a list: not a submodule (its weights are not the head's)
         self.fingerprint = ""
+        self.register_buffer(VOCAB_IDS, None)  # [K] int64, sorted (set_vocab); None: every id
+        self._rows: torch.Tensor | None = None  # [K, hidden]: the target head's vocab_ids rows
+        self._packed: Prepacked | None = None  # _rows in oneDNN's layout (CPU fp32)
         self.requires_grad_(False)
+
+    def set_vocab(self, ids: torch.Tensor) -> None:
+        """Score only target ids `ids` [K] (distinct, sorted; saved with the head's weights)."""
+        ids = ids.to(torch.int64)
+        if ids.dim() != 1 or not len(ids) or bool((ids[1:] <= ids[:-1]).any()):
+            raise ValueError("vocab_ids: a non-empty, strictly increasing list of token ids")
+        if int(ids[0]) < 0 or int(ids[-1]) >= self.target[0].vocab_size:
+            raise ValueError(f"vocab_ids: ids outside 0..{self.target[0].vocab_size - 1}")
+        self.register_buffer(VOCAB_IDS, ids)
+        self._rows = self._packed = None
+
+    def head_rows(self) -> torch.Tensor:
+        """The output head's weight this draft scores with: [K or vocab, hidden]."""
+        target = self.target[0]
+        weight = (
+            target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+        )
+        if self.vocab_ids is None:
+            return weight
+        if self._rows is None or self._rows.device != weight.device:
+            with torch.no_grad():
+                self._rows = weight.index_select(0, self.vocab_ids.to(weight.device))
+            self._packed = Prepacked.build(self._rows, None)
+        return self._rows
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Final norm and (reduced) output head: [rows, hidden] -> fp32 [rows, vocab], -inf at
+        ids outside vocab_ids."""
+        x, rows = self.norm(g), self.head_rows()
+        if self.vocab_ids is None:
+            return nn.functional.linear(x, rows).float()
+        if self._packed is not None and self._packed.holds(rows, None):
+            part = self._packed(x).float()  # [rows, K]
+        else:
+            part = nn.functional.linear(x, rows).float()
+        out = part.new_full((x.shape[0], self.target[0].vocab_size), float("-inf"))
+        return out.index_copy_(1, self.vocab_ids.to(out.device), part)
 
     @torch.no_grad()
     def forward(
@@ -81,8 +131,7 @@ class MTPHead(nn.Module):
         y = g
         if last_only:
             y = g[torch.tensor(batch.seq_lens).cumsum(0) - 1]  # [num_seqs, hidden]
-        head = target.model.embed_tokens if target.lm_head is None else target.lm_head
-        return nn.functional.linear(self.norm(y), head.weight).float(), g
+        return self.logits(y), g
 
 
 def is_head_draft(spec_draft: str) -> bool:
@@ -117,6 +166,8 @@ def load_head_file(path: Path, target: DecoderLM, name: str) -> MTPHead:
         raise ValueError(f"spec_draft {name!r}: {path} is not a safetensors file")
     head = MTPHead(target)
     state = load_file(str(path))
+    if VOCAB_IDS in state:
+        head.set_vocab(state[VOCAB_IDS])
     want = head.state_dict()
     bad = {k for k in want if k not in state or state[k].shape != want[k].shape}
     if bad or set(state) - set(want):
@@ -128,6 +179,7 @@ def load_head_file(path: Path, target: DecoderLM, name: str) -> MTPHead:
 def _placed(head: MTPHead, target: DecoderLM) -> MTPHead:
     head.to(target.model.embed_tokens.weight.device)
     head.fingerprint = _fingerprint(head)
+    head.head_rows()  # a reduced head's rows (and their packed layout) once, outside inference mode
     return head
 
 

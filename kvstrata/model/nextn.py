@@ -14,23 +14,33 @@ state dict in the target's dtype:
 
 Without that file a NextN layer trained here for the target is used: SmolLM2-135M-Instruct
 gets one built on first use (kvstrata.model.nextn_train) and cached under the model cache
-dir as drafts/<target fingerprint>-nextn.safetensors; other targets are refused.
+dir as drafts/<target fingerprint>-nextn-<recipe>.safetensors (its distillation data under
+drafts/nextn-data/); other targets are refused. Such a layer may carry `vocab_ids` [K] int64
+(the ids its reduced output head scores; kvstrata.model.mtp).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import xxhash
+
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.mtp import NEXTN, MTPHead, load_head_file
 
 __all__ = ["NEXTN", "NEXTN_FILE", "load_nextn", "trained_path"]
 NEXTN_FILE = "nextn.safetensors"
+TRAIN_VERSION = 2  # bumped when the trainer changes in a way its config does not show
 
 
 def trained_path(target: DecoderLM, cache_dir: Path) -> Path:
-    """Where a NextN layer trained here for `target` is cached."""
-    return Path(cache_dir) / "drafts" / f"{target.fingerprint}-nextn.safetensors"
+    """Where a NextN layer trained here for `target` is cached: named by the target's weights
+    and the training recipe (TRAIN_VERSION and the default TrainConfig), so a changed recipe
+    builds a new layer rather than reusing an older one."""
+    from kvstrata.model.nextn_train import TrainConfig
+
+    recipe = xxhash.xxh3_64(f"{TRAIN_VERSION}|{TrainConfig()!r}".encode()).hexdigest()
+    return Path(cache_dir) / "drafts" / f"{target.fingerprint}-nextn-{recipe}.safetensors"
 
 
 def load_nextn(target: DecoderLM, model_dir: Path | None, cache_dir: Path) -> MTPHead:
@@ -40,12 +50,15 @@ def load_nextn(target: DecoderLM, model_dir: Path | None, cache_dir: Path) -> MT
         return load_head_file(Path(model_dir) / NEXTN_FILE, target, NEXTN)
     path = trained_path(target, cache_dir)
     if not path.is_file():
-        from kvstrata.model.nextn_train import TrainConfig, can_train, chat_prompts, train_nextn
+        from kvstrata.model.nextn_data import smollm2_prompts
+        from kvstrata.model.nextn_train import TrainConfig, can_train, train_nextn
 
         if model_dir is None or not can_train(Path(model_dir)):
             raise ValueError(
                 f"spec_draft nextn: no {NEXTN_FILE} beside the model ({model_dir}) and no "
                 f"trained NextN layer at {path} (built automatically for SmolLM2 only)"
             )
-        train_nextn(target, chat_prompts(Path(model_dir), TrainConfig()), path)
+        cfg = TrainConfig()
+        prompts = smollm2_prompts(Path(model_dir), cfg.data)
+        train_nextn(target, prompts, path, cfg, data_cache=path.parent / "nextn-data")
     return load_head_file(path, target, NEXTN)

@@ -1,15 +1,20 @@
 """Train a NextN layer for a target that ships none, distilled from the target itself, on CPU.
 
-Data: the target's own greedy continuations of varied chat prompts (PROMPTS: tasks x topics),
-then one teacher-forced forward of each whole sequence gives the target's hidden states h
-[T, hidden] (before the final norm) and its greedy choice at every position. Entry j of the
-head takes (t_j, h_{j-1}) and learns the target's choice at j (the token after t_j): exactly
-what speculative decoding asks of it (it is verified against those choices).
+Data (kvstrata.model.nextn_data): the target's hidden states h_j and greedy choices y_j over
+its prompts and its own greedy continuations of them. Entry j of the head takes (t_j, h_{j-1})
+and learns y_j: exactly what speculative decoding asks of it (it is verified against y).
 
-Init: the layer is a copy of the target's last decoder layer and the norm the target's final
-norm; eh_proj passes the state through and reads the embedding with small seeded weights, so
-the head starts from "the target's last step applied once more" and learns the shift by one.
-Seeded (TrainConfig.seed) and single-threaded while training: the same bytes every build.
+Reduced vocabulary: the head scores only the `vocab` target ids chosen most often in the data
+(MTPHead.set_vocab; ids ranked by count, ties by id). Rows whose choice lies outside are left
+out of the loss. The draft pass then reads that share of the shared output head.
+
+Training: windows of `window` consecutive entries (absolute positions, causal attention inside
+the window), `batch` windows per AdamW step, cosine learning rate. Init: the layer is a copy of
+the target's last decoder layer, the norm the target's final norm, hnorm's weight the mean RMS
+of h (so hnorm(h) has h's scale, as the copied layer expects) and eh_proj passes the state
+through while reading the embedding with small seeded weights.
+
+Seeded (TrainConfig.seed) and single-threaded while building: the same bytes every build.
 The result is written atomically (a concurrent builder that won leaves an equal file).
 """
 
@@ -27,43 +32,32 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from kvstrata.memory.pool import DevicePool
-from kvstrata.model.decoder import DecoderLM, SeqBatch
+from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.mtp import MTPHead
+from kvstrata.model.nextn_data import DataConfig, Distilled, data_key, distill
 from kvstrata.model.smollm2 import MODEL_NAME
-from kvstrata.model.tokenizer import Tokenizer
 
-TASKS = [
-    "Explain {} to a beginner in a few sentences.",
-    "Write a short Python function related to {}, with a docstring.",
-    "List five facts about {}.",
-    "Summarize the main ideas of {} in one paragraph.",
-    "What are common mistakes people make with {}? Answer briefly.",
-    "Write a short story that involves {}.",
-]
-TOPICS = [
-    "sorting algorithms", "the water cycle", "HTTP caching", "photosynthesis", "binary search",
-    "the French Revolution", "unit testing", "climate change", "hash tables", "volcanoes",
-    "recursion", "healthy breakfast", "git branches", "the solar system", "JSON parsing",
-    "time management", "linked lists", "the immune system", "regular expressions", "gardening",
-]  # fmt: skip
-PROMPTS = [t.format(x) for x in TOPICS for t in TASKS]  # 120 prompts
+IGNORE = -100  # a row that is padding, or whose target choice lies outside the head's vocab
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """How a NextN layer is trained here (defaults: about 3-5 minutes on 1 CPU core)."""
+    """How a NextN layer is trained here (the defaults: SmolLM2's, minutes on 1 CPU core)."""
 
     seed: int = 1234
-    """Seeds the eh_proj init and the order of training sequences."""
-    prompts: int = 96
-    """How many of PROMPTS (in order) are continued by the target."""
-    new_tokens: int = 48
-    """Greedy tokens the target adds to each prompt."""
-    steps: int = 240
-    """Optimizer steps (one sequence each)."""
-    lr: float = 1e-3
-    """AdamW learning rate (cosine decay to 0)."""
+    """Seeds the eh_proj init and the order of training windows."""
+    data: DataConfig = DataConfig()
+    """The texts the target continues (kvstrata.model.nextn_data)."""
+    vocab: int = 4096
+    """Target ids the head scores (the most frequent choices of the data); 0: all."""
+    window: int = 128
+    """Entries per training window."""
+    batch: int = 16
+    """Windows per optimizer step."""
+    steps: int = 120
+    """Optimizer steps."""
+    lr: float = 3e-3
+    """AdamW peak learning rate (cosine decay to 0)."""
 
 
 def can_train(model_dir: Path) -> bool:
@@ -71,80 +65,105 @@ def can_train(model_dir: Path) -> bool:
     return Path(model_dir).name == MODEL_NAME
 
 
-def greedy_continuations(target: DecoderLM, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """Each prompt + the target's `new` greedy tokens (batched, on a scratch pool)."""
-    page = 16
-    per = math.ceil((max(map(len, prompts)) + new) / page)
-    pool = DevicePool(target.kv_shape(page), per * len(prompts))
-    tables = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
-    seqs = [list(p) for p in prompts]
-    batch = SeqBatch.build(seqs, [0] * len(seqs), tables)
-    for step in range(new):
-        nxt = torch.argmax(target(batch, pool, last_only=True), dim=-1).tolist()
-        for s, t in zip(seqs, nxt, strict=True):
-            s.append(int(t))
-        if step + 1 < new:
-            batch = SeqBatch.build([[s[-1]] for s in seqs], [len(s) - 1 for s in seqs], tables)
-    return seqs
-
-
-def teacher_states(target: DecoderLM, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h [T, hidden] before the final norm, the target's greedy choice at each position [T])."""
-    page = 16
-    pool = DevicePool(target.kv_shape(page), math.ceil(len(seq) / page))
-    states: list[torch.Tensor] = []
-    batch = SeqBatch.build([seq], [0], [list(range(pool.capacity))])
-    logits = target(batch, pool, hidden_out=states)
-    return states[0].clone(), torch.argmax(logits, dim=-1)
+def head_train_hidden(
+    head: MTPHead, tokens: torch.Tensor, prev: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """The head's outputs g [B, W, hidden] over windows (autograd on): entry (b, w) takes token
+    tokens[b, w] [B, W] at positions[b, w] and state prev[b, w] [B, W, hidden], attending
+    causally inside its window. Equals MTPHead.forward's g over the same entries."""
+    target, (b, w) = head.target[0], tokens.shape
+    emb = target.model.embed_tokens(tokens.reshape(-1))  # [B*W, hidden]
+    x = head.eh_proj(torch.cat([head.enorm(emb), head.hnorm(prev.reshape(b * w, -1))], dim=-1))
+    layer, attn = head.layer, head.layer.self_attn
+    cos, sin = target.rotary.tables(positions.reshape(-1), x.dtype)
+    q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [B*W, heads|kv_heads, dim]
+    q, k, v = (t.view(b, w, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [B, h, W, dim]
+    o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(b * w, -1))
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x.view(b, w, -1)
 
 
 def head_train_logits(head: MTPHead, seq: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """The head's logits [T, vocab] over a whole sequence with causal attention (autograd on):
-    entry j takes (seq[j], h[j-1]), entry 0 a zero state. Equals MTPHead.forward's rows."""
-    target = head.target[0]
+    """The head's logits [T, vocab] over one whole sequence seq [T] with target states h
+    [T, hidden]: entry j takes (seq[j], h[j-1]), entry 0 a zero state (MTPHead.forward's rows)."""
     prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])  # [T, hidden]
-    emb = target.model.embed_tokens(seq)
-    x = head.eh_proj(torch.cat([head.enorm(emb), head.hnorm(prev)], dim=-1))
-    layer, attn = head.layer, head.layer.self_attn
-    cos, sin = target.rotary.tables(torch.arange(seq.shape[0]), x.dtype)
-    q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)  # [T, heads|kv_heads, dim]
-    o = nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-    )  # [heads, T, dim]
-    x = x + attn.o_proj(o.transpose(0, 1).reshape(seq.shape[0], -1))
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    weight = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-    return nn.functional.linear(head.norm(x), weight)
+    g = head_train_hidden(head, seq[None], prev[None], torch.arange(seq.shape[0])[None])
+    return head.logits(g[0])
 
 
-def init_head(target: DecoderLM, seed: int) -> MTPHead:
-    """The head's starting point (module docstring), trainable."""
+def choose_vocab(labels: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor | None:
+    """The `size` most frequent ids of `labels` (ties: the lower id), sorted; None for all."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.bincount(labels, minlength=vocab_size)
+    rank = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(rank[:size]), dtype=torch.int64)
+
+
+def init_head(target: DecoderLM, seed: int, h_rms: float = 1.0) -> MTPHead:
+    """The head's starting point (module docstring), trainable; `h_rms` the states' mean RMS."""
     head = MTPHead(target)
     head.layer.load_state_dict(target.model.layers[-1].state_dict())
     head.norm.load_state_dict(target.model.norm.state_dict())
     hidden = target.spec.hidden_size
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        head.hnorm.weight.fill_(h_rms)
         w = torch.randn(hidden, hidden, generator=gen) * 0.02
         head.eh_proj.weight.copy_(torch.cat([w, torch.eye(hidden)], dim=1))
     head.requires_grad_(True)
     return head
 
 
-def _train(
-    head: MTPHead, data: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], cfg: TrainConfig
-) -> None:
+def windows(data: Distilled, width: int) -> list[tuple[int, int]]:
+    """(first row, rows) of every training window: each sequence cut into `width` rows."""
+    out = []
+    for s, e in zip(data.starts[:-1].tolist(), data.starts[1:].tolist(), strict=True):
+        out += [(a, min(width, e - a)) for a in range(s, e, width)]
+    return out
+
+
+def window_batch(
+    data: Distilled, picked: list[tuple[int, int]], width: int, to_row: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """(tokens, prev states, positions, labels) [B, W(, hidden)] of the picked windows, padded
+    at the end (label IGNORE); `to_row` maps a target id to its row of the head (or IGNORE)."""
+    b, hidden = len(picked), data.hidden.shape[1]
+    tokens = torch.zeros(b, width, dtype=torch.int64)
+    prev = torch.zeros(b, width, hidden)
+    positions = torch.zeros(b, width, dtype=torch.int64)
+    labels = torch.full((b, width), IGNORE, dtype=torch.int64)
+    for i, (a, n) in enumerate(picked):
+        seq = int(torch.searchsorted(data.starts, a, right=True)) - 1
+        first = int(data.starts[seq])  # the sequence's row 0 (its entry 0 takes a zero state)
+        tokens[i, :n] = data.tokens[a : a + n]
+        lo = max(a - 1, first)
+        prev[i, lo + 1 - a : n] = data.hidden[lo : a + n - 1]
+        positions[i, :n] = torch.arange(a - first, a - first + n)
+        labels[i, :n] = to_row[data.labels[a : a + n]]
+    return tokens, prev, positions, labels
+
+
+def _train(head: MTPHead, data: Distilled, cfg: TrainConfig) -> None:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     order = torch.Generator().manual_seed(cfg.seed)
-    perm: list[int] = []
+    to_row = torch.arange(head.target[0].vocab_size)
+    if head.vocab_ids is not None:
+        to_row = torch.full_like(to_row, IGNORE)
+        to_row[head.vocab_ids] = torch.arange(len(head.vocab_ids))
+    cut, perm = windows(data, cfg.window), []
     for step in range(cfg.steps):
-        if not perm:
-            perm = torch.randperm(len(data), generator=order).tolist()
-        seq, h, labels = data[perm.pop()]
+        if len(perm) < cfg.batch:
+            perm += torch.randperm(len(cut), generator=order).tolist()
+        picked, perm = [cut[i] for i in perm[: cfg.batch]], perm[cfg.batch :]
+        tokens, prev, positions, labels = window_batch(data, picked, cfg.window, to_row)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-        loss = nn.functional.cross_entropy(head_train_logits(head, seq, h), labels)
+        g = head_train_hidden(head, tokens, prev, positions)
+        logits = nn.functional.linear(head.norm(g), head.head_rows())  # [B, W, K]
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -152,31 +171,47 @@ def _train(
             print(f"kvstrata: nextn step {step} loss {float(loss.detach()):.3f}", file=sys.stderr)
 
 
-def chat_prompts(model_dir: Path, cfg: TrainConfig) -> list[list[int]]:
-    """The first cfg.prompts of PROMPTS, as the checkpoint's chat template renders them."""
-    tok = Tokenizer(model_dir)
-    return [tok.encode_chat(p) for p in PROMPTS[: cfg.prompts]]
+def distilled(
+    target: DecoderLM, prompts: list[list[int]], cfg: DataConfig, cache: Path | None
+) -> Distilled:
+    """The distillation data, from `cache` (a file named by its key) or made now (and saved)."""
+    path = None if cache is None else cache / f"{data_key(target, prompts, cfg)}.safetensors"
+    if path is not None and path.is_file():
+        return Distilled.load(path)
+    data = distill(target, prompts, cfg)
+    if path is not None:
+        data.save(path)
+    return data
+
+
+def train_head(target: DecoderLM, data: Distilled, cfg: TrainConfig) -> MTPHead:
+    """A trained head (inference only) from distillation data."""
+    rms = float(data.hidden.pow(2).mean(-1).sqrt().mean())
+    head = init_head(target, cfg.seed, rms)
+    ids = choose_vocab(data.labels, cfg.vocab, target.vocab_size)
+    if ids is not None:
+        head.set_vocab(ids)
+    _train(head, data, cfg)
+    head.requires_grad_(False)
+    return head
 
 
 def train_nextn(
-    target: DecoderLM, prompts: list[list[int]], out: Path, cfg: TrainConfig = TrainConfig()
+    target: DecoderLM,
+    prompts: list[list[int]],
+    out: Path,
+    cfg: TrainConfig = TrainConfig(),
+    data_cache: Path | None = None,
 ) -> Path:
-    """Build a NextN layer of `target` from its continuations of `prompts`; save it at `out`."""
+    """Build a NextN layer of `target` from its continuations of `prompts`; save it at `out`.
+    `data_cache`: a folder where the distillation data is kept for a later build."""
     print(f"kvstrata: training a NextN draft layer at {out} (once, minutes)", file=sys.stderr)
     started, threads = time.monotonic(), torch.get_num_threads()
     torch.set_num_threads(1)  # the same reduction order, so the same bytes, on every machine
     try:
-        with torch.no_grad():
-            seqs = greedy_continuations(target, prompts, cfg.new_tokens)
-            data = []
-            for s in seqs:
-                h, labels = teacher_states(target, s)
-                data.append((torch.tensor(s), h, labels))
-        head = init_head(target, cfg.seed)
-        _train(head, data, cfg)
+        head = train_head(target, distilled(target, prompts, cfg.data, data_cache), cfg)
     finally:
         torch.set_num_threads(threads)
-    head.requires_grad_(False)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     os.close(fd)

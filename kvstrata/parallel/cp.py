@@ -276,12 +276,17 @@ class CPModel(ModelPart):
         where[p.mine] = torch.arange(len(p.mine))
         local = where[want]
         have = torch.nonzero(local >= 0).squeeze(1)
-        weight = m.model.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
         out = torch.zeros(len(want), m.vocab_size, dtype=torch.float32)
         if have.numel():
-            out[have] = nn.functional.linear(self.norm(x[local[have]]), weight).float()
+            out[have] = self._project(x[local[have]])
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """Norm and LM head of owned rows: [rows, hidden] -> fp32 [rows, vocab]."""
+        m = self.model
+        weight = m.model.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+        return nn.functional.linear(self.norm(x), weight).float()
 
 
 class ScratchBudget:

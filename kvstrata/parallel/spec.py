@@ -103,6 +103,10 @@ class CPHead(CPModel):
         logits = super().__call__(batch, kv, before_layer, last_only, hidden_out=g)
         return logits, g[0]
 
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's own norm and (possibly reduced) output head  # [rows, vocab]"""
+        return self.head.logits(x)
+
     def _input(self, batch: SeqBatch, p: CPPlan) -> torch.Tensor:
         """x_j = eh_proj([enorm(embed(t_j)); hnorm(h_{j-1})]) of this rank's tokens [t, hidden]."""
         h = self.head

@@ -3,7 +3,7 @@
 Several sessions; in each, turn k's prompt is turn k-1's prompt plus the agent's (fixed) action,
 the tool output it got back and a new question, so the history grows and every turn shares a
 long prefix with the one before. Text is drawn from a fixed vocabulary of code-like lines with a
-seeded RNG and rendered through the model's chat template; the whole workload is a pure function
+seeded RNG (kvstrata.agent_text) and rendered through the model's chat template; the whole workload is a pure function
 of (WorkloadSpec, tokenizer). A checkpoint without a tokenizer (the tiny test models) gets token
 ids drawn directly from its vocabulary instead, with the same growth pattern.
 """
@@ -14,46 +14,10 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstrata.agent_text import session_messages
 from kvstrata.engine.request import Request
 
 ChatEncoder = Callable[[Sequence[dict[str, str]]], list[int]]
-
-SYSTEM = (
-    "You are a coding agent working in a Python repository. Use tools, read their output "
-    "carefully and answer with the next action."
-)
-TASKS = (
-    "The test suite fails after the cache refactor. Find the bug and fix it.",
-    "Add a size limit to the file store and make eviction least-recently-used.",
-    "The server leaks memory under load. Find where pages are never freed.",
-    "Port the tokenizer wrapper to the new chat template API and keep tests green.",
-)
-ACTIONS = (
-    "run_tests(path='tests/', flags='-x -q')",
-    "read_file(path='kvstrata/cache/{name}.py')",
-    "grep(pattern='def {name}', path='kvstrata/')",
-    "run_shell(cmd='python -m kvstrata.{name} --check')",
-)
-QUESTIONS = (
-    "What does this output tell you about {name}? What do you do next?",
-    "Is {name} the cause? Explain briefly and pick the next tool call.",
-    "Which line should change in {name}, and why?",
-)
-NAMES = ("allocator", "radix", "tiers", "manager", "movers", "policies", "file_store", "engine")
-LINE_TEMPLATES = (
-    "def {name}_{i}(self, pages: list[int], key: int) -> int:",
-    "    if self.{name}.num_free < {i}:",
-    "        raise ValueError(f'{name}: need {i} pages, have {{n}}')",
-    "    return self.{name}.alloc({i})",
-    "    for page in range({i}):",
-    "        self.table[page] = self.{name}.lookup(page + {i})",
-    "tests/test_{name}.py::test_case_{i} FAILED",
-    "E   AssertionError: expected {i} pages, got {j}",
-    'File "kvstrata/{name}.py", line {i}, in step',
-    "{name}: {i} hits, {j} misses, {i}.{j} ms",
-    "import {name}  # noqa: F401",
-    "    assert len(self.{name}) == {j}, 'invariant broken'",
-)
 
 
 @dataclass(frozen=True)
@@ -73,33 +37,9 @@ class WorkloadSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def _line(rng: random.Random) -> str:
-    template = rng.choice(LINE_TEMPLATES)
-    return template.format(name=rng.choice(NAMES), i=rng.randrange(1000), j=rng.randrange(100))
-
-
-def _lines(rng: random.Random, n: int) -> str:
-    return "\n".join(_line(rng) for _ in range(n))
-
-
 def _session_messages(spec: WorkloadSpec, rng: random.Random) -> list[list[dict[str, str]]]:
     """Per turn, the whole conversation so far (the history only grows)."""
-    task = rng.choice(TASKS)
-    msgs = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"{task}\n\n{_lines(rng, spec.first_lines)}"},
-    ]
-    out = []
-    for _ in range(spec.turns):
-        name = rng.choice(NAMES)
-        action = rng.choice(ACTIONS).format(name=name)
-        msgs = msgs + [
-            {"role": "assistant", "content": f"Calling {action}"},
-            {"role": "user", "content": f"Tool output:\n{_lines(rng, spec.tool_lines)}"},
-            {"role": "user", "content": rng.choice(QUESTIONS).format(name=name)},
-        ]
-        out.append(list(msgs))
-    return out
+    return session_messages(rng, spec.first_lines, spec.tool_lines, spec.turns)
 
 
 def _session_ids(spec: WorkloadSpec, rng: random.Random, vocab_size: int) -> list[list[int]]:
