@@ -138,16 +138,18 @@ def fetch_info(url: str, cfg: RouterConfig, headers: dict[str, str]) -> dict[str
             r = httpx.get(f"{url}{INFO_PATH}", timeout=cfg.info_timeout_s, headers=headers)
             if r.status_code == 200:
                 return dict(r.json())
-            last = f"HTTP {r.status_code}: {r.text[:200]}"
-            if r.status_code == 401:
-                raise ValueError(
-                    f"worker {url} refused the router's API key at {INFO_PATH} (HTTP 401): give "
-                    "--router-worker-api-key-file (or the router the workers' --api-key-file)"
-                )
-            if r.status_code == 404:  # an ordinary server: waiting will not change it
-                break
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError) as exc:  # not up yet, or not JSON yet
             last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.2)
+            continue
+        last = f"HTTP {r.status_code}: {r.text[:200]}"
+        if r.status_code == 401:  # outside the try: a wrong key is not retried
+            raise ValueError(
+                f"worker {url} refused the router's API key at {INFO_PATH} (HTTP 401): give "
+                "--router-worker-api-key-file (or the router the workers' --api-key-file)"
+            )
+        if r.status_code == 404:  # an ordinary server: waiting will not change it
+            break
         time.sleep(0.2)
     raise ValueError(
         f"worker {url}: no {INFO_PATH} within {cfg.start_timeout_s} s ({last}); "
