@@ -256,6 +256,17 @@ def check_batch(keys: Sequence[int], arrays: Sequence[np.ndarray], what: str) ->
         raise ValueError(f"{what}: {len(keys)} keys but {len(arrays)} pages")
 
 
+def check_pieces(
+    keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], page_nbytes: int
+) -> None:
+    """A get_verified batch: one list of buffers per key, each list holding page_nbytes."""
+    if len(keys) != len(pieces):
+        raise ValueError(f"get: {len(keys)} keys but {len(pieces)} pages")
+    for p in pieces:
+        if sum(v.nbytes for v in p) != page_nbytes:
+            raise ValueError(f"get_verified: pieces must hold {page_nbytes} bytes")
+
+
 def checksum(payload: np.ndarray | bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 

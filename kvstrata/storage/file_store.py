@@ -44,6 +44,7 @@ from kvstrata.storage.base import (
     StorageConfig,
     check_batch,
     check_page_nbytes,
+    check_pieces,
     encode_header_of_pieces,
     header_foreign,
     header_ok,
@@ -143,10 +144,7 @@ class FileStore:
         the xxh3 pass: for a caller whose check covers every stored byte (a SealedStore's tag).
         A False is a miss; the file is then removed only if the bytes read fail the checksum
         too (a value intact under its checksum is someone else's, e.g. another key's: it stays)."""
-        check_batch(keys, pieces, "get")
-        for p in pieces:
-            if sum(v.nbytes for v in p) != self.page_nbytes:
-                raise ValueError(f"get_verified: pieces must hold {self.page_nbytes} bytes")
+        check_pieces(keys, pieces, self.page_nbytes)
         return self._get(keys, pieces, verify)
 
     def _get(

@@ -35,6 +35,7 @@ from kvstrata.storage.base import (
     StorageConfig,
     check_batch,
     check_page_nbytes,
+    check_pieces,
     checksum,
     encode_header,
     header_foreign,
@@ -167,10 +168,7 @@ class RedisStore:
         values may reuse a piece once verify returned) and checked by `verify(i)` in place of
         the xxh3 pass (a SealedStore's tag); a False is a miss, and the value is removed only
         if its checksum fails too (see FileStore.get_verified)."""
-        check_batch(keys, pieces, "get")
-        for p in pieces:
-            if sum(v.nbytes for v in p) != self.page_nbytes:
-                raise ValueError(f"get_verified: pieces must hold {self.page_nbytes} bytes")
+        check_pieces(keys, pieces, self.page_nbytes)
         return self._get(keys, pieces, verify)
 
     def _get(
