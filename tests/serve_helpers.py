@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import httpx2 as httpx
 import msgpack
 
-from kvstrata.serve.process import ServerProcess, free_port
+from kvstrata.local_ports import free_port
+from kvstrata.serve.process import ServerProcess
 
 TINY_ENGINE = [
     "--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "256", "--threads", "1",

@@ -16,7 +16,8 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from kvstrata.serve.process import ServerProcess, free_port
+from kvstrata.local_ports import free_port
+from kvstrata.serve.process import ServerProcess
 from tests.pd_helpers import start_all
 from tests.serve_helpers import TINY_ENGINE, Server, refused_port
 

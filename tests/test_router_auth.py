@@ -16,8 +16,9 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from kvstrata.local_ports import free_port
 from kvstrata.serve.codec import ByteCodec
-from kvstrata.serve.process import ServerProcess, free_port
+from kvstrata.serve.process import ServerProcess
 from tests.pd_helpers import start_all, worker_args
 from tests.tiny_models import hf_greedy, load_hf
 

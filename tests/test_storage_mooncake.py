@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from kvstrata.cache.keys import key_hex
+from kvstrata.local_ports import free_port
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import encode_header, open_storage
 from kvstrata.storage.mooncake_client import used_in_this_process
-from kvstrata.storage.mooncake_master import MooncakeMaster, free_port
+from kvstrata.storage.mooncake_master import MooncakeMaster
 from kvstrata.storage.mooncake_store import MooncakeStore
 from kvstrata.storage.units import PagePart, UnitLayout, open_unit_storage
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from types import TracebackType
 
 from kvstrata.configtools import doc
-from kvstrata.serve.process import ServerProcess, free_port
+from kvstrata.local_ports import free_port
+from kvstrata.serve.process import ServerProcess
 
 ROLES = ("prefill", "decode")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -19,15 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstrata.local_ports import free_port, listens
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin" / "vllm"
 CONNECTOR_MODULE = "kvstrata.integrations.vllm.connector"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> str:
@@ -126,6 +121,11 @@ class VllmServer:
         )
 
     def _healthy(self) -> bool:
+        """/health answers 200 from vLLM's process or one below it (PortTaken when a neighbour took
+        the port between our pick and vLLM's bind: its answer would not be vLLM's)."""
+        assert self.proc is not None
+        if not listens(self.port, self.proc.pid, tree=True):
+            return False
         try:
             with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                 return r.status == 200

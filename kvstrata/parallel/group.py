@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import signal
-import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from kvstrata.local_ports import free_port
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.decision_log import new_run_id
 from kvstrata.parallel.rank_failures import (
@@ -124,13 +124,6 @@ def heartbeat() -> None:
     if _HEARTBEAT is not None:  # 0.0 until a rank's first beat: only beating ranks are watched
         beats, rank = _HEARTBEAT
         beats[rank] = time.monotonic()  # CLOCK_MONOTONIC is system-wide: comparable across ranks
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def resolve_backend(name: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,11 @@ from pathlib import Path
 
 import httpx2 as httpx
 
+from kvstrata.local_ports import PortTaken, free_port, listens
+
+START_TRIES = 3  # a port we picked that a neighbour took first is picked again
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerProcess:
@@ -37,35 +34,52 @@ class ServerProcess:
         to another process started at the same time; a restarted server may take its
         predecessor's)."""
         self.ready_path = ready_path
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         # launcher: what runs `-m kvstrata.cli.main` (default this Python; or torchrun's)
-        head = launcher or [sys.executable]
-        cmd = [*head, "-m", "kvstrata.cli.main", "serve", "--port", str(self.port)]
-        if launcher is None:  # our direct child: it stops by itself if we die (kill -9)
+        self._head = launcher or [sys.executable]
+        self._parent_watch = launcher is None  # our direct child stops by itself if we die
+        self._args = args
+        for attempt in range(1, START_TRIES + 1):
+            self._launch(port or free_port())
+            try:
+                self._wait_healthy(start_timeout_s)
+                return
+            except PortTaken:
+                self.stop()
+                if port or attempt == START_TRIES:
+                    raise
+
+    def _launch(self, port: int) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [*self._head, "-m", "kvstrata.cli.main", "serve", "--port", str(port)]
+        if self._parent_watch:
             cmd += ["--parent-pid", str(os.getpid())]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.out = log.open("w")
+        self.out = self.log.open("w")
         # its own process group: stop() also kills what a launcher (torchrun) started, which a
         # SIGKILL of the launcher alone would leave running
         self.proc = subprocess.Popen(
-            [*cmd, *args],
+            [*cmd, *self._args],
             cwd=ROOT,
             env=env,
             stdout=self.out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self._wait_healthy(start_timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
+        """Until /health answers 200 from the server's process or one below it (PortTaken when a
+        neighbour holds the port)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()}")
             try:
-                if httpx.get(f"{self.url}{self.ready_path}", timeout=2).status_code == 200:
+                url = f"{self.url}{self.ready_path}"
+                if listens(self.port, self.proc.pid, tree=True) and (
+                    httpx.get(url, timeout=2).status_code == 200
+                ):
                     return
             except httpx.HTTPError:
                 pass

@@ -1,23 +1,27 @@
 """A local `mooncake_master` process (tests and `kvstrata bench storage` start their own).
 
 `MooncakeMaster().start()` runs the master with its HTTP metadata server on 127.0.0.1, on free
-ports, and waits until both ports accept connections; `kill()` SIGKILLs it (a crash);
+ports, and waits until it holds both (not merely until they answer: a neighbour may have taken
+one; see kvstrata.local_ports); `kill()` SIGKILLs it (a crash);
 `restart()` starts it again on the same ports; `url(...)` is the `mooncake://` storage URL for
 it. `MooncakeHolder` is a standalone `mooncake_client` process contributing a segment (a node's
-long-lived memory), so objects outlive the processes that wrote them. The binary comes with the `mooncake-transfer-engine-non-cuda` wheel (the `mooncake` extra,
-installed by scripts/setup_env.sh): it is looked up next to this Python, then on PATH.
+long-lived memory), so objects outlive the processes that wrote them. The binary comes with
+the `mooncake-transfer-engine-non-cuda` wheel (the `mooncake` extra, installed by
+scripts/setup_env.sh): it is looked up next to this Python, then on PATH.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from kvstrata.local_ports import PortTaken, free_port, wait_listening
+
+START_TRIES = 3  # fresh ports per try: a neighbour may take a port between pick and bind
 
 
 def find_mooncake_master() -> str:
@@ -32,26 +36,13 @@ def find_mooncake_master() -> str:
     return found
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_open(port: int, timeout: float = 0.2) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 class MooncakeMaster:
     """One mooncake_master process with its HTTP metadata server (start / kill / restart / stop)."""
 
     def __init__(self, client_ttl_s: int = 10) -> None:
         self.binary = find_mooncake_master()
-        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self._pick_ports()
+        self._served = False  # once it ran, its ports are its URL: never picked again
         self.client_ttl_s = client_ttl_s
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstrata-mooncake-")
         self.log = Path(self._tmp.name) / "master.log"
@@ -67,7 +58,27 @@ class MooncakeMaster:
         query += "".join(f"&{k}={v}" for k, v in options.items())
         return f"mooncake://127.0.0.1:{self.rpc_port}?{query}"
 
+    def _pick_ports(self) -> None:
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+
     def start(self, timeout: float = 20.0) -> MooncakeMaster:
+        """Run the master and wait until it, not a neighbour, listens on both ports. Ports it
+        never served are picked afresh (up to START_TRIES times) when another process took one
+        first; a restart keeps its ports (clients hold the URL) and fails naming the port."""
+        for attempt in range(1, START_TRIES + 1):
+            try:
+                self._start_once(timeout)
+                self._served = True
+                return self
+            except (PortTaken, RuntimeError) as e:
+                self.kill()
+                if self._served or attempt == START_TRIES:
+                    tail = self.log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"mooncake_master did not start: {e}\n{tail}") from e
+                self._pick_ports()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> None:
         assert self.proc is None or self.proc.poll() is not None, "mooncake_master already running"
         args = [
             self.binary,
@@ -83,19 +94,7 @@ class MooncakeMaster:
         ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while not (port_open(self.rpc_port) and port_open(self.http_port)):
-            if self.proc.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode}: {tail}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(
-                    f"mooncake_master did not open ports {self.rpc_port} (rpc) and "
-                    f"{self.http_port} (metadata) within {timeout}s"
-                )
-            time.sleep(0.05)
-        return self
+        wait_listening(self.proc, [self.rpc_port, self.http_port], timeout, "mooncake_master")
 
     def kill(self) -> None:
         """SIGKILL the master (like a crash) and wait until it is gone."""
@@ -125,10 +124,25 @@ class MooncakeHolder:
     def __init__(self, master: MooncakeMaster, segment: str = "64MB") -> None:
         self.binary = str(Path(master.binary).with_name("mooncake_client"))
         self.master, self.segment, self.port = master, segment, free_port()
-        self.log = master.log.with_name(f"holder-{self.port}.log")
+        self.log = master.log.with_name(f"holder-{self.port}.log")  # named by its first port
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> MooncakeHolder:
+        """Run the holder; its service port opens once the segment is mounted (a port a
+        neighbour took first is picked again, up to START_TRIES times)."""
+        for attempt in range(1, START_TRIES + 1):
+            try:
+                self._start_once(timeout)
+                return self
+            except (PortTaken, RuntimeError) as e:
+                self.stop()
+                if attempt == START_TRIES:
+                    tail = self.log.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"mooncake_client did not start: {e}\n{tail}") from e
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> None:
         args = [
             self.binary,
             f"--global_segment_size={self.segment}",
@@ -140,14 +154,7 @@ class MooncakeHolder:
         ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while not port_open(self.port):  # its service opens once the segment is mounted
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = self.log.read_text(errors="replace")[-2000:]
-                self.stop()
-                raise RuntimeError(f"mooncake_client did not start within {timeout}s: {tail}")
-            time.sleep(0.05)
-        return self
+        wait_listening(self.proc, [self.port], timeout, "mooncake_client")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,0 +1,96 @@
+"""A port a neighbour took between our pick and our server's bind: the launcher notices that the
+listener is not the process it started (it does not trust "the port answers"), picks fresh ports
+where the port was its own choice, and names the port where it was not."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvstrata.local_ports import PortTaken, held_by, listens
+from kvstrata.storage.mooncake_master import MooncakeMaster
+from kvstrata.storage.redis_server import RedisServer, ping
+
+LISTENER = (
+    "import socket, sys, time\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "print(s.getsockname()[1], flush=True); time.sleep(600)\n"
+)
+
+
+@pytest.fixture
+def neighbour() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """Another process (its own session) listening on a port; yields it and the port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    yield proc, port
+    proc.kill()
+    proc.wait(10)
+
+
+def test_the_kernel_names_who_listens(neighbour: tuple[subprocess.Popen[str], int]) -> None:
+    proc, port = neighbour
+    assert held_by(port, proc.pid) is True
+    assert held_by(port, proc.pid, tree=True) is True
+    assert held_by(port, 1) is False
+    with socket.socket() as mine:
+        mine.bind(("127.0.0.1", 0))
+        mine.listen()
+        own = mine.getsockname()[1]
+        assert held_by(own, os.getpid()) is True and listens(own, os.getpid())
+        assert held_by(own, proc.pid) is False
+    with pytest.raises(PortTaken, match=f"port {port} is held by another process"):
+        listens(port, proc.pid + 10_000_000)  # no such pid: the port is not its
+
+
+def test_redis_picks_a_fresh_port_when_its_own_pick_was_taken(
+    neighbour: tuple[subprocess.Popen[str], int],
+) -> None:
+    _, port = neighbour
+    server = RedisServer()
+    server.port = port  # as if a neighbour had bound our pick first
+    try:
+        server.start()
+        assert server.port != port and ping(server.port)
+        assert held_by(server.port, server.proc.pid) is True  # type: ignore[union-attr]
+    finally:
+        server.stop()
+
+
+def test_redis_on_a_given_port_names_it(neighbour: tuple[subprocess.Popen[str], int]) -> None:
+    _, port = neighbour
+    server = RedisServer(port=port)
+    try:
+        with pytest.raises(RuntimeError, match=f"port {port} is held by another process"):
+            server.start()
+        assert server.port == port
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_mooncake_master_repicks_then_keeps_its_ports(
+    neighbour: tuple[subprocess.Popen[str], int],
+) -> None:
+    _, port = neighbour
+    master = MooncakeMaster()
+    master.rpc_port = port  # taken before the master could bind it
+    try:
+        master.start()
+        served = master.rpc_port
+        assert served != port
+        assert master.proc is not None and held_by(served, master.proc.pid) is True
+        master.kill()
+        master.rpc_port = port  # a restart keeps its URL's ports: it fails and names the port
+        with pytest.raises(RuntimeError, match=f"port {port} is held by another process"):
+            master.start()
+    finally:
+        master.stop()
