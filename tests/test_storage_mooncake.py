@@ -22,6 +22,7 @@ from kvstrata.storage.base import encode_header, open_storage
 from kvstrata.storage.mooncake_client import used_in_this_process
 from kvstrata.storage.mooncake_master import MooncakeMaster
 from kvstrata.storage.mooncake_store import MooncakeStore
+from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer
 from kvstrata.storage.units import PagePart, UnitLayout, open_unit_storage
 
 try:
@@ -356,5 +357,49 @@ def test_a_full_store_skips_puts_and_evicted_pages_are_misses(own_master: Moonca
             readable += 1
             assert (out == i).all(), i
     assert 0 < readable <= sum(stored) and store.stats()["corrupt"] == 0
+    store.check_integrity()
+    store.close()
+
+
+@pytest.mark.parametrize("encrypt", [False, True], ids=["mac", "encrypted"])
+def test_sealed_units_move_in_place_and_tampering_is_a_counted_miss(
+    shared_master: MooncakeMaster, encrypt: bool
+) -> None:
+    """Sealed units over Mooncake: a MAC'd body moves in place from and into a registered host
+    pool (only the 44-byte tail is staged) and the tag replaces the xxh3 pass; a value re-headed
+    by a writer without the key is a counted miss that stays, a flipped byte is removed."""
+    cfg = dataclasses.replace(FAST, mooncake_batch_pages=4)
+    inner = open_storage(shared_master.url(prefix=f"seal-{encrypt}:"), PAGE + SEAL_OVERHEAD, cfg)
+    assert isinstance(inner, MooncakeStore)
+    store = SealedStore(inner, Sealer(bytes(range(32)), encrypt))
+    keys = make_keys(6, salt=11)
+    pool = np.zeros((12, PAGE), np.uint8)
+    assert store.register_buffer(pool)
+    pool[:6] = np.stack([page_for(k) for k in keys])
+    assert store.put(keys, list(pool[:6])) == 6  # two batches of 4 and 2
+    assert store.get(keys, list(pool[6:])) == 6
+    np.testing.assert_array_equal(pool[6:], pool[:6])
+    st = store.stats()
+    per_unit = PAGE + SEAL_OVERHEAD if encrypt else SEAL_OVERHEAD  # ciphertext goes via scratch
+    assert st["staged_bytes"] == 12 * per_unit and st["staged_pages"] == 12, st
+    assert st["opened"] == 6 and st["seal_failures"] == 0 and st["corrupt"] == 0
+    raw, prefix = inner.client.store, inner.target.prefix
+    forged = np.concatenate([page_for(keys[1]), np.zeros(SEAL_OVERHEAD, np.uint8)])  # no tag
+    assert inner.delete(keys[1:2]) == 1
+    value = encode_header(keys[1], forged) + forged.tobytes()  # a valid header
+    assert raw.put(f"{prefix}{key_hex(keys[1])}", value) == 0
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    assert store.get(keys, out) == 1 and store.stats()["seal_failures"] == 1
+    assert inner.exists_prefix(keys) == 6, "a value intact under its checksum was removed"
+    flipped = bytearray(raw.get(f"{prefix}{key_hex(keys[2])}"))
+    flipped[-100] ^= 0x10  # one stored bit, header unchanged
+    assert inner.delete(keys[2:3]) == 1
+    assert raw.put(f"{prefix}{key_hex(keys[2])}", bytes(flipped)) == 0
+    assert store.get(keys[2:], out[2:]) == 0
+    st = store.stats()
+    assert st["seal_failures"] == 2 and st["corrupt"] == 1
+    assert inner.exists_prefix(keys[2:3]) == 0, "the corrupt value was not removed"
+    assert store.get(keys[3:], out[3:]) == 3
+    np.testing.assert_array_equal(np.stack(out[3:]), pool[3:6])
     store.check_integrity()
     store.close()

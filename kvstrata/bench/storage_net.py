@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.bench.storage_sealed import sealed_rows_over
 from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage
 from kvstrata.storage.mooncake_master import MooncakeMaster
@@ -176,9 +177,23 @@ def bench_mooncake(quick: bool) -> dict[str, Any]:
         return {"skipped": str(e)}
     try:
         segment = f"{(2 * (256 if not quick else 64) + 64) * PAGE}"  # ours + baseline + slack
-        return _measure(master.url(segment=segment, buffer="128m"), _mooncake_plain, quick)
+        report = _measure(master.url(segment=segment, buffer="128m"), _mooncake_plain, quick)
+        report["sealed"] = _sealed_mooncake(master, (16 if quick else 64) << 20)
+        return report
     finally:
         master.stop()
+
+
+def _sealed_mooncake(master: MooncakeMaster, total: int) -> list[dict[str, Any]]:
+    """Sealed units over Mooncake vs plain ones (storage_sealed's rows), pages registered."""
+    segment = 3 * total * 11 // 10 + (64 << 20)  # three sides' units + headers + slack
+    url = master.url(segment=str(segment), buffer="64m")
+    cfg = StorageConfig()
+
+    def open_store(side: str, value_nbytes: int) -> StorageBackend:
+        return open_storage(url + f"&prefix=sealed-{side}-{value_nbytes}:", value_nbytes, cfg)
+
+    return [{"backend": "mooncake", **row} for row in sealed_rows_over(open_store, total)]
 
 
 def bench_redis(quick: bool) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The cost of sealed units (`--storage-key-file`): plain unit store vs MAC'd vs encrypted.
 
-Each side is a FileStore of units (the values a unit store writes), the sealed sides wrapped in
-SealedStore exactly as open_unit_storage does. Every batch is put (fresh keys) and got
+Each side is a store of units (the values a unit store writes): a FileStore, or a MooncakeStore
+on a master the mooncake bench started (its pages in registered memory, as a host pool's are),
+the sealed sides wrapped in SealedStore exactly as open_unit_storage does. Every batch is put (fresh keys) and got
 (GETS_PER_PUT times) by the three sides in turn (order rotating), ROUNDS times; each side's time for a batch is its fastest
 of the rounds, summed over batches. A busy shared machine only ever adds delay, so the fastest
 round is the one closest to the code's own cost, and alternating sides load them alike.
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.storage.base import StorageBackend, StorageConfig
+from kvstrata.storage.base import StorageBackend, StorageConfig, register_host_memory
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer
 
@@ -31,15 +32,16 @@ UNIT_SIZES = (32 * 1024, 256 * 1024)
 SIDES = ("plain", "mac", "encrypted")
 
 
-def _stores(root: str, unit: int) -> dict[str, StorageBackend]:
+StoreOpener = Callable[[str, int], StorageBackend]
+"""(side name, value bytes) -> a fresh store of that side's values."""
+
+
+def _stores(open_store: StoreOpener, unit: int) -> dict[str, StorageBackend]:
     key = os.urandom(32)
-    cfg = StorageConfig()
     return {
-        "plain": FileStore(f"{root}/plain", unit, cfg),
-        "mac": SealedStore(FileStore(f"{root}/mac", unit + SEAL_OVERHEAD, cfg), Sealer(key, False)),
-        "encrypted": SealedStore(
-            FileStore(f"{root}/enc", unit + SEAL_OVERHEAD, cfg), Sealer(key, True)
-        ),
+        "plain": open_store("plain", unit),
+        "mac": SealedStore(open_store("mac", unit + SEAL_OVERHEAD), Sealer(key, False)),
+        "encrypted": SealedStore(open_store("enc", unit + SEAL_OVERHEAD), Sealer(key, True)),
     }
 
 
@@ -75,12 +77,20 @@ def _round(
         s.delete([k for keys in batches for k in keys])  # the next round writes fresh files
 
 
-def _one_size(root: str, unit: int, total: int) -> dict[str, Any]:
+def units_for(unit: int, total: int) -> int:
+    return max(BATCH, total // unit)
+
+
+def _one_size(open_store: StoreOpener, unit: int, total: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
-    src = [rng.integers(0, 256, unit, dtype=np.uint8) for _ in range(16)]
-    out = [np.ones(unit, np.uint8) for _ in range(BATCH)]
-    n = max(BATCH, total // unit)
-    stores = _stores(root, unit)
+    src_pool = rng.integers(0, 256, (16, unit), dtype=np.uint8)
+    out_pool = np.ones((BATCH, unit), np.uint8)
+    src, out = list(src_pool), list(out_pool)
+    n = units_for(unit, total)
+    stores = _stores(open_store, unit)
+    for store in stores.values():  # where a backend moves registered pages in place
+        register_host_memory(store, src_pool)
+        register_host_memory(store, out_pool)
     best = {f"{s}_{op}": np.full(-(-n // BATCH), np.inf) for s in SIDES for op in ("put", "get")}
     for r in range(ROUNDS):
         base = r * n + 1  # fresh keys each round: a put of a stored key only refreshes its age
@@ -101,13 +111,20 @@ def _one_size(root: str, unit: int, total: int) -> dict[str, Any]:
 
 
 def sealed_rows(root: str, total: int) -> list[dict[str, Any]]:
-    """One row per unit size: put/get ratios of MAC'd and encrypted units over plain ones."""
+    """One row per unit size: put/get ratios of MAC'd and encrypted file units over plain ones."""
     rows = []
+    cfg = StorageConfig()
     for unit in UNIT_SIZES:
         d = os.path.join(root, f"sealed-{unit}")
         os.makedirs(d, exist_ok=True)
         try:
-            rows.append(_one_size(d, unit, total))
+            row = _one_size(lambda side, n, d=d: FileStore(f"{d}/{side}", n, cfg), unit, total)
+            rows.append({"backend": "file", **row})
         finally:
             shutil.rmtree(d, ignore_errors=True)
     return rows
+
+
+def sealed_rows_over(open_store: StoreOpener, total: int) -> list[dict[str, Any]]:
+    """The same rows over another backend (each side's store opened by `open_store`)."""
+    return [_one_size(open_store, unit, total) for unit in UNIT_SIZES]

@@ -256,6 +256,10 @@ def check_batch(keys: Sequence[int], arrays: Sequence[np.ndarray], what: str) ->
         raise ValueError(f"{what}: {len(keys)} keys but {len(arrays)} pages")
 
 
+Verify = Callable[[int], bool]
+"""A get_verified caller's check of value i once its bytes landed (True: keep it)."""
+
+
 def check_pieces(
     keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], page_nbytes: int
 ) -> None:
@@ -280,12 +284,17 @@ def encode_header(key: int, payload: np.ndarray) -> bytes:
     return pack_header(key, payload.nbytes, checksum(payload))
 
 
-def encode_header_of_pieces(key: int, pieces: Sequence[memoryview]) -> bytes:
-    """The header of a payload given as pieces stored one after another (no copy joins them)."""
+def checksum_of_pieces(pieces: Sequence[memoryview]) -> int:
+    """checksum() of the pieces' bytes one after another (no copy joins them)."""
     digest = new_checksum()
     for piece in pieces:
         digest.update(piece)
-    return pack_header(key, sum(p.nbytes for p in pieces), digest.intdigest())
+    return digest.intdigest()
+
+
+def encode_header_of_pieces(key: int, pieces: Sequence[memoryview]) -> bytes:
+    """The header of a payload given as pieces stored one after another (no copy joins them)."""
+    return pack_header(key, sum(p.nbytes for p in pieces), checksum_of_pieces(pieces))
 
 
 def pack_header(key: int, payload_nbytes: int, digest: int) -> bytes:

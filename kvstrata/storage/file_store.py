@@ -42,13 +42,14 @@ from kvstrata.storage.base import (
     HEADER_NBYTES,
     STORAGE_BACKENDS,
     StorageConfig,
+    Verify,
     check_batch,
     check_page_nbytes,
     check_pieces,
+    checksum_of_pieces,
     encode_header_of_pieces,
     header_foreign,
     header_ok,
-    new_checksum,
     page_view,
 )
 from kvstrata.storage.file_dirs import resolve_dir
@@ -65,7 +66,6 @@ _COUNTERS = (
     "read_errors", "exists_queries", "deleted", "evicted", "rescans", "bytes_written", "bytes_read",
     "tmp_swept", "foreign",
 )  # fmt: skip
-Verify = Callable[[int], bool]
 """verify(i) of get_verified: True if value i, just read into its pieces, is good (must not
 change the pieces)."""
 
@@ -222,10 +222,7 @@ class FileStore:
             return "ok" if actual == digest else "corrupt"
         if check():
             return "ok"
-        hashed = new_checksum()
-        for piece in value:
-            hashed.update(piece)
-        return "rejected" if hashed.intdigest() == digest else "corrupt"
+        return "rejected" if checksum_of_pieces(value) == digest else "corrupt"
 
     @staticmethod
     def _touch(fd: int) -> None:

@@ -3,13 +3,15 @@
 A master places objects across the segments every client contributes (this process's client
 contributes `segment` bytes too) and bytes move over TCP (or RDMA). Each value is the stored page
 format of `kvstrata.storage.base` (header with length, key and xxh3-64 checksum + payload), under
-`prefix` + 32 hex digits, so a corrupt, truncated or foreign value is a miss (and is removed).
+`prefix` + 32 hex digits, so a corrupt or truncated value is a miss (and is removed).
 
-Transfers: pages that lie in memory registered with `register_buffer` (a host pool) move
-zero-copy: batch_put_from_multi_buffers / batch_get_into_multi_buffers with the header in a
-small registered area and the payload straight from / into the page. Other pages go through a
-registered staging area of `mooncake_batch_pages` values (one copy) with batch_put_from /
-batch_get_into.
+Transfers (mooncake_pieces): batch_put_from_multi_buffers / batch_get_into_multi_buffers with the
+header in a small registered area and each payload piece in place where it lies in memory
+registered with `register_buffer` (a host pool), else through its slot in a registered staging
+area of `mooncake_batch_pages` values (one copy). Payloads may come as pieces (put_pieces,
+get_verified): a sealed unit's body moves in place and only its 44-byte tail is staged, and the
+seal's tag replaces the xxh3 pass on reads. All staging, checking and copying out runs on the
+client's worker thread, which alone owns the staging area.
 
 Failure model (see mooncake_client): every call is bounded; a dead or unreachable master makes
 reads misses and writes counted skips, with one line on stderr, and the client reconnects when
@@ -19,7 +21,8 @@ pressure is a miss: nothing here assumes a put is durable.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,22 +32,58 @@ from kvstrata.storage.base import (
     HEADER_NBYTES,
     STORAGE_BACKENDS,
     StorageConfig,
+    Verify,
     check_batch,
     check_page_nbytes,
-    checksum,
-    encode_header,
+    check_pieces,
+    checksum_of_pieces,
+    encode_header_of_pieces,
     header_ok,
     page_view,
 )
 from kvstrata.storage.mooncake_client import RPC_FAIL, MooncakeClient, acquire, release
+from kvstrata.storage.mooncake_pieces import ValueMove, plan_moves
 from kvstrata.storage.mooncake_url import parse_mooncake_url
 
 _KEY_LIMIT = 1 << 128
 _COUNTERS = (
     "puts", "put_skipped", "gets", "get_hits", "get_misses", "corrupt", "exists_queries",
     "deleted", "server_errors", "bytes_written", "bytes_read", "zero_copy_pages",
-    "staged_pages",
+    "staged_pages", "staged_bytes",
 )  # fmt: skip
+
+
+@dataclass
+class BatchOutcome:
+    """What one batch did on the client's worker; the caller counts it (stats are its own)."""
+
+    values: int = 0
+    """Leading values stored or read whole and checked."""
+    zero_copy: int = 0
+    """Values whose every byte moved in place (registered memory)."""
+    staged: int = 0
+    """Values with some piece copied through the staging area."""
+    staged_bytes: int = 0
+    corrupt: list[int] = field(default_factory=list)
+    """Keys whose values failed their header or checksum (removed by the caller)."""
+    server_errors: int = 0
+    error: str = ""
+    """A caller's mistake found on the worker (raised by the caller as ValueError)."""
+
+    def count(self, move: ValueMove) -> None:
+        self.values += 1
+        self.staged_bytes += move.staged_nbytes
+        if move.zero_copy:
+            self.zero_copy += 1
+        else:
+            self.staged += 1
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "zero_copy_pages": self.zero_copy,
+            "staged_pages": self.staged,
+            "staged_bytes": self.staged_bytes,
+        }
 
 
 class MooncakeStore:
@@ -89,14 +128,20 @@ class MooncakeStore:
             self.client.mark_down(f"{what} got RPC_FAIL")
         return codes
 
-    def _zero_copy(self, views: Sequence[np.ndarray]) -> bool:
-        return all(self.client.covers(v.ctypes.data, v.nbytes) for v in views)
-
     def _header_ptr(self, i: int) -> int:
         return self._headers.ctypes.data + i * HEADER_NBYTES
 
     def _slot(self, i: int) -> np.ndarray:
         return self._stage[i * self.value_nbytes : (i + 1) * self.value_nbytes]
+
+    def _plan(self, pieces: Sequence[Sequence[memoryview]], first: int = 0) -> list[ValueMove]:
+        """Moves of values first, first + 1, ... of the batch (their header and slot places)."""
+        return plan_moves(
+            pieces,
+            lambda j: self._header_ptr(first + j),
+            lambda j: self._slot(first + j),
+            self.client.covers,
+        )
 
     # ---- queries -----------------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[int]) -> int:
@@ -114,13 +159,32 @@ class MooncakeStore:
 
     def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
         check_batch(keys, out, "get")
-        views = [page_view(o, self.page_nbytes, "get out") for o in out]
+        pieces = [[memoryview(page_view(o, self.page_nbytes, "get out"))] for o in out]
+        return self._get(keys, pieces, None)
+
+    def get_verified(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify
+    ) -> int:
+        """As get, each value read into its `pieces` (lengths summing to page_nbytes; a piece
+        in registered memory is read in place, others through the staging slot; a piece may
+        serve several values, as a SealedStore's scratch does, each value verified before the
+        next is copied into it) and checked by `verify(i)` in place of the xxh3 pass: for a
+        caller whose check covers every stored byte (a SealedStore's tag). A False is a miss;
+        the value is removed only if its checksum fails too (an intact value is someone
+        else's, e.g. sealed under another key: it stays)."""
+        check_pieces(keys, pieces, self.page_nbytes)
+        return self._get(keys, pieces, verify)
+
+    def _get(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
+    ) -> int:
         hits = 0
         for lo in range(0, len(keys), self.batch):
-            ks, vs = keys[lo : lo + self.batch], views[lo : lo + self.batch]
-            got = self._get_batch(ks, vs)
+            part = keys[lo : lo + self.batch]
+            check = None if verify is None else (lambda i, lo=lo: verify(lo + i))
+            got = self._get_batch(part, pieces[lo : lo + self.batch], check)
             hits += got
-            if got < len(ks):
+            if got < len(part):
                 break
         self._count(
             gets=1,
@@ -130,49 +194,78 @@ class MooncakeStore:
         )
         return hits
 
-    def _get_batch(self, keys: Sequence[int], views: list[np.ndarray]) -> int:
-        """Read one batch; the leading count that arrived whole and checked."""
+    def _get_batch(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
+    ) -> int:
+        """Read and check one batch on the client's worker (the staging area is the worker's
+        alone); the leading count that arrived whole and checked. Corrupt values are removed
+        afterwards, here: the worker cannot wait on itself."""
         names = [self._name(k) for k in keys]
-        direct = self._zero_copy(views)
+        got = BatchOutcome()
 
         def fetch(store: Any) -> list[int]:
-            if direct:
-                ptrs = [[self._header_ptr(i), v.ctypes.data] for i, v in enumerate(views)]
-                sizes = [[HEADER_NBYTES, self.page_nbytes]] * len(views)
-                return store.batch_get_into_multi_buffers(names, ptrs, sizes)
-            ptrs = [self._slot(i).ctypes.data for i in range(len(names))]
-            return store.batch_get_into(names, ptrs, [self.value_nbytes] * len(names))
+            moves = self._plan(pieces)
+            sizes = store.batch_get_into_multi_buffers(
+                names, [m.ptrs for m in moves], [m.sizes for m in moves]
+            )
+            for i, nread in enumerate(sizes):
+                if nread != self.value_nbytes:
+                    break
+                verdict = self._check(keys[i], i, moves[i], pieces[i], verify)
+                if verdict != "ok":
+                    got.corrupt += [keys[i]] if verdict == "corrupt" else []
+                    break
+                got.count(moves[i])
+            return sizes
 
-        sizes_read = self._call("batch_get_into", fetch)
-        for i, nread in enumerate(sizes_read or ()):
-            if nread != self.value_nbytes or not self._unpack(keys[i], i, views[i], direct):
-                return i
-        return len(sizes_read or ())
+        self._call("batch_get_into", fetch)
+        self._count(**got.counts(), corrupt=len(got.corrupt))
+        if got.corrupt:
+            self.delete(got.corrupt)
+        return got.values
 
-    def _unpack(self, key: int, i: int, view: np.ndarray, direct: bool) -> bool:
-        """Check value i (and copy a staged payload out); a corrupt value is removed."""
-        if direct:
-            header, body = self._headers[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES], view
-        else:
-            slot = self._slot(i)
-            header, body = slot[:HEADER_NBYTES], slot[HEADER_NBYTES:]
-        digest = header_ok(header.tobytes(), key, self.page_nbytes)
-        if digest is None or checksum(body) != digest:
-            self._count(corrupt=1)
-            self.delete([key])
-            return False
-        if not direct:
-            view[:] = body
-        self._count(**{"zero_copy_pages" if direct else "staged_pages": 1})
-        return True
+    def _check(
+        self,
+        key: int,
+        i: int,
+        move: ValueMove,
+        pieces: Sequence[memoryview],
+        verify: Verify | None,
+    ) -> str:
+        """Value i as read: "ok", "corrupt" (header or checksum wrong) or "rejected" (the
+        caller's check failed on bytes intact under their checksum). Staged pieces copied out."""
+        digest = header_ok(
+            self._headers[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES], key, self.page_nbytes
+        )
+        if digest is None:
+            return "corrupt"
+        move.stage_out()
+        if verify is None:
+            return "ok" if checksum_of_pieces(pieces) == digest else "corrupt"
+        if verify(i):
+            return "ok"
+        return "rejected" if checksum_of_pieces(pieces) == digest else "corrupt"
 
     # ---- updates -----------------------------------------------------------------------------
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
         check_batch(keys, pages, "put")
         views = [page_view(p, self.page_nbytes, "put") for p in pages]
+        return self.put_pieces(keys, [[memoryview(v)] for v in views])
+
+    def put_pieces(self, keys: Sequence[int], values: Iterable[Sequence[memoryview]]) -> int:
+        """As put, each payload given as pieces stored one after another (lengths summing to
+        page_nbytes). `values` is taken in order on the client's worker, each staged before the
+        next is taken, so a producer may reuse an unregistered buffer (a SealedStore's scratch);
+        pieces in registered memory move in place when their batch is sent, so those must not
+        change before put_pieces returns. A batch not sent (master down) ends the call."""
+        taken = iter(values)
         stored = 0
         for lo in range(0, len(keys), self.batch):
-            stored += self._put_batch(keys[lo : lo + self.batch], views[lo : lo + self.batch])
+            part = keys[lo : lo + self.batch]
+            got = self._put_batch(part, taken)
+            if got is None:
+                break
+            stored += got
         self._count(
             puts=stored,
             put_skipped=len(keys) - stored,
@@ -180,30 +273,37 @@ class MooncakeStore:
         )
         return stored
 
-    def _put_batch(self, keys: Sequence[int], views: list[np.ndarray]) -> int:
+    def _put_batch(self, keys: Sequence[int], values: Iterator[Sequence[memoryview]]) -> int | None:
+        """Stage and send one batch on the worker; values stored, None if it was not sent."""
         names = [self._name(k) for k in keys]
-        direct = self._zero_copy(views)
+        sent = BatchOutcome()
 
         def send(store: Any) -> list[int]:
-            for i, (key, v) in enumerate(zip(keys, views, strict=True)):
-                head = np.frombuffer(encode_header(key, v), np.uint8)
-                if direct:
-                    self._headers[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] = head
-                else:
-                    slot = self._slot(i)
-                    slot[:HEADER_NBYTES], slot[HEADER_NBYTES:] = head, v
-            if direct:
-                ptrs = [[self._header_ptr(i), v.ctypes.data] for i, v in enumerate(views)]
-                sizes = [[HEADER_NBYTES, self.page_nbytes]] * len(views)
-                return store.batch_put_from_multi_buffers(names, ptrs, sizes)
-            ptrs = [self._slot(i).ctypes.data for i in range(len(names))]
-            return store.batch_put_from(names, ptrs, [self.value_nbytes] * len(names))
+            moves = []
+            for i, key in enumerate(keys):  # each value staged before the next is taken
+                value = list(next(values))
+                if sum(p.nbytes for p in value) != self.page_nbytes:
+                    sent.error = f"put: each page must hold {self.page_nbytes} bytes"
+                    return []
+                move = self._plan([value], first=i)[0]
+                head = np.frombuffer(encode_header_of_pieces(key, value), np.uint8)
+                self._headers[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] = head
+                move.stage_in()
+                moves.append(move)
+            codes = store.batch_put_from_multi_buffers(
+                names, [m.ptrs for m in moves], [m.sizes for m in moves]
+            )
+            for code, move in zip(codes, moves, strict=False):
+                if code == 0:
+                    sent.count(move)
+            sent.server_errors = sum(1 for c in codes if c not in (0, RPC_FAIL))
+            return codes
 
         codes = self._call("batch_put_from", send)
-        ok = sum(1 for c in codes or () if c == 0)
-        self._count(server_errors=sum(1 for c in codes or () if c not in (0, RPC_FAIL)))
-        self._count(**{"zero_copy_pages" if direct else "staged_pages": ok})
-        return ok
+        if sent.error:
+            raise ValueError(sent.error)
+        self._count(**sent.counts(), server_errors=sent.server_errors)
+        return None if codes is None else sent.values
 
     def delete(self, keys: Sequence[int]) -> int:
         names = [self._name(k) for k in keys]

@@ -33,6 +33,7 @@ from kvstrata.storage.base import (
     HEADER_NBYTES,
     STORAGE_BACKENDS,
     StorageConfig,
+    Verify,
     check_batch,
     check_page_nbytes,
     check_pieces,
@@ -50,7 +51,6 @@ _COUNTERS = (
     "deleted", "connection_errors", "server_errors", "calls_skipped_down", "reconnects",
     "bytes_written", "bytes_read", "foreign",
 )  # fmt: skip
-Verify = Callable[[int], bool]
 
 
 class RedisStore:

@@ -40,7 +40,7 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvstrata.storage.base import StorageBackend, check_batch, page_view
+from kvstrata.storage.base import StorageBackend, check_batch, page_view, register_host_memory
 
 SEAL_TAG = b"kvstrata-seal-v2"  # v2: MAC-only units carry the label as GCM plaintext
 SALT, NONCE, TAG = 16, 12, 16
@@ -171,6 +171,11 @@ class SealedStore:
     def exists_prefix(self, keys: Sequence[int]) -> int:
         return self.inner.exists_prefix(keys)
 
+    def register_buffer(self, array: np.ndarray) -> bool:
+        """Host memory the inner store may move unit bodies in and out of in place (mooncake):
+        a MAC'd unit's body is the page itself."""
+        return register_host_memory(self.inner, array)
+
     def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
         """Leading units read and opened; a unit that fails to open is a miss (and counted).
         A store that reads values in pieces and checks each as it lands (FileStore's
@@ -219,7 +224,7 @@ class SealedStore:
         return verify
 
     def _get_whole(self, keys: Sequence[int], dst: list[np.ndarray], failed: list[int]) -> int:
-        """Stores that take whole values (redis, mem, mooncake): read, then open each."""
+        """Stores that take whole values (mem and any without get_verified): read, open each."""
         stored = [self._scratch_buf(f"whole{i}", self.inner.page_nbytes) for i in range(len(keys))]
         n = self.inner.get(keys, stored)
         opened = 0
