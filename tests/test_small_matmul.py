@@ -1,8 +1,11 @@
 """The native few-row linear (model/_small_matmul.c) against a float64 reference, and where
 the model takes it: fp32 and bf16 weights and activations, bias, a column count that is not a
-multiple of 8, 1..17 rows (tiles of 8 and their tails), 1 and 2 threads."""
+multiple of 8, 1..17 rows (tiles of 8 and their tails), 1 and 2 threads; the inner loop this CPU
+gets and the portable one (forced), which a CPU without AVX2 runs."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,11 +21,33 @@ def test_kernel_is_built() -> None:
     assert sm.isa() in ("avx2", "portable")
 
 
+@pytest.fixture(params=["cpu's", "portable"])
+def build(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The inner loop this CPU gets, and the portable one forced (what a CPU without AVX2 runs)."""
+    sm.use_portable(request.param == "portable")
+    try:
+        yield sm.isa()
+    finally:
+        sm.use_portable(False)
+
+
+def test_the_portable_loop_can_be_forced() -> None:
+    native = sm.isa()
+    sm.use_portable(True)
+    try:
+        assert sm.isa() == "portable"
+    finally:
+        sm.use_portable(False)
+    assert sm.isa() == native
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
-def test_equals_float64_reference(dtype: torch.dtype, rows: int, threads: int, bias: bool) -> None:
+def test_equals_float64_reference(
+    dtype: torch.dtype, rows: int, threads: int, bias: bool, build: str
+) -> None:
     gen = torch.Generator().manual_seed(rows)
     out_f, in_f = 37, 203  # a block tail and 203 % 8 = 3 tail columns
     w = torch.randn(out_f, in_f, generator=gen).to(dtype)

@@ -152,7 +152,12 @@ AVX2 static void block_avx2(const Job *j, int64_t n0, int64_t rows) {
 }
 #endif
 
+/* set by use_portable(True): the portable loop on any CPU (tests compare both builds) */
+static int force_portable = 0;
+
 static int use_avx2(void) {
+    if (force_portable)
+        return 0;
 #if HAVE_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -214,9 +219,19 @@ static PyObject *isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(use_avx2() ? "avx2" : "portable");
 }
 
+/* use_portable(flag) -> None: run the portable inner loop even where AVX2 is there */
+static PyObject *use_portable(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag))
+        return NULL;
+    force_portable = flag;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS, "y = x @ W^T (+ bias) for a few rows (see the module doc)."},
     {"isa", isa, METH_NOARGS, "The instruction set the inner loop runs with."},
+    {"use_portable", use_portable, METH_VARARGS, "Force (True) or release the portable loop."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -31,6 +31,13 @@ def isa() -> str:
     return _native.isa() if _native is not None else "not built"
 
 
+def use_portable(flag: bool) -> None:
+    """Run the portable inner loop even where the CPU has AVX2 (True), or choose by the CPU
+    again (False): both builds are tested on one machine."""
+    if _native is not None:
+        _native.use_portable(flag)
+
+
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True where the kernel runs y = x @ weight.T: CPU, at most MAX_ROWS rows, fp32 or bf16
     (x and weight the same dtype), plain contiguous tensors (not a released placeholder)."""
