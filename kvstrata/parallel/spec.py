@@ -108,11 +108,8 @@ class CPHead(CPModel):
         return self.head.logits(x)
 
     def _input(self, batch: SeqBatch, p: CPPlan) -> torch.Tensor:
-        """x_j = eh_proj([enorm(embed(t_j)); hnorm(h_{j-1})]) of this rank's tokens [t, hidden]."""
-        h = self.head
-        emb = self.model.model.embed_tokens(batch.input_ids[p.mine])
-        hid = self._hidden[p.mine].to(emb.dtype)
-        return h.eh_proj(torch.cat([h.enorm(emb), h.hnorm(hid)], dim=-1))
+        """The head's entry inputs x_j (MTPHead.entry_input) of this rank's tokens [t, hidden]."""
+        return self.head.entry_input(batch.input_ids[p.mine], self._hidden[p.mine])
 
 
 def place_speculator(
