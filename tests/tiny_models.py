@@ -190,14 +190,16 @@ def _add_nextn_layer(path: Path, model: Any, seed: int) -> None:
     """Append a NextN layer in DeepSeek-V3's layout (`model.layers.{N}.*`, N =
     num_hidden_layers: enorm, hnorm, eh_proj, an MoE decoder block, shared_head.norm/head, an
     embedding copy) to the checkpoint's weights. The block is layer N of a random model one
-    layer deeper (transformers' init); eh_proj passes the state through plus a small share of
-    the embedding, and the block's outputs are damped, so the draft mostly echoes the target's
-    previous prediction: a fully random layer accepts nothing on these tiny models."""
+    layer deeper (transformers' init), its outputs damped. A random layer accepts nothing on
+    these tiny models, so the layer is made a bigram predictor: eh_proj passes the token's
+    embedding (plus a share of the target's state), and its own output head (shared_head.head,
+    unlike DeepSeek-V3's a copy that differs from lm_head) maps each token t to the target's
+    greedy choice after the one-token prompt [t]."""
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = model.config
-    n, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    n, hidden, vocab = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
     torch.manual_seed(seed + 7919)
     deeper = DeepseekV3ForCausalLM(
         DeepseekV3Config(**{**cfg.to_dict(), "num_hidden_layers": n + 1})
@@ -209,14 +211,20 @@ def _add_nextn_layer(path: Path, model: Any, seed: int) -> None:
         for name, param in block.mlp.named_parameters():
             if "down_proj" in name:  # routed (fused in memory) and shared experts
                 param.mul_(0.1)
-    eh = torch.cat([0.05 * torch.randn(hidden, hidden), torch.eye(hidden)], dim=1)
+        enorm = 1.0 + 0.1 * torch.randn(hidden)
+        emb = model.model.embed_tokens.weight.detach()
+        after = model(torch.arange(vocab)[:, None]).logits[:, -1].argmax(-1)  # [vocab]
+        unit = emb * enorm
+        unit = unit / unit.norm(dim=-1, keepdim=True)
+        head = torch.zeros(vocab, hidden).index_add_(0, after, 4.0 * unit)
+    eh = torch.cat([torch.eye(hidden), 0.2 * torch.eye(hidden)], dim=1)
     layer = {
-        "enorm.weight": 1.0 + 0.1 * torch.randn(hidden),
+        "enorm.weight": enorm,
         "hnorm.weight": torch.ones(hidden),
         "eh_proj.weight": eh,
         "shared_head.norm.weight": torch.ones(hidden),
-        "shared_head.head.weight": model.lm_head.weight.detach().clone(),
-        "embed_tokens.weight": model.model.embed_tokens.weight.detach().clone(),
+        "shared_head.head.weight": head,
+        "embed_tokens.weight": emb.clone(),
     }
     with tempfile.TemporaryDirectory() as tmp:  # the checkpoint's names (per-expert weights)
         deeper.save_pretrained(tmp)
