@@ -20,8 +20,10 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
+from kvstrata.engine.config import EngineConfig
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.checkpoint import load_model
@@ -29,6 +31,8 @@ from kvstrata.model.decoder import SeqBatch
 from kvstrata.model.deepseek_nextn import DeepSeekNextN
 from kvstrata.model.moe import MoE
 from kvstrata.model.nextn import load_nextn
+from kvstrata.parallel.config import DistConfig
+from kvstrata.parallel.spec import check_spec_layout
 from kvstrata.storage.units import PagePart, open_unit_storage
 from tests.test_speculative_restore import PAGE, assert_same_acceptance, conversation, run_turns
 from tests.tiny_models import load_hf, rel_err
@@ -190,3 +194,32 @@ def test_nextn_draft_restores_exactly_and_misses_without_state(
     after_plain = turns("device_host_storage", "plain")
     assert after_plain[0][2] == {"device": 0, "host": 0, "storage": 0}
     assert_same_acceptance(cold, after_plain)
+
+
+def test_missing_or_wrong_nextn_weights_are_refused(mla_ckpt: Path, tmp_path: Path) -> None:
+    """A checkpoint declaring a NextN layer must hold all of it, in the target's shapes."""
+    from safetensors.torch import load_file, save_file
+
+    model = load_model(mla_ckpt)
+    state = load_file(str(mla_ckpt / "model.safetensors"))
+    nextn = f"model.layers.{LAYERS}."
+    cases = {
+        "holds no model.layers.3": {k: v for k, v in state.items() if not k.startswith(nextn)},
+        "missing \\['eh_proj.weight'\\]": {
+            k: v for k, v in state.items() if k != f"{nextn}eh_proj.weight"
+        },
+    }
+    for i, (error, weights) in enumerate(cases.items()):
+        bad = tmp_path / f"bad{i}"
+        bad.mkdir()
+        (bad / "config.json").write_bytes((mla_ckpt / "config.json").read_bytes())
+        save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=error):
+            load_nextn(model, bad, tmp_path / "cache")
+
+
+def test_tp_takes_a_head_over_latent_pages_only(mla_ckpt: Path) -> None:
+    dist = DistConfig(tp=2)
+    check_spec_layout(EngineConfig(model=str(mla_ckpt), spec_draft="nextn"), dist)
+    with pytest.raises(ValueError, match="not supported with --tp > 1"):
+        check_spec_layout(EngineConfig(spec_draft="mtp:random"), dist)  # SmolLM2: GQA pages
