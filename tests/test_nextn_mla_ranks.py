@@ -1,4 +1,4 @@
-"""A DeepSeek-V3 checkpoint's own NextN layer as the draft on real gloo ranks (TP=2, CP=2), each
+"""A DeepSeek-V3 checkpoint's own NextN layer as the draft on real gloo ranks (TP=2; PP=2 x CP=2), each
 layout run twice on one store (the second run: fresh processes, a storage hit):
 
 - greedy tokens and every request's acceptance sequence, on every rank, equal one rank's
@@ -63,7 +63,7 @@ def one_rank_on(ckpt: Path, store: Path) -> dict[str, Request]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp", "cp"])
+@pytest.mark.parametrize("layout", ["tp", "pp+cp"])
 def test_nextn_draft_on_ranks_equals_one_rank(
     mla_ckpt: Path, refs: dict[str, Any], tmp_path: Path, layout: str
 ) -> None:
