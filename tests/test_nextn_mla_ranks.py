@@ -1,5 +1,5 @@
-"""A DeepSeek-V3 checkpoint's own NextN layer as the draft on real gloo ranks (TP=2; PP=2 x CP=2), each
-layout run twice on one store (the second run: fresh processes, a storage hit):
+"""A DeepSeek-V3 checkpoint's own NextN layer as the draft on real gloo ranks (TP=2; PP=2 x
+CP=2), each layout run twice on one store (the second run: fresh processes, a storage hit):
 
 - greedy tokens and every request's acceptance sequence, on every rank, equal one rank's
   (tests.test_spec_ranks: after host restores and the second run's storage restores);
