@@ -50,8 +50,9 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @torch.no_grad()
 def reference_logits(ckpt: Path, tmp: Path, tokens: list[int]) -> torch.Tensor:
     """[T, vocab] draft logits from scratch: entry j = NextN(t_j, final hidden state h_{j-1}
-    of transformers' forward; zeros for j = 0) through transformers' decoder layer built from
-    the checkpoint's NextN weights (a copy of the checkpoint one layer deeper)."""
+    of transformers' forward) through transformers' decoder layer built from the checkpoint's
+    NextN weights (a copy of the checkpoint one layer deeper). Entries 1 .. T-1 are DeepSeek's
+    MTP sequence, run as one causal sequence; entry 0 (a zero state) runs alone."""
     deeper = tmp / "deeper"
     deeper.mkdir()
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -74,12 +75,17 @@ def reference_logits(ckpt: Path, tmp: Path, tokens: list[int]) -> torch.Tensor:
     x = (x @ w["eh_proj.weight"].T)[None]  # [1, T, hidden]
     pos = torch.arange(len(tokens))[None]
     rope = hf_deep.model.rotary_emb(x, pos)
-    mask = torch.full((len(tokens), len(tokens)), float("-inf")).triu(1)[None, None]
-    g = hf_deep.model.layers[LAYERS](
-        x, attention_mask=mask, position_ids=pos, position_embeddings=rope
-    )
-    g = g[0] if isinstance(g, tuple) else g
-    return _rms(g[0], w["shared_head.norm.weight"], eps) @ w["shared_head.head.weight"].T
+    layer, gs = hf_deep.model.layers[LAYERS], []
+    for part in (slice(0, 1), slice(1, len(tokens))):
+        n = part.stop - part.start
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        cos_sin = tuple(r[:, part] for r in rope)
+        g = layer(
+            x[:, part], attention_mask=mask, position_ids=pos[:, part], position_embeddings=cos_sin
+        )
+        gs.append((g[0] if isinstance(g, tuple) else g)[0])
+    g = torch.cat(gs)  # [T, hidden]
+    return _rms(g, w["shared_head.norm.weight"], eps) @ w["shared_head.head.weight"].T
 
 
 @torch.no_grad()

@@ -14,6 +14,12 @@ The layer reads the target's hidden state after its final norm (the state servin
 to DeepSeek's MTP modules), so entry j here takes norm(h_{j-1}) with h the pre-norm state the
 engine and the pages keep (kvstrata.model.page_state): the same values, normed on the way in.
 
+DeepSeek's MTP sequence for a prompt t_0 .. t_{T-1} is the entries (t_j, h_{j-1}) for j >= 1:
+nothing stands for t_0. The speculator (MTPHead's) also runs an entry 0 (t_0, a zero state);
+here its latent row is written but hidden from every later entry (MLAttention.hide_first), so
+entries j >= 1 see exactly the module's sequence; entry 0 itself attends to itself alone (its
+output only drafts after a one-token prompt).
+
 Only the first NextN layer (k = 0) is read: the draft chains it for every proposal, as MTPHead
 does. Embedding and output-head copies equal to the target's are shared, not held twice; a copy
 that differs is kept and used. The speculator, page states, tiers and transfers are MTPHead's
@@ -30,6 +36,7 @@ from torch import nn
 
 from kvstrata.model.checkpoint import read_config, weight_files
 from kvstrata.model.decoder import DecoderLM
+from kvstrata.model.mla_attention import MLAttention
 from kvstrata.model.mtp import NEXTN, MTPHead, place_head
 
 NEXTN_LAYERS = "num_nextn_predict_layers"
@@ -45,6 +52,13 @@ class DeepSeekNextN(MTPHead):
 
     def __init__(self, target: DecoderLM) -> None:
         super().__init__(target)
+        attn = self.layer.self_attn
+        if not isinstance(attn, MLAttention):
+            raise ValueError(
+                f"spec_draft {NEXTN}: NextN layers in the checkpoint's weights are read for "
+                "MLA (DeepseekV3) targets only"
+            )
+        attn.hide_first = True  # entry 0 is not part of the MTP sequence (module doc)
         self.embed_tokens: nn.Embedding | None = None  # None: the target's (equal copy)
         self.head: nn.Linear | None = None  # None: the target's output head (equal copy)
 
