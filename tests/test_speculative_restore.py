@@ -72,8 +72,10 @@ def run_turns(
     cache_dir: Path,
     demote: bool = False,
     draft: str = DRAFT,
+    model_dir: str = "",
 ):  # noqa: ANN001, ANN201
-    """Turn by turn; per turn (output, acceptances, hits, restored pages, cached pages)."""
+    """Turn by turn; per turn (output, acceptances, hits, restored pages, cached pages).
+    `model_dir`: the checkpoint of `model` (a draft read from its weights needs it)."""
     cfg = CacheConfig(
         page_size=PAGE,
         device_pages=64,
@@ -82,7 +84,11 @@ def run_turns(
         prefetch_policy="wait_complete",
     )
     econf = EngineConfig(
-        tiers=tiers, spec_draft=draft, spec_tokens=3, model_cache_dir=str(cache_dir)
+        tiers=tiers,
+        spec_draft=draft,
+        spec_tokens=3,
+        model_cache_dir=str(cache_dir),
+        model=model_dir,
     )
     built = build_engine(econf, cfg, model=model)
     eng = built.engine

@@ -6,6 +6,7 @@ with the reference helpers: transformers' own logits and greedy tokens, computed
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +172,66 @@ def make_deepseek(
     if rope_scaling is not None:
         kw["rope_scaling"] = {**rope_scaling, "rope_theta": kw["rope_theta"]}
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**kw))
+    _draw_router_bias(model)
+    _save(model, Path(path))
+    if kw["num_nextn_predict_layers"]:
+        _add_nextn_layer(Path(path), model, seed)
+    return Path(path)
+
+
+def _draw_router_bias(model: Any) -> None:
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, 0.1)
-    return _save(model, Path(path))
+
+
+def _add_nextn_layer(path: Path, model: Any, seed: int) -> None:
+    """Append a NextN layer in DeepSeek-V3's layout (`model.layers.{N}.*`, N =
+    num_hidden_layers: enorm, hnorm, eh_proj, an MoE decoder block, shared_head.norm/head, an
+    embedding copy) to the checkpoint's weights. The block is layer N of a random model one
+    layer deeper (transformers' init), its outputs damped. A random layer accepts nothing on
+    these tiny models, so the layer is made a bigram predictor: eh_proj passes the token's
+    embedding (plus a share of the target's state), and its own output head (shared_head.head,
+    unlike DeepSeek-V3's a copy that differs from lm_head) maps each token t to the target's
+    greedy choice after the one-token prompt [t]."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = model.config
+    n, hidden, vocab = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    torch.manual_seed(seed + 7919)
+    deeper = DeepseekV3ForCausalLM(
+        DeepseekV3Config(**{**cfg.to_dict(), "num_hidden_layers": n + 1})
+    )
+    _draw_router_bias(deeper)
+    block = deeper.model.layers[n]
+    with torch.no_grad():
+        block.self_attn.o_proj.weight.mul_(0.1)
+        for name, param in block.mlp.named_parameters():
+            if "down_proj" in name:  # routed (fused in memory) and shared experts
+                param.mul_(0.1)
+        enorm = 1.0 + 0.1 * torch.randn(hidden)
+        emb = model.model.embed_tokens.weight.detach()
+        after = model(torch.arange(vocab)[:, None]).logits[:, -1].argmax(-1)  # [vocab]
+        unit = emb * enorm
+        unit = unit / unit.norm(dim=-1, keepdim=True)
+        head = torch.zeros(vocab, hidden).index_add_(0, after, 4.0 * unit)
+    eh = torch.cat([torch.eye(hidden), 0.2 * torch.eye(hidden)], dim=1)
+    layer = {
+        "enorm.weight": enorm,
+        "hnorm.weight": torch.ones(hidden),
+        "eh_proj.weight": eh,
+        "shared_head.norm.weight": torch.ones(hidden),
+        "shared_head.head.weight": head,
+        "embed_tokens.weight": emb.clone(),
+    }
+    with tempfile.TemporaryDirectory() as tmp:  # the checkpoint's names (per-expert weights)
+        deeper.save_pretrained(tmp)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    prefix = f"model.layers.{n}."
+    layer.update({k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)})
+    file = path / "model.safetensors"
+    state = load_file(str(file))
+    state.update({f"model.layers.{n}.{k}": v.contiguous() for k, v in layer.items()})
+    save_file(state, str(file), metadata={"format": "pt"})

@@ -78,6 +78,9 @@ class MLAttention(PackOwner):
         self.kv_b_proj = nn.Linear(d.kv_lora_rank, h * (d.nope_dim + d.v_dim), False, dtype=dtype)
         self.o_proj = nn.Linear(h * d.v_dim, d.hidden, bias=bias, dtype=dtype)
         self.fused: Fused | None = None  # the hidden state's two projections, once fuse() ran
+        # True in a NextN (MTP) layer: its entry at position 0 (no target state before it) is
+        # not part of DeepSeek's MTP sequence, so no later entry attends to it (see visible)
+        self.hide_first = False
 
     def fuse(self, prepack: bool = False) -> None:
         """The two projections of the hidden state (q_a_proj or q_proj, kv_a_proj_with_mqa) as
@@ -142,9 +145,25 @@ class MLAttention(PackOwner):
             rows_s = slice(start, start + n)
             ctx = context_rows(k_pool, v_pool, meta, s).to(q_nope.dtype)  # [ctx, D]
             mask = None if n == 1 and meta.tail[s] else meta.masks[s]
+            mask = self.visible(mask, meta, s, torch.arange(n))
             out[rows_s] = self.attend(q_nope[rows_s], q_pe[rows_s], ctx, mask, self.absorbs(n))
             start += n
         return self.o_proj(out.flatten(1))
+
+    def visible(
+        self, mask: torch.Tensor | None, meta: AttnMeta, s: int, rows: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Sequence s's mask [t, ctx] for its query rows `rows` [t] (None: all visible), with
+        key position 0 hidden from every query past it when hide_first."""
+        if not self.hide_first:
+            return mask
+        pos = meta.positions[sum(meta.seq_lens[:s]) + rows]  # [t] the queries' positions
+        ctx = meta.ctx_lens[s]
+        if mask is None:
+            mask = torch.ones(len(rows), ctx, dtype=torch.bool, device=pos.device)
+        mask = mask.clone()
+        mask[:, 0] = pos == 0  # position 0 sees itself (its only key), nobody else sees it
+        return mask
 
     def absorbs(self, n: int) -> bool:
         """Whether n new queries of a sequence attend in latent space (see `absorb`)."""

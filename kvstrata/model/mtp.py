@@ -35,7 +35,7 @@ from torch import nn
 
 from kvstrata.memory.layout import DTYPES
 from kvstrata.model.attn_meta import build_meta
-from kvstrata.model.decoder import DecoderLayer, DecoderLM, KVPool, SeqBatch
+from kvstrata.model.decoder import DecoderLM, KVPool, SeqBatch
 from kvstrata.model.layers import RMSNorm
 from kvstrata.model.prepack import Prepacked
 
@@ -51,6 +51,7 @@ class MTPHead(nn.Module):
     """One NextN layer over a target's geometry; inference only."""
 
     vocab_ids: torch.Tensor | None
+    KIND = ""  # a subclass's name for its own computation (in the fingerprint)
 
     def __init__(self, target: DecoderLM) -> None:
         super().__init__()
@@ -58,7 +59,8 @@ class MTPHead(nn.Module):
         self.enorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.eh_proj = nn.Linear(2 * s.hidden_size, s.hidden_size, bias=False, dtype=dtype)
-        self.layer = DecoderLayer(s, dtype)
+        # the block the target would have at index num_layers (MLA + MoE for DeepSeek-V3)
+        self.layer = target.make_layer(s.num_layers, dtype)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, dtype)
         self.target = [target]  # a list: not a submodule (its weights are not the head's)
         self.fingerprint = ""
@@ -77,12 +79,20 @@ class MTPHead(nn.Module):
         self.register_buffer(VOCAB_IDS, ids)
         self._rows = self._packed = None
 
+    def out_weight(self) -> torch.Tensor:
+        """The full output head [vocab, hidden]: the target's (shared)."""
+        target = self.target[0]
+        return target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+
+    def entry_input(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """x_j = eh_proj([enorm(embed(t_j)); hnorm(h_{j-1})]): ids [T], target states
+        [T, hidden] (before the final norm) -> [T, hidden]."""
+        emb = self.target[0].model.embed_tokens(input_ids)  # [T, hidden]
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
+
     def head_rows(self) -> torch.Tensor:
         """The output head's weight this draft scores with: [K or vocab, hidden]."""
-        target = self.target[0]
-        weight = (
-            target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        )
+        weight = self.out_weight()
         if self.vocab_ids is None:
             return weight
         if self._rows is None or self._rows.device != weight.device:
@@ -124,8 +134,7 @@ class MTPHead(nn.Module):
         meta = build_meta(
             batch.positions, batch.seq_lens, batch.ctx_lens, batch.page_tables, page_size
         )
-        emb = target.model.embed_tokens(batch.input_ids)  # [T, hidden]
-        x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
+        x = self.entry_input(batch.input_ids, hidden)  # [T, hidden]
         rope = target.rotary.tables(batch.positions, x.dtype)
         g = self.layer(x, rope, kv.k(0), kv.v(0), meta)  # [T, hidden]
         y = g
@@ -141,6 +150,7 @@ def is_head_draft(spec_draft: str) -> bool:
 
 def _fingerprint(head: MTPHead) -> str:
     h = xxhash.xxh3_128()
+    h.update(head.KIND.encode())  # a subclass computes other outputs from the same names
     for name, tensor in sorted(head.state_dict().items()):
         h.update(name.encode())
         h.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
@@ -173,10 +183,10 @@ def load_head_file(path: Path, target: DecoderLM, name: str) -> MTPHead:
     if bad or set(state) - set(want):
         raise ValueError(f"spec_draft {name!r}: not an MTP head of this target's shape")
     head.load_state_dict({k: v.to(want[k].dtype) for k, v in state.items()})
-    return _placed(head, target)
+    return place_head(head, target)
 
 
-def _placed(head: MTPHead, target: DecoderLM) -> MTPHead:
+def place_head(head: MTPHead, target: DecoderLM) -> MTPHead:
     head.to(target.model.embed_tokens.weight.device)
     head.fingerprint = _fingerprint(head)
     head.head_rows()  # a reduced head's rows (and their packed layout) once, outside inference mode
@@ -190,4 +200,4 @@ def load_head(spec_draft: str, target: DecoderLM) -> MTPHead:
         return load_head_file(Path(what), target, spec_draft)
     head = MTPHead(target)
     _randomize(head)
-    return _placed(head, target)
+    return place_head(head, target)

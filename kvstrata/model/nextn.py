@@ -4,8 +4,10 @@ The layer has the form DeepSeek-V3 gives its NextN modules (kvstrata.model.mtp.M
 enorm, hnorm, eh_proj over [enorm(embed(t_j)); hnorm(h_{j-1})], one decoder layer of the
 target's shape, a final norm, and the target's embedding and output head (shared).
 
-File format, for Llama-family checkpoints (which have no slot for extra layers in their own
-safetensors): `DIR/nextn.safetensors` beside the model's weights, holding exactly MTPHead's
+A checkpoint that declares `num_nextn_predict_layers` (DeepSeek-V3 and its kin) carries the
+layer in its own weights as decoder layer `num_hidden_layers`: read from there
+(kvstrata.model.deepseek_nextn). File format for Llama-family checkpoints (which have no
+slot for extra layers in their own safetensors): `DIR/nextn.safetensors` beside the model's weights, holding exactly MTPHead's
 state dict in the target's dtype:
     enorm.weight, hnorm.weight              [hidden]
     eh_proj.weight                          [hidden, 2 * hidden]  (columns: embedding, state)
@@ -26,6 +28,7 @@ from pathlib import Path
 import xxhash
 
 from kvstrata.model.decoder import DecoderLM
+from kvstrata.model.deepseek_nextn import has_nextn_layers, load_deepseek_nextn
 from kvstrata.model.mtp import NEXTN, MTPHead, load_head_file
 
 __all__ = ["NEXTN", "NEXTN_FILE", "load_nextn", "trained_path"]
@@ -44,8 +47,12 @@ def trained_path(target: DecoderLM, cache_dir: Path) -> Path:
 
 
 def load_nextn(target: DecoderLM, model_dir: Path | None, cache_dir: Path) -> MTPHead:
-    """The NextN layer of the checkpoint at `model_dir` (its nextn.safetensors), else the one
-    trained here (built on first use for SmolLM2); ValueError when there is none."""
+    """The NextN layer of the checkpoint at `model_dir`: in its own weights (DeepSeek-V3's
+    layout, kvstrata.model.deepseek_nextn), else its nextn.safetensors, else the one trained
+    here (built on first use for SmolLM2); ValueError when there is none."""
+    if has_nextn_layers(model_dir):
+        assert model_dir is not None
+        return load_deepseek_nextn(target, Path(model_dir))
     if model_dir is not None and (Path(model_dir) / NEXTN_FILE).is_file():
         return load_head_file(Path(model_dir) / NEXTN_FILE, target, NEXTN)
     path = trained_path(target, cache_dir)

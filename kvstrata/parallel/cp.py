@@ -192,7 +192,7 @@ class CPModel(ModelPart):
         for s, ((xr, mr), slots) in enumerate(zip(p.seq_rows, meta.ctx_slots, strict=True)):
             if xr.numel():
                 rows = torch.cat((flat[0, slots], flat[1, slots]), -1).flatten(1).to(h.dtype)
-                mask = meta.masks[s][mr]  # [t_s, ctx]
+                mask = attn.visible(meta.masks[s][mr], meta, s, mr)  # [t_s, ctx]
                 absorb = attn.absorbs(meta.seq_lens[s])
                 out[xr] = attn.attend(q_nope[xr], q_pe[xr], rows, mask, absorb)
         return attn.o_proj(out.flatten(1))

@@ -12,7 +12,10 @@ those tail layers:
   the draft runs through the same per-layer gather (CPModel over the pool's draft layers,
   CPHead for an MTP head), and its logits are summed from the owners: the same on every rank.
 - TP: a draft model is sharded by heads like the target (its tail layers hold this rank's
-  heads). An MTP head is not sharded: refused with --tp > 1.
+  heads). An MTP head is not sharded: over latent (MLA) pages every tp rank holds the whole
+  page and the full hidden state (after the all-reduce), so each rank runs the whole head and
+  computes the same head KV and states (tp rank 0 alone writes their storage units, as for the
+  target's latent); over per-head (GQA) pages it is refused with --tp > 1.
 Every rank then holds the same logits for every draft and verify row, so proposals, accept
 counts and (with sampling) every draw from a request's generator are the same everywhere; the
 engine also logs each verify's (drafted, accepted, emitted) in the rank's DecisionLog, so the
@@ -29,7 +32,9 @@ import torch.distributed as dist
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.mtp_speculator import MTPSpeculator
 from kvstrata.engine.speculative import Speculator
-from kvstrata.model.decoder import SeqBatch
+from kvstrata.model.checkpoint import parse_spec, read_config
+from kvstrata.model.decoder import ModelSpec, SeqBatch
+from kvstrata.model.deepseek import MLASpec
 from kvstrata.model.mtp import MTPHead, is_head_draft
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.cp import CPModel, CPPlan
@@ -38,14 +43,22 @@ from kvstrata.parallel.pp import PipelineStage
 from kvstrata.parallel.tp import shard_tp
 
 MTP_TP = (
-    "--spec-draft mtp:... / nextn is not supported with --tp > 1 (the MTP head's layer is not sharded "
-    "by heads); use --cp / --pp, or a draft model (self:K or a checkpoint)"
+    "--spec-draft mtp:... / nextn is not supported with --tp > 1 on a per-head (GQA) target (the "
+    "MTP head's layer is not sharded by heads); use --cp / --pp, or a draft model (self:K or a "
+    "checkpoint)"
 )
+
+
+def latent_spec(spec: ModelSpec) -> bool:
+    """The target's pages are latent (MLA): no head axis, the same on every tp rank."""
+    return isinstance(spec, MLASpec)
 
 
 def check_spec_layout(engine_cfg: EngineConfig, dist_cfg: DistConfig) -> None:
     """ValueError, before any rank starts, for a draft this layout cannot run."""
-    if is_head_draft(engine_cfg.spec_draft) and dist_cfg.tp > 1:
+    if not is_head_draft(engine_cfg.spec_draft) or dist_cfg.tp == 1:
+        return
+    if not engine_cfg.model or not latent_spec(parse_spec(read_config(engine_cfg.model))):
         raise ValueError(MTP_TP)
 
 
@@ -108,11 +121,8 @@ class CPHead(CPModel):
         return self.head.logits(x)
 
     def _input(self, batch: SeqBatch, p: CPPlan) -> torch.Tensor:
-        """x_j = eh_proj([enorm(embed(t_j)); hnorm(h_{j-1})]) of this rank's tokens [t, hidden]."""
-        h = self.head
-        emb = self.model.model.embed_tokens(batch.input_ids[p.mine])
-        hid = self._hidden[p.mine].to(emb.dtype)
-        return h.eh_proj(torch.cat([h.enorm(emb), h.hnorm(hid)], dim=-1))
+        """The head's entry inputs x_j (MTPHead.entry_input) of this rank's tokens [t, hidden]."""
+        return self.head.entry_input(batch.input_ids[p.mine], self._hidden[p.mine])
 
 
 def place_speculator(
@@ -122,10 +132,10 @@ def place_speculator(
     start after the rank's `target_layers` pool layers, and its draft runs as the layout does."""
     cfg = ctx.config
     mtp = isinstance(spec, MTPSpeculator)
-    if mtp and cfg.tp > 1:
-        raise ValueError(MTP_TP)
     if mtp:
         assert isinstance(spec, MTPSpeculator)
+        if cfg.tp > 1 and not latent_spec(spec.draft.target[0].spec):
+            raise ValueError(MTP_TP)
         spec.place(target_layers)
         spec.states.active = stage is None or stage.is_last
         spec.states.group = ctx.cp_group if cfg.cp > 1 else None
