@@ -132,6 +132,7 @@ def test_vllm_with_kvstrata_host_then_storage_after_restart(
             text, "vllm:kvstrata_hit_tokens_total", "tier", "host"
         )
         assert by_source(text, "disk") == 0
+        assert wait_idle(kvs) == 0.0  # write_through keeps no block past its request
     assert texts == texts_alone
     assert cached == expected_cached(prompts)
     # a fresh server (empty host pool, vLLM's cache cold) on the same storage: every prompt's full
