@@ -132,6 +132,7 @@ def test_vllm_with_kvstrata_host_then_storage_after_restart(
             text, "vllm:kvstrata_hit_tokens_total", "tier", "host"
         )
         assert by_source(text, "disk") == 0
+        assert wait_idle(kvs) == 0.0  # write_through keeps no block past its request
     assert texts == texts_alone
     assert cached == expected_cached(prompts)
     # a fresh server (empty host pool, vLLM's cache cold) on the same storage: every prompt's full
@@ -246,3 +247,58 @@ def test_tp2_store_is_a_tp1_hit_and_back(model: Path, tmp_path: Path) -> None:
     assert (stored_by_1.cached_tokens, stored_by_2.cached_tokens) == (0, 0)
     assert (read_by_2.cached_tokens, read_by_1.cached_tokens) == (full, full)
     assert (read_by_2.text, read_by_1.text) == (stored_by_1.text, stored_by_2.text)
+
+
+def kv_usage(server: VllmServer) -> float:
+    """vLLM's own gauge of its KV space in use (0 when every block is free or only cached)."""
+    m = re.search(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)$", server.metrics(), re.M)
+    assert m is not None, "vllm:kv_cache_usage_perc missing from /metrics"
+    return float(m.group(1))
+
+
+def wait_idle(server: VllmServer, timeout_s: float = 30) -> float:
+    """vLLM's KV usage once it is back to 0, or its last value after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while (usage := kv_usage(server)) != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return usage
+
+
+def distinct_pages(prompts: list[list[int]]) -> int:
+    """Full pages computed over all prompts and their first OUT - 1 generated tokens (whose KV
+    vLLM computes), counted once: here every such page lies inside its prompt."""
+    pages = set()
+    for p in prompts:
+        n_full = (len(p) + OUT - 1) // BLOCK
+        assert n_full <= len(p) // BLOCK, "a full page holding generated tokens"
+        pages.update(tuple(p[: (i + 1) * BLOCK]) for i in range(n_full))
+    return len(pages)
+
+
+def test_write_back_stores_each_page_once_when_its_request_ends(
+    model: Path, tmp_path: Path, alone: tuple[list[str], list[int]]
+) -> None:
+    """write_back: a page is copied to host memory when the request holding it ends, from vLLM's
+    blocks, which vLLM keeps until the copy ran (delay_free, then finished_sending). Outputs equal
+    vLLM alone; every turn's shared prefix is a host hit; each distinct page is stored and backed
+    up exactly once; vLLM's KV space is back to idle (no block kept)."""
+    prompts = workload()
+    extra = {
+        "host_pages": 256,
+        "storage_url": f"file://{tmp_path / 'storage'}",
+        "write_policy": "write_back",
+        "check_integrity": True,  # tree and pools checked after every step: a fault stops vLLM
+    }
+    page_bytes = LAYERS * 3 * 64 * BLOCK * 2 * 4  # SmolLM2: 3 KV heads of 64, K and V, fp32
+    pages = distinct_pages(prompts)
+    with VllmServer(model, tmp_path / "vllm_write_back.log", connector=extra) as kvs:
+        texts, cached = run(kvs, prompts)
+        assert wait_idle(kvs) == 0.0
+        kvs.complete(list(range(7, 7 + BLOCK - 8)), max_tokens=1)  # a step: the last backups go
+        moved = "vllm:kvstrata_moved_bytes_total"
+        stored = wait_metric(kvs, moved, "kind", "store", pages * page_bytes)
+        backed = wait_metric(kvs, moved, "kind", "backup", pages * page_bytes)
+        assert wait_idle(kvs) == 0.0
+    assert texts == alone[0]
+    assert cached == expected_cached(prompts)
+    assert (stored, backed) == (pages * page_bytes, pages * page_bytes)

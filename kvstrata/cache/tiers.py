@@ -104,7 +104,7 @@ class Tiers:
             node = self.device_q.pop()
             if node is None:
                 break
-            if not self._evict_device_node(self._tail(node, need)):
+            if not self.evict_node(self._tail(node, need)):
                 skipped.append(node)
         for node in skipped:
             self.device_q.push(node)
@@ -119,7 +119,10 @@ class Tiers:
         self.touched(upper)
         return node
 
-    def _evict_device_node(self, node: Node) -> bool:
+    def evict_node(self, node: Node) -> bool:
+        """Evict one node's device copy under the write policy: drop it where a host copy
+        exists, demote it (device -> host copy, dropped once landed) when the policy copies on
+        eviction, else drop it with its host-only descendants. False: a descendant is busy."""
         assert node.device is not None
         if node.host is not None:
             self.drop_device(node)

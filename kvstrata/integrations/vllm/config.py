@@ -10,18 +10,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
-from kvstrata.cache.policies import EVICTION, PREFETCH
+from kvstrata.cache.policies import EVICTION, PREFETCH, WRITE
 from kvstrata.configtools import doc
 
 COPY_MODES = ("auto", "step", "layer")
 """How host <-> vLLM copies run: "step" all layers at once (loads before the forward, stores after
 it, on vLLM's thread); "layer" layer by layer on a copy thread (layer l+1 loads while layer l
 computes, a layer's store starts once vLLM saved it); "auto": layer on CUDA, step on CPU."""
-
-SUPPORTED_WRITE_POLICIES = ("write_through",)
-"""vLLM owns device memory and frees a block once its request ends: a page is copied to host memory
-while vLLM still holds it (write-through); policies that copy later (on eviction, after N hits)
-would read blocks vLLM has already reused."""
 
 
 class ConnectorConfigError(ValueError):
@@ -36,7 +31,14 @@ class VllmConnectorConfig:
     host_bytes: int = doc(0, "host capacity in bytes when host_pages is 0 (per vLLM worker)")
     page_size: int = doc(0, "tokens per kvstrata page; 0: vLLM's block size (else a multiple)")
     storage_url: str = doc("", "storage URL (file:///dir, redis://host:port/db); empty: none")
-    write_policy: str = doc("write_through", "device->host backup (write_through only under vLLM)")
+    write_policy: str = doc(
+        "write_through",
+        "vLLM->host copies: write_through (as computed), write_back (when the request ends),"
+        " write_through_selective (once a page was hit write_through_threshold times)",
+    )
+    write_through_threshold: int = doc(
+        2, "write_through_selective: hits of a page before it is copied to host memory"
+    )
     prefetch_policy: str = doc(
         "timeout", "storage->host prefetch: best_effort, wait_complete, timeout"
     )
@@ -57,9 +59,10 @@ class VllmConnectorConfig:
                 _bad(name, getattr(self, name), "must be >= 0")
         if not self.host_pages and not self.host_bytes:
             _bad("host_pages", 0, "host_pages or host_bytes must be > 0 (the host pool)")
-        if self.write_policy not in SUPPORTED_WRITE_POLICIES:
-            _bad("write_policy", self.write_policy, f"must be one of {SUPPORTED_WRITE_POLICIES}")
-        for name, registry in (("prefetch_policy", PREFETCH), ("eviction", EVICTION)):
+        if self.write_through_threshold < 1:
+            _bad("write_through_threshold", self.write_through_threshold, "must be >= 1")
+        policies = (("write_policy", WRITE), ("prefetch_policy", PREFETCH), ("eviction", EVICTION))
+        for name, registry in policies:
             try:
                 registry.get(getattr(self, name))
             except ValueError as exc:

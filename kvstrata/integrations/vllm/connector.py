@@ -155,6 +155,12 @@ class KvstrataConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             self._worker().after_forward(self._jobs())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, None]:
+        """Requests whose blocks vLLM kept (request_finished said delay_free) once the stores
+        that read them ran: this step's, after wait_for_save (or the next step's get_finished,
+        where vLLM asks before saving)."""
+        return self._worker().take_finished_sending() or None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_load_errors()
 
@@ -208,8 +214,9 @@ class KvstrataConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._sched().request_finished(request)
-        return False, None
+        """delay_free while a store of an evicted page still reads the request's blocks (the
+        write policy copies on eviction, e.g. write_back): freed once get_finished reports it."""
+        return self._sched().request_finished(request), None
 
 
 def vllm_event(tc: TierChange, page_size: int) -> KVCacheEvent:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 class BlockCopy:
     """One kvstrata page <-> the vLLM blocks it covers (page_size = r x block_size).
 
-    `blocks[j]` is the vLLM block holding tokens [j*block, (j+1)*block) of the page, or -1
-    where that block is not copied (vLLM computed it itself, or it is already in place).
+    `blocks[j]` is the vLLM block holding tokens [j*block, (j+1)*block) of the page, or (loads
+    only) -1 where that block is not copied (vLLM computed it itself, or it is already in place).
+    A store always reads every block of its page.
     """
 
     host_id: int
@@ -53,6 +54,11 @@ class StepJobs:
     stores: list[CopyJob] = field(default_factory=list)
     failed_blocks: list[int] = field(default_factory=list)
     """vLLM blocks promised as loaded that the scheduler side could not load: recomputed."""
+    finished_sending: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM keeps for this step's stores (request_finished said
+    delay_free); the workers report them back once the stores ran, and vLLM frees the blocks."""
 
     def __bool__(self) -> bool:
-        return bool(self.storage or self.loads or self.stores or self.failed_blocks)
+        return bool(
+            self.storage or self.loads or self.stores or self.failed_blocks or self.finished_sending
+        )

@@ -6,6 +6,12 @@ scheduler step is turned into a job when the step's metadata is built (its trans
 bound by then), runs on every worker in that step, and its pages-moved count comes back
 through `report` (the minimum over workers) before the manager's next step.
 
+Transit ids and vLLM's blocks: a load writes the blocks bound for it at admission (`bind_load`);
+a store reads the blocks of a request that holds the page's KV *now* (`bind_source`: vLLM's hit,
+loaded or computed by the end of the step). A request that goes away (finished, preempted) is
+`forget`-ten: its blocks are never read again. A store of a page no live request holds is a
+failed store (0 pages, no job): a later miss, never stale bytes.
+
 Storage visibility: workers write their own units of a backed-up page and never its commit
 marker. Only once the aggregated (minimum) result says every worker wrote every page of a backup
 does `report` commit it (the `commit` callback writes the markers): a page is never visible with
@@ -37,14 +43,55 @@ class JobMover:
         self._queued: list[TransferOp] = []
         self._sent: dict[int, TransferOp] = {}  # op id -> op, until its result came back
         self._results: dict[int, int] = {}  # id(op) -> pages moved (agreed over workers)
-        self._blocks: dict[int, tuple[int, ...]] = {}  # transit id -> vLLM blocks (-1: skip)
-        self._owner: dict[int, str] = {}  # transit id -> the vLLM request it was bound for
+        # transit id -> (vLLM blocks a load writes, -1: skip; the request they belong to)
+        self._load_to: dict[int, tuple[tuple[int, ...], str]] = {}
+        # transit id -> request -> its vLLM blocks holding the page (the last bound is read)
+        self._sources: dict[int, dict[str, tuple[int, ...]]] = {}
+        self._bound: dict[str, set[int]] = {}  # request -> transit ids it is a source of
 
     # ---- transit ids --------------------------------------------------------------------------
-    def bind(self, transit_id: int, blocks: tuple[int, ...], request_id: str = "") -> None:
-        """Transit page `transit_id` is these vLLM blocks of `request_id` (until bound again)."""
-        self._blocks[transit_id] = blocks
-        self._owner[transit_id] = request_id
+    def bind_load(self, transit_id: int, blocks: tuple[int, ...], request_id: str) -> None:
+        """A load of `transit_id` writes these blocks of `request_id` (-1: not copied)."""
+        self._load_to[transit_id] = (blocks, request_id)
+
+    def bind_source(self, transit_id: int, blocks: tuple[int, ...], request_id: str) -> None:
+        """`request_id`'s blocks hold page `transit_id` by the end of this step."""
+        sources = self._sources.setdefault(transit_id, {})
+        sources.pop(request_id, None)  # re-bound: the latest source is read first
+        sources[request_id] = blocks
+        self._bound.setdefault(request_id, set()).add(transit_id)
+
+    def unbind(self, transit_ids: Sequence[int]) -> None:
+        """These transit ids were freed: nothing may read or write blocks through them."""
+        for t in transit_ids:
+            self._load_to.pop(t, None)
+            for request_id in self._sources.pop(t, {}):
+                self._bound.get(request_id, set()).discard(t)
+
+    def forget(self, request_id: str) -> None:
+        """vLLM may reuse `request_id`'s blocks from now on: no job reads them again."""
+        for t in self._bound.pop(request_id, set()):
+            sources = self._sources.get(t)
+            if sources is not None:
+                sources.pop(request_id, None)
+                if not sources:
+                    del self._sources[t]
+
+    def reads(self, request_id: str) -> bool:
+        """Whether a queued store reads blocks of `request_id` (vLLM must keep them)."""
+        return any(
+            self._source(t)[1] == request_id
+            for op in self._queued
+            if op.kind == STORE
+            for t in op.src
+        )
+
+    def _source(self, transit_id: int) -> tuple[tuple[int, ...], str]:
+        sources = self._sources.get(transit_id)
+        if not sources:
+            return (), ""
+        request_id = next(reversed(sources))
+        return sources[request_id], request_id
 
     # ---- PageMover ----------------------------------------------------------------------------
     def submit(self, op: TransferOp) -> None:
@@ -65,11 +112,15 @@ class JobMover:
         """The queued ops as this step's jobs (transit ids resolved to vLLM blocks now)."""
         jobs = StepJobs()
         for op in self._queued:
+            if op.kind == STORE and not all(self._source(t)[1] for t in op.src):
+                self._results[id(op)] = 0  # a page no live request holds: a failed store
+                continue
             self._sent[op.handle] = op
             if op.kind == LOAD:
-                jobs.loads.append(self._copy_job(op.handle, op.src, op.dst))
+                to = [self._load_to[t] for t in op.dst]
+                jobs.loads.append(_copy_job(op.handle, op.src, to))
             elif op.kind == STORE:
-                jobs.stores.append(self._copy_job(op.handle, op.dst, op.src))
+                jobs.stores.append(_copy_job(op.handle, op.dst, [self._source(t) for t in op.src]))
             elif op.kind == BACKUP:
                 jobs.storage.append(StorageJob(op.handle, BACKUP, tuple(op.keys), tuple(op.src)))
             elif op.kind == PREFETCH:
@@ -79,13 +130,6 @@ class JobMover:
                 jobs.storage.append(StorageJob(op.handle, PROBE, tuple(op.keys)))
         self._queued.clear()
         return jobs
-
-    def _copy_job(self, op_id: int, host_ids: list[int], transit_ids: list[int]) -> CopyJob:
-        pages = tuple(
-            BlockCopy(h, self._blocks[t]) for h, t in zip(host_ids, transit_ids, strict=True)
-        )
-        owners = tuple(sorted({self._owner[t] for t in transit_ids if self._owner.get(t)}))
-        return CopyJob(op_id, pages, owners)
 
     def report(self, results: dict[int, int]) -> None:
         """Pages moved per op id (agreed over workers) for ops sent in an earlier step."""
@@ -110,3 +154,11 @@ class JobMover:
     def outstanding(self) -> int:
         """Ops queued or sent whose result has not come back yet."""
         return len(self._queued) + len(self._sent)
+
+
+def _copy_job(
+    op_id: int, host_ids: list[int], blocks: list[tuple[tuple[int, ...], str]]
+) -> CopyJob:
+    """Host page i <-> blocks[i] = (its vLLM blocks, the request they belong to)."""
+    pages = tuple(BlockCopy(h, b) for h, (b, _) in zip(host_ids, blocks, strict=True))
+    return CopyJob(op_id, pages, tuple(sorted({r for _, r in blocks if r})))

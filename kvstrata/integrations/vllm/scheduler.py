@@ -15,9 +15,17 @@ workers open. Each vLLM request drives one Lease, as our own engine's admission 
         store, which the workers run after the forward), then ship the step's jobs
     update_connector_output: the workers' agreed results; a backup every worker wrote gets its
         storage commit markers here (the only writer of markers: JobMover)
-    request_finished: release (the stores already ran in the step that computed the pages)
+    request_finished: release, then evict the request's pages no other lease holds under the
+        write policy (the manager's rule: drop where a host copy exists; write_back demotes them,
+        a store that reads the request's blocks: vLLM keeps them (delay_free) until the workers
+        report the request in finished_sending, after the next step's stores ran)
 
-A transit copy in the tree is dropped as soon as no lease holds it: vLLM may reuse the block.
+write_through copies a page in the step that computed it; write_back when its request ends;
+write_through_selective once the page was hit `write_through_threshold` times while some running
+request holds it (vLLM's own prefix hits happen in blocks kvstrata does not see, so a page hit
+only there is never counted). A store reads the blocks of a request that holds the page's KV
+(JobMover.bind_source); a request vLLM preempts or frees is forgotten first, so no store ever
+reads a block vLLM may have reused.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import Namespace
 from kvstrata.cache.lease import Lease, LeaseState
 from kvstrata.cache.manager import HiCache
-from kvstrata.cache.radix import Match
+from kvstrata.cache.radix import Match, Node
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.metadata import StepJobs
 from kvstrata.integrations.vllm.mover import JobMover
@@ -57,6 +65,7 @@ class RequestState:
     vllm_hit: int = 0  # tokens vLLM's own prefix cache provided at admission
     external: int = 0  # tokens this connector told vLLM it loads
     fresh: bool = False  # admitted this step: `blocks` already lists every block it has
+    valid: int = 0  # tokens whose KV the request's blocks hold by the end of this step
     sources: dict[str, int] = field(default_factory=dict)  # external tokens by tier (admitted)
 
 
@@ -75,6 +84,7 @@ class SchedulerSide:
             storage_url=config.storage_url,
             eviction=config.eviction,
             write_policy=config.write_policy,
+            write_through_threshold=config.write_through_threshold,
             prefetch_policy=config.prefetch_policy,
             prefetch_timeout_base_s=config.prefetch_timeout_base_s,
             prefetch_timeout_per_page_s=config.prefetch_timeout_per_page_s,
@@ -99,6 +109,7 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self.events = TierEvents(spec.page_size) if kv_events else None  # vLLM publishes events
         self.load_errors: set[int] = set()
+        self.leaving: set[str] = set()  # finished, blocks kept for stores the next step runs
         self.check_each_step = config.check_integrity
         self.hit_tokens = {
             "host": 0,
@@ -110,7 +121,7 @@ class SchedulerSide:
         self.cache.step()
         st = self.requests.get(request.request_id)
         if st is not None and st.lease.state is LeaseState.ADMITTED:
-            st.lease.release()  # preempted: vLLM freed its blocks and schedules it afresh
+            self._preempted(st)  # vLLM freed its blocks and schedules it afresh
             st = None
         if st is None or st.lease.state is LeaseState.RELEASED:
             st = self.requests[request.request_id] = RequestState(request, self._open(request))
@@ -162,6 +173,7 @@ class SchedulerSide:
                 self.load_errors.update(st.blocks[first:last])
             st.lease.release()
             return
+        st.valid = st.vllm_hit + st.external  # loads land before this step's forward
         self._bind(st)
         from_storage = min(num_external, st.lease.hits.storage * self.page)
         st.sources = {"host": num_external - from_storage, "storage": from_storage}
@@ -169,21 +181,26 @@ class SchedulerSide:
             self.hit_tokens[tier] += n
 
     def _bind(self, st: RequestState) -> None:
-        """Bind each transit page of the request to its vLLM blocks (-1: not copied)."""
-        lease, block = st.lease, self.spec.block_size
-        m = lease.match
-        assert m is not None
+        """Bind each transit page of the request to its vLLM blocks: a load writes only the
+        blocks of the loaded range (-1 elsewhere); a store may read the blocks of every page
+        whose KV they hold by the end of this step (`st.valid` tokens)."""
+        block, rid = self.spec.block_size, st.request.request_id
         load_lo, load_hi = st.vllm_hit // block, (st.vllm_hit + st.external) // block
-        for i, transit in enumerate(lease.page_table):
-            first = i * self.ratio
-            ids = []
-            for b in range(first, first + self.ratio):
-                loaded = i < m.pages and not (load_lo <= b < load_hi)
-                ids.append(-1 if loaded or b >= len(st.blocks) else st.blocks[b])
-            self.mover.bind(transit, tuple(ids), st.request.request_id)
+        n_blocks = len(st.blocks)
+        for i, transit in enumerate(st.lease.page_table):
+            span = range(i * self.ratio, (i + 1) * self.ratio)
+            load = [st.blocks[b] if load_lo <= b < load_hi and b < n_blocks else -1 for b in span]
+            self.mover.bind_load(transit, tuple(load), rid)
+            if span[-1] < n_blocks and (i + 1) * self.page <= st.valid:
+                self.mover.bind_source(transit, tuple(st.blocks[b] for b in span), rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepJobs:
         self.cache.step()
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self.requests.get(req_id)
+            if st is not None and st.lease.state is LeaseState.ADMITTED and not st.fresh:
+                self._preempted(st)  # its blocks are free again: forget them before any job
+                del self.requests[req_id]
         for req_id, new_blocks in _new_blocks(scheduler_output):
             st = self.requests.get(req_id)
             if st is not None and st.lease.state is LeaseState.ADMITTED:
@@ -202,6 +219,10 @@ class SchedulerSide:
         jobs = self.mover.take_jobs()
         jobs.failed_blocks = sorted(self.load_errors)
         self.load_errors.clear()
+        jobs.finished_sending = sorted(self.leaving)  # no later job reads their blocks
+        for req_id in self.leaving:
+            self.mover.forget(req_id)
+        self.leaving.clear()
         if self.check_each_step:
             self.check_integrity()
         return jobs
@@ -215,6 +236,10 @@ class SchedulerSide:
             tokens = list(st.request.all_token_ids)[have * self.page : n_full * self.page]
             lease.extend_tokens(tokens)
         lease.commit(n_full * self.page)
+        grew = upto // self.page > st.valid // self.page
+        st.valid = max(st.valid, upto)  # this step's forward writes them before its stores run
+        if grew:
+            self._bind(st)
 
     def _drop_transit(self) -> None:
         """Forget transit copies no lease holds (leaves first): vLLM may reuse their blocks."""
@@ -225,10 +250,35 @@ class SchedulerSide:
             if node.host is not None or not node.children:
                 tiers.drop_device(node)
 
-    def request_finished(self, request: Any) -> None:
-        st = self.requests.pop(request.request_id, None)
-        if st is not None:
-            st.lease.release()
+    def request_finished(self, request: Any) -> bool:
+        """Release the request's lease and evict what no other lease holds under the write
+        policy. True: a store still reads its blocks (vLLM keeps them until finished_sending)."""
+        rid = request.request_id
+        self.cache.step()  # stores that already landed: their pages need no copy now
+        st = self.requests.pop(rid, None)
+        if st is None:
+            return False
+        lease = st.lease
+        path = _path(lease.locked, self.cache.tree.root)
+        if lease.state is LeaseState.ADMITTED:
+            st.valid = max(st.valid, request.num_computed_tokens)
+            self._bind(st)  # the store of an evicted page reads this request's blocks
+            self.mover.unbind(lease.page_table[lease.inserted :])  # freed by release
+        lease.release()
+        for node in path:  # leaves first
+            if node.device is not None and node.evictable and not node.has_device_child():
+                self.cache.tiers.evict_node(node)
+        if self.mover.reads(rid):
+            self.leaving.add(rid)
+            return True
+        self.mover.forget(rid)
+        return False
+
+    def _preempted(self, st: RequestState) -> None:
+        """vLLM took the request's blocks back: forget them, then let go of its pages."""
+        self.mover.forget(st.request.request_id)
+        self.mover.unbind(st.lease.page_table[st.lease.inserted :])
+        st.lease.release()
 
     def hit_sources(self, request_id: str) -> dict[str, int]:
         """The admitted request's external tokens by tier ({} if it was not admitted)."""
@@ -266,6 +316,15 @@ def _marker_store(config: VllmConnectorConfig, spec: KVSpec) -> UnitStorage | No
     return open_unit_storage(
         config.storage_url, whole, StorageConfig(), commit_on_put=False, layout=spec.units
     )
+
+
+def _path(node: Node | None, root: Node) -> list[Node]:
+    """`node` and its ancestors below the root, deepest first."""
+    out = []
+    while node is not None and node is not root:
+        out.append(node)
+        node = node.parent
+    return out
 
 
 def _new_blocks(out: Any) -> list[tuple[str, list[int]]]:

@@ -49,6 +49,7 @@ class WorkerSide:
         self.check_each_step = config.check_integrity
         self.results: dict[int, int] = {}
         self.load_errors: set[int] = set()
+        self.finished_sending: set[str] = set()  # requests whose last stores ran: blocks free
         self.moved_bytes = {"load": 0, "store": 0, "backup": 0, "prefetch": 0}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -93,6 +94,7 @@ class WorkerSide:
         else:
             for job in jobs.stores:
                 self.results[job.op_id] = self._copy(job, to_vllm=False)
+        self.finished_sending.update(jobs.finished_sending)  # the stores that read them ran
         if self.check_each_step:
             self.check_integrity()
 
@@ -104,6 +106,11 @@ class WorkerSide:
     def take_layer_calls(self) -> dict[str, int]:
         """Layers whose loads vLLM awaited / whose stores it started since the last take."""
         return self.layers.take_calls() if self.layers is not None else {}
+
+    def take_finished_sending(self) -> set[str]:
+        """Finished requests whose blocks no store reads any more (vLLM frees them)."""
+        out, self.finished_sending = self.finished_sending, set()
+        return out
 
     def take_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
