@@ -91,3 +91,16 @@ def test_run_takes_plain_linears_only() -> None:
     assert torch.equal(sm.run(seq, x), seq(x))
     with pytest.raises(ValueError, match="columns"):
         sm.small_linear(torch.zeros(1, 7), torch.zeros(4, 8), None)
+
+
+def test_bf16_prefill_rows_run_in_fp32_on_upcasts() -> None:
+    gen = torch.Generator().manual_seed(6)
+    lin = nn.Linear(203, 37).bfloat16().requires_grad_(False)
+    x = torch.randn(sm.MAX_ROWS + 5, 203, generator=gen).bfloat16()  # prefill rows
+    want = nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
+    exact = want.bfloat16()  # the exact sum rounded once
+    for got in (sm.upcast_linear(x, lin.weight, lin.bias), sm.run(lin, x)):
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - exact.float()).abs().max() <= 2**-8 * want.abs().max()
+    torch_bf16 = lin(x)  # torch's own bf16 matmul: equal to its rounding
+    assert (sm.run(lin, x).float() - torch_bf16.float()).abs().max() <= 2 * 2**-8 * want.abs().max()

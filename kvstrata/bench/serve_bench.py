@@ -7,9 +7,12 @@ Prints TTFT p50/p90/p99, TPOT p50, output tokens/s, hit rate; writes a PNG. With
 also measures the server's overhead: TTFT through HTTP of a full device hit over the engine's own
 TTFT for the same prompt tokens (an in-process engine with the same configs), interleaved,
 medians; and the same agent load driven straight into that in-process engine (`direct`), HTTP
-over direct for TTFT p50 and wall time; and that load once more with the decode-latency budget
-(`direct_budget`: `EngineConfig.decode_step_tokens` = DECODE_BUDGET), its TPOT p50 and TTFT p90
-over the unbudgeted run's. Server and baseline use BENCH_THREADS torch threads each.
+over direct for TTFT p50 and wall time; and that load once more with the decode-latency target
+(`direct_target`: `EngineConfig.tpot_target_ms` = TPOT_TARGET_MS), its TPOT p50 and TTFT p90
+over the untargeted run's. With --vllm-url (and no --url) the same load also drives that vLLM
+server (right after our cache_on run) and our server once more with the target
+(`cache_on_target`): TPOT p50 and TTFT p90 of ours over vLLM's, with and without the target.
+Server and baseline use BENCH_THREADS torch threads each.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ ENGINE_ARGS = [
     "--threads", str(BENCH_THREADS),
 ]  # fmt: skip
 OVERHEAD_REPEATS = 5
-DECODE_BUDGET = 256
-"""Tokens per step while requests decode, in the `direct_budget` run (decodes + prefill)."""
+TPOT_TARGET_MS = 250.0
+"""The decode-latency target of the `direct_target` and `cache_on_target` runs."""
 
 
 @BENCHES.register("serve")
@@ -45,6 +48,7 @@ def serve_bench(
     concurrency: int | None = None,
     model: str | None = None,
     out: Path | None = None,
+    vllm_url: str | None = None,
 ) -> dict[str, Any]:
     base = QUICK if quick else FULL
     spec = LoadSpec(
@@ -61,7 +65,7 @@ def serve_bench(
         if url:
             report = _drive_url(url, spec, progress)
         else:
-            report = _drive_ours(model, spec, progress, out_dir)
+            report = _drive_ours(model, spec, progress, out_dir, vllm_url)
     report["plot"] = str(_plot(report, out_dir / "bench-serve.png"))
     on, off = report["cache_on"], report["cache_off"]
     report["ttft_p50_off_over_on"] = (
@@ -77,10 +81,15 @@ def serve_bench(
         d = report["direct"]
         report["ttft_p50_http_over_direct"] = on["ttft_p50_s"] / d["ttft_p50_s"]
         report["wall_http_over_direct"] = on["wall_s"] / d["wall_s"]
-        b = report["direct_budget"]
+        t = report["direct_target"]
         for key in ("tpot_p50_s", "ttft_p90_s"):
-            report[f"{key}_budget"] = b[key]
-            report[f"{key}_budget_over_off"] = b[key] / d[key] if d[key] else 0.0
+            report[f"{key}_target"] = t[key]
+            report[f"{key}_target_over_off"] = t[key] / d[key] if d[key] else 0.0
+    if "vllm" in report:  # the same load on vLLM: ours over theirs, without / with the target
+        v = report["vllm"]
+        for mode in ("cache_on", "cache_on_target"):
+            for key in ("tpot_p50_s", "ttft_p90_s"):
+                report[f"{key}_{mode}_over_vllm"] = report[mode][key] / v[key] if v[key] else 0.0
     return report
 
 
@@ -102,7 +111,7 @@ def _drive_url(url: str, spec: LoadSpec, progress: Progress) -> dict[str, Any]:
 
 
 def _drive_ours(
-    model: str | None, spec: LoadSpec, progress: Progress, out_dir: Path
+    model: str | None, spec: LoadSpec, progress: Progress, out_dir: Path, vllm_url: str | None
 ) -> dict[str, Any]:
     from kvstrata.engine.build import resolve_model_path
     from kvstrata.engine.config import EngineConfig
@@ -111,10 +120,11 @@ def _drive_ours(
     path = resolve_model_path(EngineConfig(model=model or ""))
     args = ["--model", str(path), *ENGINE_ARGS]
     report: dict[str, Any] = {"model": str(path)}
-    for mode, extra in (
-        ("cache_on", ["--tiers", "device_host"]),
-        ("cache_off", ["--tiers", "none"]),
-    ):
+    modes = [("cache_on", ["--tiers", "device_host"]), ("cache_off", ["--tiers", "none"])]
+    if vllm_url:
+        target = ["--tpot-target-ms", str(TPOT_TARGET_MS)]
+        modes.append(("cache_on_target", ["--tiers", "device_host", *target]))
+    for mode, extra in modes:
         srv = ServerProcess([*args, *extra], out_dir / f"bench-serve-{mode}.log")
         try:
             res = run_load(srv.url, None, spec, False, _ticker(progress, mode, spec))
@@ -124,12 +134,15 @@ def _drive_ours(
         finally:
             if srv.terminate() != 0:
                 raise RuntimeError(f"server ({mode}) did not exit 0; see {srv.log}")
+        if mode == "cache_on" and vllm_url:  # vLLM right after: the same load, the same hour
+            res = run_load(vllm_url, None, spec, False, _ticker(progress, "vllm", spec))
+            report["vllm"] = summarize(res)
     report["direct"] = _direct(path, spec, progress)
-    report["direct_budget"] = _direct(path, spec, progress, DECODE_BUDGET)
+    report["direct_target"] = _direct(path, spec, progress, TPOT_TARGET_MS)
     return report
 
 
-def _engine(path: Path, decode_step_tokens: int = 0) -> Any:
+def _engine(path: Path, tpot_target_ms: float = 0.0) -> Any:
     """The in-process baseline: the server's cache_on configs (ENGINE_ARGS), built alike."""
     from kvstrata.cache.config import CacheConfig
     from kvstrata.engine.build import build_engine
@@ -141,22 +154,22 @@ def _engine(path: Path, decode_step_tokens: int = 0) -> Any:
         model=str(path),
         tiers="device_host",
         threads=BENCH_THREADS,
-        decode_step_tokens=decode_step_tokens,
+        tpot_target_ms=tpot_target_ms,
     )
     return build_engine(ecfg, cfg, model=load_model(path))
 
 
 def _direct(
-    path: Path, spec: LoadSpec, progress: Progress, decode_step_tokens: int = 0
+    path: Path, spec: LoadSpec, progress: Progress, tpot_target_ms: float = 0.0
 ) -> dict[str, Any]:
     """The same agent load with no HTTP in between: the server's overhead on that load
-    (`decode_step_tokens`: the engine's decode-latency budget; 0 = off, as the server's)."""
+    (`tpot_target_ms`: the engine's decode-latency target; 0 = off, as the server's)."""
     from kvstrata.bench.serve_direct import run_direct
     from kvstrata.model.checkpoint import load_model
     from kvstrata.serve.codec import open_codec
 
-    built = _engine(path, decode_step_tokens)
-    name = "direct" + (f" budget {decode_step_tokens}" if decode_step_tokens else "")
+    built = _engine(path, tpot_target_ms)
+    name = "direct" + (f" target {tpot_target_ms:g} ms" if tpot_target_ms else "")
     try:
         codec = open_codec(path, load_model(path).vocab_size)
         res = run_direct(built.engine, codec, spec, _ticker(progress, name, spec))

@@ -41,6 +41,18 @@ class EngineConfig:
         "decode-latency budget: new tokens per forward while any request decodes (every decode "
         "first, prefill chunks fill the rest); 0 = max_batch_tokens",
     )
+    # A fixed budget bounds a step's tokens, not its time: a prefill token costs far more than a
+    # decode row, and the cost moves with the machine's load. The target is in time: the
+    # scheduler learns a step's decode cost and per-prefill-token cost from the steps that ran
+    # (kvstrata.engine.step_costs) and gives prefill only the time its decodes leave.
+    tpot_target_ms: float = doc(
+        0.0,
+        "decode-latency target: while requests decode, a step carries prefill only up to this "
+        "time (learnt step costs) and at least tpot_min_prefill_tokens; 0 = off",
+    )
+    tpot_min_prefill_tokens: int = doc(
+        32, "prefill tokens a step with decodes always may carry under tpot_target_ms"
+    )
     max_running: int = doc(8, "requests decoding at once")
     admission_lookahead: int = doc(
         4, "waiting requests whose leases match, probe and prefetch at once (no head-of-line wait)"
@@ -76,6 +88,13 @@ class EngineConfig:
             raise ValueError(
                 f"decode_step_tokens must be in [0, max_batch_tokens={self.max_batch_tokens}], "
                 f"got {self.decode_step_tokens}"
+            )
+        if self.tpot_target_ms < 0:
+            raise ValueError(f"tpot_target_ms must be >= 0, got {self.tpot_target_ms}")
+        if not 0 < self.tpot_min_prefill_tokens <= self.max_batch_tokens:
+            raise ValueError(
+                "tpot_min_prefill_tokens must be in [1, max_batch_tokens="
+                f"{self.max_batch_tokens}], got {self.tpot_min_prefill_tokens}"
             )
         if 0 < self.decode_step_tokens <= self.max_running:  # else a prompt could wait for ever
             raise ValueError(

@@ -2,7 +2,8 @@
 
 It owns the waiting and running lists. Admission goes through the KV manager (the one owner of
 every lease); the batch is planned under the token budget (decodes first, then prefill chunks;
-a smaller one while requests decode, `EngineConfig.decode_step_tokens`) and any further budget
+a smaller one while requests decode: `EngineConfig.decode_step_tokens` in tokens, and
+`EngineConfig.tpot_target_ms` in time, from step costs learnt online) and any further budget
 term (`BatchLimit`: CP's gather scratch bytes), with requests dropped from the end of the plan
 until it fits. Preemption, prefix-cache reset and abort change these
 lists too, so they live here. Every decision reads agreed state only: all ranks plan alike.
@@ -21,6 +22,7 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.connector import ConnectorMeta, KVConnector, RemoteDone
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
+from kvstrata.engine.step_costs import StepCosts
 
 RESET_DRAIN_S = 120.0  # a prefix-cache reset waits this long at most for copies in flight
 IDLE_REMOTE_WAIT_S = 0.005  # only remote KV to wait for: the connector may block this long
@@ -71,6 +73,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.connector: KVConnector | None = None  # remote KV at fixed points (connector.py)
+        self.costs = StepCosts()  # learnt from the planned steps' durations (tpot_target_ms)
+        self._last: tuple[float, int, int] | None = None  # last plan: (start, decodes, prefill)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -83,6 +87,7 @@ class Scheduler:
         """Admit what is ready and fits (asking the connector for remote tokens), let `land`
         apply what the connector says landed or failed, then plan the forward and build the
         connector's metadata for it. A request whose own admission work raised ends alone."""
+        self._observe(now_s)
         failed: dict[str, str] = {}
         out = Scheduled(admitted=self._admit(now_s, failed))
         out.ended = [self._fail_waiting(rid, why) for rid, why in failed.items()]
@@ -91,6 +96,7 @@ class Scheduler:
             done = conn.get_finished(IDLE_REMOTE_WAIT_S if self._only_remote() else 0.0)
             out.ended += land(done) if land is not None and done else []
         out.work = self._plan()
+        self._planned(now_s, out.work)
         if conn is not None:
             out.meta = conn.build_connector_meta(out.work)
         return out
@@ -126,6 +132,32 @@ class Scheduler:
             return False
         return all(r.state is State.WAITING_FOR_REMOTE_KV for r in self.running)
 
+    def _observe(self, now_s: float) -> None:
+        """The last planned step's duration, from its schedule to this one, feeds the step
+        costs, unless the engine may have idled in between (nothing was left running)."""
+        last, self._last = self._last, None
+        if last is not None and self.running:
+            start, decodes, prefill = last
+            self.costs.observe(decodes, prefill, now_s - start)
+
+    def _planned(self, now_s: float, work: Work) -> None:
+        decodes = sum(1 for req, _ in work if req.state is State.DECODE)
+        prefill = sum(len(toks) for req, toks in work if req.state is not State.DECODE)
+        self._last = (now_s, decodes, prefill) if work else None
+
+    def _prefill_budget(self, budget: int, decodes: int) -> int:
+        """Prefill tokens a step may carry beside its `decodes`: the token budget's rest, less
+        while requests decode (the decode-latency budget in tokens, the target in time)."""
+        cfg = self.config
+        if not decodes:
+            return budget
+        if cfg.decode_step_tokens:
+            budget = min(budget, max(0, cfg.decode_step_tokens - decodes))
+        if cfg.tpot_target_ms:
+            room = self.costs.prefill_room(cfg.tpot_target_ms / 1000, cfg.tpot_min_prefill_tokens)
+            budget = budget if room is None else min(budget, room)
+        return budget
+
     def _plan(self) -> Work:
         """Tokens each running request feeds this step: decodes first, then prefill chunks,
         trimmed from the end until every budget term fits (the first item always runs)."""
@@ -135,8 +167,7 @@ class Scheduler:
             if req.state is State.DECODE and budget:
                 work.append((req, [req.output[-1]]))
                 budget -= 1
-        if work and self.config.decode_step_tokens:  # the decode-latency budget holds
-            budget = min(budget, max(0, self.config.decode_step_tokens - len(work)))
+        budget = self._prefill_budget(budget, len(work))
         for req in self.running:
             if req.state is State.PREFILL and budget:
                 seq = req.prefill_tokens
