@@ -13,11 +13,12 @@ Where /proc is not there (not Linux) ownership cannot be read, and an open port 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 LISTEN_STATE = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
@@ -33,6 +34,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port held bound but not listening while the block runs: connections to it are refused,
+    and no server started meanwhile can take it (a port `free_port` found free once can be: a
+    client told "nothing listens there" may then reach a neighbour's server)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        yield int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port held bound (SO_REUSEADDR, not listening) while the block runs, for a process we
+    start to listen on. `free_port` in any process never returns it meanwhile (the kernel hands
+    out only unused ports), and a bind without SO_REUSEADDR fails; a server binding with
+    SO_REUSEADDR (uvicorn, libzmq, libuv: torch's TCPStore) still can, once. It narrows the
+    race `free_port` leaves (a later pick cannot take it) but does not close it: a port a
+    neighbour picked before us and has not bound yet can still be bound by it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        yield int(s.getsockname()[1])
 
 
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import time
-from collections.abc import Iterator
 
 import httpx2 as httpx
 import msgpack
 
-from kvstrata.local_ports import free_port
+from kvstrata.local_ports import free_port, refused_port
 from kvstrata.serve.process import ServerProcess
 
 TINY_ENGINE = [
     "--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "256", "--threads", "1",
 ]  # fmt: skip
 __all__ = ["TINY_ENGINE", "Server", "alive", "apply_events", "free_port", "refused_port"]
-
-
-@contextlib.contextmanager
-def refused_port() -> Iterator[int]:
-    """A 127.0.0.1 port held bound but not listening while the block runs: connections to it are
-    refused, and no server another test starts meanwhile can take it (a port merely found free
-    once can be taken: seen once, a router test's "dead" worker answered 200)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        yield int(s.getsockname()[1])
 
 
 class Server(ServerProcess):

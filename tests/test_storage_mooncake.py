@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvstrata.cache.keys import key_hex
-from kvstrata.local_ports import free_port
+from kvstrata.local_ports import refused_port
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import encode_header, open_storage
 from kvstrata.storage.mooncake_client import used_in_this_process
@@ -169,12 +169,13 @@ def test_bad_input_and_bad_urls_are_value_errors(store: MooncakeStore) -> None:
 
 
 def test_unreachable_master_at_start_is_a_bounded_value_error() -> None:
-    port = free_port()  # nothing listens there
     cfg = dataclasses.replace(FAST, mooncake_setup_timeout_s=3.0)
-    url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{free_port()}/metadata"
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*unreachable"):
-        open_storage(url, PAGE, cfg)
+    # held bound, never listening: no master another test starts meanwhile can take them
+    with refused_port() as port, refused_port() as meta:
+        url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{meta}/metadata"
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*unreachable"):
+            open_storage(url, PAGE, cfg)
     assert time.monotonic() - t0 < 30.0
 
 

@@ -10,13 +10,14 @@ import pytest
 import redis
 
 from kvstrata.cache.keys import key_hex
+from kvstrata.local_ports import refused_port
 from kvstrata.storage.base import HEADER_NBYTES, StorageConfig, open_storage
 from kvstrata.storage.redis_store import RedisStore
 
 try:
-    from tests.redis_server import RedisServer, free_port
+    from tests.redis_server import RedisServer
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from redis_server import RedisServer, free_port  # type: ignore[no-redef]
+    from redis_server import RedisServer  # type: ignore[no-redef]
 
 PAGE = 4096
 _MASK64 = (1 << 64) - 1
@@ -128,9 +129,9 @@ def test_key_prefixes_isolate_stores(shared_server: RedisServer) -> None:
 def test_bad_input_and_bad_urls_are_value_errors(store: RedisStore) -> None:
     with pytest.raises(ValueError, match="4096 bytes"):
         store.put(make_keys(1), [np.zeros(PAGE - 1, np.uint8)])
-    port = free_port()  # nothing listens there
-    with pytest.raises(ValueError, match=f"redis://127.0.0.1:{port}/0.*unreachable"):
-        open_storage(f"redis://127.0.0.1:{port}/0", PAGE, FAST)
+    with refused_port() as port:  # bound, never listening: no neighbour's server can take it
+        with pytest.raises(ValueError, match=f"redis://127.0.0.1:{port}/0.*unreachable"):
+            open_storage(f"redis://127.0.0.1:{port}/0", PAGE, FAST)
     with pytest.raises(ValueError, match="redis://127.0.0.1:notaport"):
         open_storage("redis://127.0.0.1:notaport/0", PAGE, FAST)
 
