@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-from kvstrata.local_ports import PortTaken, free_port, listens
+from kvstrata.local_ports import PortTaken, free_port, listening_inodes, listens
 
 START_TRIES = 3  # a port we picked that a neighbour took first is picked again
 
@@ -74,7 +74,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()}")
+                self._raise_exited()
             try:
                 url = f"{self.url}{self.ready_path}"
                 if listens(self.port, self.proc.pid, tree=True) and (
@@ -86,6 +86,14 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not healthy within {timeout_s} s: {self.log.read_text()}")
+
+    def _raise_exited(self) -> None:
+        """The server exited before it was healthy: PortTaken when another process listens on
+        its port (a neighbour bound it between our look and the server's bind, so the server
+        failed to bind; ours is gone, so any listener there is not ours), else RuntimeError."""
+        if listening_inodes(self.port):
+            raise PortTaken(f"port {self.port} is held by another process; the server exited")
+        raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()}")
 
     def terminate(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, then the exit code (TimeoutError when it does not stop in time)."""
