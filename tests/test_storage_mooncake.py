@@ -218,15 +218,15 @@ def test_hung_master_times_out_into_misses(own_master: MooncakeMaster) -> None:
     assert own_master.proc is not None
     own_master.proc.send_signal(signal.SIGSTOP)  # alive but silent: only our bound helps
     try:
-        t0 = time.monotonic()
         assert store.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == 0
         assert store.put(keys, pages) == 0  # within the backoff, or the worker still stuck
-        assert time.monotonic() - t0 < FAST.mooncake_timeout_s + 2.0
-        assert store.stats()["timeouts"] == 1
+        # the get waited out its bound once; the put did not wait at all (skipped, not a second
+        # timeout): counted, where a wall-clock bound could be missed on a loaded machine
+        st = store.stats()
+        assert st["timeouts"] == 1 and st["calls_skipped_down"] == 1, st
     finally:
         own_master.proc.send_signal(signal.SIGCONT)
     assert _wait_until(lambda: store.exists_prefix(keys) == 2)
-    assert store.stats()["calls_skipped_down"] >= 1
     store.check_integrity()
     store.close()
 
