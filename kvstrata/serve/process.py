@@ -11,7 +11,13 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-from kvstrata.local_ports import PortTaken, free_port, listening_inodes, listens
+from kvstrata.local_ports import (
+    PortTaken,
+    free_port,
+    listening_inodes,
+    listens,
+    with_descendants,
+)
 
 START_TRIES = 3  # a port we picked that a neighbour took first is picked again
 
@@ -106,11 +112,19 @@ class ServerProcess:
             self.out.close()
 
     def stop(self) -> None:
-        """Kill the server and every process of its group (torchrun's ranks too)."""
+        """Kill the server, every process of its group and every process below it: torchrun
+        starts its ranks in sessions of their own, which a SIGKILL of the group misses and
+        torchrun, killed, cannot stop (they would run on, holding memory, CPU and ports)."""
+        below = with_descendants(self.proc.pid) if self.proc.poll() is None else []
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:  # the whole group is gone already
             pass
+        for pid in below[1:]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # went with the group
+                pass
         if self.proc.poll() is None:
             self.proc.wait(10)
         self.out.close()
