@@ -53,9 +53,12 @@ def consensus_counted(metrics: str) -> bool:
     return bool(count) and float(count[0].rsplit(" ", 1)[1]) > 0
 
 
-def blocks_from_events(port: int, run: Callable[[], Any]) -> tuple[Any, dict[str, set[int]]]:
+def blocks_from_events(
+    port: int, srv: Server, run: Callable[[], Any]
+) -> tuple[Any, dict[str, set[int]]]:
     """Run `run()` while subscribed to the KV events; the per-medium sets the events add up to
-    once they have gone quiet (1.5 s without a batch, 30 s at most)."""
+    once they equal the idle server's own (/debug/blocks; 30 s at most). A quiet spell is no
+    proof that the last batch has gone out on a loaded machine; the server's own sets are."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -63,9 +66,14 @@ def blocks_from_events(port: int, run: Callable[[], Any]) -> tuple[Any, dict[str
     try:
         subscribed(sub, f"tcp://127.0.0.1:{port}")  # before the first event
         result = run()
+        srv.wait_idle()
+        own = httpx.get(f"{srv.url}/debug/blocks", timeout=30).json()
+        own = {m: set(v) for m, v in own.items()}
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sub.poll(1500):
-            apply_events(sub.recv_multipart()[2], held)
+        while held != own and time.monotonic() < deadline:
+            if sub.poll(200):
+                apply_events(sub.recv_multipart()[2], held)
+        assert held == own, f"events add up to {held}, the server holds {own}"
     finally:
         sub.close()
         ctx.term()
@@ -80,17 +88,16 @@ def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
 
 
 def tp2_equals_one_rank(args: list[str], ports: tuple[int, ...], tmp_path: Path) -> None:
-    one = Server(
-        [*args, "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}"], tmp_path / "one.log"
-    )
+    events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}", "--debug-endpoints"]
+    one = Server([*args, *events], tmp_path / "one.log")
     try:
-        want, blocks_one = blocks_from_events(ports[0], lambda: served(one))
+        want, blocks_one = blocks_from_events(ports[0], one, lambda: served(one))
     finally:
         assert one.terminate() == 0
     events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[1]}"]
     two = Server([*args, "--tp", "2", *events, "--debug-endpoints"], tmp_path / "two.log")
     try:
-        got, blocks_two = blocks_from_events(ports[1], lambda: served(two))
+        got, blocks_two = blocks_from_events(ports[1], two, lambda: served(two))
         assert got == want
         assert blocks_two == blocks_one and blocks_one["GPU"] and blocks_one["CPU"]
         two.wait_idle()
