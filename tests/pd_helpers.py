@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,3 +344,24 @@ class Workers:
         started = start_all(list(specs))
         self.servers += started
         return started
+
+
+def wait_linked(endpoints: list[str], timeout_s: float = 30.0) -> None:
+    """Until a TCP connection to each tcp://HOST:PORT endpoint is established (the kernel's
+    table): a hand-off's link to a prefill worker is up even while that worker is SIGSTOPped (the
+    kernel accepts for it), so a kill from then on is "connection lost", never "refused". A fixed
+    sleep for it can be too short on a loaded machine."""
+    ports = {int(e.rsplit(":", 1)[1]) for e in endpoints}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        linked = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()  # sl local rem st ...; 01: ESTABLISHED
+                if fields[3] == "01":
+                    linked.add(int(fields[2].rsplit(":", 1)[1], 16))
+        if ports <= linked:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no connection to {sorted(ports - linked)} within {timeout_s} s")
+        time.sleep(0.02)
