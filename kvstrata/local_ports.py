@@ -13,11 +13,12 @@ Where /proc is not there (not Linux) ownership cannot be read, and an open port 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 LISTEN_STATE = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
@@ -33,6 +34,44 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port held bound but not listening while the block runs: connections to it are refused,
+    and no server started meanwhile can take it (a port `free_port` found free once can be: a
+    client told "nothing listens there" may then reach a neighbour's server)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        yield int(s.getsockname()[1])
+
+
+def hold_port(port: int = 0, host: str = "127.0.0.1") -> socket.socket | None:
+    """A socket bound to `port` (0: one the OS picks) with SO_REUSEADDR, not listening; None
+    when it cannot be bound. While it is open `free_port` in any process never returns that
+    port (the kernel hands out only unused ones) and a bind without SO_REUSEADDR fails, but a
+    server binding with SO_REUSEADDR (uvicorn, redis, libzmq, asio, libuv: torch's TCPStore)
+    still can, and connections to it are refused until one listens. So it keeps a port for a
+    process we start, or for a server we killed and restart on the same port (clients hold its
+    URL). It narrows the race `free_port` leaves but does not close it: a port a neighbour
+    picked before we held it can still be bound by that neighbour."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port held (see hold_port) while the block runs, for a process we start to bind."""
+    held = hold_port(0, host)
+    assert held is not None  # port 0: the OS always finds one
+    with held:
+        yield int(held.getsockname()[1])
 
 
 def port_open(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
@@ -81,7 +120,7 @@ def _socket_inodes(pid: int) -> set[int]:
     return found
 
 
-def _with_descendants(root: int) -> list[int]:
+def with_descendants(root: int) -> list[int]:
     """`root` and every process below it (a launcher's workers may sit in sessions of their
     own, as torchrun's do, so the process group would miss them)."""
     children: dict[int, list[int]] = {}
@@ -108,7 +147,7 @@ def held_by(port: int, pid: int, tree: bool = False) -> bool | None:
     inodes = listening_inodes(port)
     if inodes is None:
         return None
-    pids = _with_descendants(pid) if tree else [pid]
+    pids = with_descendants(pid) if tree else [pid]
     return any(_socket_inodes(p) & inodes for p in pids)
 
 

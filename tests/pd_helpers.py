@@ -3,8 +3,10 @@ parallel, and a raw decode-side client of a prefill worker's transfer endpoint."
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +16,7 @@ import httpx2 as httpx
 import numpy as np
 
 from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.local_ports import PortTaken, free_port
 from kvstrata.pd.transport import TRANSPORTS
 from kvstrata.pd.wire import (
     Frames,
@@ -42,17 +45,38 @@ def worker_args(ckpt: Path, *extra: str, store: Path | None = None) -> list[str]
     return [*args, "--debug-endpoints", *extra]
 
 
-def start_all(specs: list[tuple[list[str], Path] | tuple[list[str], Path, int]]) -> list[Server]:
+Spec = tuple[list[str], Path] | tuple[list[str], Path, int]
+START_TRIES = 3  # ports a neighbour took between our pick and the server's bind are picked again
+
+
+def start_all(specs: list[Spec]) -> list[Server]:
     """Start every server at once (each waits for its own /health); all or none. A spec's
-    third item is the port to listen on (picked first, so a decode started alongside can list
-    that prefill worker in --pd-prefill)."""
+    third item is the port to listen on, picked first with free_port, so a decode started
+    alongside can list that prefill worker in --pd-prefill as `127.0.0.1:PORT`. Nothing
+    reserves such a port: when another process holds one (PortTaken), every given port is
+    picked again, rewritten in every spec's arguments, and all start again."""
+    for attempt in range(1, START_TRIES + 1):
+        out = _start_once(specs)
+        failed = [x for x in out if not isinstance(x, Server)]
+        if not failed:
+            return out  # type: ignore[return-value]
+        for x in out:
+            if isinstance(x, Server):
+                x.stop()
+        if attempt == START_TRIES or not any(isinstance(x, PortTaken) for x in failed):
+            raise RuntimeError(f"a server failed to start: {failed[0]!r}")
+        specs = _repicked(specs)
+    raise AssertionError("unreachable")
+
+
+def _start_once(specs: list[Spec]) -> list[Server | BaseException | None]:
     out: list[Server | BaseException | None] = [None] * len(specs)
 
     def one(i: int) -> None:
         try:
             spec = specs[i]
             out[i] = Server(spec[0], spec[1], port=spec[2] if len(spec) > 2 else 0)  # type: ignore[misc]
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others
+        except BaseException as exc:  # noqa: BLE001 - re-raised by start_all, after the others
             out[i] = exc
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(specs))]
@@ -60,13 +84,26 @@ def start_all(specs: list[tuple[list[str], Path] | tuple[list[str], Path, int]])
         t.start()
     for t in threads:
         t.join()
-    failed = [x for x in out if not isinstance(x, Server)]
-    if failed:
-        for x in out:
-            if isinstance(x, Server):
-                x.stop()
-        raise RuntimeError(f"a server failed to start: {failed[0]!r}")
-    return out  # type: ignore[return-value]
+    return out
+
+
+def _repicked(specs: list[Spec]) -> list[Spec]:
+    """Fresh ports for every spec that gives one; `127.0.0.1:OLD` in any argument follows."""
+    moved = {spec[2]: free_port() for spec in specs if len(spec) > 2 and spec[2]}  # type: ignore[misc]
+
+    given = re.compile(r"127\.0\.0\.1:(\d+)(?!\d)")
+
+    def follow(arg: str) -> str:  # one pass: a new port that equals another's old one stays
+        return given.sub(lambda m: f"127.0.0.1:{moved.get(int(m[1]), int(m[1]))}", arg)
+
+    return [
+        (
+            [follow(a) for a in spec[0]],
+            spec[1],
+            *([moved.get(spec[2], spec[2])] if len(spec) > 2 else []),
+        )  # type: ignore[misc]
+        for spec in specs
+    ]
 
 
 def info(server: Server) -> dict[str, Any]:
@@ -307,3 +344,24 @@ class Workers:
         started = start_all(list(specs))
         self.servers += started
         return started
+
+
+def wait_linked(endpoints: list[str], timeout_s: float = 30.0) -> None:
+    """Until a TCP connection to each tcp://HOST:PORT endpoint is established (the kernel's
+    table): a hand-off's link to a prefill worker is up even while that worker is SIGSTOPped (the
+    kernel accepts for it), so a kill from then on is "connection lost", never "refused". A fixed
+    sleep for it can be too short on a loaded machine."""
+    ports = {int(e.rsplit(":", 1)[1]) for e in endpoints}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        linked = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()  # sl local rem st ...; 01: ESTABLISHED
+                if fields[3] == "01":
+                    linked.add(int(fields[2].rsplit(":", 1)[1], 16))
+        if ports <= linked:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no connection to {sorted(ports - linked)} within {timeout_s} s")
+        time.sleep(0.02)

@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx2 as httpx
 import msgpack
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from kvstrata.local_ports import free_port
+from kvstrata.local_ports import free_port, refused_port, reserved_port
 from kvstrata.serve.process import ServerProcess
 
 TINY_ENGINE = [
     "--page-size", "8", "--chunk-tokens", "64", "--max-batch-tokens", "256", "--threads", "1",
 ]  # fmt: skip
-__all__ = ["TINY_ENGINE", "Server", "alive", "apply_events", "free_port", "refused_port"]
-
-
-@contextlib.contextmanager
-def refused_port() -> Iterator[int]:
-    """A 127.0.0.1 port held bound but not listening while the block runs: connections to it are
-    refused, and no server another test starts meanwhile can take it (a port merely found free
-    once can be taken: seen once, a router test's "dead" worker answered 200)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        yield int(s.getsockname()[1])
+__all__ = [
+    "TINY_ENGINE", "Server", "alive", "apply_events", "free_port", "metrics_when", "refused_port",
+    "reserved_ports", "subscribed",
+]  # fmt: skip
 
 
 class Server(ServerProcess):
@@ -77,3 +71,42 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def subscribed(sock: zmq.Socket, endpoint: str, timeout_s: float = 30.0) -> None:
+    """Connect `sock` (a SUB, its subscriptions set) to `endpoint` and return once the handshake
+    with the publisher is done, so the subscription is on its way before the first event (a
+    fixed sleep for it can be too short on a loaded machine, and then events go missing)."""
+    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # before connect: no event lost
+    try:
+        sock.connect(endpoint)
+        if not mon.poll(int(timeout_s * 1000)):
+            raise TimeoutError(
+                f"no handshake with the publisher at {endpoint} within {timeout_s} s"
+            )
+        recv_monitor_message(mon)
+    finally:
+        sock.disable_monitor()
+        mon.close()
+
+
+def metrics_when(url: str, ready: Callable[[str], bool], what: str, timeout_s: float = 30.0) -> str:
+    """/metrics text once `ready(text)`: with ranks, rank 0 reports its counters to the HTTP
+    process every 0.5 s, so they lag the last step (a fixed sleep can be too short under load)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        if ready(text):
+            return text
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"/metrics of {url} did not show {what} within {timeout_s} s")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def reserved_ports(n: int) -> Iterator[tuple[int, ...]]:
+    """`n` ports held for the block (see local_ports.reserved_port): for the ports a test hands
+    a server in its arguments (KV event endpoints), which no other process's free_port() picks
+    while the server starts and binds them (libzmq binds with SO_REUSEADDR)."""
+    with contextlib.ExitStack() as held:
+        yield tuple(held.enter_context(reserved_port()) for _ in range(n))

@@ -218,15 +218,17 @@ def test_trace_ids_2_55_apart_do_not_alias(tmp_path: Path) -> None:
 def test_run_with_unreachable_redis_writes_nothing(
     ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.redis_server import free_port
+    from kvstrata.local_ports import refused_port
 
     out = tmp_path / "out"
-    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    assert (
-        main(
-            ["run", "--quick", "--model", str(ckpt), "--out", str(out), *TINY, "--storage-url", url]
+    with refused_port() as port:  # bound, never listening: no neighbour's server can take it
+        url = f"redis://127.0.0.1:{port}/0"
+        assert (
+            main(
+                ["run", "--quick", "--model", str(ckpt), "--out", str(out), *TINY]
+                + ["--storage-url", url]
+            )
+            == 2
         )
-        == 2
-    )
     one_line_error(capsys, url)
     assert not out.exists()

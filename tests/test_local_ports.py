@@ -9,12 +9,23 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from kvstrata.local_ports import PortTaken, held_by, listens
+from kvstrata.local_ports import (
+    PortTaken,
+    held_by,
+    listens,
+    port_open,
+    refused_port,
+    reserved_port,
+)
 from kvstrata.storage.mooncake_master import MooncakeMaster
 from kvstrata.storage.redis_server import RedisServer, ping
+from tests.pd_helpers import complete, start_all, worker_args
+
+CKPT = {"seed": 4, "max_position_embeddings": 256}
 
 LISTENER = (
     "import socket, sys, time\n"
@@ -94,3 +105,39 @@ def test_mooncake_master_repicks_then_keeps_its_ports(
             master.start()
     finally:
         master.stop()
+
+
+def test_a_refused_port_refuses_and_a_reserved_one_is_kept_for_a_reuseaddr_server() -> None:
+    with refused_port() as port:
+        assert not port_open(port)
+    with reserved_port() as port:
+        with socket.socket() as plain, pytest.raises(OSError):  # what free_port() asks for
+            plain.bind(("127.0.0.1", port))
+        with socket.socket() as server:  # as uvicorn, libzmq and torch's TCPStore bind
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            assert held_by(port, os.getpid()) is True
+
+
+@pytest.mark.slow
+def test_pd_workers_started_together_move_off_a_taken_port(
+    ckpt: Path, tmp_path: Path, neighbour: tuple[subprocess.Popen[str], int]
+) -> None:
+    """The prefill port given (picked first, listed by decode) was bound by a neighbour: both
+    workers start again on a fresh pick, and decode lists the prefill worker's new port."""
+    _, taken = neighbour
+    decode = worker_args(ckpt, "--role", "decode", "--pd-prefill", f"http://127.0.0.1:{taken}")
+    specs = [(worker_args(ckpt, "--role", "prefill"), tmp_path / "p.log", taken)]
+    p, d = start_all([*specs, (decode, tmp_path / "d.log")])
+    try:
+        assert p.port != taken and held_by(p.port, p.proc.pid, tree=True) is True
+        r = complete(d, [5, 6, 7, 8, 9, 10, 11, 12, 13], pd_prefill=p.url)  # one it lists
+        assert r.status_code == 200, r.text
+        assert (
+            r.json()["choices"][0]["text"]
+            == complete(p, [5, 6, 7, 8, 9, 10, 11, 12, 13]).json()["choices"][0]["text"]
+        )
+    finally:
+        for s in (p, d):
+            s.stop()

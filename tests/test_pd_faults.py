@@ -17,7 +17,15 @@ import httpx2 as httpx
 import pytest
 
 from kvstrata.serve.codec import ByteCodec
-from tests.pd_helpers import CuttableRelay, Workers, complete, info, start_all, worker_args
+from tests.pd_helpers import (
+    CuttableRelay,
+    Workers,
+    complete,
+    info,
+    start_all,
+    wait_linked,
+    worker_args,
+)
 from tests.serve_helpers import Server
 from tests.tiny_models import hf_greedy, load_hf
 
@@ -104,7 +112,7 @@ def test_prefill_killed_mid_handoff(run: Workers, ckpt: Path) -> None:
     os.kill(p1.proc.pid, signal.SIGSTOP)  # decode's hand-off gets no answer, no heartbeat
     t0 = time.monotonic()
     t, out = in_thread(complete, d, Y)
-    time.sleep(0.5)
+    wait_linked([endpoint])  # decode's hand-off link is up (its request cannot be answered)
     os.kill(p1.proc.pid, signal.SIGKILL)
     p1.proc.wait(10)
     t.join(30)

@@ -16,7 +16,7 @@ import httpx2 as httpx
 import pytest
 
 from tests import test_pd_faults as faults
-from tests.pd_helpers import Workers, complete, start_all
+from tests.pd_helpers import Workers, complete, info, start_all, wait_linked
 from tests.serve_helpers import Server
 from tests.test_pd_faults import TIMEOUT_S, idle_ok, in_thread, want
 
@@ -66,10 +66,11 @@ def kill_worker(server: Server, sig: int) -> None:
 def test_prefill_worker_killed_mid_handoff(run: Workers, ckpt: Path) -> None:
     d, p1 = run.d, run.p1
     free = idle_ok(d)["device_free"]
+    endpoints = info(p1)["transfer_endpoints"]
     kill_worker(p1, signal.SIGSTOP)  # no answer and no heartbeat on either rank's channel
     t0 = time.monotonic()
     t, out = in_thread(complete, d, Y)
-    time.sleep(0.5)
+    wait_linked(endpoints)  # both decode ranks' hand-off links are up
     kill_worker(p1, signal.SIGKILL)
     p1.proc.wait(10)
     t.join(30)

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
+from kvstrata.local_ports import hold_port
 from kvstrata.serve.process import ServerProcess
 from tests.pd_helpers import complete, info, start_all, worker_args
 from tests.serve_helpers import Server, free_port
@@ -86,9 +87,14 @@ def test_prefill_restarted_on_its_port_is_used_again(
         assert text_of(complete(quiet, PROMPTS[0])) == want[0]
         old = info(p)["transfer_endpoint"]
         p.stop()  # kill -9
+        # its port stays bound (not listening) until p2 binds it (uvicorn: SO_REUSEADDR), so no
+        # neighbour's free_port() picks it while p is down (p2 would fail, the router reach it)
+        held = hold_port(p.port)
         err = wait_health(probing.url, 503)["error"]["message"]
         assert p.url in err
         p2 = Server(prefill_args(ckpt), tmp_path / "p2.log", port=p.port)
+        if held is not None:
+            held.close()
         servers.append(p2)
         assert info(p2)["transfer_endpoint"] != old
         wait_health(probing.url, 200)  # its probe read the new endpoint

@@ -4,7 +4,6 @@ CURVE at all, gets nothing."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import msgpack
@@ -13,7 +12,7 @@ import zmq
 import zmq.auth
 
 from kvstrata.cli.keys_cmd import write_curve_pair
-from tests.serve_helpers import TINY_ENGINE, Server, free_port
+from tests.serve_helpers import TINY_ENGINE, Server, reserved_ports, subscribed
 from tests.tiny_models import make_llama
 
 PROMPT = [(11 * i + 4) % 97 for i in range(33)]
@@ -36,15 +35,15 @@ def test_only_allowed_subscribers_get_events(tmp_path: Path) -> None:
     server_pub, server_secret = write_curve_pair(tmp_path / "server", "events")
     allowed_pub, allowed_secret = write_curve_pair(tmp_path / "clients", "router")
     _, stranger_secret = write_curve_pair(tmp_path / "strangers", "eve")  # not in clients/
-    pub_port, replay_port = free_port(), free_port()
-    args = [
-        "--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64", "--host-pages", "64",
-        "--kv-events-endpoint", f"tcp://127.0.0.1:{pub_port}",
-        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
-        "--kv-events-curve-secret-file", str(server_secret),
-        "--kv-events-curve-clients-dir", str(tmp_path / "clients"),
-    ]  # fmt: skip
-    srv = Server(args, tmp_path / "srv.log")
+    with reserved_ports(2) as (pub_port, replay_port):  # held until the server binds them
+        args = [
+            "--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64", "--host-pages", "64",
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{pub_port}",
+            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
+            "--kv-events-curve-secret-file", str(server_secret),
+            "--kv-events-curve-clients-dir", str(tmp_path / "clients"),
+        ]  # fmt: skip
+        srv = Server(args, tmp_path / "srv.log")
     server_key = zmq.auth.load_certificate(str(server_pub))[0]
     ctx = zmq.Context()
     subs = {
@@ -53,10 +52,11 @@ def test_only_allowed_subscribers_get_events(tmp_path: Path) -> None:
         "plain": _socket(ctx, zmq.SUB, None, None),
     }
     try:
-        for s in subs.values():
+        for name, s in subs.items():
             s.setsockopt(zmq.SUBSCRIBE, b"")
-            s.connect(f"tcp://127.0.0.1:{pub_port}")
-        time.sleep(1.0)  # the subscriptions (or failed handshakes) reach the publisher first
+            if name != "allowed":  # their handshakes fail: nothing to wait for
+                s.connect(f"tcp://127.0.0.1:{pub_port}")
+        subscribed(subs["allowed"], f"tcp://127.0.0.1:{pub_port}")  # before the first event
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
         assert subs["allowed"].poll(10_000), "the allowed subscriber got no event in 10 s"

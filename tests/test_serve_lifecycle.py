@@ -18,7 +18,14 @@ import openai
 import pytest
 import zmq
 
-from tests.serve_helpers import TINY_ENGINE, Server, alive, apply_events, free_port
+from tests.serve_helpers import (
+    TINY_ENGINE,
+    Server,
+    alive,
+    apply_events,
+    reserved_ports,
+    subscribed,
+)
 
 PAGE = 8
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,20 +96,19 @@ def test_sigterm_under_load_exits_0_and_restart_hits_the_store(ckpt: Path, tmp_p
 
 
 def test_kv_events_rebuild_the_cache(ckpt: Path, tmp_path: Path) -> None:
-    pub, rep = free_port(), free_port()
-    args = [
-        *tiered(ckpt, tmp_path / "store"),
-        "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
-        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}",
-        "--kv-events-topic", "kv",
-    ]  # fmt: skip
-    srv = Server(args, tmp_path / "ev.log")
+    with reserved_ports(2) as (pub, rep):  # held until the server binds them
+        args = [
+            *tiered(ckpt, tmp_path / "store"),
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{rep}",
+            "--kv-events-topic", "kv",
+        ]  # fmt: skip
+        srv = Server(args, tmp_path / "ev.log")
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    sub.connect(f"tcp://127.0.0.1:{pub}")
     try:
-        time.sleep(1.0)  # the subscription reaches the publisher before the first event
+        subscribed(sub, f"tcp://127.0.0.1:{pub}")  # before the first event
         client = client_of(srv)
         for i in range(
             8

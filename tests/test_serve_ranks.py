@@ -15,7 +15,15 @@ import openai
 import pytest
 import zmq
 
-from tests.serve_helpers import TINY_ENGINE, Server, alive, apply_events, free_port
+from tests.serve_helpers import (
+    TINY_ENGINE,
+    Server,
+    alive,
+    apply_events,
+    metrics_when,
+    reserved_ports,
+    subscribed,
+)
 
 PROMPTS = [[(11 * i + k) % 97 for i in range(33 + 8 * k)] for k in range(3)]
 
@@ -37,20 +45,35 @@ def served(srv: Server) -> list[tuple[str, int]]:
     return out
 
 
-def blocks_from_events(port: int, run: Callable[[], Any]) -> tuple[Any, dict[str, set[int]]]:
+def consensus_counted(metrics: str) -> bool:
+    """/metrics holds a step consensus latency count above 0."""
+    count = [
+        x for x in metrics.splitlines() if x.startswith("kvstrata:step_consensus_seconds_count")
+    ]
+    return bool(count) and float(count[0].rsplit(" ", 1)[1]) > 0
+
+
+def blocks_from_events(
+    port: int, srv: Server, run: Callable[[], Any]
+) -> tuple[Any, dict[str, set[int]]]:
     """Run `run()` while subscribed to the KV events; the per-medium sets the events add up to
-    once they have gone quiet (1.5 s without a batch, 30 s at most)."""
+    once they equal the idle server's own (/debug/blocks; 30 s at most). A quiet spell is no
+    proof that the last batch has gone out on a loaded machine; the server's own sets are."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{port}")
     held: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "DISK": set()}
     try:
-        time.sleep(1.0)  # the subscription reaches the publisher first
+        subscribed(sub, f"tcp://127.0.0.1:{port}")  # before the first event
         result = run()
+        srv.wait_idle()
+        own = httpx.get(f"{srv.url}/debug/blocks", timeout=30).json()
+        own = {m: set(v) for m, v in own.items()}
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and sub.poll(1500):
-            apply_events(sub.recv_multipart()[2], held)
+        while held != own and time.monotonic() < deadline:
+            if sub.poll(200):
+                apply_events(sub.recv_multipart()[2], held)
+        assert held == own, f"events add up to {held}, the server holds {own}"
     finally:
         sub.close()
         ctx.term()
@@ -60,18 +83,21 @@ def blocks_from_events(port: int, run: Callable[[], Any]) -> tuple[Any, dict[str
 @pytest.mark.slow
 def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
     args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64"]
-    ports = free_port(), free_port()
-    one = Server(
-        [*args, "--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}"], tmp_path / "one.log"
-    )
+    with reserved_ports(2) as ports:  # held until each server binds its own
+        tp2_equals_one_rank(args, ports, tmp_path)
+
+
+def tp2_equals_one_rank(args: list[str], ports: tuple[int, ...], tmp_path: Path) -> None:
+    events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[0]}", "--debug-endpoints"]
+    one = Server([*args, *events], tmp_path / "one.log")
     try:
-        want, blocks_one = blocks_from_events(ports[0], lambda: served(one))
+        want, blocks_one = blocks_from_events(ports[0], one, lambda: served(one))
     finally:
         assert one.terminate() == 0
     events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{ports[1]}"]
     two = Server([*args, "--tp", "2", *events, "--debug-endpoints"], tmp_path / "two.log")
     try:
-        got, blocks_two = blocks_from_events(ports[1], lambda: served(two))
+        got, blocks_two = blocks_from_events(ports[1], two, lambda: served(two))
         assert got == want
         assert blocks_two == blocks_one and blocks_one["GPU"] and blocks_one["CPU"]
         two.wait_idle()
@@ -95,12 +121,9 @@ def test_tp2_server_equals_one_rank(ckpt: Path, tmp_path: Path) -> None:
         assert (
             r3.choices[0].text == want[0][0] and r3.usage.prompt_tokens_details.cached_tokens == 0
         )
-        time.sleep(1.0)  # rank 0 reports pools and agreement latencies every 0.5 s
-        metrics = httpx.get(f"{two.url}/metrics").text
-        count = [
-            x for x in metrics.splitlines() if x.startswith("kvstrata:step_consensus_seconds_count")
-        ]
-        assert count and float(count[0].rsplit(" ", 1)[1]) > 0
+        # rank 0 reports pools and agreement latencies every 0.5 s
+        metrics = metrics_when(two.url, consensus_counted, "a consensus latency count > 0")
+        assert consensus_counted(metrics)
         assert 'kvstrata:kv_cache_usage_perc{model_name="tiny",pool="device"}' in metrics
         assert "kvstrata:kv_moved_bytes_total" in metrics
     finally:

@@ -16,7 +16,7 @@ import openai
 import pytest
 import zmq
 
-from tests.serve_helpers import TINY_ENGINE, Server, apply_events, free_port
+from tests.serve_helpers import TINY_ENGINE, Server, apply_events, reserved_ports, subscribed
 
 PROMPTS = [[(5 * i + 2 + k) % 97 for i in range(41)] for k in range(2)]  # 5 hittable pages each
 LONG = [(3 * i + 7) % 97 for i in range(30)]
@@ -33,7 +33,7 @@ class Subscriber:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        subscribed(self.sub, f"tcp://127.0.0.1:{port}")
         self.held: dict[str, set[int]] = {"GPU": set(), "CPU": set(), "DISK": set()}
         self.cleared = 0  # AllBlocksCleared events seen
 
@@ -67,16 +67,15 @@ def reset(srv: Server, query: str = "") -> httpx.Response:
 
 @pytest.mark.slow
 def test_reset_clears_device_then_host_and_events_follow(ckpt: Path, tmp_path: Path) -> None:
-    port = free_port()
-    args = [
-        "--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64", "--host-pages", "64",
-        "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--debug-endpoints",
-    ]  # fmt: skip
-    srv = Server(args, tmp_path / "srv.log")
+    with reserved_ports(1) as (port,):  # held until the server binds it
+        args = [
+            "--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64", "--host-pages", "64",
+            "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--debug-endpoints",
+        ]  # fmt: skip
+        srv = Server(args, tmp_path / "srv.log")
     sub = Subscriber(port)
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
     try:
-        time.sleep(1.0)  # the subscription reaches the publisher first
         first = [cached(client, p) for p in PROMPTS]
         assert first[0][1] == {"device": 0, "host": 0, "storage": 0}
         before = sub.catch_up(srv)

@@ -5,7 +5,6 @@ same with --tp 2 (two gloo ranks behind the server); an MTP head with --tp 2 is 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.serve.codec import ByteCodec
-from tests.serve_helpers import TINY_ENGINE, Server
+from tests.serve_helpers import TINY_ENGINE, Server, metrics_when
 
 torch.set_num_threads(1)
 SPEC = ["--spec-draft", "self:2", "--spec-tokens", "3"]
@@ -66,6 +65,13 @@ def expected_spec(r: Request) -> dict:
         "mean_accepted_length": r.accept_length,
         "accepts": r.spec_accepts,
     }
+
+
+def drafts_total(metrics: str) -> float | None:
+    """kvstrata:spec_decode_num_drafts_total in /metrics text (None: not there yet)."""
+    name = 'kvstrata:spec_decode_num_drafts_total{model_name="tiny"} '
+    found = [float(x[len(name) :]) for x in metrics.splitlines() if x.startswith(name)]
+    return found[0] if found else None
 
 
 def check_metrics(srv: Server, ref: list[Request]) -> None:
@@ -129,7 +135,9 @@ def test_tp2_server_speculates_like_one_rank(ckpt: Path, tmp_path: Path) -> None
             assert out.usage.model_extra["spec"] == expected_spec(r)
         assert sum(map(sum, (r.spec_accepts for r in ref))) > 0
         srv.wait_idle()
-        time.sleep(1.0)  # rank 0 reports its counters every 0.5 s
+        want = sum(len(r.spec_accepts) for r in ref)
+        # rank 0 reports its counters every 0.5 s
+        metrics_when(srv.url, lambda t: drafts_total(t) == want, f"{want} drafts")
         check_metrics(srv, ref)
     finally:
         assert srv.terminate(timeout_s=120) == 0, (tmp_path / "two.log").read_text()

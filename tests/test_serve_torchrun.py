@@ -14,7 +14,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.serve_helpers import TINY_ENGINE, Server, free_port
+from tests.serve_helpers import TINY_ENGINE, Server, reserved_ports
 from tests.tiny_models import make_llama
 
 PROMPT = [(7 * i + 5) % 97 for i in range(37)]  # 4 hittable pages of 8
@@ -23,13 +23,14 @@ PROMPT = [(7 * i + 5) % 97 for i in range(37)]  # 4 hittable pages of 8
 @pytest.mark.slow
 def test_torchrun_tp2_server(tmp_path: Path) -> None:
     ckpt = make_llama(tmp_path / "tiny", seed=6, max_position_embeddings=512)
-    launcher = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-    ]  # fmt: skip
     args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64", "--tp", "2"]
     log = tmp_path / "torchrun.log"
-    srv = Server([*args, "--debug-endpoints"], log, launcher=launcher)
+    with reserved_ports(1) as (master,):  # held until torchrun's store binds it (SO_REUSEADDR)
+        launcher = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(master),
+        ]  # fmt: skip
+        srv = Server([*args, "--debug-endpoints"], log, launcher=launcher)
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}

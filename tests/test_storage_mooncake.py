@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvstrata.cache.keys import key_hex
-from kvstrata.local_ports import free_port
+from kvstrata.local_ports import refused_port
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import encode_header, open_storage
 from kvstrata.storage.mooncake_client import used_in_this_process
@@ -169,12 +169,13 @@ def test_bad_input_and_bad_urls_are_value_errors(store: MooncakeStore) -> None:
 
 
 def test_unreachable_master_at_start_is_a_bounded_value_error() -> None:
-    port = free_port()  # nothing listens there
     cfg = dataclasses.replace(FAST, mooncake_setup_timeout_s=3.0)
-    url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{free_port()}/metadata"
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*unreachable"):
-        open_storage(url, PAGE, cfg)
+    # held bound, never listening: no master another test starts meanwhile can take them
+    with refused_port() as port, refused_port() as meta:
+        url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{meta}/metadata"
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=f"127.0.0.1:{port}.*unreachable"):
+            open_storage(url, PAGE, cfg)
     assert time.monotonic() - t0 < 30.0
 
 
@@ -217,15 +218,15 @@ def test_hung_master_times_out_into_misses(own_master: MooncakeMaster) -> None:
     assert own_master.proc is not None
     own_master.proc.send_signal(signal.SIGSTOP)  # alive but silent: only our bound helps
     try:
-        t0 = time.monotonic()
         assert store.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == 0
         assert store.put(keys, pages) == 0  # within the backoff, or the worker still stuck
-        assert time.monotonic() - t0 < FAST.mooncake_timeout_s + 2.0
-        assert store.stats()["timeouts"] == 1
+        # the get waited out its bound once; the put did not wait at all (skipped, not a second
+        # timeout): counted, where a wall-clock bound could be missed on a loaded machine
+        st = store.stats()
+        assert st["timeouts"] == 1 and st["calls_skipped_down"] == 1, st
     finally:
         own_master.proc.send_signal(signal.SIGCONT)
     assert _wait_until(lambda: store.exists_prefix(keys) == 2)
-    assert store.stats()["calls_skipped_down"] >= 1
     store.check_integrity()
     store.close()
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from types import TracebackType
 
 from kvstrata.configtools import doc
-from kvstrata.local_ports import free_port
-from kvstrata.serve.process import ServerProcess
+from kvstrata.local_ports import PortTaken, free_port
+from kvstrata.serve.process import START_TRIES, ServerProcess
 
 ROLES = ("prefill", "decode")
 
@@ -79,7 +79,21 @@ class LocalPD:
 
     def _start_workers(self, log_dir: Path) -> None:
         """Both at once (model loads overlap), each bounded by start_timeout_s; prefill's port
-        is picked first so decode can name it (decode reads it only at its first hand-off)."""
+        is picked first so decode can name it (decode reads it only at its first hand-off).
+        Nothing reserves that port: when another process bound it first (PortTaken), both
+        start again on a fresh pick."""
+        for attempt in range(1, START_TRIES + 1):
+            errors, taken = self._start_workers_once(log_dir)
+            if not errors:
+                return
+            for worker in self.workers.values():
+                worker.stop()
+            self.workers = {}
+            if not taken or attempt == START_TRIES:
+                raise RuntimeError("LocalPD did not start: " + " | ".join(errors))
+
+    def _start_workers_once(self, log_dir: Path) -> tuple[list[str], bool]:
+        """Start both workers; (errors, whether one was a port another process holds)."""
         ports = {"prefill": free_port(), "decode": 0}
         prefill_url = f"http://127.0.0.1:{ports['prefill']}"
 
@@ -88,16 +102,16 @@ class LocalPD:
             timeout = self.cfg.start_timeout_s
             return ServerProcess(cmd, log_dir / f"{role}.log", timeout, port=ports[role])
 
+        errors, taken = [], False
         with ThreadPoolExecutor(len(ROLES)) as pool:
             futs = {role: pool.submit(one, role) for role in ROLES}
-            errors = []
             for role, fut in futs.items():
                 try:
                     self.workers[role] = fut.result()
-                except Exception as exc:  # noqa: BLE001 - reported together, below
+                except Exception as exc:  # noqa: BLE001 - reported together, by the caller
                     errors.append(f"{role} worker: {exc}")
-        if errors:
-            raise RuntimeError("LocalPD did not start: " + " | ".join(errors))
+                    taken = taken or isinstance(exc, PortTaken)
+        return errors, taken
 
     def _router_command(self) -> list[str]:
         urls = {role: self.workers[role].url for role in ROLES}

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstrata.local_ports import free_port, listens
+from kvstrata.local_ports import PortTaken, free_port, listening_inodes, listens
+from kvstrata.serve.process import START_TRIES
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -102,6 +103,23 @@ class VllmServer:
         self.stop()
 
     def start(self) -> None:
+        """Until /health answers; a port we picked that another process bound first (between
+        our pick and vLLM's bind) is picked again."""
+        for attempt in range(1, START_TRIES + 1):
+            try:
+                self._start_once()
+                return
+            except PortTaken:
+                self.stop()
+                if attempt == START_TRIES:
+                    raise
+                self._move_to(free_port())
+
+    def _move_to(self, port: int) -> None:
+        self.args[self.args.index("--port") + 1] = str(port)
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+
+    def _start_once(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
@@ -109,6 +127,8 @@ class VllmServer:
         deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if listening_inodes(self.port):  # ours is gone: a neighbour holds the port
+                    raise PortTaken(f"port {self.port} is held by another process; vllm exited")
                 raise RuntimeError(
                     f"vllm serve exited with {self.proc.returncode} while starting; log: {self.log_path}"
                 )

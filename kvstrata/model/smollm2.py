@@ -75,13 +75,15 @@ def ensure_smollm2(cache_dir: str | Path | None = None) -> Path:
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
         _convert(gguf, tmp)
-        if target.exists():  # a stale, incomplete directory (never produced by us)
-            shutil.rmtree(target)
         try:
-            tmp.rename(target)
+            tmp.rename(target)  # fails while target holds anything
         except OSError:
-            if not _is_converted(target):  # another process did not win the race either
-                raise
+            # another process (a parallel test worker) converted first: its copy may be in use
+            # there, so it is never removed (ours is dropped below)
+            if _is_converted(target):
+                return target
+            shutil.rmtree(target)  # a stale, incomplete directory (never produced by us)
+            tmp.rename(target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

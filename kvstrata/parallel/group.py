@@ -9,6 +9,7 @@ rank builds the same subgroups in the same order (torch requires new_group to be
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import time
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from kvstrata.local_ports import free_port
+from kvstrata.local_ports import reserved_port
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.decision_log import new_run_id
 from kvstrata.parallel.rank_failures import (
@@ -255,8 +256,25 @@ def run_ranks(
     raised, died or hung. `fork` is much cheaper than `spawn` (no re-import of torch) and is the
     default without CUDA; with CUDA (or on request) `spawn` is used, and fn must be importable.
     """
-    if config.master_port == 0:
-        config = dataclasses.replace(config, master_port=free_port(config.master_addr))
+    with contextlib.ExitStack() as held:
+        if config.master_port == 0:
+            # held bound until the ranks are done, so no other process's free_port picks it
+            # while rank 0 starts its store there (the store binds it anyway: SO_REUSEADDR); a
+            # port merely found free could be taken first, and then rank 0 fails to listen
+            # while the other ranks wait on the neighbour's socket until the timeout
+            port = held.enter_context(reserved_port(config.master_addr))
+            config = dataclasses.replace(config, master_port=port)
+        return _spawn_and_collect(fn, config, args, start_method, timeout_s)
+
+
+def _spawn_and_collect(
+    fn: Callable[..., Any],
+    config: DistConfig,
+    args: tuple,
+    start_method: str | None,
+    timeout_s: float,
+) -> list[Any]:
+    """run_ranks once its master port is settled."""
     if start_method is None:
         start_method = "spawn" if resolve_backend(config.backend) == "nccl" else "fork"
     mp = tmp.get_context(start_method)

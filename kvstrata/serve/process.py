@@ -11,7 +11,13 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-from kvstrata.local_ports import PortTaken, free_port, listens
+from kvstrata.local_ports import (
+    PortTaken,
+    free_port,
+    listening_inodes,
+    listens,
+    with_descendants,
+)
 
 START_TRIES = 3  # a port we picked that a neighbour took first is picked again
 
@@ -74,7 +80,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()}")
+                self._raise_exited()
             try:
                 url = f"{self.url}{self.ready_path}"
                 if listens(self.port, self.proc.pid, tree=True) and (
@@ -87,6 +93,14 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"server not healthy within {timeout_s} s: {self.log.read_text()}")
 
+    def _raise_exited(self) -> None:
+        """The server exited before it was healthy: PortTaken when another process listens on
+        its port (a neighbour bound it between our look and the server's bind, so the server
+        failed to bind; ours is gone, so any listener there is not ours), else RuntimeError."""
+        if listening_inodes(self.port):
+            raise PortTaken(f"port {self.port} is held by another process; the server exited")
+        raise RuntimeError(f"server exited {self.proc.returncode}: {self.log.read_text()}")
+
     def terminate(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, then the exit code (TimeoutError when it does not stop in time)."""
         self.proc.send_signal(signal.SIGTERM)
@@ -98,11 +112,19 @@ class ServerProcess:
             self.out.close()
 
     def stop(self) -> None:
-        """Kill the server and every process of its group (torchrun's ranks too)."""
+        """Kill the server, every process of its group and every process below it: torchrun
+        starts its ranks in sessions of their own, which a SIGKILL of the group misses and
+        torchrun, killed, cannot stop (they would run on, holding memory, CPU and ports)."""
+        below = with_descendants(self.proc.pid) if self.proc.poll() is None else []
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:  # the whole group is gone already
             pass
+        for pid in below[1:]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # went with the group
+                pass
         if self.proc.poll() is None:
             self.proc.wait(10)
         self.out.close()

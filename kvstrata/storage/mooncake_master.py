@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from kvstrata.local_ports import PortTaken, free_port, wait_listening
+from kvstrata.local_ports import PortTaken, free_port, hold_port, wait_listening
 
 START_TRIES = 3  # fresh ports per try: a neighbour may take a port between pick and bind
 
@@ -47,6 +48,7 @@ class MooncakeMaster:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstrata-mooncake-")
         self.log = Path(self._tmp.name) / "master.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._held: list[socket.socket] = []  # its ports while it is killed (see kill)
 
     @property
     def metadata(self) -> str:
@@ -69,6 +71,7 @@ class MooncakeMaster:
             try:
                 self._start_once(timeout)
                 self._served = True
+                self._release()
                 return self
             except (PortTaken, RuntimeError) as e:
                 self.kill()
@@ -101,6 +104,16 @@ class MooncakeMaster:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
+            if self._served and not self._held:
+                # kept bound while it is down: a neighbour's master taking them meanwhile would
+                # answer our clients (who hold the URL) and block the restart
+                ports = (self.rpc_port, self.http_port, self.metrics_port)
+                self._held = [h for h in map(hold_port, ports) if h is not None]
+
+    def _release(self) -> None:
+        for held in self._held:
+            held.close()
+        self._held = []
 
     def restart(self, timeout: float = 20.0) -> MooncakeMaster:
         self.kill()
@@ -108,6 +121,7 @@ class MooncakeMaster:
 
     def stop(self) -> None:
         self.kill()
+        self._release()
         self.proc = None
         self._tmp.cleanup()
 
