@@ -15,12 +15,19 @@ one layer + the shared 49k-token head, r = `draft_cost_ratio`) and one verify pa
 acceptance is meaningful); the NextN layer's r is about 0.24 with the whole vocabulary, less
 with the reduced output head the trained layer carries (`draft_head_rows`).
 
-Speed: `tokens_per_s_*` counts every output token over the whole serving time (the prompts'
-prefill included, which speculation does not change); `decode_tokens_per_s_*` counts tokens
-after each request's first over the time from its first token to its finish: decoding, which
-speculation speeds up (`spec_over_plain_decode`). Plain and speculative runs alternate
-TIMING_PAIRS times (the machine is shared): figures are the medians, ratios the median of the
-pairs' ratios. The report also carries the machine's load average.
+Speed is measured on what an agent session does turn after turn: it resends its whole history
+plus a new turn and reads a reply of `max_new_tokens` (QUICK 96, FULL 128). Each timed run is a
+fresh engine with the prefix cache in device memory; the sessions' first turn is prefilled
+untimed (1 new token), then rounds 1.. are timed: each prompt's history (the previous turn's
+prompt) is a prefix hit, its new turn (action, tool output, question: 150-300 tokens) is
+prefilled, and the reply decoded. Plain and speculative runs take identical prompts and cache
+states (`cache_states_identical`: the same hit pages in every timed run) and alternate
+TIMING_PAIRS times (plain first in even pairs, speculative first in odd ones); `tokens_per_s_*`
+are the medians (output tokens over the timed rounds' wall time, prefill of the new turns
+included), `spec_over_plain` their ratio; `decode_tokens_per_s_*` count tokens after each
+request's first over the time from its first token to its finish. `timed_workload` states the
+timed runs' shape in words. The report also carries the machine's load average and torch's
+thread count.
 """
 
 from __future__ import annotations
