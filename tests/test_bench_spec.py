@@ -76,3 +76,8 @@ def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noq
     # last token's page
     assert rep["device_hit_pages"] == rep["host_hit_pages"] == 2 * (2 + 5)
     assert rep["storage_hit_pages"] == 2 * ((40 - 1) // 8 + (60 - 1) // 8)
+    # timed runs: rounds 1 and 2 on a warm device cache, plain and speculative alike
+    assert rep["cache_states_identical"] and rep["timed_requests"] == 4
+    assert rep["timed_prompt_tokens"] == 2 * (40 + 60)
+    assert rep["timed_prefilled_tokens"] == 2 * (40 + 60) - 8 * 2 * (2 + 5)
+    assert rep["timed_new_tokens"] == 4 * 10 and rep["timing_pairs"] == bench_spec.TIMING_PAIRS

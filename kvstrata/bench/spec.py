@@ -15,12 +15,19 @@ one layer + the shared 49k-token head, r = `draft_cost_ratio`) and one verify pa
 acceptance is meaningful); the NextN layer's r is about 0.24 with the whole vocabulary, less
 with the reduced output head the trained layer carries (`draft_head_rows`).
 
-Speed: `tokens_per_s_*` counts every output token over the whole serving time (the prompts'
-prefill included, which speculation does not change); `decode_tokens_per_s_*` counts tokens
-after each request's first over the time from its first token to its finish: decoding, which
-speculation speeds up (`spec_over_plain_decode`). Plain and speculative runs alternate
-TIMING_PAIRS times (the machine is shared): figures are the medians, ratios the median of the
-pairs' ratios. The report also carries the machine's load average.
+Speed is measured on what an agent session does turn after turn: it resends its whole history
+plus a new turn and reads a reply of `max_new_tokens` (QUICK 96, FULL 128). Each timed run is a
+fresh engine with the prefix cache in device memory; the sessions' first turn is prefilled
+untimed (1 new token), then rounds 1.. are timed: each prompt's history (the previous turn's
+prompt) is a prefix hit, its new turn (action, tool output, question: 150-300 tokens) is
+prefilled, and the reply decoded. Plain and speculative runs take identical prompts and cache
+states (`cache_states_identical`: the same hit pages in every timed run) and alternate
+TIMING_PAIRS times (plain first in even pairs, speculative first in odd ones); `tokens_per_s_*`
+are the medians (output tokens over the timed rounds' wall time, prefill of the new turns
+included), `spec_over_plain` their ratio; `decode_tokens_per_s_*` count tokens after each
+request's first over the time from its first token to its finish. `timed_workload` states the
+timed runs' shape in words. The report also carries the machine's load average and torch's
+thread count.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from kvstrata.bench.registry import BENCHES
 from kvstrata.cache.config import CacheConfig
@@ -45,8 +54,8 @@ from kvstrata.workloads.agent import WorkloadSpec, build_workload
 
 DRAFT, SPEC_TOKENS, PAGE = "nextn", 1, 64  # N = 1: at acceptance ~0.2 a 2nd draft costs more
 TIMING_PAIRS = 3  # plain and speculative runs alternate; the figures are the pairs' medians
-QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=16)
-FULL = WorkloadSpec(sessions=2, turns=4, first_lines=30, tool_lines=12, max_new_tokens=32)
+QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=96)
+FULL = WorkloadSpec(sessions=2, turns=4, first_lines=30, tool_lines=12, max_new_tokens=128)
 Rounds = list[list[list[int]]]  # [turn][session] -> prompt
 
 
@@ -107,11 +116,7 @@ class _Runner:
         for k, prompts in enumerate(self.rounds):
             cur = built or self.engine(tiers, draft)
             batch = [Request(f"s{s}t{k}", p, self.max_new) for s, p in enumerate(prompts)]
-            start = time.perf_counter()
-            cur.engine.run(batch)
-            busy += time.perf_counter() - start
-            cur.engine.drain()
-            cur.engine.check_integrity()
+            busy += _timed_run(cur.engine, batch)
             if demote:
                 _demote(cur.engine)
             if fresh:
@@ -120,6 +125,34 @@ class _Runner:
         if built is not None:
             built.close()
         return _summary(reqs, busy)
+
+    def timed(self, draft: str) -> dict:
+        """The timed workload: a fresh engine with the prefix cache in device memory; round 0
+        is prefilled untimed (its history cached, 1 new token); rounds 1.. are timed: each
+        prompt's history (the previous turn's prompt) is a hit, its new turn is prefilled and
+        `max_new` tokens are decoded."""
+        built = self.engine("device", draft)
+        warm = [Request(f"s{s}w", p, 1) for s, p in enumerate(self.rounds[0])]
+        _timed_run(built.engine, warm)
+        reqs: list[Request] = []
+        busy = 0.0
+        for k, prompts in enumerate(self.rounds[1:], start=1):
+            batch = [Request(f"s{s}t{k}", p, self.max_new) for s, p in enumerate(prompts)]
+            busy += _timed_run(built.engine, batch)
+            reqs += batch
+        built.close()
+        return _summary(reqs, busy)
+
+
+def _timed_run(eng: Engine, batch: list[Request]) -> float:
+    """Serve `batch` to the end; the serving's wall seconds (the drain and checks after it are
+    not counted)."""
+    start = time.perf_counter()
+    eng.run(batch)
+    busy = time.perf_counter() - start
+    eng.drain()
+    eng.check_integrity()
+    return busy
 
 
 def _summary(reqs: list[Request], busy: float) -> dict[str, Any]:
@@ -132,6 +165,8 @@ def _summary(reqs: list[Request], busy: float) -> dict[str, Any]:
         "tokens_per_s": sum(len(r.output) for r in reqs) / busy,
         "decode_tokens_per_s": decode_rate(reqs),
         "hits": {t: sum(r.hits[t] for r in later) for t in ("device", "host", "storage")},
+        "prompt_tokens": sum(len(r.tokens) for r in reqs),
+        "output_tokens": sum(len(r.output) for r in reqs),
         "outputs": {r.rid: r.output for r in reqs},
         "accepts": {r.rid: r.spec_accepts for r in reqs},
     }
@@ -164,6 +199,43 @@ def draft_cost_ratio(model: DecoderLM, draft: str, head_rows: int | None = None)
     return (k * layer + head) / (s.num_layers * layer + head)
 
 
+def _timing(run: _Runner, draft: str, pairs: int) -> dict[str, Any]:
+    """`pairs` timed runs of each kind, alternating (plain first in even pairs, speculative
+    first in odd ones) on identical prompts and cache states: tokens/s medians and their
+    ratio, the timed workload's shape, and the runs themselves (for the identity checks)."""
+    plain, spec = [], []
+    for i in range(pairs):
+        for kind in ("", draft) if i % 2 == 0 else (draft, ""):
+            (spec if kind else plain).append(run.timed(kind))
+    first = plain[0]
+    new_prompt = first["prompt_tokens"] - PAGE * first["hits"]["device"]
+    report: dict[str, Any] = {
+        "timed_workload": (
+            f"{len(run.rounds) - 1} rounds x {len(run.rounds[0])} sessions of a multi-turn agent "
+            "session, after an untimed first turn, prefix cache in device memory: over the "
+            f"{len(first['outputs'])} timed requests {first['prompt_tokens']} prompt tokens, of "
+            f"which {new_prompt} prefilled (the rest: the history, prefix hits), and "
+            f"{first['output_tokens']} new tokens ({run.max_new} per request)"
+        ),
+        "timed_requests": len(first["outputs"]),
+        "timed_prompt_tokens": first["prompt_tokens"],
+        "timed_prefilled_tokens": new_prompt,
+        "timed_new_tokens": first["output_tokens"],
+        "timing_pairs": pairs,
+        "cache_states_identical": all(r["hits"] == first["hits"] for r in plain + spec),
+    }
+    for key in ("tokens_per_s", "decode_tokens_per_s"):
+        report[f"{key}_spec"] = statistics.median(r[key] for r in spec)
+        report[f"{key}_plain"] = statistics.median(r[key] for r in plain)
+    report["spec_over_plain"] = report["tokens_per_s_spec"] / report["tokens_per_s_plain"]
+    report["spec_over_plain_decode"] = (
+        report["decode_tokens_per_s_spec"] / report["decode_tokens_per_s_plain"]
+    )
+    report["acceptance_timed"] = statistics.median(r["acceptance"] for r in spec)
+    report["accept_length_timed"] = statistics.median(r["accept_length"] for r in spec)
+    return {"report": report, "runs": plain + spec, "spec": spec}
+
+
 def measure(
     model: DecoderLM,
     rounds: Rounds,
@@ -172,16 +244,16 @@ def measure(
     draft: str = DRAFT,
     cache_dir: str = "",
     model_dir: str = "",
+    pairs: int = TIMING_PAIRS,
 ) -> dict[str, Any]:
     """The report; `cache_dir` holds the self:K checkpoint or trained NextN layer (empty: the
     model cache dir); `model_dir` is the model's checkpoint (empty: SmolLM2)."""
     run = _Runner(model, rounds, max_new, tmp, cache_dir, model_dir)
-    pairs = [(run.serve("none", ""), run.serve("none", draft)) for _ in range(TIMING_PAIRS)]
-    plain, cold = pairs[0]
+    plain, cold = run.serve("none", ""), run.serve("none", draft)
+    timing = _timing(run, draft, pairs)
     cases = {
-        "device": run.serve(
-            "device_host_storage", draft
-        ),  # also fills storage for the fresh engines below
+        # also fills storage for the fresh engines of "storage"
+        "device": run.serve("device_host_storage", draft),
         "host": run.serve("device_host", draft, demote=True),
         "storage": run.serve("device_host_storage", draft, fresh=True),
     }
@@ -189,29 +261,28 @@ def measure(
     report["draft_head_rows"] = run.head_rows or model.vocab_size
     report["draft_cost_ratio"] = draft_cost_ratio(model, draft, run.head_rows)
     report["load_average_1m"] = os.getloadavg()[0]  # a shared machine: the figures' context
+    report["threads"] = torch.get_num_threads()
     report["acceptance_cold"] = cold["acceptance"]
     for name, case in cases.items():
         report[f"acceptance_{name}"] = case["acceptance"]
         report[f"{name}_hit_pages"] = case["hits"][name]
     report["accept_length_cold"] = cold["accept_length"]
-    report["tokens_per_s_spec"] = statistics.median(c["tokens_per_s"] for _, c in pairs)
-    report["tokens_per_s_plain"] = statistics.median(p["tokens_per_s"] for p, _ in pairs)
-    report["spec_over_plain"] = statistics.median(
-        c["tokens_per_s"] / p["tokens_per_s"] for p, c in pairs
+    report.update(timing["report"])
+    runs = [cold, *timing["runs"], *cases.values()]
+    report["outputs_identical"] = all(_agrees(r["outputs"], plain["outputs"]) for r in runs)
+    specs = [cold, *timing["spec"], *cases.values()]
+    report["acceptance_sequences_identical"] = all(
+        _agrees(r["accepts"], cold["accepts"]) for r in specs
     )
-    for key in ("decode_tokens_per_s",):
-        report[f"{key}_spec"] = statistics.median(c[key] for _, c in pairs)
-        report[f"{key}_plain"] = statistics.median(p[key] for p, _ in pairs)
-    report["spec_over_plain_decode"] = statistics.median(
-        c["decode_tokens_per_s"] / p["decode_tokens_per_s"] for p, c in pairs
-    )
-    runs = [cold, *(c for _, c in pairs[1:]), *cases.values()]
-    report["outputs_identical"] = all(r["outputs"] == plain["outputs"] for r in runs)
-    report["acceptance_sequences_identical"] = all(r["accepts"] == cold["accepts"] for r in runs)
     report["acceptance_equal_after_restores"] = all(
         report[f"acceptance_{n}"] == report["acceptance_cold"] for n in cases
     )
     return report
+
+
+def _agrees(part: dict[str, list[int]], whole: dict[str, list[int]]) -> bool:
+    """Every request of `part` (a run of some rounds) has `whole`'s value for it."""
+    return all(whole.get(rid) == value for rid, value in part.items())
 
 
 @BENCHES.register("spec")

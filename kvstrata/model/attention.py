@@ -141,7 +141,7 @@ class PagedAttention(PackOwner):
         if rows is not None:  # only these queries: each reads its whole context from the pool
             q, k, v, meta = q[rows], k[rows], v[rows], meta.last_rows(rows)
         t = q.shape[0]
-        if self.native_decode and meta.all_decode and usable(q, k_pool, v_pool):
+        if self.native_decode and meta.rows_as_decode and usable(q, k_pool, v_pool):
             flat, starts, ctx = meta.decode_tables  # one kernel, pages read in place
             out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [S, heads, dim]
             return small_matmul.run(self.o_proj, out.view(t, self.heads * self.head_dim))

@@ -11,6 +11,11 @@ import torch
 from kvstrata.model.page_runs import page_runs, write_plan
 from kvstrata.model.paged_decode import flat_tables
 
+ROWS_AS_DECODE = 8
+"""Most new tokens per sequence read as one-token queries by the batched decode kernel (each
+row reads the pages in place; a gather and a masked kernel per sequence cost more at this size:
+a speculative verify's rows); prefill chunks take the per-sequence kernels."""
+
 
 @dataclass
 class AttnMeta:
@@ -54,12 +59,25 @@ class AttnMeta:
         return all(n == 1 for n in self.seq_lens) and all(self.tail)
 
     @property
+    def rows_as_decode(self) -> bool:
+        """True when every sequence adds at most ROWS_AS_DECODE tokens at its end (a decode
+        step, a speculative verify's rows): each row is then a one-token query over the
+        positions up to its own, all of them in one batched decode call."""
+        return all(self.tail) and max(self.seq_lens) <= ROWS_AS_DECODE
+
+    @property
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flat page tables [P], each sequence's start in them [S] and ctx_lens [S] (int64,
-        host) for paged_decode; built on first use, shared by every layer."""
+        """Flat page tables [P], each row's sequence start in them [T] and each row's context
+        [T] (int64, host) for paged_decode: row i of a sequence adding n tokens to a context
+        of ctx sees positions 0 .. ctx - n + i. Built on first use, shared by every layer."""
         if self._decode is None:
             flat, starts = flat_tables(self.page_tables)
-            self._decode = (flat, starts, torch.tensor(self.ctx_lens, dtype=torch.long))
+            lens = torch.tensor(self.seq_lens, dtype=torch.long)
+            first = (lens.cumsum(0) - lens).repeat_interleave(lens)  # [T] each row's seq start
+            rank = torch.arange(int(lens.sum())) - first  # [T] i: the row's index in its seq
+            ends = torch.tensor(self.ctx_lens, dtype=torch.long) - lens
+            ctx = ends.repeat_interleave(lens) + rank + 1
+            self._decode = (flat, starts.repeat_interleave(lens), ctx)
         return self._decode
 
     @property
