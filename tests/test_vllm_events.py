@@ -8,13 +8,11 @@ memory, then backed up; request b's 2 pages then push a's out of the 2 host page
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
-from kvstrata.bench.vllm_server import VLLM_BIN
 from kvstrata.cache.events import block_hash
 from kvstrata.cache.keys import Namespace, page_keys
+from tests.vllm_drivers import run_driver
 
 DRIVER = Path(__file__).with_name("vllm_events_driver.py")
 
@@ -30,17 +28,7 @@ def hashes(page_keys_: list[int]) -> list[int]:
 
 
 def test_host_and_storage_events_are_exact(tmp_path: Path) -> None:
-    python = VLLM_BIN.parent / "python"
-    assert python.exists(), f"{python} missing: run scripts/setup_vllm.sh (scripts/test.sh does)"
-    run = subprocess.run(
-        [str(python), str(DRIVER), f"file://{tmp_path / 'storage'}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=DRIVER.parent.parent,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    batches = [json.loads(line) for line in run.stdout.splitlines()]
+    batches = run_driver(DRIVER, f"file://{tmp_path / 'storage'}")
     a, b = hashes(keys(100)), hashes(keys(200))
     a_gone = hashes(sorted(keys(100)))  # removals come in key order
     assert batches == [

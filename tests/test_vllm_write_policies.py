@@ -10,14 +10,12 @@ aborted. Every stored host page is compared byte for byte with the vLLM block it
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvstrata.bench.vllm_server import VLLM_BIN
+from tests.vllm_drivers import run_driver
 
 DRIVER = Path(__file__).with_name("vllm_policies_driver.py")
 POLICIES = ("write_through", "write_back", "write_through_selective")
@@ -25,18 +23,7 @@ POLICIES = ("write_through", "write_back", "write_through_selective")
 
 @pytest.fixture(scope="module")
 def runs() -> dict[tuple[str, str], dict[str, Any]]:
-    python = VLLM_BIN.parent / "python"
-    assert python.exists(), f"{python} missing: run scripts/setup_vllm.sh (scripts/test.sh does)"
-    run = subprocess.run(
-        [str(python), str(DRIVER), *POLICIES],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=DRIVER.parent.parent,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = [json.loads(line) for line in run.stdout.splitlines()]
-    return {(r["policy"], r["scenario"]): r for r in out}
+    return {(r["policy"], r["scenario"]): r for r in run_driver(DRIVER, *POLICIES)}
 
 
 def steps(r: dict[str, Any]) -> list[tuple[str, object, object]]:
