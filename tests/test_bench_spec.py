@@ -1,8 +1,10 @@
 """`kvstrata bench spec`'s measurement on a tiny model: every key, the restores really hit their
-tier, and acceptance after each restore equals cold exactly."""
+tier, and acceptance after each restore equals cold exactly; `--model DIR` benches a DeepSeek-V3
+checkpoint's own NextN layer."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -11,16 +13,20 @@ import torch
 
 from kvstrata.bench import spec as bench_spec
 from kvstrata.bench.registry import load_benches
+from kvstrata.cli.main import main
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.nextn import NEXTN_FILE
 from kvstrata.model.nextn_data import DataConfig
 from kvstrata.model.nextn_train import TrainConfig, train_nextn
+from kvstrata.workloads.agent import WorkloadSpec
 from tests.tiny_models import make_llama
 
 torch.set_num_threads(1)
 # tiny llama: hidden 64, 2 x 32-wide K/V (2 heads x 16), MLP 112, vocab 97 (tests/tiny_models.py)
 LAYER = 2 * 64 * (64 + 32) + 3 * 64 * 112
 HEAD = 97 * 64
+MLA_CKPT = {"seed": 3, "num_nextn_predict_layers": 1}
+"""A tiny DeepSeek-V3 with its own NextN layer (the `mla_ckpt` fixture of tests/conftest.py)."""
 
 
 def _rounds() -> list[list[list[int]]]:
@@ -81,3 +87,25 @@ def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noq
     assert rep["timed_prompt_tokens"] == 2 * (40 + 60)
     assert rep["timed_prefilled_tokens"] == 2 * (40 + 60) - 8 * 2 * (2 + 5)
     assert rep["timed_new_tokens"] == 4 * 10 and rep["timing_pairs"] == bench_spec.TIMING_PAIRS
+
+
+@pytest.mark.slow
+def test_bench_spec_model_dir_with_its_own_nextn_layer(
+    mla_ckpt: Path,
+    tmp_path: Path,
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    """`kvstrata bench spec --quick --model DIR` on a DeepSeek-V3 checkpoint (no tokenizer: the
+    workload as token ids): its NextN layer drafts, outputs equal plain decoding, acceptance
+    after every restore equals cold, and the report names the checkpoint."""
+    monkeypatch.setattr(bench_spec, "PAGE", 8)
+    small = WorkloadSpec(sessions=2, turns=3, first_lines=2, tool_lines=1, max_new_tokens=10)
+    monkeypatch.setattr(bench_spec, "QUICK", small)  # 50, 80, 110 prompt ids: fit 256 positions
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec", "--quick", "--model", str(mla_ckpt), "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["model"] == str(mla_ckpt) and rep["architecture"] == "DeepseekV3ForCausalLM"
+    assert rep["draft"] == "nextn" and rep["draft_cost_ratio"] is None
+    assert rep["outputs_identical"] and rep["acceptance_sequences_identical"]
+    assert rep["acceptance_equal_after_restores"] and rep["acceptance_cold"] > 0
+    assert rep["device_hit_pages"] > 0 and rep["storage_hit_pages"] > 0

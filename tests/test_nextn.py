@@ -24,9 +24,11 @@ from kvstrata.model.nextn_data import DataConfig, distill
 from kvstrata.model.nextn_train import (
     TrainConfig,
     choose_vocab,
+    head_train_hidden,
     head_train_logits,
     init_head,
     train_nextn,
+    windows,
 )
 
 torch.set_num_threads(1)
@@ -87,6 +89,46 @@ def test_train_forward_equals_paged_forward(ckpt: Path, vocab: int) -> None:
     )
     target_pool = DevicePool(model.kv_shape(8), 4)
     assert data.labels.tolist() == model(batch, target_pool).argmax(-1).tolist()
+
+
+def test_chained_train_pass_equals_chained_drafts(ckpt: Path) -> None:
+    """The trainer's second pass (entry j takes the first pass's g_{j-1}, sees that pass's keys
+    before j) = MTPHead.forward's 2nd draft after entries 0 .. c with the target's states: the
+    entry at c + 1 taking g_c (fp32 1e-4), for every c."""
+    model = load_model(ckpt)
+    head = init_head(model, seed=1)
+    head.requires_grad_(False)
+    seq = _prompts(1)[0] + [7, 8, 9, 10, 11, 12]
+    h = distill(model, [seq], DataConfig(new_tokens=0)).hidden
+    prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
+    ids, pos = torch.tensor(seq)[None], torch.arange(len(seq))[None]
+    g1, kv = head_train_hidden(head, ids, prev[None], pos)
+    own = torch.cat([torch.zeros_like(g1[:, :1]), g1[:, :-1]], 1)
+    want = head.logits(head_train_hidden(head, ids, own, pos, kv)[0][0])  # [T, vocab]
+    s = model.kv_shape(8)
+    for c in range(len(seq) - 1):
+        pool = DevicePool(KVShape(1, s.num_kv_heads, s.head_dim, 8, s.dtype), 4)
+        first = SeqBatch.build([seq[: c + 1]], [0], [[0, 1, 2, 3]])
+        _, g = head(first, prev[: c + 1], pool, last_only=False)
+        chained = SeqBatch.build([[seq[c + 1]]], [c + 1], [[0, 1, 2, 3]])
+        got, _ = head(chained, g[c:], pool, last_only=True)
+        assert float((got[0] - want[c + 1]).norm() / want[c + 1].norm()) <= 1e-4
+
+
+def test_windows_cover_the_continuation_from_the_end() -> None:
+    """Windows end at each sequence's end and step back while they reach its continuation."""
+    from kvstrata.model.nextn_data import Distilled
+
+    data = Distilled(
+        tokens=torch.zeros(30, dtype=torch.int64),
+        hidden=torch.zeros(30, 4),
+        labels=torch.zeros(30, dtype=torch.int64),
+        starts=torch.tensor([0, 20, 30]),
+        prompt_lens=torch.tensor([3, 8]),
+    )
+    # sequence 0: rows 0..19, continuation from 3: [12, 20), [4, 12), [0, 4); sequence 1:
+    # rows 20..29, continuation from 28: [22, 30)
+    assert windows(data, 8) == [(12, 8), (4, 8), (0, 4), (22, 8)]
 
 
 def test_trained_nextn_is_reproducible_and_drafts_accepted(ckpt: Path, tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
-from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.model.tokenizer import chat_encoder
 from kvstrata.workloads.agent import WorkloadSpec, build_workload
 
 DRAFT, SPEC_TOKENS, PAGE = "nextn", 1, 64  # N = 1: at acceptance ~0.2 a 2nd draft costs more
@@ -57,6 +57,7 @@ TIMING_PAIRS = 3  # plain and speculative runs alternate; the figures are the pa
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=96)
 FULL = WorkloadSpec(sessions=2, turns=4, first_lines=30, tool_lines=12, max_new_tokens=128)
 Rounds = list[list[list[int]]]  # [turn][session] -> prompt
+LLAMA_LAYERS = ("LlamaForCausalLM", "Qwen2ForCausalLM")  # draft_cost_ratio's weight count
 
 
 def _demote(eng: Engine) -> None:
@@ -185,8 +186,11 @@ def draft_cost_ratio(model: DecoderLM, draft: str, head_rows: int | None = None)
     """Weights a draft pass reads over a target pass's (decode at small batch reads every
     weight once per pass): (K layers + head) / (all layers + head), K = 1 for a NextN layer
     (its eh_proj adds 2 hidden^2, its head `head_rows` rows: all by default); None for other
-    drafts. Speculation with N = 1 beats plain decoding only if acceptance exceeds about this."""
+    drafts and for layers other than Llama's (GQA + SwiGLU, which the count assumes).
+    Speculation with N = 1 beats plain decoding only if acceptance exceeds about this."""
     s = model.spec
+    if s.architecture not in LLAMA_LAYERS:
+        return None
     kv = s.num_kv_heads * s.head_dim
     layer = 2 * s.hidden_size * (s.hidden_size + kv) + 3 * s.hidden_size * s.intermediate_size
     head = s.vocab_size * s.hidden_size
@@ -286,12 +290,16 @@ def _agrees(part: dict[str, list[int]], whole: dict[str, list[int]]) -> bool:
 
 
 @BENCHES.register("spec")
-def bench_spec(quick: bool) -> dict[str, Any]:
-    """SmolLM2-135M-Instruct, its NextN layer drafts 1 token; the agent workload (quick: smaller)."""
-    path = resolve_model_path(EngineConfig())
-    model = load_model(path)
+def bench_spec(quick: bool, model: str | None = None) -> dict[str, Any]:
+    """The checkpoint at `model` (default SmolLM2-135M-Instruct), its NextN layer drafting
+    SPEC_TOKENS tokens; the agent workload (quick: smaller), as token ids where the checkpoint
+    ships no tokenizer."""
+    path = Path(model) if model else resolve_model_path(EngineConfig())
+    target = load_model(path)
     spec = QUICK if quick else FULL
-    sessions = build_workload(spec, model.vocab_size, Tokenizer(path).encode_chat)
+    tok = chat_encoder(path)
+    sessions = build_workload(spec, target.vocab_size, tok.encode_chat if tok else None)
     rounds = [[s[k] for s in sessions] for k in range(spec.turns)]
     with tempfile.TemporaryDirectory(prefix="kvstrata-spec-") as tmp:
-        return measure(model, rounds, spec.max_new_tokens, Path(tmp), model_dir=str(path))
+        report = measure(target, rounds, spec.max_new_tokens, Path(tmp), model_dir=str(path))
+    return {"model": str(path), "architecture": target.spec.architecture, **report}

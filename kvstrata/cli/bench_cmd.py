@@ -27,7 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--url", default=None, help="drive this OpenAI-compatible server")
     serve.add_argument("--sessions", type=int, default=None, help="agent sessions")
     serve.add_argument("--concurrency", type=int, default=None, help="sessions at once")
-    serve.add_argument("--model", default=None, help="checkpoint our server loads")
+    serve.add_argument(
+        "--model", default=None, help="checkpoint our server (serve) or engine (spec) loads"
+    )
     serve.add_argument("--out", type=Path, default=None, help="directory of the plot and logs")
     decode = p.add_argument_group("bench decode / serve", "options of decode and serve")
     decode.add_argument(

@@ -33,7 +33,7 @@ from kvstrata.model.mtp import NEXTN, MTPHead, load_head_file
 
 __all__ = ["NEXTN", "NEXTN_FILE", "load_nextn", "trained_path"]
 NEXTN_FILE = "nextn.safetensors"
-TRAIN_VERSION = 2  # bumped when the trainer changes in a way its config does not show
+TRAIN_VERSION = 3  # bumped when the trainer changes in a way its config does not show
 
 
 def trained_path(target: DecoderLM, cache_dir: Path) -> Path:

@@ -4,7 +4,9 @@ Each training text (a prompt) is run through the target once as a batched prefil
 by the target's own greedy tokens (the inputs decoding feeds the draft). Every position j of the
 result gives, from that one pass, the target's hidden state h_j [hidden] (before the final norm)
 and its greedy choice y_j (the token after t_j). NextN entry j takes (t_j, h_{j-1}) and learns
-y_j (kvstrata.model.nextn_train).
+y_j (kvstrata.model.nextn_train), on the continuation's rows only (`prompt_lens` marks where
+they start): decoding drafts there alone, and the greedy text a target writes differs from the
+prompts it reads.
 
 The texts for SmolLM2 (`smollm2_prompts`) are chat prompts (tasks x topics) and coding-agent
 sessions drawn by kvstrata.agent_text with seeds AGENT_SEED + i: a training split apart from
@@ -50,6 +52,7 @@ TOPICS = [
 ]  # fmt: skip
 PROMPTS = [t.format(x) for x in TOPICS for t in TASKS]  # 120 chat prompts
 AGENT_SEED = 7_000_001  # training sessions: Random(AGENT_SEED + i), apart from the workload's
+DATA_VERSION = 2  # bumped when Distilled's fields change (2: prompt_lens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +61,12 @@ class DataConfig:
 
     chat_prompts: int = 120
     """How many of PROMPTS (in order) are used."""
-    agent_sessions: int = 64
+    agent_sessions: int = 136
     """Coding-agent sessions (each: 4-16 lines of code, 1-3 turns of 3-10 tool-output lines)."""
-    new_tokens: int = 48
-    """Greedy tokens the target adds to each prompt."""
-    batch: int = 16
+    new_tokens: int = 128
+    """Greedy tokens the target adds to each prompt (a reply's length: drafts late in a long
+    reply are as many as early ones)."""
+    batch: int = 32
     """Prompts per batched prefill / decode."""
 
 
@@ -74,6 +78,7 @@ class Distilled:
     hidden: torch.Tensor  # [N, hidden] fp32: the target's h_j (before the final norm)
     labels: torch.Tensor  # [N] int64: the target's greedy choice y_j (the token after t_j)
     starts: torch.Tensor  # [S + 1] int64
+    prompt_lens: torch.Tensor  # [S] int64: rows of sequence i before its continuation
 
     def save(self, path: Path) -> None:
         """Written atomically (a concurrent builder that won leaves equal bytes)."""
@@ -82,6 +87,11 @@ class Distilled:
         os.close(fd)
         save_file({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, tmp)
         os.replace(tmp, path)
+
+    def bounds(self) -> list[tuple[int, int, int]]:
+        """(first row, end row, prompt rows) of each sequence."""
+        ends = (self.starts[:-1].tolist(), self.starts[1:].tolist(), self.prompt_lens.tolist())
+        return list(zip(*ends, strict=True))
 
     @classmethod
     def load(cls, path: Path) -> Distilled:
@@ -102,7 +112,7 @@ def smollm2_prompts(model_dir: Path, cfg: DataConfig) -> list[list[int]]:
 def data_key(target: DecoderLM, prompts: list[list[int]], cfg: DataConfig) -> str:
     """Identity of the data: the target's weights, the prompts' ids and the continuation length."""
     h = xxhash.xxh3_128()
-    h.update(f"{target.fingerprint}|{cfg.new_tokens}|".encode())
+    h.update(f"{DATA_VERSION}|{target.fingerprint}|{cfg.new_tokens}|".encode())
     for p in prompts:
         h.update(torch.tensor(p, dtype=torch.int64).numpy().tobytes() + b"|")
     return h.hexdigest()
@@ -116,6 +126,7 @@ def distill(target: DecoderLM, prompts: list[list[int]], cfg: DataConfig) -> Dis
         seqs += _continue(target, prompts[first : first + cfg.batch], cfg.new_tokens)
     lens = [len(t) for t, _, _ in seqs]
     return Distilled(
+        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
         tokens=torch.tensor([t for s, _, _ in seqs for t in s], dtype=torch.int64),
         hidden=torch.cat([h for _, h, _ in seqs]).float().contiguous(),
         labels=torch.cat([y for _, _, y in seqs]),
