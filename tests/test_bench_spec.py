@@ -87,6 +87,11 @@ def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noq
     assert rep["timed_prompt_tokens"] == 2 * (40 + 60)
     assert rep["timed_prefilled_tokens"] == 2 * (40 + 60) - 8 * 2 * (2 + 5)
     assert rep["timed_new_tokens"] == 4 * 10 and rep["timing_pairs"] == bench_spec.TIMING_PAIRS
+    # the step breakdown: plain runs spend nothing in a draft; a verify step emits up to N + 1
+    # tokens, so speculation never takes more steps than plain decoding
+    assert rep["draft_ms_per_step_plain"] == 0 and rep["draft_ms_per_step_spec"] > 0
+    assert 0 < rep["steps_spec"] <= rep["steps_plain"]
+    assert rep["draft_ms_per_step_spec"] < rep["step_ms_spec"]
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ thread count.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -117,7 +118,7 @@ class _Runner:
         for k, prompts in enumerate(self.rounds):
             cur = built or self.engine(tiers, draft)
             batch = [Request(f"s{s}t{k}", p, self.max_new) for s, p in enumerate(prompts)]
-            busy += _timed_run(cur.engine, batch)
+            busy += _timed_run(cur.engine, batch).wall_s
             if demote:
                 _demote(cur.engine)
             if fresh:
@@ -136,24 +137,60 @@ class _Runner:
         warm = [Request(f"s{s}w", p, 1) for s, p in enumerate(self.rounds[0])]
         _timed_run(built.engine, warm)
         reqs: list[Request] = []
-        busy = 0.0
+        spent = Spent()
         for k, prompts in enumerate(self.rounds[1:], start=1):
             batch = [Request(f"s{s}t{k}", p, self.max_new) for s, p in enumerate(prompts)]
-            busy += _timed_run(built.engine, batch)
+            spent = spent + _timed_run(built.engine, batch)
             reqs += batch
         built.close()
-        return _summary(reqs, busy)
+        return {**_summary(reqs, spent.wall_s), **spent.per_step()}
 
 
-def _timed_run(eng: Engine, batch: list[Request]) -> float:
-    """Serve `batch` to the end; the serving's wall seconds (the drain and checks after it are
-    not counted)."""
+@dataclasses.dataclass(frozen=True)
+class Spent:
+    """Where a timed run's wall time went."""
+
+    wall_s: float = 0.0
+    """Serving, end to end."""
+    steps: int = 0
+    """Engine steps (prefill and decode/verify alike)."""
+    draft_s: float = 0.0
+    """In the draft's passes (SpecStats.draft_s)."""
+
+    def __add__(self, other: Spent) -> Spent:
+        return Spent(*(a + b for a, b in zip(_fields(self), _fields(other), strict=True)))
+
+    def per_step(self) -> dict[str, float]:
+        """The step breakdown: ms per engine step, and of it in the draft and the rest (the
+        target's forward or verify, sampling, acceptance and cache bookkeeping)."""
+        step = 1000 / max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "step_ms": self.wall_s * step,
+            "draft_ms_per_step": self.draft_s * step,
+            "rest_ms_per_step": (self.wall_s - self.draft_s) * step,
+        }
+
+
+def _fields(spent: Spent) -> list[float]:
+    return [getattr(spent, f.name) for f in dataclasses.fields(spent)]
+
+
+def _timed_run(eng: Engine, batch: list[Request]) -> Spent:
+    """Serve `batch` to the end: the serving's wall seconds, steps and draft seconds (the
+    drain and checks after it are not counted)."""
+    steps, draft_s = eng.steps, _draft_s(eng)
     start = time.perf_counter()
     eng.run(batch)
     busy = time.perf_counter() - start
+    spent = Spent(busy, eng.steps - steps, _draft_s(eng) - draft_s)
     eng.drain()
     eng.check_integrity()
-    return busy
+    return spent
+
+
+def _draft_s(eng: Engine) -> float:
+    return eng.spec.stats.draft_s if eng.spec is not None else 0.0
 
 
 def _summary(reqs: list[Request], busy: float) -> dict[str, Any]:
@@ -235,6 +272,9 @@ def _timing(run: _Runner, draft: str, pairs: int) -> dict[str, Any]:
     report["spec_over_plain_decode"] = (
         report["decode_tokens_per_s_spec"] / report["decode_tokens_per_s_plain"]
     )
+    for key in ("steps", "step_ms", "draft_ms_per_step", "rest_ms_per_step"):
+        report[f"{key}_spec"] = statistics.median(r[key] for r in spec)
+        report[f"{key}_plain"] = statistics.median(r[key] for r in plain)
     report["acceptance_timed"] = statistics.median(r["acceptance"] for r in spec)
     report["accept_length_timed"] = statistics.median(r["accept_length"] for r in spec)
     return {"report": report, "runs": plain + spec, "spec": spec}

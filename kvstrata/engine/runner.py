@@ -9,6 +9,7 @@ state.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,14 +53,18 @@ class ModelRunner:
     def run(self, work: Work, layer_done: LayerHooks | None = None) -> Forward:
         reqs = [r for r, _ in work]
         wait = self.kv.layer_wait(reqs)
+        started = time.perf_counter()
         drafts = self.spec.propose(work, self.pool, wait) if self.spec is not None else {}
+        drafting = time.perf_counter() - started
         hidden: list[torch.Tensor] | None = [] if self.spec and self.spec.wants_hidden else None
         rows = self._logits(work, drafts, wait, layer_done, hidden)
         hid: list[torch.Tensor | None] = list(hidden) if hidden else [None] * len(work)
         if self.spec is not None:
             items = zip(work, hid, strict=True)
             prefills = [(r, h) for (r, _), h in items if r.state is State.PREFILL]
+            started = time.perf_counter()
             self.spec.after_forward(prefills, self.pool, wait)  # type: ignore[arg-type]
+            self.spec.stats.draft_s += drafting + time.perf_counter() - started
         self.kv.loaded(reqs)  # waited for, layer by layer, in this forward
         return Forward(rows, hid, drafts)
 

@@ -43,13 +43,15 @@ Proposals = dict[str, list[int]]  # rid -> drafted tokens d_1 .. d_n
 class SpecStats:
     """Verify steps, drafted and accepted tokens, summed over every request of an engine.
 
-    Plain integers only (the server's /metrics reads them from another thread at scrape time);
+    Plain numbers only (the server's /metrics reads them from another thread at scrape time);
     `accepted_per_pos[j]` counts verify steps that accepted draft j (0-based), sized N once."""
 
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    """Wall seconds in the draft's passes (proposals and prefill catch-up; a bench's breakdown)."""
 
     def as_dict(self) -> dict[str, float]:
         """acceptance_rate = accepted / proposed; accept_length = tokens emitted per verify step
