@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
@@ -236,9 +237,10 @@ def test_namespace_names_the_draft(ckpt: Path, tmp_path: Path) -> None:
     run_turns(
         model, "device_host_storage", tmp_path / "store", prompts, tmp_path, draft="mtp:random"
     )
-    head = load_head("mtp:random", model)
-    head.layer.mlp.up_proj.weight.mul_(2.0)  # an MTP head of the same shape, other weights
-    save_head(head, tmp_path / "head.safetensors")
+    save_head(load_head("mtp:random", model), tmp_path / "head.safetensors")
+    state = load_file(str(tmp_path / "head.safetensors"))
+    state["layer.mlp.up_proj.weight"].mul_(2.0)  # an MTP head of the same shape, other weights
+    save_file(state, str(tmp_path / "head.safetensors"))
     mtp = f"mtp:{tmp_path / 'head.safetensors'}"
     mine = run_turns(model, "device_host_storage", tmp_path / "store", prompts, tmp_path, draft=mtp)
     assert mine[0][2]["storage"] == 0 and again[0][2]["storage"] > 0

@@ -104,21 +104,24 @@ def save_echo_head(ckpt: Path, path: Path, vocab: int = 0) -> str:
     previous position, saved at `path`; its --spec-draft. A random head accepts nothing on these
     tiny models, which would make acceptance checks vacuous. `vocab` > 0: the head scores only
     ids 0 .. vocab-1 (a reduced output head)."""
+    from safetensors.torch import save_file
+
     from kvstrata.model.checkpoint import load_model
-    from kvstrata.model.mtp import load_head, save_head
+    from kvstrata.model.mtp import VOCAB_IDS, load_head
 
     model = load_model(ckpt)
-    head = load_head("mtp:random", model)
+    # edited as a state dict: a loaded head's layer is packed (its plain weights re-derived here)
+    state = {k: v.clone() for k, v in load_head("mtp:random", model).state_dict().items()}
     hidden = model.spec.hidden_size
-    with torch.no_grad():  # eh_proj([enorm(e); hnorm(h)]) = hnorm(h); the layer nearly identity
-        head.eh_proj.weight.zero_()
-        head.eh_proj.weight[:, hidden:] = torch.eye(hidden)
-        head.norm.weight.copy_(model.model.norm.weight)
-        head.layer.self_attn.o_proj.weight.mul_(0.1)
-        head.layer.mlp.down_proj.weight.mul_(0.1)
+    # eh_proj([enorm(e); hnorm(h)]) = hnorm(h); the layer nearly identity
+    state["eh_proj.weight"].zero_()
+    state["eh_proj.weight"][:, hidden:] = torch.eye(hidden)
+    state["norm.weight"].copy_(model.model.norm.weight)
+    state["layer.self_attn.o_proj.weight"].mul_(0.1)
+    state["layer.mlp.down_proj.weight"].mul_(0.1)
     if vocab:
-        head.set_vocab(torch.arange(vocab))
-    save_head(head, path)
+        state[VOCAB_IDS] = torch.arange(vocab)
+    save_file(state, str(path))
     return f"mtp:{path}"
 
 

@@ -187,8 +187,14 @@ def load_head_file(path: Path, target: DecoderLM, name: str) -> MTPHead:
 
 
 def place_head(head: MTPHead, target: DecoderLM) -> MTPHead:
+    """The head on the target's device, fingerprinted, its layer fused (and prepacked) as the
+    target's layers are: unfused, its seven small matmuls cost a draft pass several target
+    layers' time."""
     head.to(target.model.embed_tokens.weight.device)
-    head.fingerprint = _fingerprint(head)
+    head.fingerprint = _fingerprint(head)  # over the plain weights, before any packing
+    prepack = target.head_packed is not None  # the target's linears are in oneDNN's layout
+    head.layer.self_attn.fuse(prepack)
+    head.layer.mlp.fuse(prepack)
     head.head_rows()  # a reduced head's rows (and their packed layout) once, outside inference mode
     return head
 
