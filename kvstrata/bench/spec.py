@@ -9,8 +9,9 @@ equals cold to the last digit (each request's acceptance sequence too), outputs 
 greedy decoding.
 
 The draft is `nextn`: a NextN layer trained here for SmolLM2 (kvstrata.model.nextn_train, built
-on first use and cached). Break-even: a step costs N draft passes (r each, in target passes:
-one layer + the shared 49k-token head, r = `draft_cost_ratio`) and one verify pass, and emits
+on first use and cached; `--model DIR`: that checkpoint's own NextN layer). Break-even: a step
+costs N draft passes (r each, in target passes: one layer + the shared 49k-token head,
+r = `draft_cost_ratio`) and one verify pass, and emits
 1 + a tokens. `self:K` drafts cannot win on SmolLM2 (r = 0.90 at K = 26, the least K whose
 acceptance is meaningful); the NextN layer's r is about 0.24 with the whole vocabulary, less
 with the reduced output head the trained layer carries (`draft_head_rows`).
@@ -53,7 +54,9 @@ from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.tokenizer import chat_encoder
 from kvstrata.workloads.agent import WorkloadSpec, build_workload
 
-DRAFT, SPEC_TOKENS, PAGE = "nextn", 1, 64  # N = 1: at acceptance ~0.2 a 2nd draft costs more
+# N = 1: acceptance 0.67 over quick's replies; N = 2 raised tokens per step only 1.68 -> 1.94
+# (the chained draft's acceptance about 0.4) at a costlier step on the 2-core machine
+DRAFT, SPEC_TOKENS, PAGE = "nextn", 1, 64
 TIMING_PAIRS = 3  # plain and speculative runs alternate; the figures are the pairs' medians
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=96)
 FULL = WorkloadSpec(sessions=2, turns=4, first_lines=30, tool_lines=12, max_new_tokens=128)
