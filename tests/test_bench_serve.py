@@ -119,5 +119,5 @@ def test_vllm_client_replays_the_heldout_trace_against_our_server(
         assert srv.terminate() == 0
     assert got["completed"] == 6 and got["failed"] == 0
     assert 0 < got["ttft_p50_s"] <= got["ttft_p90_s"] and got["tpot_p50_s"] > 0
-    assert got["output_tokens_per_s"] > 0
+    assert got["output_tokens"] == 6 * 4 and got["output_tokens_per_s"] > 0  # the rows' lengths
     assert queries > 0 and hits / queries > 0.3  # turn 1 resends turn 0 whole

@@ -3,9 +3,11 @@ dataset against any OpenAI-compatible server, and the figures it reports.
 
 The client sends the rows in file order (`--disable-shuffle`) as text completions
 (`--skip-chat-template`: the rows are already chat text), `--max-concurrency` at a time, each
-with its row's `output_tokens` and `ignore_eos`, greedy; it measures TTFT from the request to the
-first streamed chunk and TPOT per request as (latency - TTFT) / (output tokens - 1), and saves
-their mean / median / chosen percentiles (ms) to a JSON file, read back here.
+with its row's `output_tokens` (`--custom-output-len -1`; else 256 for every row) and
+`ignore_eos`, greedy; before them it sends row 0 once alone, as a test. It measures TTFT from
+the request to the first streamed chunk and TPOT per request as (latency - TTFT) / (output
+tokens - 1), and saves their mean / median / chosen percentiles (ms) to a JSON file, read back
+here.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def client_command(
         str(VLLM_BIN), "bench", "serve", "--backend", "openai", "--base-url", url,
         "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer),
         "--dataset-name", "custom", "--dataset-path", str(dataset), "--disable-shuffle",
-        "--skip-chat-template", "--num-prompts", str(rows), "--max-concurrency", str(concurrency),
+        "--skip-chat-template", "--custom-output-len", "-1", "--num-prompts", str(rows),
+        "--max-concurrency", str(concurrency),
         "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", ",".join(map(str, PERCENTILES)), "--save-result",
         "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm",
@@ -58,6 +61,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "completed": result["completed"],
         "failed": result.get("failed", 0),
+        "output_tokens": result["total_output_tokens"],
         "output_tokens_per_s": result["output_throughput"],
         "duration_s": result["duration"],
     }

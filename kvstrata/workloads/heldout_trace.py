@@ -39,9 +39,9 @@ class TraceSpec:
     """Size of the held-out trace."""
 
     sessions: int = doc(8, "agent sessions (more than the replay's concurrency)")
-    turns: int = doc(4, "turns per session; turn k resends turns 0..k-1 whole")
-    first_lines: int = doc(40, "lines of code in a session's first turn (~20 tokens a line)")
-    tool_lines: int = doc(15, "lines of tool output each later turn adds")
+    turns: int = doc(6, "turns per session; turn k resends turns 0..k-1 whole")
+    first_lines: int = doc(30, "lines of code in a session's first turn (~20 tokens a line)")
+    tool_lines: int = doc(8, "lines of tool output each later turn adds")
     output_tokens: int = doc(32, "tokens generated per turn (the replay ignores EOS)")
 
     def __post_init__(self) -> None:
