@@ -170,3 +170,40 @@ def test_target_bounds_are_checked() -> None:
         EngineConfig(tpot_target_ms=-1.0)
     with pytest.raises(ValueError, match="tpot_min_prefill_tokens must be in"):
         EngineConfig(tpot_min_prefill_tokens=0)
+
+
+def _burst(model, one: bool) -> tuple[list[Request], list[tuple[int, ...]]]:  # noqa: ANN001
+    """Three prompts submitted at once, nothing decoding: per step, (prompt tokens each computed,
+    tokens each got)."""
+    built = build_engine(
+        EngineConfig(tiers="device", max_batch_tokens=256, prefill_one_per_step=one),
+        CacheConfig(page_size=PAGE, device_pages=96),
+        model=model,
+    )
+    eng = built.engine
+    reqs = [Request(f"b{i}", [(3 * j + 11 * i + 1) % 97 for j in range(40 + 10 * i)], 3)
+            for i in range(3)]  # fmt: skip
+    for req in reqs:
+        eng.submit(req)
+    trace = []
+    while any(r.state is not State.DECODE and r.state is not State.DONE for r in reqs):
+        before = [(r.computed, len(r.output)) for r in reqs]
+        eng.step()
+        trace.append(
+            tuple(r.computed - c for r, (c, _) in zip(reqs, before, strict=True))
+            + tuple(len(r.output) - n for r, (_, n) in zip(reqs, before, strict=True))
+        )
+        eng.check_integrity()
+    eng.run([])
+    built.close()
+    return reqs, trace
+
+
+def test_one_prefill_per_step_finishes_prompts_one_after_another(model) -> None:  # noqa: ANN001
+    one, trace = _burst(model, True)
+    # prompt i alone in its step, its first token at that step's end; the ones prefilled
+    # before it decode beside it (a decode computes its last token: 1)
+    assert trace == [(40, 0, 0, 1, 0, 0), (1, 50, 0, 1, 1, 0), (1, 1, 60, 1, 1, 1)]
+    packed, trace = _burst(model, False)  # off: all three in one step, first tokens together
+    assert trace == [(40, 50, 60, 1, 1, 1)]
+    assert [r.output for r in one] == [r.output for r in packed] == [_cold(model, r) for r in one]

@@ -34,10 +34,11 @@ def client_command(
         "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer),
         "--dataset-name", "custom", "--dataset-path", str(dataset), "--disable-shuffle",
         "--skip-chat-template", "--custom-output-len", "-1", "--num-prompts", str(rows),
-        "--max-concurrency", str(concurrency),
-        "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", ",".join(map(str, PERCENTILES)), "--save-result",
-        "--result-dir", str(out.parent), "--result-filename", out.name, "--disable-tqdm",
+        "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--disable-tqdm",
     ]  # fmt: skip
 
 

@@ -39,10 +39,10 @@ class TraceSpec:
     """Size of the held-out trace."""
 
     sessions: int = doc(8, "agent sessions (more than the replay's concurrency)")
-    turns: int = doc(6, "turns per session; turn k resends turns 0..k-1 whole")
-    first_lines: int = doc(30, "lines of code in a session's first turn (~20 tokens a line)")
-    tool_lines: int = doc(8, "lines of tool output each later turn adds")
-    output_tokens: int = doc(32, "tokens generated per turn (the replay ignores EOS)")
+    turns: int = doc(10, "turns per session; turn k resends turns 0..k-1 whole")
+    first_lines: int = doc(24, "lines of code in a session's first turn (~20 tokens a line)")
+    tool_lines: int = doc(5, "lines of tool output each later turn adds")
+    output_tokens: int = doc(24, "tokens generated per turn (the replay ignores EOS)")
 
     def __post_init__(self) -> None:
         for name in ("sessions", "turns", "first_lines", "tool_lines", "output_tokens"):
