@@ -7,10 +7,13 @@ Equal KV space: our device pool gets vLLM's KV block count and block size (its /
 host tier keeps what the device evicts, while vLLM has nothing below. The trace's histories
 together exceed that space (the report gives the ratio), so vLLM recomputes the prefixes it
 evicted where ours restores them. Ours runs on THREADS torch threads; start vLLM with as many
-OpenMP threads (the note of this benchmark gives the command).
+OpenMP threads, e.g. `VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
+VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 vllm serve MODEL --dtype float32
+--block-size 64 --num-gpu-blocks-override 128 --max-model-len 4096 --enforce-eager`.
 
-Reports each run's TTFT p50/p90, TPOT p50/p90, output tok/s and prefix-cache hit rate (the
-server's own counters over the run), and ours over vLLM's for TTFT p90 and TPOT p50.
+Order: vLLM, ours (MODES), vLLM again. Reports each run's TTFT p50/p90, TPOT p50/p90, output
+tok/s and prefix-cache hit rate (the server's own counters over the run), and ours over the mean
+of the two vLLM runs for TTFT p90 and TPOT p50.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ FULL = TraceSpec()
 CONCURRENCY = 4
 THREADS = 2
 HOST_PAGES = 2048
-TPOT_TARGET_MS = 120.0
+TPOT_TARGET_MS = 200.0
 """The decode-latency target of the `ours_target` run."""
+MODES = (("ours", ()), ("ours_target", ("--tpot-target-ms", str(TPOT_TARGET_MS))))
+"""Our server's runs: as it starts by default, then under the decode-latency target."""
 
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
 
@@ -71,9 +76,9 @@ def _run(url: str, tok: Path, data: Path, rows: int, out: Path) -> dict[str, Any
 def replay_vs_vllm(
     vllm_url: str, model_path: Path, quick: bool, out_dir: Path | None
 ) -> dict[str, Any]:
-    """vLLM, then ours without and with the target: the same trace, the same client."""
+    """vLLM, ours without and with the target, vLLM again: the same trace, the same client;
+    ours over the mean of the two vLLM runs (the machine's load drifts over a run)."""
     from kvstrata.model.tokenizer import Tokenizer
-    from kvstrata.serve.process import ServerProcess
 
     spec = QUICK if quick else FULL
     out = out_dir or Path(tempfile.mkdtemp(prefix="kvstrata-bench-serve-"))
@@ -90,16 +95,25 @@ def replay_vs_vllm(
         "--device-pages", str(blocks), "--host-pages", str(HOST_PAGES),
         "--threads", str(THREADS),
     ]  # fmt: skip
-    for mode, extra in (("ours", []), ("ours_target", ["--tpot-target-ms", str(TPOT_TARGET_MS)])):
-        srv = ServerProcess([*ours, *extra], out / f"replay-{mode}-server.log")
-        try:
-            report[mode] = _run(srv.url, model_path, data, len(rows), out / f"replay-{mode}.json")
-        finally:
-            if srv.terminate() != 0:
-                raise RuntimeError(f"server ({mode}) did not exit 0; see {srv.log}")
-        v = report["vllm"]
-        for key in ("ttft_p90_s", "tpot_p50_s"):
-            report[f"{key}_{mode}_over_vllm"] = report[mode][key] / v[key]
+    for mode, extra in MODES:
+        report[mode] = _ours([*ours, *extra], model_path, data, len(rows), out / f"replay-{mode}")
+    report["vllm_again"] = _run(vllm_url, model_path, data, len(rows), out / "replay-vllm2.json")
+    for key in ("ttft_p90_s", "tpot_p50_s"):
+        v = (report["vllm"][key] + report["vllm_again"][key]) / 2
+        for mode, _ in MODES:
+            report[f"{key}_{mode}_over_vllm"] = report[mode][key] / v
     report["tpot_target_ms"] = TPOT_TARGET_MS
     report["out"] = str(out)
     return report
+
+
+def _ours(args: list[str], model_path: Path, data: Path, rows: int, out: Path) -> dict[str, Any]:
+    """Our server with `args`, replayed once (logs and result next to `out`)."""
+    from kvstrata.serve.process import ServerProcess
+
+    srv = ServerProcess(args, out.with_suffix(".server.log"))
+    try:
+        return _run(srv.url, model_path, data, rows, out.with_suffix(".json"))
+    finally:
+        if srv.terminate() != 0:
+            raise RuntimeError(f"our server ({args}) did not exit 0; see {srv.log}")

@@ -53,14 +53,6 @@ class EngineConfig:
     tpot_min_prefill_tokens: int = doc(
         32, "prefill tokens a step with decodes always may carry under tpot_target_ms"
     )
-    # Every first token of a step comes at the step's end: prompts that arrive together and share
-    # one step all wait for the last of them (3 cold 640-token prompts: 6.3 s each, where one
-    # at a time gives 2, 4 and 6 s; and the decodes riding along get a token between them).
-    prefill_one_per_step: bool = doc(
-        False,
-        "a step carries one prompt's prefill (the first waiting, up to the budget): prompts "
-        "behind it start next step, so a first token never waits for another prompt's tokens",
-    )
     max_running: int = doc(8, "requests decoding at once")
     admission_lookahead: int = doc(
         4, "waiting requests whose leases match, probe and prefetch at once (no head-of-line wait)"

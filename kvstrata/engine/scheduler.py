@@ -159,9 +159,8 @@ class Scheduler:
         return budget
 
     def _plan(self) -> Work:
-        """Tokens each running request feeds this step: decodes first, then prefill chunks (one
-        prompt's only under `prefill_one_per_step`), trimmed from the end until every budget
-        term fits (the first item always runs)."""
+        """Tokens each running request feeds this step: decodes first, then prefill chunks,
+        trimmed from the end until every budget term fits (the first item always runs)."""
         budget = self.config.max_batch_tokens
         work: Work = []
         for req in self.running:
@@ -175,7 +174,7 @@ class Scheduler:
                 cap = self.config.chunk_tokens or budget  # 0: no cap but the budget
                 n = min(cap, len(seq) - req.computed, budget)
                 work.append((req, seq[req.computed : req.computed + n]))
-                budget = 0 if self.config.prefill_one_per_step else budget - n
+                budget -= n
         limit = self.limit
         if limit is not None:
             while len(work) > 1 and not limit.fits(work):
