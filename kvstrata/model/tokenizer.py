@@ -39,16 +39,20 @@ class Tokenizer:
 
         A plain string is one user message.
         """
+        # The template already wrote every special token (e.g. <|im_start|>); adding more would
+        # put a BOS in front that the model never saw in training.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def render_chat(self, messages: str | Sequence[dict[str, str]]) -> str:
+        """The conversation as the chat template writes it, ending in the assistant prompt (the
+        text a completions client sends as is). A plain string is one user message."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; use encode()")
-        text = self.hf.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+        return str(
+            self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         )
-        # The template already wrote every special token (e.g. <|im_start|>); adding more would
-        # put a BOS in front that the model never saw in training.
-        return self.encode(str(text), add_special_tokens=False)
 
 
 def chat_encoder(model_path: Path) -> Tokenizer | None:
