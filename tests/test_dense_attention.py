@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 import kvstrata.model.dense_attention as dense
-from kvstrata.model.dense_attention import block_rows, chunk_attention, usable
+from kvstrata.model.dense_attention import block_rows, chunk_attention, isa, usable, use_portable
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def native_by_cpu() -> Iterator[None]:
+    """Every test leaves the native pass choosing its loop by the CPU."""
+    yield
+    use_portable(False)
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -33,18 +42,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     [(1, 0, 4, 2), (23, 0, 4, 2), (37, 0, 9, 3), (20, 13, 9, 3), (5, 40, 4, 1), (16, 16, 2, 2)],
 )
 @pytest.mark.parametrize("small_blocks", [False, True])
+@pytest.mark.parametrize("softmax", ["native", "portable", "torch"])
 def test_chunk_attention_equals_reference(
     n: int,
     prefix: int,
     heads: int,
     kv_heads: int,
     small_blocks: bool,
+    softmax: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Causal over the chunk, every prefix key visible, grouped heads; small_blocks: query
-    blocks of 16 rows, so the diagonal mask and the column slices of later blocks are used."""
+    blocks of 16 rows, so the diagonal mask and the column slices of later blocks are used;
+    softmax: the native pass as the CPU chooses it, its portable loop, or torch's."""
     if small_blocks:
         monkeypatch.setattr(dense, "MAX_ROWS", 16)
+    if softmax == "torch":
+        monkeypatch.setattr(dense, "_native", None)
+    elif dense._native is None:
+        pytest.skip("kvstrata.model._causal_softmax is not built")
+    use_portable(softmax == "portable")
     g = torch.Generator().manual_seed(n * 100 + prefix)
     dim, ctx = 16, prefix + n
     q = torch.randn(n, heads, dim, generator=g)
@@ -54,6 +71,10 @@ def test_chunk_attention_equals_reference(
     out = chunk_attention(q, keys, values, dim**-0.5)
     assert out.shape == (n, heads, dim) and out.dtype == torch.float32
     assert rel(out, reference(q, keys, values)) <= 1e-5
+
+
+def test_native_pass_reports_its_isa() -> None:
+    assert isa() in (("torch",) if dense._native is None else ("avx512", "avx2", "portable"))
 
 
 def test_bf16_keys_are_read_as_stored() -> None:

@@ -7,7 +7,9 @@ operands gave 120-150. Here each K/V head's query group is one matrix (the group
 block of query rows stacked as rows, so GQA heads are never repeated): scores = Q K^T by one
 oneDNN product, a causal mask on the block's diagonal keys, a row softmax, then P V by a second
 product. Exact softmax attention (no running log-sum-exp): equal to the flash kernel's output
-to float tolerance.
+to float tolerance. The softmax's exp pass and the mask are one native pass over the scores
+(`_causal_softmax.c`, AVX-512/AVX2 chosen at run time): rows left unnormalised, P V divided by
+each row's sum after (one pass fewer); without the native module, torch's masked softmax.
 
 Operands are copied dense per head (oneDNN reads a strided matrix orders of magnitude slower);
 the copies are O(context) per head, the products O(rows x context). Memory per call: one block
@@ -29,6 +31,23 @@ MAX_CONTEXT = 32768
 """Longest context this route takes (one head's K and V copied dense: 16 MiB at head_dim 64)."""
 
 _linear = torch.ops.mkldnn._linear_pointwise if hasattr(torch.ops, "mkldnn") else None
+
+try:
+    from kvstrata.model import _causal_softmax as _native
+except ImportError:  # not built (an old checkout): torch's softmax
+    _native = None
+
+
+def isa() -> str:
+    """The instruction set the softmax pass runs with: "avx512", "avx2", "portable" or "torch"."""
+    return _native.isa() if _native is not None else "torch"
+
+
+def use_portable(flag: bool) -> None:
+    """Run the native pass's portable loop even where the CPU has AVX (True), or choose by the
+    CPU again (False): every build is tested on one machine."""
+    if _native is not None:
+        _native.use_portable(flag)
 
 
 def usable(q: torch.Tensor, ctx: int) -> bool:
@@ -82,9 +101,25 @@ def chunk_attention(
         for a in range(0, n, rows):
             b = min(a + rows, n)
             m, seen = b - a, ctx - n + b  # keys 0 .. seen-1 reach this block
-            s = _mm_t(qg[a * group : b * group], k[:seen]).view(m, group, seen)
-            s[:, :, seen - m :].masked_fill_(above[:m, :, :m], float("-inf"))
-            p = torch.softmax(s.view(m * group, seen), dim=-1)
+            s = _mm_t(qg[a * group : b * group], k[:seen])  # [m * group, seen]
+            p, sums = _causal_softmax(s, m, above[:m, :, :m])
             v = vt if seen == ctx else vt[:, :seen].contiguous()  # row copies, no gather
-            out[a:b, g] = _mm_t(p, v).view(m, group, dim)
+            o = _mm_t(p, v)  # [m * group, dim]
+            out[a:b, g] = (o if sums is None else o.div_(sums[:, None])).view(m, group, dim)
     return out.view(n, heads, dim)
+
+
+def _causal_softmax(
+    s: torch.Tensor,  # [m * group, seen] scores of a block's m tokens, rows (token, head)
+    m: int,
+    above: torch.Tensor,  # [m, 1, m] bool, True where block token j may not see block key c
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token j of the block sees keys 0 .. seen-m+j. Natively: e^(s - row max) in place, 0
+    where masked, and the row sums [m * group] to divide P V by; else torch's softmax, None."""
+    rows, seen = s.shape
+    if _native is not None:
+        sums = torch.empty(rows)
+        _native.exp_rows(s.data_ptr(), sums.data_ptr(), rows, seen, m, torch.get_num_threads())
+        return s, sums
+    s.view(m, rows // m, seen)[:, :, seen - m :].masked_fill_(above, float("-inf"))
+    return torch.softmax(s, dim=-1), None
