@@ -96,8 +96,12 @@ def test_blocks_bound_the_scores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert block_rows(1000, 10**6, 3) == 16
 
 
-def test_usable_only_for_cpu_fp32_within_the_context_bound() -> None:
+def test_usable_only_for_cpu_fp32_within_the_context_and_thread_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     q = torch.zeros(2, 4, 8)
-    assert usable(q, 100) == torch.backends.mkldnn.is_available()
+    assert usable(q, 100) == torch.backends.mkldnn.is_available()  # one thread (module top)
     assert not usable(q.to(torch.bfloat16), 100)
     assert not usable(q, dense.MAX_CONTEXT + 1)
+    monkeypatch.setattr(dense, "MAX_THREADS", 0)
+    assert not usable(q, 100)

@@ -246,8 +246,12 @@ def test_every_attention_route_matches_hf(tmp_path: Path) -> None:
 def test_chunks_over_one_run_of_pages_match_hf(models: tuple[DecoderLM, Any], dense: bool) -> None:
     """Pages at consecutive ids (the engine's usual table): the prefix is read in place as one
     slice of the pool, by the dense route and by the split-prefix kernels alike."""
+    from kvstrata.model import dense_attention
+
     ours, hf = models
     toks = tokens(41, seed=17)
+    if dense:  # the route runs here (CPU fp32, one thread), not silently the kernels above
+        assert dense_attention.usable(torch.zeros(1, 1, 1), 41)
     pool = new_pool(ours)
     table = torch.arange(3, 3 + -(-41 // PAGE))
     for layer in ours.model.layers:

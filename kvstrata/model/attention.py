@@ -20,10 +20,11 @@ tolerance; see `PagedAttention._attend`):
   causal mask;
 - positions that are not the sequence's last tokens (hand-built batches): the general masked
   path over the whole context.
-On CPU in fp32, a chunk of more than one token at the sequence's end (the first-chunk and prefix
-routes) runs instead by oneDNN matmuls over its whole context (dense_attention.py: faster than
-the flash kernel's sgemm on this project's AMD CPU), its keys read in place from one run of
-pages, else gathered; `dense_prefill = False` keeps the routes above.
+On CPU in fp32 at one torch thread, a chunk of more than one token at the sequence's end (the
+first-chunk and prefix routes) runs instead by oneDNN matmuls over its whole context
+(dense_attention.py: faster than the flash kernel's sgemm on this project's AMD CPU), its keys
+read in place from one run of pages, else gathered; `dense_prefill = False` keeps the routes
+above.
 K/V heads are never repeated: the kernels take grouped heads (GQA) as they are.
 """
 

@@ -27,6 +27,8 @@ SCORE_ELEMENTS = 1 << 19
 MAX_ROWS = 64
 """Most query tokens per block (64 measured ahead of 256; the causal diagonal block computes
 about half its square for nothing)."""
+PARALLEL_SCORES = 1 << 20
+"""Fewest scores whose exp pass is split over torch's threads (smaller blocks run on one)."""
 MAX_CONTEXT = 32768
 """Longest context this route takes (one head's K and V copied dense: 16 MiB at head_dim 64)."""
 
@@ -50,14 +52,24 @@ def use_portable(flag: bool) -> None:
         _native.use_portable(flag)
 
 
+MAX_THREADS = 1
+"""Most torch threads this route runs at. Each block is ~5 small ops, each an OpenMP parallel
+region (~60 per layer against the flash kernel's 2); on a machine running more threads than
+cores, a region whose peer thread lost its core waits while libgomp spins: measured on 2 busy
+cores (load 7) at 2 threads, 4-5x slower than the flash kernel (with OMP_WAIT_POLICY=PASSIVE,
+1.1-1.6x faster). One thread has no peer to wait for."""
+
+
 def usable(q: torch.Tensor, ctx: int) -> bool:
-    """True where this route runs: CPU fp32 queries, oneDNN built, context <= MAX_CONTEXT."""
+    """True where this route runs: CPU fp32 queries, oneDNN built, context <= MAX_CONTEXT,
+    at most MAX_THREADS torch threads."""
     return (
         _linear is not None
         and torch.backends.mkldnn.is_available()
         and q.device.type == "cpu"
         and q.dtype == torch.float32
         and ctx <= MAX_CONTEXT
+        and torch.get_num_threads() <= MAX_THREADS
     )
 
 
@@ -119,7 +131,9 @@ def _causal_softmax(
     rows, seen = s.shape
     if _native is not None:
         sums = torch.empty(rows)
-        _native.exp_rows(s.data_ptr(), sums.data_ptr(), rows, seen, m, torch.get_num_threads())
+        # a block's pass is ~0.1 ms: split over threads, its fork and join would cost more
+        threads = 1 if s.numel() < PARALLEL_SCORES else torch.get_num_threads()
+        _native.exp_rows(s.data_ptr(), sums.data_ptr(), rows, seen, m, threads)
         return s, sums
     s.view(m, rows // m, seen)[:, :, seen - m :].masked_fill_(above, float("-inf"))
     return torch.softmax(s, dim=-1), None
