@@ -19,6 +19,13 @@ setup(
             extra_compile_args=["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
             extra_link_args=["-fopenmp", "-lm"],
         ),
+        # the exp pass of prefill attention's softmax; OpenMP as above
+        Extension(
+            "kvstrata.model._causal_softmax",
+            ["kvstrata/model/_causal_softmax.c"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp", "-lm"],
+        ),
         # decode-sized linears; OpenMP resolves to torch's own libgomp when torch is loaded
         Extension(
             "kvstrata.model._small_matmul",

@@ -76,6 +76,10 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
                 "decode_ratio_vs_hf",
                 "hit_ttft_1k_s",
                 "same_tokens_as_hf",
+                "cold_256_ours_ms_per_token",
+                "cold_256_ours_vs_hf",
+                "cached_64_over_256_ours_ms_per_token",
+                "cached_64_over_256_ours_vs_hf",
             }
         ),
         True,

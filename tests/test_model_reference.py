@@ -207,12 +207,19 @@ def test_every_attention_route_matches_hf(tmp_path: Path) -> None:
     toks = tokens(n, seed=8)
     ref = hf_logits(hf, toks)
     cap = n // PAGE + 1
-    one_shot = run_chunks(ours, new_pool(ours, capacity=cap), toks, [n])
-    chunked = run_chunks(ours, new_pool(ours, capacity=cap), toks, [250, 349, 1])
+    outs = []
+    for dense in (True, False):  # CPU fp32 chunks by oneDNN matmuls, then the kernels above
+        for layer in ours.model.layers:
+            layer.self_attn.dense_prefill, layer.self_attn.split_prefix = dense, True
+        one_shot = run_chunks(ours, new_pool(ours, capacity=cap), toks, [n])
+        chunked = run_chunks(ours, new_pool(ours, capacity=cap), toks, [250, 349, 1])
+        for layer in ours.model.layers:
+            layer.self_attn.split_prefix = False
+        masked = run_chunks(ours, new_pool(ours, capacity=cap), toks, [250, 350])
+        outs += [one_shot, chunked, masked]
     for layer in ours.model.layers:
-        layer.self_attn.split_prefix = False
-    masked = run_chunks(ours, new_pool(ours, capacity=cap), toks, [250, 350])
-    for out in (one_shot, chunked, masked):
+        layer.self_attn.dense_prefill, layer.self_attn.split_prefix = True, True
+    for out in outs:
         assert rel_err(out, ref) <= TOL
         assert torch.equal(out.argmax(-1), ref.argmax(-1))
     # which route each of those forwards took
@@ -235,6 +242,31 @@ def test_every_attention_route_matches_hf(tmp_path: Path) -> None:
     assert rel_err(ours(batch, pool), ref[picks]) <= TOL
 
 
+@pytest.mark.parametrize("dense", [True, False])
+def test_chunks_over_one_run_of_pages_match_hf(models: tuple[DecoderLM, Any], dense: bool) -> None:
+    """Pages at consecutive ids (the engine's usual table): the prefix is read in place as one
+    slice of the pool, by the dense route and by the split-prefix kernels alike."""
+    from kvstrata.model import dense_attention
+
+    ours, hf = models
+    toks = tokens(41, seed=17)
+    if dense:  # the route runs here (CPU fp32, one thread), not silently the kernels above
+        assert dense_attention.usable(torch.zeros(1, 1, 1), 41)
+    pool = new_pool(ours)
+    table = torch.arange(3, 3 + -(-41 // PAGE))
+    for layer in ours.model.layers:
+        layer.self_attn.dense_prefill = dense
+    try:
+        out, done = [], 0
+        for n in (9, 20, 12):
+            out.append(ours(SeqBatch.build([toks[done : done + n]], [done], [table]), pool))
+            done += n
+    finally:
+        for layer in ours.model.layers:
+            layer.self_attn.dense_prefill = True
+    assert rel_err(torch.cat(out), hf_logits(hf, toks)) <= TOL
+
+
 def test_prefix_gathered_in_blocks_matches_hf(
     models: tuple[DecoderLM, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,5 +277,11 @@ def test_prefix_gathered_in_blocks_matches_hf(
     monkeypatch.setattr(attention, "PREFIX_BLOCK_TOKENS", 10)
     ours, hf = models
     toks = tokens(41, seed=9)
-    chunked = run_chunks(ours, new_pool(ours), toks, [7, 22, 12])  # prefixes 7 and 29
+    for layer in ours.model.layers:  # the split-prefix kernels (CPU fp32 runs dense_attention)
+        layer.self_attn.dense_prefill = False
+    try:
+        chunked = run_chunks(ours, new_pool(ours), toks, [7, 22, 12])  # prefixes 7 and 29
+    finally:
+        for layer in ours.model.layers:
+            layer.self_attn.dense_prefill = True
     assert rel_err(chunked, hf_logits(hf, toks)) <= TOL

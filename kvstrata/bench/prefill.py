@@ -9,6 +9,8 @@ side's median over the rounds is compared. Decode: tokens/s of kvstrata's greedy
 transformers `generate` (greedy, KV cache on), both timed from the first generated token to the
 last. Also the TTFT of a prompt whose prefix is a device hit. Ratios: ours / transformers time for
 prefill (goal <= 1.0), ours / transformers tokens/s for decode (goal >= 1.0).
+Then ms per prefilled token, cold and over a cached prefix, ours against transformers and, with
+`--vllm-url`, a vLLM server (prefill_per_token.py; start it with the threads this run uses).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvstrata.bench.prefill_per_token import Case, VllmPrompt, measure_case
 from kvstrata.bench.registry import BENCHES
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine, resolve_model_path
@@ -172,7 +175,27 @@ def hit_ttft(model: DecoderLM, n: int) -> float:
     return statistics.median(r.ttft_s for r in reqs)
 
 
-def measure(sizes: tuple[int, ...], hit_n: int, rounds: int, new: int) -> dict[str, Any]:
+def per_token(
+    model: DecoderLM, hf: HF, cases: tuple[Case, ...], rounds: int, vllm_url: str | None
+) -> dict[str, Any]:
+    """ms per prefilled token of each case, ours / transformers / vLLM (see prefill_per_token)."""
+    vllm = VllmPrompt(vllm_url) if vllm_url else None
+    report: dict[str, Any] = {"vllm": vllm_url or "not measured"}
+    for case in cases:
+        tiers = "device" if case.prefix else "none"
+        eng = engine_for(model, case.prefix + case.new * (rounds + 2), tiers=tiers)
+        report.update(measure_case(case, eng, hf.model, vllm, rounds, PAGE))
+    return report
+
+
+def measure(
+    sizes: tuple[int, ...],
+    hit_n: int,
+    rounds: int,
+    new: int,
+    cases: tuple[Case, ...] = (),
+    vllm_url: str | None = None,
+) -> dict[str, Any]:
     path = resolve_model_path(EngineConfig())
     model, hf = load_model(path), HF(path)
     warm = prompt(256, model.vocab_size, seed=0)  # one warm-up of both sides (kernels, caches)
@@ -192,12 +215,16 @@ def measure(sizes: tuple[int, ...], hit_n: int, rounds: int, new: int) -> dict[s
     report[f"hit_ttft_{label(hit_n)}_s"] = hit_ttft(model, hit_n)
     report["same_tokens_as_hf"] = same and d["same_tokens"]
     report.update(prefill_goal=PREFILL_GOAL, decode_goal=DECODE_GOAL)
+    report.update(per_token(model, hf, cases, rounds, vllm_url))
     return report
 
 
 @BENCHES.register("prefill")
-def bench_prefill(quick: bool) -> dict[str, Any]:
-    """SmolLM2-135M; prompts 2k/4k/8k, 3 rounds (quick: 512/1k, 1 round, keys named by size)."""
+def bench_prefill(quick: bool, vllm_url: str | None = None) -> dict[str, Any]:
+    """SmolLM2-135M; prompts 2k/4k/8k, 3 rounds; per token: 1024 cold, 256 over a cached 2048
+    (quick: 512/1k, 1 round; 256 cold, 64 over 256; keys named by size)."""
     if quick:
-        return measure((512, 1024), 1024, rounds=1, new=16)
-    return measure((2048, 4096, 8192), 4096, rounds=3, new=64)
+        cases = (Case("cold", 256), Case("cached", 64, 256))
+        return measure((512, 1024), 1024, rounds=1, new=16, cases=cases, vllm_url=vllm_url)
+    cases = (Case("cold", 1024), Case("cached", 256, 2048))
+    return measure((2048, 4096, 8192), 4096, rounds=3, new=64, cases=cases, vllm_url=vllm_url)

@@ -31,7 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model", default=None, help="checkpoint our server (serve) or engine (spec) loads"
     )
     serve.add_argument("--out", type=Path, default=None, help="directory of the plot and logs")
-    decode = p.add_argument_group("bench decode / serve", "options of decode and serve")
+    decode = p.add_argument_group(
+        "bench decode / serve / prefill", "options of decode, serve and prefill"
+    )
     decode.add_argument(
         "--vllm-url", default=None, help="also drive this vLLM server with the same load"
     )

@@ -20,6 +20,11 @@ tolerance; see `PagedAttention._attend`):
   causal mask;
 - positions that are not the sequence's last tokens (hand-built batches): the general masked
   path over the whole context.
+On CPU in fp32 at one torch thread, a chunk of more than one token at the sequence's end (the
+first-chunk and prefix routes) runs instead by oneDNN matmuls over its whole context
+(dense_attention.py: faster than the flash kernel's sgemm on this project's AMD CPU), its keys
+read in place from one run of pages, else gathered; `dense_prefill = False` keeps the routes
+above.
 K/V heads are never repeated: the kernels take grouped heads (GQA) as they are.
 """
 
@@ -30,7 +35,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from kvstrata.model import small_matmul
+from kvstrata.model import dense_attention, small_matmul
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, apply_rotary
 from kvstrata.model.paged_decode import paged_decode, usable
@@ -39,6 +44,7 @@ from kvstrata.model.prepack import PackOwner, pack_linear, plain_linear
 sdpa = nn.functional.scaled_dot_product_attention
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, lse); CPU
 PREFIX_BLOCK_TOKENS = 65536  # most prefix tokens one split-prefix gather copies at a time
+DENSE_WAYS = ("first_chunk", "split_prefix", "masked_prefix")  # the routes dense_prefill replaces
 
 
 def merge_by_lse(
@@ -84,6 +90,7 @@ class PagedAttention(PackOwner):
         self.gqa = heads != kv_heads
         self.split_prefix = True  # CPU: see route(); False forces the masked prefix kernel
         self.native_decode = True  # CPU: batched decode by paged_decode; False: per sequence
+        self.dense_prefill = True  # CPU fp32: chunks by dense_attention; False: the routes above
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=qkv_bias, dtype=dtype)
@@ -175,6 +182,11 @@ class PagedAttention(PackOwner):
         qs = q.transpose(0, 1)[None]  # [1, heads, n, dim]
         cpu = q.device.type == "cpu"
         way = route(meta, s, self.split_prefix and cpu)
+        if way in DENSE_WAYS and self.dense_prefill and dense_attention.usable(q, ctx):
+            if way != "first_chunk":  # the chunk's own K/V are in the pool already
+                k, v = self._context(k_pool, v_pool, meta, s, ctx)
+            out = dense_attention.chunk_attention(q, k, v, self.head_dim**-0.5)
+            return out.transpose(0, 1)[None]  # [1, heads, n, dim] (a view)
         if way == "first_chunk":  # nothing cached before: causal over the chunk, no pool reads
             return sdpa(qs, _bhsd(k), _bhsd(v), is_causal=True, enable_gqa=self.gqa)
         if way == "split_prefix":
@@ -218,6 +230,21 @@ class PagedAttention(PackOwner):
         if not pieces:
             pieces = self._blocks(k_pool, v_pool, meta, s, prefix, qs.dtype)
         return _merged(qs, pieces, o, lse)[0]
+
+    def _context(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta, s: int, ctx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..ctx-1 of sequence s  # 2 x [ctx, kv_heads, dim]
+        (views of the pool where its pages are one run, else gathered; in the pool's dtype)."""
+        runs = meta.runs[s] if meta.runs else None
+        if runs is not None and len(runs) == 1:
+            first, n = runs[0]
+            return tuple(  # type: ignore[return-value]
+                pool[first : first + n].view(-1, self.kv_heads, self.head_dim)[:ctx]
+                for pool in (k_pool, v_pool)
+            )
+        ks, vs = self._gather(k_pool, v_pool, meta, s, ctx, k_pool.dtype)
+        return ks[0].transpose(0, 1), vs[0].transpose(0, 1)
 
     def _in_place(
         self,

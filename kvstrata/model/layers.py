@@ -174,8 +174,9 @@ class SwiGLU(PackOwner):
             if f is not None:  # a part was replaced: the other's plain weight back
                 f.unpack([self.gate_proj, self.up_proj])
             gate, up = small_matmul.run(self.gate_proj, x), small_matmul.run(self.up_proj, x)
-        # in place: gate and up are this call's own temporaries, [T, inter] each
-        act = nn.functional.silu(gate, inplace=True).mul_(up)
+        # silu into a new dense tensor, then the product in place: gate and up are column
+        # halves of one output (strided), and down_proj would otherwise copy them dense
+        act = nn.functional.silu(gate).mul_(up)  # [T, inter] contiguous
         return small_matmul.run(self.down_proj, act)  # a PackedLinear once prepacked
 
 
