@@ -31,6 +31,7 @@ from kvstrata.serve.protocol import (
 from kvstrata.serve.state import ServerState
 
 MASK64 = (1 << 64) - 1  # block hashes: low 64 bits of a page key, as KV events send them
+MAX_STALL_S = 10.0  # /debug/stall's longest hold (a test's tool, never a hang)
 CALL_TIMEOUT_S = 30.0  # a debug call waits at most this long for the engine thread
 
 
@@ -198,6 +199,16 @@ def _debug_routes(app: FastAPI, state: ServerState) -> None:
         fut = state.loop.call(_blocks)
         return await asyncio.wait_for(asyncio.wrap_future(fut), CALL_TIMEOUT_S)
 
+    @app.post("/debug/stall")
+    async def stall(seconds: float) -> JSONResponse:
+        """Holds the engine thread (every rank) for `seconds` between steps, so a test can act
+        while no request moves; answers once the hold is queued, ahead of any later request."""
+        state.check_ready()
+        if not 0 < seconds <= MAX_STALL_S:
+            return JSONResponse({"error": f"seconds must be in (0, {MAX_STALL_S}]"}, 400)
+        state.loop.call(functools.partial(_stall, seconds))
+        return JSONResponse({"queued": seconds}, 202)
+
 
 async def _generate(
     state: ServerState, body: CompletionRequest | ChatRequest, request: Request
@@ -209,6 +220,10 @@ async def _generate(
     if body.stream:
         return StreamingResponse(stream(gen), media_type="text/event-stream")
     return await complete(gen, request.is_disconnected)
+
+
+def _stall(seconds: float, engine: Any) -> None:
+    time.sleep(seconds)
 
 
 def _blocks(engine: Any) -> dict[str, list[int]]:
