@@ -236,13 +236,10 @@ class PagedAttention(PackOwner):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions 0..ctx-1 of sequence s  # 2 x [ctx, kv_heads, dim]
         (views of the pool where its pages are one run, else gathered; in the pool's dtype)."""
-        runs = meta.runs[s] if meta.runs else None
-        if runs is not None and len(runs) == 1:
-            first, n = runs[0]
-            return tuple(  # type: ignore[return-value]
-                pool[first : first + n].view(-1, self.kv_heads, self.head_dim)[:ctx]
-                for pool in (k_pool, v_pool)
-            )
+        pieces = self._in_place(k_pool, v_pool, meta, s, ctx, k_pool.dtype)
+        if len(pieces) == 1 and pieces[0][0].shape[2] == ctx:  # one run holds the context
+            k, v = pieces[0]
+            return k[0].transpose(0, 1), v[0].transpose(0, 1)
         ks, vs = self._gather(k_pool, v_pool, meta, s, ctx, k_pool.dtype)
         return ks[0].transpose(0, 1), vs[0].transpose(0, 1)
 
