@@ -1,13 +1,15 @@
 """Batched decode attention from the pages where they are (model/_paged_decode.c).
 
 The kernel against softmax attention over gathered K/V (fp32 and bf16 pools, fragmented page
-tables, sequences of different lengths), and a model's batched decode step against
+tables, sequences of different lengths, contexts whole or in chunks merged by log-sum-exp, every
+build of the chunk kernel this CPU can run: AVX-512, AVX2, portable), and a model's batched decode step against
 transformers per sequence, with no gather and no per-sequence attention kernel in the step.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,21 +51,62 @@ def reference(
     return sdpa(q[None, :, None], ks, vs, enable_gqa=True)[0, :, 0]
 
 
+BUILDS = ("avx512", "avx2", "portable")
+
+
 def test_native_kernel_is_built() -> None:
-    assert pd.available() and pd.isa() in ("avx2", "portable")
+    assert pd.available() and pd.isa() in BUILDS
 
 
-# (heads, kv_heads, head_dim): SmolLM2's grouping (the AVX2 path where the CPU has it), and
-# shapes only the portable path takes (head_dim not a multiple of 16; 16 heads per group)
-SHAPES = [(9, 3, 64), (6, 2, 24), (16, 1, 32)]
+def runnable_builds() -> list[str]:
+    """The builds this CPU runs: the best it has and every one below it."""
+    return list(BUILDS[BUILDS.index(pd.isa()) :]) if pd.available() else []
+
+
+@pytest.fixture(params=BUILDS)
+def build(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each build of the chunk kernel, capped by use_isa (skipped where the CPU lacks it)."""
+    if request.param not in runnable_builds():
+        pytest.skip(f"this CPU has no {request.param}")
+    pd.use_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        pd.use_isa(None)
+
+
+def test_builds_can_be_capped_and_released() -> None:
+    best = pd.isa()
+    for name in runnable_builds():
+        pd.use_isa(name)
+        try:
+            assert pd.isa() == name
+        finally:
+            pd.use_isa(None)
+    assert pd.isa() == best
+    with pytest.raises(ValueError, match="use_isa takes"):
+        pd.use_isa("sse9")
+    if best != "avx512":
+        with pytest.raises(ValueError, match="this CPU has no avx512"):
+            pd.use_isa("avx512")
+
+
+# (heads, kv_heads, head_dim): SmolLM2's grouping (the vector builds where the CPU has them),
+# 8 heads per group on a 128-wide head (the AVX-512 V sum in two passes of 64 columns), 7 per
+# group on a 48-wide head (a V pass narrower than its registers), and shapes only the portable
+# build takes (head_dim not a multiple of 16; 16 heads per group)
+SHAPES = [(9, 3, 64), (8, 1, 128), (14, 2, 48), (6, 2, 24), (16, 1, 32)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("chunk_pages", [0, 1, 3, 100])
 def test_kernel_equals_gathered_attention(
-    dtype: torch.dtype, threads: int, shape: tuple[int, int, int]
+    dtype: torch.dtype, threads: int, shape: tuple[int, int, int], chunk_pages: int, build: str
 ) -> None:
+    """chunk_pages 0: the kernel's own choice; 1 and 3: many chunks, a last one part full; 100:
+    every context one chunk."""
     gen = torch.Generator().manual_seed(3)
     (heads, kv_heads, dim), cap, page = shape, 64, 16
     k = torch.randn(cap, page, kv_heads, dim, generator=gen).to(dtype)
@@ -73,7 +116,7 @@ def test_kernel_equals_gathered_attention(
     q = torch.randn(len(lens), heads, dim, generator=gen)
     torch.set_num_threads(threads)
     try:
-        out = pd.paged_decode(q, k, v, pd.flat_tables(tables), torch.tensor(lens))
+        out = pd.paged_decode(q, k, v, pd.flat_tables(tables), torch.tensor(lens), chunk_pages)
     finally:
         torch.set_num_threads(1)
     assert out.shape == q.shape and out.dtype == q.dtype

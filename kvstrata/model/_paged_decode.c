@@ -7,12 +7,20 @@
  * q, out: [num_seqs, heads, head_dim] fp32 contiguous; query head h reads K/V head
  * h / (heads / kv_heads) (grouped heads as they are, never repeated).
  *
- * Per (sequence, K/V head) task: scores of the head's query group against every key (one K
- * read), max, exp and sum, then the weighted V sum (one V read). Where the CPU has AVX2+FMA (and
- * head_dim % 16 == 0, head_dim <= 256, at most 8 query heads per K/V head) an AVX2 build of the
- * task runs: pages walked in order, rows read in place, a vector exp; else a portable one
- * (its inner loops compiled for AVX-512, AVX2 and a baseline, picked at load by gcc
- * target_clones). The GIL is released; tasks are split over `threads` OpenMP threads.
+ * A sequence's context is cut into chunks of whole pages, so that a few long sequences (batch
+ * 1) keep every thread busy as well as many; a task is one (sequence, chunk), its K/V heads in
+ * turn (the chunk's pages read front to back, each K/V row once for all the query heads of its
+ * group): scores against every key of the chunk (one K read), their max, exp and sum, then the
+ * weighted V sum (one V read), unnormalized, into a partial per (chunk, query head); a second
+ * pass merges each head's chunks by their maxima (log-sum-exp) and divides by the sum.
+ *
+ * Three builds of the chunk kernel, chosen at run time by the CPU: AVX-512 (a 64-wide head in
+ * four zmm registers; next page prefetched, the chunk's V rows prefetched while its K rows are
+ * scored), AVX2+FMA, and a portable one (its inner loops compiled for AVX-512, AVX2 and a
+ * baseline by gcc target_clones). The vector builds take head_dim % 16 == 0, head_dim <= 256
+ * and at most 8 query heads per K/V head; other shapes run the portable one. use_isa() caps the
+ * choice so that tests run every build on one machine. The GIL is released; tasks are split
+ * over `threads` OpenMP threads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,13 +30,19 @@
 #include <string.h>
 
 #define MAX_GROUP 64 /* query heads per K/V head */
-#define FAST_GROUP 8  /* query heads per K/V head the AVX2 path keeps in registers */
-#define FAST_DIM 256  /* longest head the AVX2 path takes */
+#define FAST_GROUP 8  /* query heads per K/V head the vector builds keep in registers */
+#define FAST_DIM 256  /* longest head the vector builds take */
+/* the chunk length chosen when the caller leaves it (chunk_pages 0): whole pages, at most
+ * CHUNK_TOKENS tokens (a chunk's V rows of one head stay in L2 until its V pass, its scores in
+ * L1) and at least TASKS_PER_THREAD tasks per thread where the pages allow */
+#define CHUNK_TOKENS 256
+#define TASKS_PER_THREAD 8
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define HAVE_X86 1
 #define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
 #else
 #define HAVE_X86 0
 #endif
@@ -51,6 +65,17 @@ typedef struct {
     float scale;
     int failed;
 } Job;
+
+/* one chunk's result for the G query heads of one K/V head: o [G, dim] the unnormalized sum of
+ * e^(score - max) * v, max [G] and sum [G] of e^(score - max) */
+typedef struct {
+    float *o, *max, *sum;
+} Part;
+
+/* attention of sequence s's query group of K/V head kvh over positions [p0, p1) (p0 a page
+ * start); scores: [group, p1 - p0] scratch, row: [dim] scratch */
+typedef void (*ChunkFn)(const Job *j, int64_t s, int64_t kvh, int64_t p0, int64_t p1,
+                        float *scores, float *row, Part part);
 
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -106,39 +131,51 @@ static const char *row_at(const Job *j, const char *pool, const int64_t *table, 
     return pool + ((slot * j->kv_heads + kvh) * j->dim) * elem;
 }
 
-/* attention of sequence s's query group of K/V head kvh; scores: [group, ctx] scratch */
-static void run_task(const Job *j, int64_t s, int64_t kvh, float *scores, float *row) {
-    int64_t group = j->heads / j->kv_heads, ctx = j->ctx_lens[s], dim = j->dim;
+/* the portable chunk kernel (any shape) */
+static void chunk_portable(const Job *j, int64_t s, int64_t kvh, int64_t p0, int64_t p1,
+                           float *scores, float *row, Part part) {
+    int64_t group = j->heads / j->kv_heads, n = p1 - p0, dim = j->dim;
     const int64_t *table = j->tables + j->table_starts[s];
     const float *q = j->q + (s * j->heads + kvh * group) * dim; /* [group, dim] */
-    float *out = j->out + (s * j->heads + kvh * group) * dim;
-    float max[MAX_GROUP];
     for (int64_t g = 0; g < group; g++)
-        max[g] = -INFINITY;
-    for (int64_t p = 0; p < ctx; p++) {
+        part.max[g] = -INFINITY;
+    for (int64_t p = p0; p < p1; p++) {
         load_row(row, row_at(j, j->k, table, p, kvh), dim, j->bf16);
         for (int64_t g = 0; g < group; g++) {
             float x = dot(q + g * dim, row, dim) * j->scale;
-            scores[g * ctx + p] = x;
-            max[g] = x > max[g] ? x : max[g];
+            scores[g * n + p - p0] = x;
+            part.max[g] = x > part.max[g] ? x : part.max[g];
         }
     }
-    float inv[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
-        inv[g] = 1.0f / exp_shift(scores + g * ctx, ctx, max[g]);
-        memset(out + g * dim, 0, (size_t)dim * 4);
+        part.sum[g] = exp_shift(scores + g * n, n, part.max[g]);
+        memset(part.o + g * dim, 0, (size_t)dim * 4);
     }
-    for (int64_t p = 0; p < ctx; p++) {
+    for (int64_t p = p0; p < p1; p++) {
         load_row(row, row_at(j, j->v, table, p, kvh), dim, j->bf16);
         for (int64_t g = 0; g < group; g++)
-            axpy(out + g * dim, scores[g * ctx + p], row, dim);
+            axpy(part.o + g * dim, scores[g * n + p - p0], row, dim);
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t i = 0; i < dim; i++)
-            out[g * dim + i] *= inv[g];
 }
 
 #if HAVE_X86
+/* e^x for x <= 0 (scores less their max): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in
+ * [-ln2/2, ln2/2], p of degree 6 (relative error ~1e-7); below -87 the result is 0. One body
+ * for both widths: V the vector type, the rest its intrinsics. */
+#define EXP_BODY(V, SET1, FMADD, FNMADD, MUL, MAX, ROUND, CVT, CAST, SLLI, ADDI)                 \
+    x = MAX(x, SET1(-87.0f));                                                                   \
+    V n = ROUND(MUL(x, SET1(1.44269504088896341f)));                                            \
+    V r = FNMADD(n, SET1(0.693359375f), x);                                                     \
+    r = FNMADD(n, SET1(-2.12194440e-4f), r);                                                    \
+    V p = SET1(1.0f / 720);                                                                     \
+    p = FMADD(p, r, SET1(1.0f / 120));                                                          \
+    p = FMADD(p, r, SET1(1.0f / 24));                                                           \
+    p = FMADD(p, r, SET1(1.0f / 6));                                                            \
+    p = FMADD(p, r, SET1(0.5f));                                                                \
+    p = FMADD(p, r, SET1(1.0f));                                                                \
+    p = FMADD(p, r, SET1(1.0f));                                                                \
+    V two_n = CAST(SLLI(ADDI(CVT(n), 127), 23));
+
 AVX2 static inline __m256 kv8(const char *row, int64_t i, int bf16) {
     if (bf16) { /* exact widening of 8 bf16 values */
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
@@ -154,25 +191,14 @@ AVX2 static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* e^x for x <= 0 (scores less their max): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in
- * [-ln2/2, ln2/2], p of degree 6 (relative error ~1e-7); below -87 the result is 0 */
 AVX2 static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    __m256 zero_mask = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+#define R256(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ADD256(v, c) _mm256_add_epi32(v, _mm256_set1_epi32(c))
+    EXP_BODY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_mul_ps,
+             _mm256_max_ps, R256, _mm256_cvtps_epi32, _mm256_castsi256_ps, _mm256_slli_epi32,
+             ADD256)
+    return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, two_n));
 }
 
 /* s[i] = e^(s[i] - max), returns the sum */
@@ -192,25 +218,26 @@ AVX2 static float exp_shift_avx2(float *s, int64_t n, float max) {
     return sum;
 }
 
-/* the same task as run_task for G query heads per K/V head (a constant, so every running sum
- * stays in a register), BF16 a constant too: pages walked in order (no division per key), K/V
- * rows read in place; the V sum runs over 16 columns of the head at a time (G x 2 sums in
- * registers), the task's V rows coming back from L1/L2 for the later columns.
+/* the chunk kernel for G query heads per K/V head (a constant, so every running sum stays in
+ * a register), BF16 a constant too: pages walked in order (no division per key), K/V rows read
+ * in place; the V sum runs over 16 columns of the head at a time (G x 2 sums in registers),
+ * the chunk's V rows coming back from L1/L2 for the later columns.
  * dim % 16 == 0, dim <= FAST_DIM */
-#define TASK(NAME, G, BF16)                                                                     \
-    AVX2 static void NAME(const Job *j, int64_t s, int64_t kvh, float *scores) {                \
-        int64_t ctx = j->ctx_lens[s], dim = j->dim, page = j->page;                             \
+#define TASK2(NAME, G, BF16)                                                                    \
+    AVX2 static void NAME(const Job *j, int64_t s, int64_t kvh, int64_t p0, int64_t p1,         \
+                          float *scores, float *unused, Part part) {                            \
+        int64_t n = p1 - p0, dim = j->dim, page = j->page;                                      \
         int64_t elem = BF16 ? 2 : 4, stride = j->kv_heads * dim * elem;                         \
         const int64_t *table = j->tables + j->table_starts[s];                                  \
         const float *q = j->q + (s * j->heads + kvh * G) * dim; /* [G, dim] */                  \
-        float *out = j->out + (s * j->heads + kvh * G) * dim;                                   \
         float max[G];                                                                           \
+        (void)unused;                                                                           \
         for (int g = 0; g < G; g++)                                                             \
             max[g] = -INFINITY;                                                                 \
-        for (int64_t p0 = 0; p0 < ctx; p0 += page) {                                            \
-            const char *row = j->k + (table[p0 / page] * page * j->kv_heads + kvh) * dim * elem; \
-            int64_t n = ctx - p0 < page ? ctx - p0 : page;                                      \
-            for (int64_t o = 0; o < n; o++, row += stride) {                                    \
+        for (int64_t pp = p0; pp < p1; pp += page) {                                            \
+            const char *row = j->k + (table[pp / page] * page * j->kv_heads + kvh) * dim * elem; \
+            int64_t m = p1 - pp < page ? p1 - pp : page;                                        \
+            for (int64_t o = 0; o < m; o++, row += stride) {                                    \
                 __m256 acc[G];                                                                  \
                 for (int g = 0; g < G; g++)                                                     \
                     acc[g] = _mm256_setzero_ps();                                               \
@@ -221,42 +248,155 @@ AVX2 static float exp_shift_avx2(float *s, int64_t n, float max) {
                 }                                                                               \
                 for (int g = 0; g < G; g++) {                                                   \
                     float x = hsum(acc[g]) * j->scale;                                          \
-                    scores[g * ctx + p0 + o] = x;                                               \
+                    scores[g * n + pp - p0 + o] = x;                                            \
                     max[g] = x > max[g] ? x : max[g];                                           \
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
-        float inv[G];                                                                           \
-        for (int g = 0; g < G; g++)                                                             \
-            inv[g] = 1.0f / exp_shift_avx2(scores + g * ctx, ctx, max[g]);                      \
+        for (int g = 0; g < G; g++) {                                                           \
+            part.max[g] = max[g];                                                               \
+            part.sum[g] = exp_shift_avx2(scores + g * n, n, max[g]);                            \
+        }                                                                                       \
         for (int64_t c = 0; c < dim; c += 16) {                                                 \
             __m256 lo[G], hi[G];                                                                \
             for (int g = 0; g < G; g++)                                                         \
                 lo[g] = hi[g] = _mm256_setzero_ps();                                            \
-            for (int64_t p0 = 0; p0 < ctx; p0 += page) {                                        \
+            for (int64_t pp = p0; pp < p1; pp += page) {                                        \
                 const char *row =                                                               \
-                    j->v + (table[p0 / page] * page * j->kv_heads + kvh) * dim * elem;          \
-                int64_t n = ctx - p0 < page ? ctx - p0 : page;                                  \
-                for (int64_t o = 0; o < n; o++, row += stride) {                                \
+                    j->v + (table[pp / page] * page * j->kv_heads + kvh) * dim * elem;          \
+                int64_t m = p1 - pp < page ? p1 - pp : page;                                    \
+                for (int64_t o = 0; o < m; o++, row += stride) {                                \
                     __m256 a = kv8(row, c, BF16), b = kv8(row, c + 8, BF16);                    \
                     for (int g = 0; g < G; g++) {                                               \
-                        __m256 w = _mm256_broadcast_ss(scores + g * ctx + p0 + o);              \
+                        __m256 w = _mm256_broadcast_ss(scores + g * n + pp - p0 + o);           \
                         lo[g] = _mm256_fmadd_ps(w, a, lo[g]);                                   \
                         hi[g] = _mm256_fmadd_ps(w, b, hi[g]);                                   \
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
             for (int g = 0; g < G; g++) {                                                       \
-                __m256 f = _mm256_set1_ps(inv[g]);                                              \
-                _mm256_storeu_ps(out + g * dim + c, _mm256_mul_ps(f, lo[g]));                   \
-                _mm256_storeu_ps(out + g * dim + c + 8, _mm256_mul_ps(f, hi[g]));               \
+                _mm256_storeu_ps(part.o + g * dim + c, lo[g]);                                  \
+                _mm256_storeu_ps(part.o + g * dim + c + 8, hi[g]);                              \
             }                                                                                   \
         }                                                                                       \
     }
 
+AVX512 static inline __m512 kv16(const char *row, int64_t i, int bf16) {
+    if (bf16) { /* exact widening of 16 bf16 values */
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)row + i);
+}
+
+AVX512 static inline __m512 exp16(__m512 x) {
+    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+#define R512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ADD512(v, c) _mm512_add_epi32(v, _mm512_set1_epi32(c))
+    EXP_BODY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_mul_ps,
+             _mm512_max_ps, R512, _mm512_cvtps_epi32, _mm512_castsi512_ps, _mm512_slli_epi32,
+             ADD512)
+    return _mm512_maskz_mul_ps((__mmask16)~zero, p, two_n);
+}
+
+/* s[i] = e^(s[i] - max), returns the sum; the tail under a mask */
+AVX512 static float exp_shift_avx512(float *s, int64_t n, float max) {
+    __m512 m = _mm512_set1_ps(max), acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), m));
+        _mm512_mask_storeu_ps(s + i, k, e);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* a row's cache lines towards L2 (hint T1): the next page's K rows and the chunk's V rows are
+ * on their way while the present K rows are scored */
+AVX512 static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64)
+        _mm_prefetch(row + b, _MM_HINT_T1);
+}
+
+/* zmm registers per query head in the V pass: G x W sums and W rows stay in registers */
+#define W512(G) ((G) <= 6 ? 4 : 2)
+
+/* the AVX-512 chunk kernel, as TASK2 with 16-wide vectors: a 64-wide head is four zmm
+ * registers, scored in one pass, and summed in one V pass for up to 6 query heads (wider heads
+ * or larger groups take 64 or 32 columns per V pass) */
+#define TASK512(NAME, G, BF16)                                                                  \
+    AVX512 static void NAME(const Job *j, int64_t s, int64_t kvh, int64_t p0, int64_t p1,       \
+                            float *scores, float *unused, Part part) {                          \
+        int64_t n = p1 - p0, dim = j->dim, page = j->page;                                      \
+        int64_t elem = BF16 ? 2 : 4, stride = j->kv_heads * dim * elem, bytes = dim * elem;     \
+        const int64_t *table = j->tables + j->table_starts[s];                                  \
+        const float *q = j->q + (s * j->heads + kvh * G) * dim; /* [G, dim] */                  \
+        float max[G];                                                                           \
+        (void)unused;                                                                           \
+        for (int g = 0; g < G; g++)                                                             \
+            max[g] = -INFINITY;                                                                 \
+        for (int64_t pp = p0; pp < p1; pp += page) {                                            \
+            int64_t at = (table[pp / page] * page * j->kv_heads + kvh) * dim * elem;            \
+            const char *row = j->k + at, *vrow = j->v + at, *next = NULL;                       \
+            if (pp + page < p1)                                                                 \
+                next = j->k + (table[pp / page + 1] * page * j->kv_heads + kvh) * dim * elem;   \
+            int64_t m = p1 - pp < page ? p1 - pp : page;                                        \
+            for (int64_t o = 0; o < m; o++, row += stride, vrow += stride) {                    \
+                if (next)                                                                       \
+                    prefetch_row(next + o * stride, bytes);                                     \
+                prefetch_row(vrow, bytes);                                                      \
+                __m512 acc[G];                                                                  \
+                for (int g = 0; g < G; g++)                                                     \
+                    acc[g] = _mm512_setzero_ps();                                               \
+                for (int64_t i = 0; i < dim; i += 16) {                                         \
+                    __m512 kv = kv16(row, i, BF16);                                             \
+                    for (int g = 0; g < G; g++)                                                 \
+                        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + i), kv, acc[g]); \
+                }                                                                               \
+                for (int g = 0; g < G; g++) {                                                   \
+                    float x = _mm512_reduce_add_ps(acc[g]) * j->scale;                          \
+                    scores[g * n + pp - p0 + o] = x;                                            \
+                    max[g] = x > max[g] ? x : max[g];                                           \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (int g = 0; g < G; g++) {                                                           \
+            part.max[g] = max[g];                                                               \
+            part.sum[g] = exp_shift_avx512(scores + g * n, n, max[g]);                          \
+        }                                                                                       \
+        enum { W = W512(G) };                                                                   \
+        for (int64_t c = 0; c < dim; c += 16 * W) {                                             \
+            int64_t cols = (dim - c) / 16 < W ? (dim - c) / 16 : W; /* zmm this pass */        \
+            __m512 acc[G][W];                                                                   \
+            for (int g = 0; g < G; g++)                                                         \
+                for (int w = 0; w < W; w++)                                                     \
+                    acc[g][w] = _mm512_setzero_ps();                                            \
+            for (int64_t pp = p0; pp < p1; pp += page) {                                        \
+                const char *row =                                                               \
+                    j->v + (table[pp / page] * page * j->kv_heads + kvh) * dim * elem;          \
+                int64_t m = p1 - pp < page ? p1 - pp : page;                                    \
+                for (int64_t o = 0; o < m; o++, row += stride) {                                \
+                    __m512 a[W];                                                                \
+                    for (int w = 0; w < W; w++)                                                 \
+                        a[w] = w < cols ? kv16(row, c + 16 * w, BF16) : _mm512_setzero_ps();    \
+                    for (int g = 0; g < G; g++) {                                               \
+                        __m512 x = _mm512_set1_ps(scores[g * n + pp - p0 + o]);                 \
+                        for (int w = 0; w < W; w++)                                             \
+                            acc[g][w] = _mm512_fmadd_ps(x, a[w], acc[g][w]);                    \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            for (int g = 0; g < G; g++)                                                         \
+                for (int w = 0; w < cols; w++)                                                  \
+                    _mm512_storeu_ps(part.o + g * dim + c + 16 * w, acc[g][w]);                 \
+        }                                                                                       \
+    }
+
 #define TASKS_OF(G)                                                                             \
-    TASK(task_f32_##G, G, 0)                                                                    \
-    TASK(task_bf16_##G, G, 1)
+    TASK2(avx2_f32_##G, G, 0)                                                                   \
+    TASK2(avx2_bf16_##G, G, 1)                                                                  \
+    TASK512(avx512_f32_##G, G, 0)                                                               \
+    TASK512(avx512_bf16_##G, G, 1)
 TASKS_OF(1)
 TASKS_OF(2)
 TASKS_OF(3)
@@ -266,80 +406,188 @@ TASKS_OF(6)
 TASKS_OF(7)
 TASKS_OF(8)
 
-typedef void (*Task)(const Job *, int64_t, int64_t, float *);
-static const Task TASKS[2][FAST_GROUP] = { /* [bf16][query heads per K/V head - 1] */
-    {task_f32_1, task_f32_2, task_f32_3, task_f32_4, task_f32_5, task_f32_6, task_f32_7,
-     task_f32_8},
-    {task_bf16_1, task_bf16_2, task_bf16_3, task_bf16_4, task_bf16_5, task_bf16_6, task_bf16_7,
-     task_bf16_8},
-};
+/* [bf16][query heads per K/V head - 1] */
+#define GROUPS(P) {P##_1, P##_2, P##_3, P##_4, P##_5, P##_6, P##_7, P##_8}
+static const ChunkFn AVX2_TASKS[2][FAST_GROUP] = {GROUPS(avx2_f32), GROUPS(avx2_bf16)};
+static const ChunkFn AVX512_TASKS[2][FAST_GROUP] = {GROUPS(avx512_f32), GROUPS(avx512_bf16)};
 #endif
 
-static int fast_path(const Job *j) {
+enum { ISA_PORTABLE, ISA_AVX2, ISA_AVX512 };
+static const char *const ISA_NAMES[] = {"portable", "avx2", "avx512"};
+static int isa_cap = ISA_AVX512; /* lowered by use_isa(): tests run every build on one CPU */
+
+static int cpu_isa(void) {
 #if HAVE_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && j->dim % 16 == 0 &&
-           j->dim <= FAST_DIM && j->heads / j->kv_heads <= FAST_GROUP;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+        return ISA_PORTABLE;
+    return __builtin_cpu_supports("avx512f") ? ISA_AVX512 : ISA_AVX2;
 #else
-    return 0;
+    return ISA_PORTABLE;
 #endif
 }
 
-/* every (sequence, K/V head) task, split over OpenMP threads (torch's own pool: this module
- * is loaded after torch and shares its libgomp by soname, so no second set of threads spins
- * beside torch's); each thread has its own score scratch */
-static void run_all(Job *j, int threads) {
-    int64_t max_ctx = 0, group = j->heads / j->kv_heads, tasks = j->num_seqs * j->kv_heads;
-    for (int64_t s = 0; s < j->num_seqs; s++)
-        max_ctx = j->ctx_lens[s] > max_ctx ? j->ctx_lens[s] : max_ctx;
-    int fast = fast_path(j);
-#pragma omp parallel num_threads(threads)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(group * max_ctx + j->dim));
-        if (!scores)
-            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            if (!scores)
-                continue;
+static int chosen_isa(void) {
+    int cpu = cpu_isa();
+    return cpu < isa_cap ? cpu : isa_cap;
+}
+
+/* the chunk kernel for this job's shape on the chosen build */
+static ChunkFn chunk_fn(const Job *j) {
+    int64_t group = j->heads / j->kv_heads;
+    int isa = chosen_isa();
+    if (isa == ISA_PORTABLE || j->dim % 16 || j->dim > FAST_DIM || group > FAST_GROUP)
+        return chunk_portable;
 #if HAVE_X86
-            if (fast) {
-                TASKS[j->bf16 != 0][group - 1](j, t / j->kv_heads, t % j->kv_heads, scores);
-                continue;
-            }
+    return (isa == ISA_AVX512 ? AVX512_TASKS : AVX2_TASKS)[j->bf16 != 0][group - 1];
+#else
+    return chunk_portable;
 #endif
-            run_task(j, t / j->kv_heads, t % j->kv_heads, scores, scores + group * max_ctx);
-        }
-        free(scores);
+}
+
+/* chunk length in tokens: chunk_pages pages, or where that is 0 the longest (at most
+ * CHUNK_TOKENS, at least a page) that still gives every thread TASKS_PER_THREAD tasks */
+static int64_t chunk_len(const Job *j, int64_t chunk_pages, int threads) {
+    if (chunk_pages > 0)
+        return chunk_pages * j->page;
+    int64_t pages = 0, most = CHUNK_TOKENS / j->page;
+    for (int64_t s = 0; s < j->num_seqs; s++)
+        pages += (j->ctx_lens[s] + j->page - 1) / j->page;
+    int64_t n = pages / ((int64_t)TASKS_PER_THREAD * threads);
+    n = n < most ? n : most;
+    return (n < 1 ? 1 : n) * j->page;
+}
+
+/* out[s, h] from its chunks' parts: each chunk's sums scaled by e^(its max - the max of all),
+ * divided by the total sum (a sequence without context gets zeros) */
+static void merge(const Job *j, int64_t s, int64_t h, int64_t first, int64_t last,
+                  const float *po, const float *pm, const float *pl) {
+    int64_t dim = j->dim, heads = j->heads;
+    float *out = j->out + (s * heads + h) * dim, max = -INFINITY, sum = 0.0f;
+    for (int64_t c = first; c < last; c++)
+        max = pm[c * heads + h] > max ? pm[c * heads + h] : max;
+    memset(out, 0, (size_t)dim * 4);
+    for (int64_t c = first; c < last; c++) {
+        float w = expf(pm[c * heads + h] - max);
+        const float *o = po + (c * heads + h) * dim;
+        sum += w * pl[c * heads + h];
+        for (int64_t i = 0; i < dim; i++)
+            out[i] += w * o[i];
+    }
+    float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t i = 0; i < dim; i++)
+        out[i] *= inv;
+}
+
+/* the (sequence, chunk) tasks: chunk c of every sequence is task first[s] + c; the owner of
+ * each task in seq_of; parts [tasks, heads, dim] and [tasks, heads] twice */
+typedef struct {
+    int64_t chunk, tasks;
+    int64_t *first, *seq_of;
+    float *po, *pm, *pl;
+} Plan;
+
+static int plan(const Job *j, int64_t chunk, Plan *p) {
+    p->chunk = chunk;
+    p->first = malloc(sizeof(int64_t) * (size_t)(j->num_seqs + 1));
+    if (!p->first)
+        return 0;
+    p->first[0] = 0;
+    for (int64_t s = 0; s < j->num_seqs; s++)
+        p->first[s + 1] = p->first[s] + (j->ctx_lens[s] + chunk - 1) / chunk;
+    p->tasks = p->first[j->num_seqs];
+    size_t t = (size_t)(p->tasks > 0 ? p->tasks : 1), h = (size_t)j->heads;
+    p->seq_of = malloc(sizeof(int64_t) * t);
+    p->po = malloc(sizeof(float) * t * h * (size_t)j->dim);
+    p->pm = malloc(sizeof(float) * t * h);
+    p->pl = malloc(sizeof(float) * t * h);
+    if (!p->seq_of || !p->po || !p->pm || !p->pl)
+        return 0;
+    for (int64_t s = 0; s < j->num_seqs; s++)
+        for (int64_t t2 = p->first[s]; t2 < p->first[s + 1]; t2++)
+            p->seq_of[t2] = s;
+    return 1;
+}
+
+static void unplan(Plan *p) {
+    free(p->first);
+    free(p->seq_of);
+    free(p->po);
+    free(p->pm);
+    free(p->pl);
+}
+
+/* one task: chunk t of its sequence, every K/V head in turn (the chunk's pages front to back) */
+static void run_task(const Job *j, const Plan *p, ChunkFn fn, int64_t t, float *scratch) {
+    int64_t s = p->seq_of[t], group = j->heads / j->kv_heads;
+    int64_t p0 = (t - p->first[s]) * p->chunk, p1 = p0 + p->chunk;
+    p1 = p1 < j->ctx_lens[s] ? p1 : j->ctx_lens[s];
+    for (int64_t kvh = 0; kvh < j->kv_heads; kvh++) {
+        int64_t h = t * j->heads + kvh * group;
+        Part part = {p->po + h * j->dim, p->pm + h, p->pl + h};
+        fn(j, s, kvh, p0, p1, scratch, scratch + group * p->chunk, part);
     }
 }
 
+/* every task, then every (sequence, head)'s merge, split over OpenMP threads (torch's own
+ * pool: this module is loaded after torch and shares its libgomp by soname, so no second set
+ * of threads spins beside torch's); each thread has its own score scratch */
+static void run_all(Job *j, int64_t chunk_pages, int threads) {
+    Plan p = {0};
+    int64_t group = j->heads / j->kv_heads;
+    if (!plan(j, chunk_len(j, chunk_pages, threads), &p)) {
+        j->failed = 1;
+        unplan(&p);
+        return;
+    }
+    ChunkFn fn = chunk_fn(j);
+    int64_t rows = j->num_seqs * j->heads;
+    int n = p.tasks < threads ? (int)(p.tasks < 1 ? 1 : p.tasks) : threads;
+#pragma omp parallel num_threads(n)
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(group * p.chunk + j->dim));
+        if (!scratch)
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < p.tasks; t++)
+            if (scratch)
+                run_task(j, &p, fn, t, scratch);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t s = r / j->heads;
+            merge(j, s, r % j->heads, p.first[s], p.first[s + 1], p.po, p.pm, p.pl);
+        }
+        free(scratch);
+    }
+    unplan(&p);
+}
+
 /* decode(out, q, k_pool, v_pool, tables, table_starts, ctx_lens: data pointers as ints,
- *        num_seqs, heads, kv_heads, head_dim, page_size, bf16, scale, threads) -> None */
+ *        num_seqs, heads, kv_heads, head_dim, page_size, bf16, scale, threads, chunk_pages)
+ * -> None; chunk_pages 0: chosen here (see chunk_len) */
 static PyObject *decode(PyObject *self, PyObject *args) {
     unsigned long long out, q, k, v, tables, starts, ctx;
-    long long num_seqs, heads, kv_heads, dim, page;
+    long long num_seqs, heads, kv_heads, dim, page, chunk_pages;
     int bf16, threads;
     float scale;
-    if (!PyArg_ParseTuple(args, "KKKKKKKLLLLLpfi", &out, &q, &k, &v, &tables, &starts, &ctx,
-                          &num_seqs, &heads, &kv_heads, &dim, &page, &bf16, &scale, &threads))
+    if (!PyArg_ParseTuple(args, "KKKKKKKLLLLLpfiL", &out, &q, &k, &v, &tables, &starts, &ctx,
+                          &num_seqs, &heads, &kv_heads, &dim, &page, &bf16, &scale, &threads,
+                          &chunk_pages))
         return NULL;
     if (num_seqs < 0 || heads <= 0 || kv_heads <= 0 || dim <= 0 || page <= 0 ||
-        heads % kv_heads || heads / kv_heads > MAX_GROUP) {
+        chunk_pages < 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP) {
         PyErr_Format(PyExc_ValueError,
                      "paged decode: bad shape (seqs %lld, heads %lld, kv_heads %lld, dim %lld, "
-                     "page %lld; heads must be a multiple of kv_heads, at most %d per group)",
-                     num_seqs, heads, kv_heads, dim, page, MAX_GROUP);
+                     "page %lld, chunk pages %lld; heads must be a multiple of kv_heads, at "
+                     "most %d per group)",
+                     num_seqs, heads, kv_heads, dim, page, chunk_pages, MAX_GROUP);
         return NULL;
     }
     Job job = {(float *)out, (const float *)q, (const char *)k, (const char *)v,
                (const int64_t *)tables, (const int64_t *)starts, (const int64_t *)ctx,
                num_seqs, heads, kv_heads, dim, page, bf16, scale, 0};
-    int64_t tasks = num_seqs * kv_heads;
-    int n = threads < 1 ? 1 : threads;
-    n = tasks < n ? (int)(tasks < 1 ? 1 : tasks) : n;
     Py_BEGIN_ALLOW_THREADS;
-    run_all(&job, n);
+    run_all(&job, chunk_pages, threads < 1 ? 1 : threads);
     Py_END_ALLOW_THREADS;
     if (job.failed) {
         PyErr_NoMemory();
@@ -348,19 +596,36 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* which build of the fast path the CPU gets (for reports): "avx2" or "portable" */
+/* which build of the chunk kernel runs (for reports): "avx512", "avx2" or "portable" */
 static PyObject *isa(PyObject *self, PyObject *args) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return PyUnicode_FromString("avx2");
-#endif
-    return PyUnicode_FromString("portable");
+    return PyUnicode_FromString(ISA_NAMES[chosen_isa()]);
+}
+
+/* use_isa(name or None) -> None: run at most that build ("avx512", "avx2", "portable"), or
+ * (None) the best this CPU has; a build the CPU lacks is a ValueError */
+static PyObject *use_isa(PyObject *self, PyObject *arg) {
+    if (arg == Py_None) {
+        isa_cap = ISA_AVX512;
+        Py_RETURN_NONE;
+    }
+    const char *name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : NULL;
+    for (int i = 0; name && i <= ISA_AVX512; i++)
+        if (!strcmp(name, ISA_NAMES[i])) {
+            if (i > cpu_isa()) {
+                PyErr_Format(PyExc_ValueError, "paged decode: this CPU has no %s", name);
+                return NULL;
+            }
+            isa_cap = i;
+            Py_RETURN_NONE;
+        }
+    PyErr_SetString(PyExc_ValueError, "paged decode: use_isa takes avx512, avx2, portable or None");
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Batched paged decode attention (see the module doc)."},
-    {"isa", isa, METH_NOARGS, "The instruction set the inner loops run with."},
+    {"isa", isa, METH_NOARGS, "The instruction set the chunk kernel runs with."},
+    {"use_isa", use_isa, METH_O, "Cap the build the chunk kernel runs with (None: the CPU's)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,6 +1,10 @@
 """Batched decode attention read where the pages are (`_paged_decode.c`): one new token per
 sequence, sequences of different lengths in one call, no gather copy of K/V.
 
+Each context is cut into chunks of whole pages, one task per (sequence, chunk) over the torch
+threads, merged by log-sum-exp, so one long sequence keeps both threads busy as well as many;
+the chunk kernel runs in AVX-512, AVX2 or portable C, the best the CPU has (`isa`).
+
 CPU only (fp32 or bf16 pools); attention.py takes this route for a forward whose every
 sequence decodes one token, and keeps its per-sequence routes for everything else (and for
 CUDA, behind the same PagedAttention interface).
@@ -26,8 +30,15 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The instruction set its fast path runs with: "avx2" or "portable"."""
+    """The instruction set its chunk kernel runs with: "avx512", "avx2" or "portable"."""
     return _native.isa() if _native is not None else "not built"
+
+
+def use_isa(name: str | None) -> None:
+    """Run at most this build of the chunk kernel ("avx512", "avx2", "portable"), or (None) the
+    best the CPU has: every build is tested on one machine. ValueError for one the CPU lacks."""
+    if _native is not None:
+        _native.use_isa(name)
 
 
 def usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
@@ -57,8 +68,10 @@ def paged_decode(
     v_pool: torch.Tensor,
     tables: tuple[torch.Tensor, torch.Tensor],  # flat_tables(page_tables)
     ctx_lens: torch.Tensor,  # [S] int64: positions 0 .. ctx-1 visible (the new one included)
+    chunk_pages: int = 0,
 ) -> torch.Tensor:  # [S, heads, dim] in q's dtype
-    """Softmax(q K^T / sqrt(dim)) V of each sequence over its whole context, from the pages."""
+    """Softmax(q K^T / sqrt(dim)) V of each sequence over its whole context, from the pages;
+    each context in chunks of `chunk_pages` pages (0: the kernel chooses by the batch)."""
     if _native is None:
         raise RuntimeError("kvstrata.model._paged_decode is not built: run `pip install -e .`")
     s, heads, dim = q.shape
@@ -71,6 +84,6 @@ def paged_decode(
         out.data_ptr(), qf.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
         flat.data_ptr(), starts.data_ptr(), lens.data_ptr(),
         s, heads, kv_heads, dim, page, k_pool.dtype == torch.bfloat16,
-        1.0 / math.sqrt(dim), torch.get_num_threads(),
+        1.0 / math.sqrt(dim), torch.get_num_threads(), chunk_pages,
     )  # fmt: skip
     return out.to(q.dtype)
