@@ -35,7 +35,9 @@
 /* the chunk length chosen when the caller leaves it (chunk_pages 0): whole pages, at most
  * CHUNK_TOKENS tokens (a chunk's V rows of one head stay in L2 until its V pass, its scores in
  * L1) and at least TASKS_PER_THREAD tasks per thread where the pages allow */
+#ifndef CHUNK_TOKENS
 #define CHUNK_TOKENS 256
+#endif
 #define TASKS_PER_THREAD 8
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -176,6 +178,13 @@ static void chunk_portable(const Job *j, int64_t s, int64_t kvh, int64_t p0, int
     p = FMADD(p, r, SET1(1.0f));                                                                \
     V two_n = CAST(SLLI(ADDI(CVT(n), 127), 23));
 
+/* a row's cache lines towards L2 (hint T1): the next page's K rows and the chunk's V rows are
+ * on their way while the present K rows are scored */
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64)
+        _mm_prefetch(row + b, _MM_HINT_T1);
+}
+
 AVX2 static inline __m256 kv8(const char *row, int64_t i, int bf16) {
     if (bf16) { /* exact widening of 8 bf16 values */
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
@@ -227,7 +236,7 @@ AVX2 static float exp_shift_avx2(float *s, int64_t n, float max) {
     AVX2 static void NAME(const Job *j, int64_t s, int64_t kvh, int64_t p0, int64_t p1,         \
                           float *scores, float *unused, Part part) {                            \
         int64_t n = p1 - p0, dim = j->dim, page = j->page;                                      \
-        int64_t elem = BF16 ? 2 : 4, stride = j->kv_heads * dim * elem;                         \
+        int64_t elem = BF16 ? 2 : 4, stride = j->kv_heads * dim * elem, bytes = dim * elem;     \
         const int64_t *table = j->tables + j->table_starts[s];                                  \
         const float *q = j->q + (s * j->heads + kvh * G) * dim; /* [G, dim] */                  \
         float max[G];                                                                           \
@@ -235,9 +244,15 @@ AVX2 static float exp_shift_avx2(float *s, int64_t n, float max) {
         for (int g = 0; g < G; g++)                                                             \
             max[g] = -INFINITY;                                                                 \
         for (int64_t pp = p0; pp < p1; pp += page) {                                            \
-            const char *row = j->k + (table[pp / page] * page * j->kv_heads + kvh) * dim * elem; \
+            int64_t at = (table[pp / page] * page * j->kv_heads + kvh) * dim * elem;            \
+            const char *row = j->k + at, *vrow = j->v + at, *next = NULL;                       \
+            if (pp + page < j->ctx_lens[s]) /* the next page, in this chunk or the next */      \
+                next = j->k + (table[pp / page + 1] * page * j->kv_heads + kvh) * dim * elem;   \
             int64_t m = p1 - pp < page ? p1 - pp : page;                                        \
-            for (int64_t o = 0; o < m; o++, row += stride) {                                    \
+            for (int64_t o = 0; o < m; o++, row += stride, vrow += stride) {                    \
+                if (next)                                                                       \
+                    prefetch_row(next + o * stride, bytes);                                     \
+                prefetch_row(vrow, bytes);                                                      \
                 __m256 acc[G];                                                                  \
                 for (int g = 0; g < G; g++)                                                     \
                     acc[g] = _mm256_setzero_ps();                                               \
@@ -311,13 +326,6 @@ AVX512 static float exp_shift_avx512(float *s, int64_t n, float max) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* a row's cache lines towards L2 (hint T1): the next page's K rows and the chunk's V rows are
- * on their way while the present K rows are scored */
-AVX512 static inline void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64)
-        _mm_prefetch(row + b, _MM_HINT_T1);
-}
-
 /* zmm registers per query head in the V pass: G x W sums and W rows stay in registers */
 #define W512(G) ((G) <= 6 ? 4 : 2)
 
@@ -338,7 +346,7 @@ AVX512 static inline void prefetch_row(const char *row, int64_t bytes) {
         for (int64_t pp = p0; pp < p1; pp += page) {                                            \
             int64_t at = (table[pp / page] * page * j->kv_heads + kvh) * dim * elem;            \
             const char *row = j->k + at, *vrow = j->v + at, *next = NULL;                       \
-            if (pp + page < p1)                                                                 \
+            if (pp + page < j->ctx_lens[s]) /* the next page, in this chunk or the next */      \
                 next = j->k + (table[pp / page + 1] * page * j->kv_heads + kvh) * dim * elem;   \
             int64_t m = p1 - pp < page ? p1 - pp : page;                                        \
             for (int64_t o = 0; o < m; o++, row += stride, vrow += stride) {                    \
