@@ -326,6 +326,52 @@ AVX512 static float exp_shift_avx512(float *s, int64_t n, float max) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* the sums of a0 .. a3, in lanes 0 .. 3: pairs interleaved and added within each 128-bit lane,
+ * then the four lanes added (a few shuffles for four sums, where one sum alone takes as many) */
+AVX512 static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    __m512 x = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xee));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(x),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* scores of TK keys (1 or 4) from `row` on (their V rows and the next page's K rows asked for
+ * on the way), G query heads each; in TASK512's scope */
+#define SCORE512(G, BF16, TK)                                                                   \
+    do {                                                                                        \
+        __m512 acc[TK][G];                                                                      \
+        for (int t = 0; t < TK; t++) {                                                          \
+            if (next)                                                                           \
+                prefetch_row(next + (o + t) * stride, bytes);                                   \
+            prefetch_row(vrow + t * stride, bytes);                                             \
+            for (int g = 0; g < G; g++)                                                         \
+                acc[t][g] = _mm512_setzero_ps();                                                \
+        }                                                                                       \
+        for (int64_t i = 0; i < dim; i += 16)                                                   \
+            for (int t = 0; t < TK; t++) {                                                      \
+                __m512 kv = kv16(row + t * stride, i, BF16);                                    \
+                for (int g = 0; g < G; g++)                                                     \
+                    acc[t][g] =                                                                 \
+                        _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + i), kv, acc[t][g]);       \
+            }                                                                                   \
+        for (int g = 0; g < G; g++) {                                                           \
+            float *at = scores + g * n + pp - p0 + o;                                           \
+            if (TK == 4) {                                                                      \
+                __m128 x = _mm_mul_ps(                                                          \
+                    reduce4(acc[0][g], acc[TK / 4][g], acc[2 * TK / 4][g], acc[3 * TK / 4][g]), \
+                    scale4);                                                                    \
+                _mm_storeu_ps(at, x);                                                           \
+                max4[g] = _mm_max_ps(max4[g], x);                                               \
+            } else {                                                                            \
+                float x = _mm512_reduce_add_ps(acc[0][g]) * j->scale;                           \
+                *at = x;                                                                        \
+                max[g] = x > max[g] ? x : max[g];                                               \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+
 /* zmm registers per query head in the V pass: G x W sums and W rows stay in registers */
 #define W512(G) ((G) <= 6 ? 4 : 2)
 
@@ -340,33 +386,29 @@ AVX512 static float exp_shift_avx512(float *s, int64_t n, float max) {
         const int64_t *table = j->tables + j->table_starts[s];                                  \
         const float *q = j->q + (s * j->heads + kvh * G) * dim; /* [G, dim] */                  \
         float max[G];                                                                           \
+        __m128 max4[G], scale4 = _mm_set1_ps(j->scale);                                         \
         (void)unused;                                                                           \
-        for (int g = 0; g < G; g++)                                                             \
+        for (int g = 0; g < G; g++) {                                                           \
             max[g] = -INFINITY;                                                                 \
+            max4[g] = _mm_set1_ps(-INFINITY);                                                   \
+        }                                                                                       \
         for (int64_t pp = p0; pp < p1; pp += page) {                                            \
             int64_t at = (table[pp / page] * page * j->kv_heads + kvh) * dim * elem;            \
             const char *row = j->k + at, *vrow = j->v + at, *next = NULL;                       \
             if (pp + page < j->ctx_lens[s]) /* the next page, in this chunk or the next */      \
                 next = j->k + (table[pp / page + 1] * page * j->kv_heads + kvh) * dim * elem;   \
             int64_t m = p1 - pp < page ? p1 - pp : page;                                        \
-            for (int64_t o = 0; o < m; o++, row += stride, vrow += stride) {                    \
-                if (next)                                                                       \
-                    prefetch_row(next + o * stride, bytes);                                     \
-                prefetch_row(vrow, bytes);                                                      \
-                __m512 acc[G];                                                                  \
-                for (int g = 0; g < G; g++)                                                     \
-                    acc[g] = _mm512_setzero_ps();                                               \
-                for (int64_t i = 0; i < dim; i += 16) {                                         \
-                    __m512 kv = kv16(row, i, BF16);                                             \
-                    for (int g = 0; g < G; g++)                                                 \
-                        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + i), kv, acc[g]); \
-                }                                                                               \
-                for (int g = 0; g < G; g++) {                                                   \
-                    float x = _mm512_reduce_add_ps(acc[g]) * j->scale;                          \
-                    scores[g * n + pp - p0 + o] = x;                                            \
-                    max[g] = x > max[g] ? x : max[g];                                           \
-                }                                                                               \
-            }                                                                                   \
+            int64_t o = 0;                                                                      \
+            if (G <= 4) /* four keys at a time: one reduction of their sums for four scores */  \
+                for (; o + 4 <= m; o += 4, row += 4 * stride, vrow += 4 * stride)               \
+                    SCORE512(G, BF16, 4);                                                       \
+            for (; o < m; o++, row += stride, vrow += stride)                                   \
+                SCORE512(G, BF16, 1);                                                           \
+        }                                                                                       \
+        for (int g = 0; g < G; g++) {                                                           \
+            __m128 v = _mm_max_ps(max4[g], _mm_movehl_ps(max4[g], max4[g]));                    \
+            v = _mm_max_ss(v, _mm_shuffle_ps(v, v, 1));                                         \
+            max[g] = _mm_cvtss_f32(v) > max[g] ? _mm_cvtss_f32(v) : max[g];                     \
         }                                                                                       \
         for (int g = 0; g < G; g++) {                                                           \
             part.max[g] = max[g];                                                               \
