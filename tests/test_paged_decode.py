@@ -2,8 +2,9 @@
 
 The kernel against softmax attention over gathered K/V (fp32 and bf16 pools, fragmented page
 tables, sequences of different lengths, contexts whole or in chunks merged by log-sum-exp, every
-build of the chunk kernel this CPU can run: AVX-512, AVX2, portable), and a model's batched decode step against
-transformers per sequence, with no gather and no per-sequence attention kernel in the step.
+build of the chunk kernel this CPU can run: AVX-512, AVX2, portable), and a model's batched
+decode step against transformers per sequence, with no gather and no per-sequence attention
+kernel in the step.
 """
 
 from __future__ import annotations

@@ -509,7 +509,7 @@ static int64_t chunk_len(const Job *j, int64_t chunk_pages, int threads) {
 }
 
 /* out[s, h] from its chunks' parts: each chunk's sums scaled by e^(its max - the max of all),
- * divided by the total sum (a sequence without context gets zeros) */
+ * divided by the total sum */
 static void merge(const Job *j, int64_t s, int64_t h, int64_t first, int64_t last,
                   const float *po, const float *pm, const float *pl) {
     int64_t dim = j->dim, heads = j->heads;
@@ -530,10 +530,12 @@ static void merge(const Job *j, int64_t s, int64_t h, int64_t first, int64_t las
 }
 
 /* the (sequence, chunk) tasks: chunk c of every sequence is task first[s] + c; the owner of
- * each task in seq_of; parts [tasks, heads, dim] and [tasks, heads] twice */
+ * each task in seq_of; left [num_seqs] the chunks of each sequence not yet done (the thread
+ * that ends the last one merges the sequence: no barrier between tasks and merges); parts
+ * [tasks, heads, dim] and [tasks, heads] twice */
 typedef struct {
     int64_t chunk, tasks;
-    int64_t *first, *seq_of;
+    int64_t *first, *seq_of, *left;
     float *po, *pm, *pl;
 } Plan;
 
@@ -548,11 +550,17 @@ static int plan(const Job *j, int64_t chunk, Plan *p) {
     p->tasks = p->first[j->num_seqs];
     size_t t = (size_t)(p->tasks > 0 ? p->tasks : 1), h = (size_t)j->heads;
     p->seq_of = malloc(sizeof(int64_t) * t);
+    p->left = malloc(sizeof(int64_t) * (size_t)(j->num_seqs + 1));
     p->po = malloc(sizeof(float) * t * h * (size_t)j->dim);
     p->pm = malloc(sizeof(float) * t * h);
     p->pl = malloc(sizeof(float) * t * h);
-    if (!p->seq_of || !p->po || !p->pm || !p->pl)
+    if (!p->seq_of || !p->left || !p->po || !p->pm || !p->pl)
         return 0;
+    for (int64_t s = 0; s < j->num_seqs; s++) {
+        p->left[s] = p->first[s + 1] - p->first[s];
+        if (!p->left[s]) /* no context, no task: zeros */
+            memset(j->out + s * j->heads * j->dim, 0, sizeof(float) * (size_t)(j->heads * j->dim));
+    }
     for (int64_t s = 0; s < j->num_seqs; s++)
         for (int64_t t2 = p->first[s]; t2 < p->first[s + 1]; t2++)
             p->seq_of[t2] = s;
@@ -562,13 +570,15 @@ static int plan(const Job *j, int64_t chunk, Plan *p) {
 static void unplan(Plan *p) {
     free(p->first);
     free(p->seq_of);
+    free(p->left);
     free(p->po);
     free(p->pm);
     free(p->pl);
 }
 
-/* one task: chunk t of its sequence, every K/V head in turn (the chunk's pages front to back) */
-static void run_task(const Job *j, const Plan *p, ChunkFn fn, int64_t t, float *scratch) {
+/* one task: chunk t of its sequence, every K/V head in turn (the chunk's pages front to back);
+ * the sequence's merge after its last chunk (release/acquire: the other chunks' parts seen) */
+static void run_task(const Job *j, Plan *p, ChunkFn fn, int64_t t, float *scratch) {
     int64_t s = p->seq_of[t], group = j->heads / j->kv_heads;
     int64_t p0 = (t - p->first[s]) * p->chunk, p1 = p0 + p->chunk;
     p1 = p1 < j->ctx_lens[s] ? p1 : j->ctx_lens[s];
@@ -577,9 +587,12 @@ static void run_task(const Job *j, const Plan *p, ChunkFn fn, int64_t t, float *
         Part part = {p->po + h * j->dim, p->pm + h, p->pl + h};
         fn(j, s, kvh, p0, p1, scratch, scratch + group * p->chunk, part);
     }
+    if (__atomic_sub_fetch(&p->left[s], 1, __ATOMIC_ACQ_REL) == 0)
+        for (int64_t h = 0; h < j->heads; h++)
+            merge(j, s, h, p->first[s], p->first[s + 1], p->po, p->pm, p->pl);
 }
 
-/* every task, then every (sequence, head)'s merge, split over OpenMP threads (torch's own
+/* every task, split over OpenMP threads (torch's own
  * pool: this module is loaded after torch and shares its libgomp by soname, so no second set
  * of threads spins beside torch's); each thread has its own score scratch */
 static void run_all(Job *j, int64_t chunk_pages, int threads) {
@@ -591,7 +604,6 @@ static void run_all(Job *j, int64_t chunk_pages, int threads) {
         return;
     }
     ChunkFn fn = chunk_fn(j);
-    int64_t rows = j->num_seqs * j->heads;
     int n = p.tasks < threads ? (int)(p.tasks < 1 ? 1 : p.tasks) : threads;
 #pragma omp parallel num_threads(n)
     {
@@ -602,11 +614,6 @@ static void run_all(Job *j, int64_t chunk_pages, int threads) {
         for (int64_t t = 0; t < p.tasks; t++)
             if (scratch)
                 run_task(j, &p, fn, t, scratch);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t s = r / j->heads;
-            merge(j, s, r % j->heads, p.first[s], p.first[s + 1], p.po, p.pm, p.pl);
-        }
         free(scratch);
     }
     unplan(&p);
