@@ -59,6 +59,22 @@ def test_native_kernel_is_built() -> None:
     assert pd.available() and pd.isa() in BUILDS
 
 
+def test_the_best_build_the_cpu_has_runs() -> None:
+    """avx512 where the CPU has avx512f (with avx2 and fma), else avx2, else portable."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = next(
+        (set(line.split(":", 1)[1].split()) for line in cpuinfo.read_text().splitlines()
+         if line.startswith("flags")),
+        set(),
+    )  # fmt: skip
+    best = "portable"
+    if {"avx2", "fma"} <= flags:
+        best = "avx512" if "avx512f" in flags else "avx2"
+    assert pd.isa() == best
+
+
 def runnable_builds() -> list[str]:
     """The builds this CPU runs: the best it has and every one below it."""
     return list(BUILDS[BUILDS.index(pd.isa()) :]) if pd.available() else []

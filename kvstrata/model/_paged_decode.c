@@ -11,16 +11,20 @@
  * 1) keep every thread busy as well as many; a task is one (sequence, chunk), its K/V heads in
  * turn (the chunk's pages read front to back, each K/V row once for all the query heads of its
  * group): scores against every key of the chunk (one K read), their max, exp and sum, then the
- * weighted V sum (one V read), unnormalized, into a partial per (chunk, query head); a second
- * pass merges each head's chunks by their maxima (log-sum-exp) and divides by the sum.
+ * weighted V sum (one V read), unnormalized, into a part per (chunk, query head); the thread
+ * that ends a sequence's last chunk merges its parts by their maxima (log-sum-exp) and divides
+ * by the sum. Decode attention reads ~all of the KV once per step, so it is bound by memory:
+ * the vector builds ask for the next page's K rows and the chunk's V rows (prefetch to L2)
+ * while the present K rows are scored.
  *
  * Three builds of the chunk kernel, chosen at run time by the CPU: AVX-512 (a 64-wide head in
- * four zmm registers; next page prefetched, the chunk's V rows prefetched while its K rows are
- * scored), AVX2+FMA, and a portable one (its inner loops compiled for AVX-512, AVX2 and a
- * baseline by gcc target_clones). The vector builds take head_dim % 16 == 0, head_dim <= 256
- * and at most 8 query heads per K/V head; other shapes run the portable one. use_isa() caps the
- * choice so that tests run every build on one machine. The GIL is released; tasks are split
- * over `threads` OpenMP threads.
+ * four zmm registers, four keys scored per reduction, the V sum of up to 6 query heads in one
+ * pass), AVX2+FMA (the V sum 16 columns per pass, the chunk's V rows read again from L1/L2),
+ * and a portable one (its inner loops compiled for AVX-512, AVX2 and a baseline by gcc
+ * target_clones). bf16 rows are widened exactly by a 16-bit shift. The vector builds take
+ * head_dim % 16 == 0, head_dim <= 256 and at most 8 query heads per K/V head; other shapes run
+ * the portable one. use_isa() caps the choice so that tests run every build on one machine.
+ * The GIL is released; tasks are split over `threads` OpenMP threads (dynamic, one at a time).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
