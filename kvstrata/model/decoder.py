@@ -173,8 +173,9 @@ class DecoderLayer(nn.Module):
         """[T, hidden], or [len(rows), hidden]: only `rows` go on past attention (every row's
         K/V is still written; see PagedAttention.forward)."""
         h = self.self_attn(self.input_layernorm(x), *rope, k_pool, v_pool, meta, rows)
-        x = (x if rows is None else x[rows]) + h  # a new tensor: the caller's x is not written
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        # x + h a new tensor (the caller's x is not written), normed in the same pass
+        x, normed = self.post_attention_layernorm.add_norm(x if rows is None else x[rows], h)
+        return x.add_(self.mlp(normed))
 
 
 class _Backbone(nn.Module):
