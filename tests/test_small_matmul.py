@@ -1,7 +1,7 @@
 """The native few-row linear (model/_small_matmul.c) against a float64 reference, and where
 the model takes it: fp32 and bf16 weights and activations, bias, a column count that is not a
-multiple of 8, 1..17 rows (tiles of 8 and their tails), 1 and 2 threads; the inner loop this CPU
-gets and the portable one (forced), which a CPU without AVX2 runs."""
+multiple of 8 or 16, an odd row count of W, 1..17 rows (tiles of 8 and their tails), 1 and 2
+threads; every inner loop this CPU can run (AVX-512, AVX2, portable), each capped to in turn."""
 
 from __future__ import annotations
 
@@ -17,28 +17,36 @@ from tests.tiny_models import rel_err
 torch.set_num_threads(1)
 
 
+ISAS = ("portable", "avx2", "avx512")  # worst to best
+
+
 def test_kernel_is_built() -> None:
-    assert sm.isa() in ("avx2", "portable")
+    assert sm.isa() in ISAS
 
 
-@pytest.fixture(params=["cpu's", "portable"])
+@pytest.fixture(params=ISAS)
 def build(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The inner loop this CPU gets, and the portable one forced (what a CPU without AVX2 runs)."""
-    sm.use_portable(request.param == "portable")
+    """Each inner loop up to the CPU's best (one this CPU lacks is skipped)."""
+    best = sm.isa()
+    if ISAS.index(request.param) > ISAS.index(best):
+        pytest.skip(f"this CPU runs {best}, not {request.param}")
+    sm.use_isa(request.param)
     try:
         yield sm.isa()
     finally:
-        sm.use_portable(False)
+        sm.use_isa("avx512")
 
 
-def test_the_portable_loop_can_be_forced() -> None:
-    native = sm.isa()
-    sm.use_portable(True)
+def test_the_inner_loop_can_be_capped() -> None:
+    best = sm.isa()
+    sm.use_isa("portable")
     try:
         assert sm.isa() == "portable"
     finally:
-        sm.use_portable(False)
-    assert sm.isa() == native
+        sm.use_isa("avx512")
+    assert sm.isa() == best
+    with pytest.raises(ValueError, match="unknown"):
+        sm.use_isa("sse9")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,11 +57,11 @@ def test_equals_float64_reference(
     dtype: torch.dtype, rows: int, threads: int, bias: bool, build: str
 ) -> None:
     gen = torch.Generator().manual_seed(rows)
-    out_f, in_f = 37, 203  # a block tail and 203 % 8 = 3 tail columns
+    out_f, in_f = 37, 203  # a block tail, an odd W row; 203 % 8 = 3, % 16 = 11 tail columns
     w = torch.randn(out_f, in_f, generator=gen).to(dtype)
     b = torch.randn(out_f, generator=gen).to(dtype) if bias else None
     x = torch.randn(rows, in_f, generator=gen).to(dtype)
-    assert sm.fits(x, w)
+    assert sm.fits(x, w) and sm.isa() == build
     torch.set_num_threads(threads)
     try:
         y = sm.small_linear(x, w, b)
