@@ -28,13 +28,14 @@ def available() -> bool:
 def fits(*tensors: torch.Tensor) -> bool:
     """True where the native ops take these tensors: built, CPU, contiguous, fp32 or bf16 values
     (int64 indices), no autograd (the ops write outputs torch cannot differentiate)."""
-    return _native is not None and all(
-        t.device.type == "cpu"
-        and (t.dtype in _DTYPES or t.dtype == torch.long)
-        and t.is_contiguous()
-        and not t.requires_grad
-        for t in tensors
-    )
+    if _native is None:
+        return False
+    for t in tensors:  # a loop, not all(genexpr): called ~6 times a layer
+        if t.device.type != "cpu" or t.requires_grad or not t.is_contiguous():
+            return False
+        if t.dtype not in _DTYPES and t.dtype != torch.long:
+            return False
+    return True
 
 
 def rms_norm(
