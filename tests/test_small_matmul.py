@@ -73,6 +73,17 @@ def test_equals_float64_reference(
     assert rel_err(y.double(), ref) <= (1e-6 if dtype == torch.float32 else 4e-3)
 
 
+@pytest.mark.parametrize("rows", [25, 32])
+def test_bf16_takes_more_rows(rows: int, build: str) -> None:
+    """bf16 up to MAX_ROWS[bf16] rows (four passes of 8 over each block of W)."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(37, 203, generator=gen).bfloat16()
+    x = torch.randn(rows, 203, generator=gen).bfloat16()
+    assert sm.fits(x, w) and not sm.fits(x.float(), w.float())
+    ref = x.double() @ w.double().T
+    assert rel_err(sm.small_linear(x, w, None).double(), ref) <= 4e-3
+
+
 def test_bf16_equals_torch_bf16_linear_to_its_rounding() -> None:
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(64, 576, generator=gen).bfloat16()
@@ -83,8 +94,11 @@ def test_bf16_equals_torch_bf16_linear_to_its_rounding() -> None:
 
 def test_fits_only_few_cpu_rows_of_one_dtype() -> None:
     w = torch.zeros(4, 8)
-    assert sm.fits(torch.zeros(sm.MAX_ROWS, 8), w)
-    assert not sm.fits(torch.zeros(sm.MAX_ROWS + 1, 8), w)  # prefill: torch's matmul
+    assert sm.fits(torch.zeros(sm.MAX_ROWS[torch.float32], 8), w)
+    assert not sm.fits(torch.zeros(sm.MAX_ROWS[torch.float32] + 1, 8), w)  # prefill: torch's
+    bf = w.bfloat16()
+    assert sm.fits(torch.zeros(sm.MAX_ROWS[torch.bfloat16], 8).bfloat16(), bf)
+    assert not sm.fits(torch.zeros(sm.MAX_ROWS[torch.bfloat16] + 1, 8).bfloat16(), bf)
     assert not sm.fits(torch.zeros(2, 8, dtype=torch.float64), w.double())
     assert not sm.fits(torch.zeros(2, 8).bfloat16(), w)  # mixed dtypes
     assert not sm.fits(torch.zeros(2, 8), torch.zeros(8, 4).T)  # a transposed view
@@ -104,7 +118,7 @@ def test_run_takes_plain_linears_only() -> None:
 def test_bf16_prefill_rows_run_in_fp32_on_upcasts() -> None:
     gen = torch.Generator().manual_seed(6)
     lin = nn.Linear(203, 37).bfloat16().requires_grad_(False)
-    x = torch.randn(sm.MAX_ROWS + 5, 203, generator=gen).bfloat16()  # prefill rows
+    x = torch.randn(sm.MAX_ROWS[torch.bfloat16] + 5, 203, generator=gen).bfloat16()  # prefill
     want = nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
     exact = want.bfloat16()  # the exact sum rounded once
     for got in (sm.upcast_linear(x, lin.weight, lin.bias), sm.run(lin, x)):

@@ -21,10 +21,11 @@ try:
 except ImportError:  # not built (an old checkout): torch's linear everywhere
     _native = None
 
-MAX_ROWS = 16
-"""Most rows of x the kernel takes; beyond it torch's blocked matmuls win (compute-bound)."""
-
-_DTYPES = (torch.float32, torch.bfloat16)
+MAX_ROWS = {torch.float32: 16, torch.bfloat16: 32}
+"""Most rows of x the kernel takes, by dtype; beyond them torch's blocked matmuls win
+(compute-bound). Measured with SmolLM2's shapes (AVX-512 Xeon, 1 thread): fp32 at 32 rows
+the kernel took 110 ms a step's layers vs F.linear's 92; bf16 at 32 rows 116 vs the fp32
+upcast's 126 (24 rows: 100 vs 126; 48: 177 vs 158), the LM head 31 vs 84."""
 
 
 def isa() -> str:
@@ -40,16 +41,15 @@ def use_isa(name: str) -> None:
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True where the kernel runs y = x @ weight.T: CPU, at most MAX_ROWS rows, fp32 or bf16
-    (x and weight the same dtype), plain contiguous tensors (not a released placeholder)."""
+    """True where the kernel runs y = x @ weight.T: CPU, at most MAX_ROWS[dtype] rows, fp32 or
+    bf16 (x and weight the same dtype), plain contiguous tensors (not a released placeholder)."""
     return (
         _native is not None
         and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
+        and x.dtype == weight.dtype
+        and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
-        and x.dtype == weight.dtype
-        and x.dtype in _DTYPES
         and weight.dim() == 2
         and weight.is_contiguous()
         and not weight.requires_grad
