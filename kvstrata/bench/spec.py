@@ -57,8 +57,10 @@ from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.tokenizer import chat_encoder
 from kvstrata.workloads.agent import WorkloadSpec, build_workload
 
-# N = 1: acceptance 0.67 over quick's replies; N = 2 raised tokens per step only 1.68 -> 1.94
-# (the chained draft's acceptance about 0.4) at a costlier step on the 2-core machine
+# N = 1 by measurement (quick's timed runs, one run each, 1 thread, load ~6): decode steps 120
+# at N = 1 (acceptance 0.67), 106 at N = 2 (0.47) and N = 3 (0.32), for 190 plain ones; CPU ms
+# per decode step: plain 96, N = 1 100, N = 2 134, N = 3 133 (the chained drafts are rarely
+# accepted, and each adds a draft pass and a verify row per sequence)
 DRAFT, SPEC_TOKENS, PAGE = "nextn", 1, 64
 TIMING_PAIRS = 3  # plain and speculative runs alternate; the figures are the pairs' medians
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=96)
