@@ -33,5 +33,12 @@ setup(
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
         ),
+        # a decode step's small per-row ops (norm, rotary + KV write, argmax); omp simd only
+        Extension(
+            "kvstrata.model._step_ops",
+            ["kvstrata/model/_step_ops.c"],
+            extra_compile_args=["-O3", "-fopenmp-simd", "-ffp-contract=off"],
+            extra_link_args=["-lm"],
+        ),
     ]
 )

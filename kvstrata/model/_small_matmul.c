@@ -8,8 +8,9 @@
  * streams W once, front to back: each row of W meets up to 8 rows of x in one pass (x stays in
  * the L1/L2 cache). Blocks are split over OpenMP threads; loaded after torch, this module shares
  * torch's OpenMP runtime (one libgomp by soname), so its threads are torch's own pool and no
- * second set of threads spins beside it. An AVX2+FMA build of the inner loop is chosen at run
- * time where the CPU has it, else a portable one. The GIL is released.
+ * second set of threads spins beside it. An AVX-512 build of the inner loop (two rows of W per
+ * pass, 16 lanes) is chosen at run time where the CPU has it, else an AVX2+FMA one, else a
+ * portable one. The GIL is released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -150,30 +151,111 @@ AVX2 static void block_avx2(const Job *j, int64_t n0, int64_t rows) {
             TILES[j->w_bf16][mb - 1](j, c, r);
     }
 }
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+/* 16 values of a row from element i, the lanes at or past k zero (a masked load) */
+AVX512 static inline __m512 load512_f32(const void *w, int64_t i, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *)w + i);
+}
+
+AVX512 static inline __m512 load512_bf16(const void *w, int64_t i, __mmask16 m) { /* exact */
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)w + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* NB rows of W from row c against MB rows of x from row r: NB * MB running 16-lane sums, each
+ * W vector loaded once and used MB times, each x vector used NB times (two W rows in flight:
+ * half the x loads of one); the last partial vector of a row by a masked load */
+#define TILE512(NAME, LOAD, NB, MB)                                                             \
+    AVX512 static void NAME(const Job *j, int64_t c, int64_t r) {                               \
+        __m512 a[NB][MB];                                                                       \
+        int64_t k = j->k, es = j->w_bf16 ? 2 : 4;                                               \
+        const char *w = j->w + c * k * es;                                                      \
+        const float *x = j->x + r * k;                                                          \
+        _Pragma("GCC unroll 2") for (int n = 0; n < NB; n++)                                   \
+            _Pragma("GCC unroll 8") for (int t = 0; t < MB; t++)                               \
+                a[n][t] = _mm512_setzero_ps();                                                  \
+        for (int64_t i = 0; i < k; i += 16) {                                                   \
+            __mmask16 m = k - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - i)) - 1);  \
+            __m512 wv[NB];                                                                      \
+            _Pragma("GCC unroll 2") for (int n = 0; n < NB; n++)                               \
+                wv[n] = LOAD(w + n * k * es, i, m);                                             \
+            _Pragma("GCC unroll 8") for (int t = 0; t < MB; t++) {                             \
+                __m512 xv = _mm512_maskz_loadu_ps(m, x + t * k + i);                            \
+                _Pragma("GCC unroll 2") for (int n = 0; n < NB; n++)                           \
+                    a[n][t] = _mm512_fmadd_ps(wv[n], xv, a[n][t]);                              \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 2") for (int n = 0; n < NB; n++)                                   \
+            _Pragma("GCC unroll 8") for (int t = 0; t < MB; t++)                               \
+                store(j, r + t, c + n, _mm512_reduce_add_ps(a[n][t]));                          \
+    }
+
+#define TILES512_OF(T, LOAD, NB)                                                                \
+    TILE512(T##1, LOAD, NB, 1)                                                                  \
+    TILE512(T##2, LOAD, NB, 2)                                                                  \
+    TILE512(T##3, LOAD, NB, 3)                                                                  \
+    TILE512(T##4, LOAD, NB, 4)                                                                  \
+    TILE512(T##5, LOAD, NB, 5)                                                                  \
+    TILE512(T##6, LOAD, NB, 6)                                                                  \
+    TILE512(T##7, LOAD, NB, 7)                                                                  \
+    TILE512(T##8, LOAD, NB, 8)
+TILES512_OF(f32x1_, load512_f32, 1)
+TILES512_OF(f32x2_, load512_f32, 2)
+TILES512_OF(bf16x1_, load512_bf16, 1)
+TILES512_OF(bf16x2_, load512_bf16, 2)
+
+static const Tile TILES512[2][2][MAX_TILE] = { /* [w_bf16][W rows - 1][rows of x - 1] */
+    {{f32x1_1, f32x1_2, f32x1_3, f32x1_4, f32x1_5, f32x1_6, f32x1_7, f32x1_8},
+     {f32x2_1, f32x2_2, f32x2_3, f32x2_4, f32x2_5, f32x2_6, f32x2_7, f32x2_8}},
+    {{bf16x1_1, bf16x1_2, bf16x1_3, bf16x1_4, bf16x1_5, bf16x1_6, bf16x1_7, bf16x1_8},
+     {bf16x2_1, bf16x2_2, bf16x2_3, bf16x2_4, bf16x2_5, bf16x2_6, bf16x2_7, bf16x2_8}},
+};
+
+/* as block_avx2, two rows of W at a time (the odd last one alone) */
+AVX512 static void block_avx512(const Job *j, int64_t n0, int64_t rows) {
+    for (int64_t r = 0; r < j->m; r += MAX_TILE) {
+        int64_t mb = j->m - r < MAX_TILE ? j->m - r : MAX_TILE;
+        for (int64_t c = n0; c < n0 + rows; c += 2) {
+            int64_t nb = n0 + rows - c >= 2 ? 2 : 1;
+            TILES512[j->w_bf16][nb - 1][mb - 1](j, c, r);
+        }
+    }
+}
 #endif
 
-/* set by use_portable(True): the portable loop on any CPU (tests compare both builds) */
-static int force_portable = 0;
+/* the instruction sets of the inner loop, best last; use_isa caps the choice (tests run each
+ * build on one machine) */
+enum { PORTABLE, ISA_AVX2, ISA_AVX512 };
+static const char *ISA_NAMES[] = {"portable", "avx2", "avx512"};
+static int isa_cap = ISA_AVX512;
 
-static int use_avx2(void) {
-    if (force_portable)
-        return 0;
+static int best_isa(void) {
+    int best = PORTABLE;
 #if HAVE_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        best = ISA_AVX2;
+    if (best == ISA_AVX2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl"))
+        best = ISA_AVX512;
 #endif
+    return best < isa_cap ? best : isa_cap;
 }
 
 static void run(const Job *j, int threads) {
     int64_t blocks = (j->n + ROWS - 1) / ROWS;
-    int fast = use_avx2();
+    int isa = best_isa();
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t n0 = b * ROWS, rows = j->n - n0 < ROWS ? j->n - n0 : ROWS;
 #if HAVE_X86
-        if (fast) {
+        if (isa == ISA_AVX512) {
+            block_avx512(j, n0, rows);
+            continue;
+        }
+        if (isa == ISA_AVX2) {
             block_avx2(j, n0, rows);
             continue;
         }
@@ -214,24 +296,29 @@ static PyObject *matmul(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* which build of the inner loop the CPU gets (for reports): "avx2" or "portable" */
+/* which build of the inner loop runs (for reports): "avx512", "avx2" or "portable" */
 static PyObject *isa(PyObject *self, PyObject *args) {
-    return PyUnicode_FromString(use_avx2() ? "avx2" : "portable");
+    return PyUnicode_FromString(ISA_NAMES[best_isa()]);
 }
 
-/* use_portable(flag) -> None: run the portable inner loop even where AVX2 is there */
-static PyObject *use_portable(PyObject *self, PyObject *args) {
-    int flag;
-    if (!PyArg_ParseTuple(args, "p", &flag))
+/* use_isa(name) -> None: the best build up to `name` ("portable", "avx2", "avx512") from now on */
+static PyObject *use_isa(PyObject *self, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name))
         return NULL;
-    force_portable = flag;
-    Py_RETURN_NONE;
+    for (int i = PORTABLE; i <= ISA_AVX512; i++)
+        if (strcmp(name, ISA_NAMES[i]) == 0) {
+            isa_cap = i;
+            Py_RETURN_NONE;
+        }
+    PyErr_Format(PyExc_ValueError, "use_isa: unknown instruction set %s", name);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
     {"matmul", matmul, METH_VARARGS, "y = x @ W^T (+ bias) for a few rows (see the module doc)."},
     {"isa", isa, METH_NOARGS, "The instruction set the inner loop runs with."},
-    {"use_portable", use_portable, METH_VARARGS, "Force (True) or release the portable loop."},
+    {"use_isa", use_isa, METH_VARARGS, "Cap the inner loop's instruction set (for tests)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,7 +9,9 @@ tolerance; see `PagedAttention._attend`):
 - first chunk (nothing cached before it): a causal kernel over the chunk's own K/V; the pool is
   only written, never read back;
 - every sequence of the forward one new token (batched decode, CPU): one native kernel over
-  the whole batch reads each sequence's pages where they are (paged_decode.py);
+  the whole batch reads each sequence's pages where they are (paged_decode.py); the fused
+  q|k|v projection's rotation and the K/V write before it are one native pass too
+  (step_ops.rope_write: ~6 of torch's ops and one copy per sequence a layer);
 - one new token (decode): every key visible, so no mask; pages at consecutive ids are read in
   place, one slice of the pool per run of them (if the runs are few and long: page_runs; one
   kernel each, merged by log-sum-exp on CPU); more fragmented contexts are gathered whole
@@ -35,7 +37,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from kvstrata.model import dense_attention, small_matmul
+from kvstrata.model import dense_attention, small_matmul, step_ops
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, apply_rotary
 from kvstrata.model.paged_decode import paged_decode, usable
@@ -139,19 +141,21 @@ class PagedAttention(PackOwner):
         meta: AttnMeta,
         rows: torch.Tensor | None = None,  # [num_seqs] each sequence's last row, or None (all)
     ) -> torch.Tensor:  # [T or num_seqs, hidden]
-        q, k, v = self.qkv(x, cos, sin)  # [T, heads | kv_heads, dim] (views, not contiguous)
         # .view (not reshape) so a non-contiguous pool fails loudly instead of writing a copy.
         k_flat = k_pool.view(-1, self.kv_heads, self.head_dim)  # [capacity * page, kv_heads, dim]
         v_flat = v_pool.view(-1, self.kv_heads, self.head_dim)
+        if rows is None and self._one_pass(x, cos, sin, k_flat, v_flat, meta):
+            qkv = self.fused(x).view(x.shape[0], -1, self.head_dim)  # [T, h + 2 kv, dim]
+            q = step_ops.rope_write(qkv, cos, sin, self.heads, k_flat, v_flat, meta.slots)
+            return self._decode(q, k_pool, v_pool, meta)
+        q, k, v = self.qkv(x, cos, sin)  # [T, heads | kv_heads, dim] (views, not contiguous)
         write_rows(k_flat, k, meta)  # every row's K/V is cached, whichever rows go on
         write_rows(v_flat, v, meta)
         if rows is not None:  # only these queries: each reads its whole context from the pool
             q, k, v, meta = q[rows], k[rows], v[rows], meta.last_rows(rows)
         t = q.shape[0]
-        if self.native_decode and meta.rows_as_decode and usable(q, k_pool, v_pool):
-            flat, starts, ctx = meta.decode_tables  # one kernel, pages read in place
-            out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [S, heads, dim]
-            return small_matmul.run(self.o_proj, out.view(t, self.heads * self.head_dim))
+        if self._decodes(q, k_pool, v_pool, meta):
+            return self._decode(q, k_pool, v_pool, meta)
         if k_flat.dtype != q.dtype:  # attend to the K/V as stored, as a cached read would
             k, v = k.to(k_flat.dtype).to(q.dtype), v.to(v_flat.dtype).to(q.dtype)
         if len(meta.seq_lens) == 1:  # one sequence: no per-sequence slicing or copy back
@@ -166,6 +170,43 @@ class PagedAttention(PackOwner):
             out[rows] = o[0].transpose(0, 1)
             start += n
         return small_matmul.run(self.o_proj, out.view(t, self.heads * self.head_dim))
+
+    def _decodes(
+        self, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta
+    ) -> bool:
+        """True where this forward's rows take the batched decode kernel (paged_decode)."""
+        return self.native_decode and meta.rows_as_decode and usable(x, k_pool, v_pool)
+
+    def _one_pass(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        meta: AttnMeta,
+    ) -> bool:
+        """True where a decode forward's q|k|v go through step_ops.rope_write (rotation and the
+        K/V write in one native pass): the batched decode route, the fused matmul still held,
+        every tensor fits, the slots inside the pool."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        return (
+            self._decodes(x, k_flat, v_flat, meta)
+            and self.fused is not None
+            and self.fused.holds(parts)
+            and x.dtype == cos.dtype == sin.dtype
+            and step_ops.fits(x, cos, sin, k_flat, v_flat, meta.slots)
+            and meta.slots_within(k_flat.shape[0])
+        )
+
+    def _decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta
+    ) -> torch.Tensor:  # [T, hidden]
+        """Every row a one-token query over the pages in place (paged_decode), then o_proj
+        (q [T, heads, dim], its K/V already in the pool)."""
+        flat, starts, ctx = meta.decode_tables  # one kernel, pages read in place
+        out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [T, heads, dim]
+        return small_matmul.run(self.o_proj, out.view(q.shape[0], self.heads * self.head_dim))
 
     def _attend(
         self,

@@ -41,6 +41,7 @@ class AttnMeta:
         default=None, repr=False
     )
     _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _slot_range: tuple[int, int] | None = field(default=None, repr=False)
 
     def last_rows(self, rows: torch.Tensor) -> AttnMeta:
         """The queries of `rows` [num_seqs] alone, each its sequence's last token (every
@@ -79,6 +80,15 @@ class AttnMeta:
             ctx = ends.repeat_interleave(lens) + rank + 1
             self._decode = (flat, starts.repeat_interleave(lens), ctx)
         return self._decode
+
+    def slots_within(self, n: int) -> bool:
+        """True when every slot lies in [0, n): a native write at `slots` stays inside a pool
+        of n slots (the range is read once per forward, shared by every layer)."""
+        if self._slot_range is None:
+            empty = self.slots.numel() == 0
+            lo, hi = (0, -1) if empty else (int(self.slots.min()), int(self.slots.max()))
+            self._slot_range = (lo, hi)
+        return self._slot_range[0] >= 0 and self._slot_range[1] < n
 
     @property
     def ctx_slots(self) -> list[torch.Tensor]:

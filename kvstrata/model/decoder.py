@@ -173,8 +173,9 @@ class DecoderLayer(nn.Module):
         """[T, hidden], or [len(rows), hidden]: only `rows` go on past attention (every row's
         K/V is still written; see PagedAttention.forward)."""
         h = self.self_attn(self.input_layernorm(x), *rope, k_pool, v_pool, meta, rows)
-        x = (x if rows is None else x[rows]) + h  # a new tensor: the caller's x is not written
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        # x + h a new tensor (the caller's x is not written), normed in the same pass
+        x, normed = self.post_attention_layernorm.add_norm(x if rows is None else x[rows], h)
+        return x.add_(self.mlp(normed))
 
 
 class _Backbone(nn.Module):
@@ -312,7 +313,8 @@ class LayerRun:
         the MLP for those rows alone (one layer's work fewer per prompt token)."""
         rope = rotary.tables(self.positions, x.dtype)
         last = len(layers) - 1
-        self.pruned = prune and all(self.meta.tail) and last >= 0
+        # a decode step (one row per sequence) has no rows to drop: the last layer runs as any
+        self.pruned = prune and all(self.meta.tail) and last >= 0 and x.shape[0] > len(self.ends)
         for i, layer in enumerate(layers):
             if before_layer is not None:
                 before_layer(i)  # e.g. wait until layer i's pages arrived from the host pool
@@ -322,4 +324,4 @@ class LayerRun:
 
     def last_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Each sequence's last row  # [num_seqs, hidden]"""
-        return x if self.pruned else x[self.ends]
+        return x if self.pruned or x.shape[0] == len(self.ends) else x[self.ends]  # one each

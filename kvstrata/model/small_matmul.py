@@ -2,12 +2,13 @@
 
 At a few rows a linear is bound by reading its weight once; the kernel streams the plain
 [out, in] weight front to back and meets every row of x on the way (fp32 sums, fp32 or bf16
-weights and activations). Measured on this project's 2-core AVX2 machine with SmolLM2's shapes,
-weights cycling through 30 layers as in a step: in bf16 it takes ~0.2-0.3 of torch's bf16
-F.linear time at 8 rows (torch has no native bf16 matmul on a CPU without AVX512-BF16/AMX); in
-fp32 it is on par with oneDNN's prepacked linear and ahead of F.linear, and on the LM head,
-whose plain weight the model keeps anyway (the tied embedding), ahead of both. Larger inputs
-(prefill) go to torch.
+weights and activations; AVX-512, AVX2 or portable inner loop, chosen at run time). Measured on
+2-core machines with SmolLM2's shapes, weights cycling through 30 layers as in a step: in bf16
+it takes ~0.5 of torch's bf16 F.linear time at 8 rows, 0.8 at 1 row (AVX-512 Xeon: 42 vs 84 ms
+a step's layers at 8 rows, 1 thread; torch has no native bf16 matmul on a CPU without
+AVX512-BF16/AMX). In fp32 oneDNN's prepacked linear is ahead of it at 8-32 rows on the AVX-512
+Xeon (42 vs 58 ms at 8 rows) and on par at 1, so fp32 models run prepacked (prepack.py); the
+kernel serves the fp32 linears that are not packed. Larger inputs (prefill) go to torch.
 """
 
 from __future__ import annotations
@@ -20,35 +21,35 @@ try:
 except ImportError:  # not built (an old checkout): torch's linear everywhere
     _native = None
 
-MAX_ROWS = 16
-"""Most rows of x the kernel takes; beyond it torch's blocked matmuls win (compute-bound)."""
-
-_DTYPES = (torch.float32, torch.bfloat16)
+MAX_ROWS = {torch.float32: 16, torch.bfloat16: 32}
+"""Most rows of x the kernel takes, by dtype; beyond them torch's blocked matmuls win
+(compute-bound). Measured with SmolLM2's shapes (AVX-512 Xeon, 1 thread): fp32 at 32 rows
+the kernel took 110 ms a step's layers vs F.linear's 92; bf16 at 32 rows 116 vs the fp32
+upcast's 126 (24 rows: 100 vs 126; 48: 177 vs 158), the LM head 31 vs 84."""
 
 
 def isa() -> str:
-    """The instruction set the kernel's inner loop runs with: "avx2" or "portable"."""
+    """The instruction set the kernel's inner loop runs with: "avx512", "avx2" or "portable"."""
     return _native.isa() if _native is not None else "not built"
 
 
-def use_portable(flag: bool) -> None:
-    """Run the portable inner loop even where the CPU has AVX2 (True), or choose by the CPU
-    again (False): both builds are tested on one machine."""
+def use_isa(name: str) -> None:
+    """Run the best inner loop up to `name` ("portable", "avx2", "avx512": the CPU's best) from
+    now on: every build is tested on one machine."""
     if _native is not None:
-        _native.use_portable(flag)
+        _native.use_isa(name)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True where the kernel runs y = x @ weight.T: CPU, at most MAX_ROWS rows, fp32 or bf16
-    (x and weight the same dtype), plain contiguous tensors (not a released placeholder)."""
+    """True where the kernel runs y = x @ weight.T: CPU, at most MAX_ROWS[dtype] rows, fp32 or
+    bf16 (x and weight the same dtype), plain contiguous tensors (not a released placeholder)."""
     return (
         _native is not None
         and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
+        and x.dtype == weight.dtype
+        and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
-        and x.dtype == weight.dtype
-        and x.dtype in _DTYPES
         and weight.dim() == 2
         and weight.is_contiguous()
         and not weight.requires_grad
