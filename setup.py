@@ -16,6 +16,7 @@ setup(
         Extension(
             "kvstrata.model._paged_decode",
             ["kvstrata/model/_paged_decode.c"],
+            depends=["kvstrata/model/_vec_exp.h"],  # its vector exp
             extra_compile_args=["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp"],
             extra_link_args=["-fopenmp", "-lm"],
         ),
@@ -23,6 +24,7 @@ setup(
         Extension(
             "kvstrata.model._causal_softmax",
             ["kvstrata/model/_causal_softmax.c"],
+            depends=["kvstrata/model/_vec_exp.h"],  # its vector exp
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp", "-lm"],
         ),

@@ -15,7 +15,7 @@ bash scripts/apt_need.sh "$lib/libibverbs.so.1" libibverbs1
 bash scripts/apt_need.sh "$lib/libnuma.so.1" libnuma1
 bash scripts/apt_need.sh "$lib/libcurl.so.4" libcurl4
 stamp=.venv/.kvstrata-deps
-want=$(cat requirements.txt pyproject.toml setup.py kvstrata/*/_*.c | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt pyproject.toml setup.py kvstrata/*/_*.[ch] | sha256sum | cut -d' ' -f1)
 built=$(ls kvstrata/model/_step_ops.*.so 2>/dev/null | head -1 || true)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ -z "$built" ]; then
   .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0 -r requirements.txt

@@ -43,31 +43,8 @@ static float row_portable(float *s, int64_t n, int64_t cols) {
 }
 
 #if HAVE_X86
-/* e^x for x <= 0: 2^k * p(r), k = round(x / ln 2), r = x - k ln 2 in [-ln2/2, ln2/2];
- * below -87 the result is 0 */
-#define EXP_BODY(V, SET1, FMADD, FNMADD, MUL, MAX, ROUND, CVT, ADDI, SLLI, CAST)             \
-    x = MAX(x, SET1(-87.0f));                                                                  \
-    V k = ROUND(MUL(x, SET1(1.44269504088896341f)));                                            \
-    V r = FNMADD(k, SET1(0.693359375f), x);                                                     \
-    r = FNMADD(k, SET1(-2.12194440e-4f), r);                                                    \
-    V p = SET1(1.0f / 720);                                                                     \
-    p = FMADD(p, r, SET1(1.0f / 120));                                                          \
-    p = FMADD(p, r, SET1(1.0f / 24));                                                           \
-    p = FMADD(p, r, SET1(1.0f / 6));                                                            \
-    p = FMADD(p, r, SET1(0.5f));                                                                \
-    p = FMADD(p, r, SET1(1.0f));                                                                \
-    p = FMADD(p, r, SET1(1.0f));                                                                \
-    V two_k = CAST(SLLI(ADDI(CVT(k), 127), 23));
+#include "_vec_exp.h" /* exp8 / exp16: e^x of scores less their row max */
 
-AVX512 static inline __m512 exp16(__m512 x) {
-    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-#define R512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define ADD512(v, c) _mm512_add_epi32(v, _mm512_set1_epi32(c))
-    EXP_BODY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_mul_ps,
-             _mm512_max_ps, R512, _mm512_cvtps_epi32, ADD512, _mm512_slli_epi32,
-             _mm512_castsi512_ps)
-    return _mm512_maskz_mul_ps((__mmask16)~zero, p, two_k);
-}
 
 AVX512 static float row_avx512(float *s, int64_t n, int64_t cols) {
     __m512 m = _mm512_set1_ps(-INFINITY);
@@ -93,15 +70,6 @@ AVX512 static float row_avx512(float *s, int64_t n, int64_t cols) {
     return _mm512_reduce_add_ps(acc);
 }
 
-AVX2 static inline __m256 exp8(__m256 x) {
-    __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-#define R256(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define ADD256(v, c) _mm256_add_epi32(v, _mm256_set1_epi32(c))
-    EXP_BODY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_mul_ps,
-             _mm256_max_ps, R256, _mm256_cvtps_epi32, ADD256, _mm256_slli_epi32,
-             _mm256_castsi256_ps)
-    return _mm256_andnot_ps(zero, _mm256_mul_ps(p, two_k));
-}
 
 AVX2 static float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

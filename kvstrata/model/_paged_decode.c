@@ -165,22 +165,7 @@ static void chunk_portable(const Job *j, int64_t s, int64_t kvh, int64_t p0, int
 }
 
 #if HAVE_X86
-/* e^x for x <= 0 (scores less their max): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in
- * [-ln2/2, ln2/2], p of degree 6 (relative error ~1e-7); below -87 the result is 0. One body
- * for both widths: V the vector type, the rest its intrinsics. */
-#define EXP_BODY(V, SET1, FMADD, FNMADD, MUL, MAX, ROUND, CVT, CAST, SLLI, ADDI)                 \
-    x = MAX(x, SET1(-87.0f));                                                                   \
-    V n = ROUND(MUL(x, SET1(1.44269504088896341f)));                                            \
-    V r = FNMADD(n, SET1(0.693359375f), x);                                                     \
-    r = FNMADD(n, SET1(-2.12194440e-4f), r);                                                    \
-    V p = SET1(1.0f / 720);                                                                     \
-    p = FMADD(p, r, SET1(1.0f / 120));                                                          \
-    p = FMADD(p, r, SET1(1.0f / 24));                                                           \
-    p = FMADD(p, r, SET1(1.0f / 6));                                                            \
-    p = FMADD(p, r, SET1(0.5f));                                                                \
-    p = FMADD(p, r, SET1(1.0f));                                                                \
-    p = FMADD(p, r, SET1(1.0f));                                                                \
-    V two_n = CAST(SLLI(ADDI(CVT(n), 127), 23));
+#include "_vec_exp.h" /* exp8 / exp16: e^x of scores less their max */
 
 /* a row's cache lines towards L2 (hint T1): the next page's K rows and the chunk's V rows are
  * on their way while the present K rows are scored */
@@ -204,15 +189,6 @@ AVX2 static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AVX2 static inline __m256 exp8(__m256 x) {
-    __m256 zero_mask = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-#define R256(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define ADD256(v, c) _mm256_add_epi32(v, _mm256_set1_epi32(c))
-    EXP_BODY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_mul_ps,
-             _mm256_max_ps, R256, _mm256_cvtps_epi32, _mm256_castsi256_ps, _mm256_slli_epi32,
-             ADD256)
-    return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(p, two_n));
-}
 
 /* s[i] = e^(s[i] - max), returns the sum */
 AVX2 static float exp_shift_avx2(float *s, int64_t n, float max) {
@@ -308,15 +284,6 @@ AVX512 static inline __m512 kv16(const char *row, int64_t i, int bf16) {
     return _mm512_loadu_ps((const float *)row + i);
 }
 
-AVX512 static inline __m512 exp16(__m512 x) {
-    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-#define R512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define ADD512(v, c) _mm512_add_epi32(v, _mm512_set1_epi32(c))
-    EXP_BODY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_mul_ps,
-             _mm512_max_ps, R512, _mm512_cvtps_epi32, _mm512_castsi512_ps, _mm512_slli_epi32,
-             ADD512)
-    return _mm512_maskz_mul_ps((__mmask16)~zero, p, two_n);
-}
 
 /* s[i] = e^(s[i] - max), returns the sum; the tail under a mask */
 AVX512 static float exp_shift_avx512(float *s, int64_t n, float max) {
