@@ -40,7 +40,7 @@ from torch import nn
 from kvstrata.model import dense_attention, small_matmul, step_ops
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, apply_rotary
-from kvstrata.model.paged_decode import paged_decode, usable
+from kvstrata.model.paged_decode import paged_decode, shares_rows, usable
 from kvstrata.model.prepack import PackOwner, pack_linear, plain_linear
 
 sdpa = nn.functional.scaled_dot_product_attention
@@ -202,10 +202,16 @@ class PagedAttention(PackOwner):
     def _decode(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta
     ) -> torch.Tensor:  # [T, hidden]
-        """Every row a one-token query over the pages in place (paged_decode), then o_proj
-        (q [T, heads, dim], its K/V already in the pool)."""
-        flat, starts, ctx = meta.decode_tables  # one kernel, pages read in place
-        out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [T, heads, dim]
+        """Every row a query over the pages in place (paged_decode: a sequence's rows share one
+        read), then o_proj (q [T, heads, dim], its K/V already in the pool)."""
+        d = meta.decode_rows  # one kernel, pages read in place
+        if d.rows > 1 and not shares_rows(self.heads // self.kv_heads, d.rows, self.head_dim):
+            flat, starts, ctx = meta.decode_tables  # each row its own one-row sequence
+            out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [T, heads, dim]
+        else:  # a sequence's R rows share one read of its pages
+            rows = q if d.pad is None else q[d.pad]  # [S * R, heads, dim]
+            out = paged_decode(rows, k_pool, v_pool, (d.flat, d.starts), d.ctx, rows=d.rows)
+            out = out if d.keep is None else out[d.keep]  # [T, heads, dim]
         return small_matmul.run(self.o_proj, out.view(q.shape[0], self.heads * self.head_dim))
 
     def _attend(
