@@ -2,9 +2,9 @@
 
 The kernel against softmax attention over gathered K/V (fp32 and bf16 pools, fragmented page
 tables, sequences of different lengths, contexts whole or in chunks merged by log-sum-exp, every
-build of the chunk kernel this CPU can run: AVX-512, AVX2, portable), and a model's batched
-decode step against transformers per sequence, with no gather and no per-sequence attention
-kernel in the step.
+build of the chunk kernel this CPU can run: AVX-512, AVX2, portable; a verify's several rows per
+sequence under its causal rule), and a model's batched decode step and verify rows against
+transformers per sequence, with no gather and no per-sequence attention kernel in the step.
 """
 
 from __future__ import annotations
@@ -225,9 +225,10 @@ def test_batched_decode_step_equals_transformers(ckpt: Path) -> None:
 
 
 def test_verify_rows_are_batched_decode_queries(ckpt: Path) -> None:
-    """A speculative verify's few rows per sequence (3, 1 and 2 here) run as one-token queries,
-    row i seeing the positions up to its own: every row's logits equal transformers'; no
-    gather, no sdpa in the step."""
+    """A speculative verify's few rows per sequence (3, 1 and 2 here: the shorter ones padded
+    to 3 rows) run as queries sharing one read of their sequence's pages, row i seeing the
+    positions up to its own: every row's logits equal transformers'; no gather of K/V, no sdpa
+    in the step."""
     model, hf = load_model(ckpt), load_hf(ckpt)
     pool = DevicePool(model.kv_shape(4), 32)
     gen = torch.Generator().manual_seed(6)

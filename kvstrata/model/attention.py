@@ -8,10 +8,11 @@ Each sequence takes the cheapest exact route (all are the same softmax, fp32 equ
 tolerance; see `PagedAttention._attend`):
 - first chunk (nothing cached before it): a causal kernel over the chunk's own K/V; the pool is
   only written, never read back;
-- every sequence of the forward one new token (batched decode, CPU): one native kernel over
-  the whole batch reads each sequence's pages where they are (paged_decode.py); the fused
-  q|k|v projection's rotation and the K/V write before it are one native pass too
-  (step_ops.rope_write: ~6 of torch's ops and one copy per sequence a layer);
+- every sequence of the forward a few new tokens at its end (a decode step, a verify's rows;
+  CPU): one native kernel over the whole batch reads each sequence's pages where they are,
+  once for all its rows (paged_decode.py); the fused q|k|v projection's rotation and the
+  K/V write before it are one native pass too (step_ops.rope_write: ~6 of torch's ops and one
+  copy per sequence a layer);
 - one new token (decode): every key visible, so no mask; pages at consecutive ids are read in
   place, one slice of the pool per run of them (if the runs are few and long: page_runs; one
   kernel each, merged by log-sum-exp on CPU); more fragmented contexts are gathered whole

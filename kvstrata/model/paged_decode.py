@@ -7,8 +7,9 @@ threads, merged by log-sum-exp, so one long sequence keeps both threads busy as 
 the chunk kernel runs in AVX-512, AVX2 or portable C, the best the CPU has (`isa`).
 
 CPU only (fp32 or bf16 pools); attention.py takes this route for a forward whose every
-sequence decodes one token, and keeps its per-sequence routes for everything else (and for
-CUDA, behind the same PagedAttention interface).
+sequence adds a few tokens at its end (a decode step, a speculative verify: AttnMeta.
+rows_as_decode), and keeps its per-sequence routes for everything else (and for CUDA, behind
+the same PagedAttention interface).
 """
 
 from __future__ import annotations
