@@ -31,8 +31,9 @@
  * and a portable one (its inner loops compiled for AVX-512, AVX2 and a baseline by gcc
  * target_clones). bf16 rows are widened exactly by a 16-bit shift. The vector builds take
  * head_dim % 16 == 0, head_dim <= 256 and at most 8 queries (heads x rows) per K/V head;
- * other shapes run the portable one. use_isa() caps the choice so that tests run every build on one machine.
- * The GIL is released; tasks are split over `threads` OpenMP threads (dynamic, one at a time).
+ * other shapes run the portable one. use_isa() caps the choice so that tests run every build
+ * on one machine. The GIL is released; tasks are split over `threads` OpenMP threads (dynamic,
+ * one at a time).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
