@@ -30,7 +30,7 @@
  * pass), AVX2+FMA (the V sum 16 columns per pass, the chunk's V rows read again from L1/L2),
  * and a portable one (its inner loops compiled for AVX-512, AVX2 and a baseline by gcc
  * target_clones). bf16 rows are widened exactly by a 16-bit shift. The vector builds take
- * head_dim % 16 == 0, head_dim <= 256 and at most 8 queries (heads x rows) per K/V head;
+ * head_dim % 16 == 0, head_dim <= 256 and at most 12 queries (heads x rows) per K/V head;
  * other shapes run the portable one. use_isa() caps the choice so that tests run every build
  * on one machine. The GIL is released; tasks are split over `threads` OpenMP threads (dynamic,
  * one at a time).
@@ -43,7 +43,7 @@
 #include <string.h>
 
 #define MAX_GROUP 64 /* query heads x rows per K/V head */
-#define FAST_GROUP 8  /* queries (heads x rows) per K/V head the vector builds hold */
+#define FAST_GROUP 12 /* queries (heads x rows) per K/V head the vector builds hold */
 #define FAST_DIM 256  /* longest head the vector builds take */
 /* the chunk length chosen when the caller leaves it (chunk_pages 0): whole pages, at most
  * CHUNK_TOKENS tokens (a chunk's V rows of one head stay in L2 until its V pass, its scores in
@@ -244,7 +244,8 @@ AVX2 static float exp_shift_avx2(float *s, int64_t n, float max) {
 
 /* the chunk kernel for G query heads per K/V head (a constant, so every running sum stays in
  * a register), BF16 a constant too: pages walked in order (no division per key), K/V rows read
- * in place; the V sum runs over 16 columns of the head at a time (G x 2 sums in registers),
+ * in place; the V sum runs over 16 columns of the head at a time (G x 2 sums in registers; past
+ * G 7 some live in L1, still well ahead of the portable kernel),
  * the chunk's V rows coming back from L1/L2 for the later columns.
  * dim % 16 == 0, dim <= FAST_DIM */
 #define TASK2(NAME, G, BF16)                                                                    \
@@ -465,9 +466,14 @@ TASKS_OF(5)
 TASKS_OF(6)
 TASKS_OF(7)
 TASKS_OF(8)
+TASKS_OF(9)
+TASKS_OF(10)
+TASKS_OF(11)
+TASKS_OF(12)
 
 /* [bf16][query heads per K/V head - 1] */
-#define GROUPS(P) {P##_1, P##_2, P##_3, P##_4, P##_5, P##_6, P##_7, P##_8}
+#define GROUPS(P)                                                                              \
+    {P##_1, P##_2, P##_3, P##_4, P##_5, P##_6, P##_7, P##_8, P##_9, P##_10, P##_11, P##_12}
 static const ChunkFn AVX2_TASKS[2][FAST_GROUP] = {GROUPS(avx2_f32), GROUPS(avx2_bf16)};
 static const ChunkFn AVX512_TASKS[2][FAST_GROUP] = {GROUPS(avx512_f32), GROUPS(avx512_bf16)};
 #endif
