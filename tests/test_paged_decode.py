@@ -2,9 +2,9 @@
 
 The kernel against softmax attention over gathered K/V (fp32 and bf16 pools, fragmented page
 tables, sequences of different lengths, contexts whole or in chunks merged by log-sum-exp, every
-build of the chunk kernel this CPU can run: AVX-512, AVX2, portable), and a model's batched
-decode step against transformers per sequence, with no gather and no per-sequence attention
-kernel in the step.
+build of the chunk kernel this CPU can run: AVX-512, AVX2, portable; a verify's several rows per
+sequence under its causal rule), and a model's batched decode step and verify rows against
+transformers per sequence, with no gather and no per-sequence attention kernel in the step.
 """
 
 from __future__ import annotations
@@ -141,6 +141,56 @@ def test_kernel_equals_gathered_attention(
         assert rel_err(out[s], reference(q[s], k, v, tables[s], ctx)) <= TOL
 
 
+# (heads, kv_heads, head_dim, rows): SmolLM2's verify of one draft token (2 x 3 queries per K/V
+# head: the AVX-512 four-key scoring), 3 rows of 4 heads per group (12, the most the vector
+# builds take), and 5 rows of SmolLM2's 3 (15 > 12 per K/V head: shared by the portable build,
+# one row at a time by a vector build, see shares_rows)
+ROW_SHAPES = [(9, 3, 64, 2), (8, 2, 32, 3), (9, 3, 64, 5)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize(("chunk_pages", "threads"), [(1, 2), (0, 1)])
+def test_rows_of_a_sequence_share_one_read(
+    dtype: torch.dtype, shape: tuple[int, int, int, int], chunk_pages: int, threads: int, build: str
+) -> None:
+    """R query rows per sequence in one call, row r seeing positions 0 .. ctx - R + r: each row
+    equals attention over its own visible K/V. Contexts whose last rows cross a page (and with
+    chunk_pages 1 a chunk) boundary, so that a chunk holds only keys some rows may not see; a
+    row that sees no key at all (a context shorter than R: the padding of a shorter sequence)
+    gives zeros."""
+    gen = torch.Generator().manual_seed(4)
+    (heads, kv_heads, dim, rows), cap, page = shape, 64, 16
+    k = torch.randn(cap, page, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(cap, page, kv_heads, dim, generator=gen).to(dtype)
+    lens = [rows - 1, rows, 17, 33, 64 + rows - 1, 300]
+    tables = [torch.randperm(cap, generator=gen)[: -(-c // page)] for c in lens]
+    q = torch.randn(len(lens) * rows, heads, dim, generator=gen)
+    torch.set_num_threads(threads)
+    try:
+        out = pd.paged_decode(
+            q, k, v, pd.flat_tables(tables), torch.tensor(lens), chunk_pages, rows=rows
+        )
+    finally:
+        torch.set_num_threads(1)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for s, ctx in enumerate(lens):
+        for r in range(rows):
+            got, seen = out[s * rows + r], ctx - rows + r + 1
+            if seen <= 0:
+                assert torch.equal(got, torch.zeros_like(got))
+                continue
+            assert rel_err(got, reference(q[s * rows + r], k, v, tables[s], seen)) <= TOL
+
+
+def test_rows_are_shared_unless_they_fall_to_the_portable_build(build: str) -> None:
+    """Rows x group <= 12 queries per K/V head on a 64-wide head stay in the vector builds; 15
+    would fall to the portable one, so a vector build takes them one row at a time."""
+    assert pd.shares_rows(3, 2, 64) and pd.shares_rows(3, 4, 64)
+    assert pd.shares_rows(3, 5, 64) == (build == "portable")
+    assert pd.shares_rows(3, 5, 24)  # a shape only the portable build takes: always shared
+
+
 def test_kernel_rejects_bad_shapes() -> None:
     k = torch.zeros(4, 4, 3, 8)
     q = torch.zeros(1, 4, 8)  # 4 query heads over 3 K/V heads
@@ -175,9 +225,10 @@ def test_batched_decode_step_equals_transformers(ckpt: Path) -> None:
 
 
 def test_verify_rows_are_batched_decode_queries(ckpt: Path) -> None:
-    """A speculative verify's few rows per sequence (3, 1 and 2 here) run as one-token queries,
-    row i seeing the positions up to its own: every row's logits equal transformers'; no
-    gather, no sdpa in the step."""
+    """A speculative verify's few rows per sequence (3, 1 and 2 here: the shorter ones padded
+    to 3 rows) run as queries sharing one read of their sequence's pages, row i seeing the
+    positions up to its own: every row's logits equal transformers'; no gather of K/V, no sdpa
+    in the step."""
     model, hf = load_model(ckpt), load_hf(ckpt)
     pool = DevicePool(model.kv_shape(4), 32)
     gen = torch.Generator().manual_seed(6)

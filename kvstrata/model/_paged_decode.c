@@ -7,6 +7,14 @@
  * q, out: [num_seqs, heads, head_dim] fp32 contiguous; query head h reads K/V head
  * h / (heads / kv_heads) (grouped heads as they are, never repeated).
  *
+ * Several query rows per sequence (a speculative verify's rows: `rows` R, the same for every
+ * sequence of a call) share one read of its pages: q, out are then [num_seqs, kv_heads, R,
+ * group, head_dim], a sequence's rows the extra query heads of each K/V head's group (R x
+ * group of them, scored against each K row at once), and row r sees positions 0 .. ctx - R + r
+ * (its causal rule): the keys past a query's last position score -inf, which only touches the
+ * chunk(s) holding the last R - 1 positions; a chunk where a query sees no key gives it max
+ * -inf, sum 0, nothing to the merge. R = 1 is the plain decode step.
+ *
  * A sequence's context is cut into chunks of whole pages, so that a few long sequences (batch
  * 1) keep every thread busy as well as many; a task is one (sequence, chunk), its K/V heads in
  * turn (the chunk's pages read front to back, each K/V row once for all the query heads of its
@@ -22,9 +30,10 @@
  * pass), AVX2+FMA (the V sum 16 columns per pass, the chunk's V rows read again from L1/L2),
  * and a portable one (its inner loops compiled for AVX-512, AVX2 and a baseline by gcc
  * target_clones). bf16 rows are widened exactly by a 16-bit shift. The vector builds take
- * head_dim % 16 == 0, head_dim <= 256 and at most 8 query heads per K/V head; other shapes run
- * the portable one. use_isa() caps the choice so that tests run every build on one machine.
- * The GIL is released; tasks are split over `threads` OpenMP threads (dynamic, one at a time).
+ * head_dim % 16 == 0, head_dim <= 256 and at most 12 queries (heads x rows) per K/V head;
+ * other shapes run the portable one. use_isa() caps the choice so that tests run every build
+ * on one machine. The GIL is released; tasks are split over `threads` OpenMP threads (dynamic,
+ * one at a time).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,8 +42,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_GROUP 64 /* query heads per K/V head */
-#define FAST_GROUP 8  /* query heads per K/V head the vector builds keep in registers */
+#define MAX_GROUP 64 /* query heads x rows per K/V head */
+#define FAST_GROUP 12 /* queries (heads x rows) per K/V head the vector builds hold */
 #define FAST_DIM 256  /* longest head the vector builds take */
 /* the chunk length chosen when the caller leaves it (chunk_pages 0): whole pages, at most
  * CHUNK_TOKENS tokens (a chunk's V rows of one head stay in L2 until its V pass, its scores in
@@ -66,7 +75,8 @@ typedef struct {
     const int64_t *tables;       /* flat page ids of every sequence */
     const int64_t *table_starts; /* [num_seqs] offset of sequence s's table in `tables` */
     const int64_t *ctx_lens;     /* [num_seqs] */
-    int64_t num_seqs, heads, kv_heads, dim, page;
+    int64_t num_seqs, heads, kv_heads, dim, page; /* heads: query heads x rows */
+    int64_t rows;                                 /* query rows per sequence (R) */
     int bf16;
     float scale;
     int failed;
@@ -130,6 +140,29 @@ KERNEL static float exp_shift(float *s, int64_t n, float max) {
     return sum;
 }
 
+/* the verify's causal rule on a chunk's scores [G, p1 - p0] (G = rows x group queries, row
+ * major): query g, row g / group of its sequence's R, sees positions < ctx - R + 1 + row; the
+ * keys past that score -inf and its max [G] is taken again over the rest (-inf where none is
+ * left). Only a chunk holding one of the last R - 1 positions has anything to mask. */
+static void mask_rows(const Job *j, int64_t s, int64_t p0, int64_t p1, int64_t G, float *scores,
+                      float *max) {
+    int64_t n = p1 - p0, group = G / j->rows, seen = j->ctx_lens[s] - j->rows + 1; /* row 0 */
+    for (int64_t g = 0; g < G && seen + g / group < p1; g++) {
+        int64_t keep = seen + g / group - p0; /* scores kept: [0, keep) */
+        float *x = scores + g * n, m = -INFINITY;
+        keep = keep > 0 ? keep : 0;
+        for (int64_t i = 0; i < keep; i++)
+            m = x[i] > m ? x[i] : m;
+        for (int64_t i = keep; i < n; i++)
+            x[i] = -INFINITY;
+        max[g] = m;
+    }
+}
+
+/* the shift of a query's scores before their exp: its max, 0 where every key is masked (max
+ * -inf: e^(-inf - 0) = 0, a sum of 0, where -inf - -inf would be NaN) */
+static inline float shift_of(float max) { return max > -INFINITY ? max : 0.0f; }
+
 static const char *row_at(const Job *j, const char *pool, const int64_t *table, int64_t p,
                           int64_t kvh) {
     int64_t elem = j->bf16 ? 2 : 4;
@@ -153,8 +186,10 @@ static void chunk_portable(const Job *j, int64_t s, int64_t kvh, int64_t p0, int
             part.max[g] = x > part.max[g] ? x : part.max[g];
         }
     }
+    if (j->rows > 1 && p1 > j->ctx_lens[s] - j->rows + 1)
+        mask_rows(j, s, p0, p1, group, scores, part.max);
     for (int64_t g = 0; g < group; g++) {
-        part.sum[g] = exp_shift(scores + g * n, n, part.max[g]);
+        part.sum[g] = exp_shift(scores + g * n, n, shift_of(part.max[g]));
         memset(part.o + g * dim, 0, (size_t)dim * 4);
     }
     for (int64_t p = p0; p < p1; p++) {
@@ -209,7 +244,8 @@ AVX2 static float exp_shift_avx2(float *s, int64_t n, float max) {
 
 /* the chunk kernel for G query heads per K/V head (a constant, so every running sum stays in
  * a register), BF16 a constant too: pages walked in order (no division per key), K/V rows read
- * in place; the V sum runs over 16 columns of the head at a time (G x 2 sums in registers),
+ * in place; the V sum runs over 16 columns of the head at a time (G x 2 sums in registers; past
+ * G 7 some live in L1, still well ahead of the portable kernel),
  * the chunk's V rows coming back from L1/L2 for the later columns.
  * dim % 16 == 0, dim <= FAST_DIM */
 #define TASK2(NAME, G, BF16)                                                                    \
@@ -248,9 +284,11 @@ AVX2 static float exp_shift_avx2(float *s, int64_t n, float max) {
                 }                                                                               \
             }                                                                                   \
         }                                                                                       \
+        if (j->rows > 1 && p1 > j->ctx_lens[s] - j->rows + 1)                                   \
+            mask_rows(j, s, p0, p1, G, scores, max);                                            \
         for (int g = 0; g < G; g++) {                                                           \
             part.max[g] = max[g];                                                               \
-            part.sum[g] = exp_shift_avx2(scores + g * n, n, max[g]);                            \
+            part.sum[g] = exp_shift_avx2(scores + g * n, n, shift_of(max[g]));                  \
         }                                                                                       \
         for (int64_t c = 0; c < dim; c += 16) {                                                 \
             __m256 lo[G], hi[G];                                                                \
@@ -370,7 +408,7 @@ AVX512 static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) 
                 next = j->k + (table[pp / page + 1] * page * j->kv_heads + kvh) * dim * elem;   \
             int64_t m = p1 - pp < page ? p1 - pp : page;                                        \
             int64_t o = 0;                                                                      \
-            if (G <= 4) /* four keys at a time: one reduction of their sums for four scores */  \
+            if (G <= 6) /* four keys at a time: one reduction of their sums for four scores */  \
                 for (; o + 4 <= m; o += 4, row += 4 * stride, vrow += 4 * stride)               \
                     SCORE512(G, BF16, 4);                                                       \
             for (; o < m; o++, row += stride, vrow += stride)                                   \
@@ -381,9 +419,11 @@ AVX512 static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) 
             v = _mm_max_ss(v, _mm_shuffle_ps(v, v, 1));                                         \
             max[g] = _mm_cvtss_f32(v) > max[g] ? _mm_cvtss_f32(v) : max[g];                     \
         }                                                                                       \
+        if (j->rows > 1 && p1 > j->ctx_lens[s] - j->rows + 1)                                   \
+            mask_rows(j, s, p0, p1, G, scores, max);                                            \
         for (int g = 0; g < G; g++) {                                                           \
             part.max[g] = max[g];                                                               \
-            part.sum[g] = exp_shift_avx512(scores + g * n, n, max[g]);                          \
+            part.sum[g] = exp_shift_avx512(scores + g * n, n, shift_of(max[g]));                \
         }                                                                                       \
         enum { W = W512(G) };                                                                   \
         for (int64_t c = 0; c < dim; c += 16 * W) {                                             \
@@ -426,9 +466,14 @@ TASKS_OF(5)
 TASKS_OF(6)
 TASKS_OF(7)
 TASKS_OF(8)
+TASKS_OF(9)
+TASKS_OF(10)
+TASKS_OF(11)
+TASKS_OF(12)
 
 /* [bf16][query heads per K/V head - 1] */
-#define GROUPS(P) {P##_1, P##_2, P##_3, P##_4, P##_5, P##_6, P##_7, P##_8}
+#define GROUPS(P)                                                                              \
+    {P##_1, P##_2, P##_3, P##_4, P##_5, P##_6, P##_7, P##_8, P##_9, P##_10, P##_11, P##_12}
 static const ChunkFn AVX2_TASKS[2][FAST_GROUP] = {GROUPS(avx2_f32), GROUPS(avx2_bf16)};
 static const ChunkFn AVX512_TASKS[2][FAST_GROUP] = {GROUPS(avx512_f32), GROUPS(avx512_bf16)};
 #endif
@@ -453,11 +498,18 @@ static int chosen_isa(void) {
     return cpu < isa_cap ? cpu : isa_cap;
 }
 
+/* the build the chunk kernel runs for `queries` per K/V head (heads x rows) of width dim: the
+ * chosen one where the vector builds take the shape, else portable */
+static int build_for(int64_t queries, int64_t dim) {
+    int isa = chosen_isa();
+    return dim % 16 || dim > FAST_DIM || queries > FAST_GROUP ? ISA_PORTABLE : isa;
+}
+
 /* the chunk kernel for this job's shape on the chosen build */
 static ChunkFn chunk_fn(const Job *j) {
     int64_t group = j->heads / j->kv_heads;
-    int isa = chosen_isa();
-    if (isa == ISA_PORTABLE || j->dim % 16 || j->dim > FAST_DIM || group > FAST_GROUP)
+    int isa = build_for(group, j->dim);
+    if (isa == ISA_PORTABLE)
         return chunk_portable;
 #if HAVE_X86
     return (isa == ISA_AVX512 ? AVX512_TASKS : AVX2_TASKS)[j->bf16 != 0][group - 1];
@@ -488,6 +540,8 @@ static void merge(const Job *j, int64_t s, int64_t h, int64_t first, int64_t las
     for (int64_t c = first; c < last; c++)
         max = pm[c * heads + h] > max ? pm[c * heads + h] : max;
     memset(out, 0, (size_t)dim * 4);
+    if (max == -INFINITY) /* no key seen (a padded row before its context): zeros */
+        return;
     for (int64_t c = first; c < last; c++) {
         float w = expf(pm[c * heads + h] - max);
         const float *o = po + (c * heads + h) * dim;
@@ -591,29 +645,31 @@ static void run_all(Job *j, int64_t chunk_pages, int threads) {
 }
 
 /* decode(out, q, k_pool, v_pool, tables, table_starts, ctx_lens: data pointers as ints,
- *        num_seqs, heads, kv_heads, head_dim, page_size, bf16, scale, threads, chunk_pages)
- * -> None; chunk_pages 0: chosen here (see chunk_len) */
+ *        num_seqs, heads, kv_heads, head_dim, page_size, bf16, scale, threads, chunk_pages,
+ *        rows) -> None; chunk_pages 0: chosen here (see chunk_len); rows: query rows per
+ * sequence (1: a decode step), ctx_lens the last row's */
 static PyObject *decode(PyObject *self, PyObject *args) {
     unsigned long long out, q, k, v, tables, starts, ctx;
-    long long num_seqs, heads, kv_heads, dim, page, chunk_pages;
+    long long num_seqs, heads, kv_heads, dim, page, chunk_pages, rows;
     int bf16, threads;
     float scale;
-    if (!PyArg_ParseTuple(args, "KKKKKKKLLLLLpfiL", &out, &q, &k, &v, &tables, &starts, &ctx,
+    if (!PyArg_ParseTuple(args, "KKKKKKKLLLLLpfiLL", &out, &q, &k, &v, &tables, &starts, &ctx,
                           &num_seqs, &heads, &kv_heads, &dim, &page, &bf16, &scale, &threads,
-                          &chunk_pages))
+                          &chunk_pages, &rows))
         return NULL;
     if (num_seqs < 0 || heads <= 0 || kv_heads <= 0 || dim <= 0 || page <= 0 ||
-        chunk_pages < 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP) {
+        chunk_pages < 0 || rows <= 0 || heads % kv_heads ||
+        heads / kv_heads * rows > MAX_GROUP) {
         PyErr_Format(PyExc_ValueError,
-                     "paged decode: bad shape (seqs %lld, heads %lld, kv_heads %lld, dim %lld, "
-                     "page %lld, chunk pages %lld; heads must be a multiple of kv_heads, at "
-                     "most %d per group)",
-                     num_seqs, heads, kv_heads, dim, page, chunk_pages, MAX_GROUP);
+                     "paged decode: bad shape (seqs %lld, rows %lld, heads %lld, kv_heads %lld, "
+                     "dim %lld, page %lld, chunk pages %lld; heads must be a multiple of "
+                     "kv_heads, at most %d per group and row)",
+                     num_seqs, rows, heads, kv_heads, dim, page, chunk_pages, MAX_GROUP);
         return NULL;
     }
     Job job = {(float *)out, (const float *)q, (const char *)k, (const char *)v,
                (const int64_t *)tables, (const int64_t *)starts, (const int64_t *)ctx,
-               num_seqs, heads, kv_heads, dim, page, bf16, scale, 0};
+               num_seqs, heads * rows, kv_heads, dim, page, rows, bf16, scale, 0};
     Py_BEGIN_ALLOW_THREADS;
     run_all(&job, chunk_pages, threads < 1 ? 1 : threads);
     Py_END_ALLOW_THREADS;
@@ -627,6 +683,16 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 /* which build of the chunk kernel runs (for reports): "avx512", "avx2" or "portable" */
 static PyObject *isa(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(ISA_NAMES[chosen_isa()]);
+}
+
+/* build_for(queries, head_dim) -> "avx512", "avx2" or "portable": the build that runs this many
+ * queries (heads x rows) per K/V head (a sequence's rows shared where its vector build holds
+ * them; the portable build is slower than one row at a time in a vector build) */
+static PyObject *build_for_py(PyObject *self, PyObject *args) {
+    long long queries, dim;
+    if (!PyArg_ParseTuple(args, "LL", &queries, &dim))
+        return NULL;
+    return PyUnicode_FromString(ISA_NAMES[build_for(queries, dim)]);
 }
 
 /* use_isa(name or None) -> None: run at most that build ("avx512", "avx2", "portable"), or
@@ -653,6 +719,7 @@ static PyObject *use_isa(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Batched paged decode attention (see the module doc)."},
     {"isa", isa, METH_NOARGS, "The instruction set the chunk kernel runs with."},
+    {"build_for", build_for_py, METH_VARARGS, "The build run for (queries per K/V head, dim)."},
     {"use_isa", use_isa, METH_O, "Cap the build the chunk kernel runs with (None: the CPU's)."},
     {NULL, NULL, 0, NULL},
 };

@@ -8,10 +8,11 @@ Each sequence takes the cheapest exact route (all are the same softmax, fp32 equ
 tolerance; see `PagedAttention._attend`):
 - first chunk (nothing cached before it): a causal kernel over the chunk's own K/V; the pool is
   only written, never read back;
-- every sequence of the forward one new token (batched decode, CPU): one native kernel over
-  the whole batch reads each sequence's pages where they are (paged_decode.py); the fused
-  q|k|v projection's rotation and the K/V write before it are one native pass too
-  (step_ops.rope_write: ~6 of torch's ops and one copy per sequence a layer);
+- every sequence of the forward a few new tokens at its end (a decode step, a verify's rows;
+  CPU): one native kernel over the whole batch reads each sequence's pages where they are,
+  once for all its rows (paged_decode.py); the fused q|k|v projection's rotation and the
+  K/V write before it are one native pass too (step_ops.rope_write: ~6 of torch's ops and one
+  copy per sequence a layer);
 - one new token (decode): every key visible, so no mask; pages at consecutive ids are read in
   place, one slice of the pool per run of them (if the runs are few and long: page_runs; one
   kernel each, merged by log-sum-exp on CPU); more fragmented contexts are gathered whole
@@ -40,7 +41,7 @@ from torch import nn
 from kvstrata.model import dense_attention, small_matmul, step_ops
 from kvstrata.model.attn_meta import AttnMeta, write_rows
 from kvstrata.model.layers import Fused, apply_rotary
-from kvstrata.model.paged_decode import paged_decode, usable
+from kvstrata.model.paged_decode import paged_decode, shares_rows, usable
 from kvstrata.model.prepack import PackOwner, pack_linear, plain_linear
 
 sdpa = nn.functional.scaled_dot_product_attention
@@ -202,10 +203,16 @@ class PagedAttention(PackOwner):
     def _decode(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMeta
     ) -> torch.Tensor:  # [T, hidden]
-        """Every row a one-token query over the pages in place (paged_decode), then o_proj
-        (q [T, heads, dim], its K/V already in the pool)."""
-        flat, starts, ctx = meta.decode_tables  # one kernel, pages read in place
-        out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [T, heads, dim]
+        """Every row a query over the pages in place (paged_decode: a sequence's rows share one
+        read), then o_proj (q [T, heads, dim], its K/V already in the pool)."""
+        d = meta.decode_rows  # one kernel, pages read in place
+        if d.rows > 1 and not shares_rows(self.heads // self.kv_heads, d.rows, self.head_dim):
+            flat, starts, ctx = meta.decode_tables  # each row its own one-row sequence
+            out = paged_decode(q, k_pool, v_pool, (flat, starts), ctx)  # [T, heads, dim]
+        else:  # a sequence's R rows share one read of its pages
+            rows = q if d.pad is None else q[d.pad]  # [S * R, heads, dim]
+            out = paged_decode(rows, k_pool, v_pool, (d.flat, d.starts), d.ctx, rows=d.rows)
+            out = out if d.keep is None else out[d.keep]  # [T, heads, dim]
         return small_matmul.run(self.o_proj, out.view(q.shape[0], self.heads * self.head_dim))
 
     def _attend(

@@ -12,9 +12,31 @@ from kvstrata.model.page_runs import page_runs, write_plan
 from kvstrata.model.paged_decode import flat_tables
 
 ROWS_AS_DECODE = 8
-"""Most new tokens per sequence read as one-token queries by the batched decode kernel (each
-row reads the pages in place; a gather and a masked kernel per sequence cost more at this size:
-a speculative verify's rows); prefill chunks take the per-sequence kernels."""
+"""Most new tokens per sequence read as queries by the batched decode kernel (a sequence's rows
+read its pages in place, once for all of them; a gather and a masked kernel per sequence cost
+more at this size: a speculative verify's rows); prefill chunks take the per-sequence kernels."""
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A rows_as_decode forward's rows as paged_decode takes them: R rows per sequence sharing
+    one read of its pages, row r seeing positions 0 .. ctx - R + r (the verify's causal rule).
+    A sequence adding n < R tokens runs R rows, its first row repeated R - n times in front,
+    so that its real row i is kernel row R - n + i and sees positions 0 .. ctx - n + i (int64,
+    host tensors)."""
+
+    flat: torch.Tensor
+    """[P] every sequence's page table in turn (flat_tables)."""
+    starts: torch.Tensor
+    """[S] each sequence's first entry in `flat`."""
+    ctx: torch.Tensor
+    """[S] each sequence's context after this forward (its last row's)."""
+    rows: int
+    """R: the most new tokens of any sequence (1: a plain decode step)."""
+    pad: torch.Tensor | None
+    """[S * R] the forward's row each kernel row reads; None where every sequence has R."""
+    keep: torch.Tensor | None
+    """[T] the kernel row of each of the forward's rows; None where every sequence has R."""
 
 
 @dataclass
@@ -37,9 +59,8 @@ class AttnMeta:
     rest_rows: torch.Tensor | None = None
     rest_slots: torch.Tensor | None = None
     _slots: list[torch.Tensor] = field(default_factory=list, repr=False)
-    _decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
-        default=None, repr=False
-    )
+    _decode: DecodeRows | None = field(default=None, repr=False)
+    _apart: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _masks: list[torch.Tensor] = field(default_factory=list, repr=False)
     _slot_range: tuple[int, int] | None = field(default=None, repr=False)
 
@@ -62,24 +83,45 @@ class AttnMeta:
     @property
     def rows_as_decode(self) -> bool:
         """True when every sequence adds at most ROWS_AS_DECODE tokens at its end (a decode
-        step, a speculative verify's rows): each row is then a one-token query over the
-        positions up to its own, all of them in one batched decode call."""
+        step, a speculative verify's rows): each row is then a query over the positions up to
+        its own, a sequence's rows sharing one read of its pages, all in one batched decode
+        call (decode_rows)."""
         return all(self.tail) and max(self.seq_lens) <= ROWS_AS_DECODE
+
+    @property
+    def decode_rows(self) -> DecodeRows:
+        """What paged_decode reads for this forward's rows (see DecodeRows), every sequence
+        as R = its most new tokens rows. Built on first use, shared by every layer."""
+        if self._decode is None:
+            flat, starts = flat_tables(self.page_tables)
+            lens = torch.tensor(self.seq_lens, dtype=torch.long)  # [S]
+            rows = int(lens.max()) if lens.numel() else 1
+            ctx = torch.tensor(self.ctx_lens, dtype=torch.long)
+            pad = keep = None
+            if bool((lens != rows).any()):  # a shorter sequence: its first row repeated in front
+                first = lens.cumsum(0) - lens  # [S] each sequence's first row
+                lead = (rows - lens)[:, None]  # [S, 1] padded rows in front
+                pad = (first[:, None] + (torch.arange(rows)[None, :] - lead).clamp(min=0)).view(-1)
+                rank = torch.arange(int(lens.sum())) - first.repeat_interleave(lens)  # [T]
+                keep = (torch.arange(len(lens)) * rows + rows - lens).repeat_interleave(lens) + rank
+            self._decode = DecodeRows(flat, starts, ctx, rows, pad, keep)
+        return self._decode
 
     @property
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat page tables [P], each row's sequence start in them [T] and each row's context
-        [T] (int64, host) for paged_decode: row i of a sequence adding n tokens to a context
-        of ctx sees positions 0 .. ctx - n + i. Built on first use, shared by every layer."""
-        if self._decode is None:
+        [T] (int64, host) for paged_decode with every row its own one-row sequence (where
+        shares_rows says no): row i of a sequence adding n tokens to a context of ctx sees
+        positions 0 .. ctx - n + i. Built on first use, shared by every layer."""
+        if self._apart is None:
             flat, starts = flat_tables(self.page_tables)
             lens = torch.tensor(self.seq_lens, dtype=torch.long)
             first = (lens.cumsum(0) - lens).repeat_interleave(lens)  # [T] each row's seq start
             rank = torch.arange(int(lens.sum())) - first  # [T] i: the row's index in its seq
             ends = torch.tensor(self.ctx_lens, dtype=torch.long) - lens
             ctx = ends.repeat_interleave(lens) + rank + 1
-            self._decode = (flat, starts.repeat_interleave(lens), ctx)
-        return self._decode
+            self._apart = (flat, starts.repeat_interleave(lens), ctx)
+        return self._apart
 
     def slots_within(self, n: int) -> bool:
         """True when every slot lies in [0, n): a native write at `slots` stays inside a pool
