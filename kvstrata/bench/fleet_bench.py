@@ -40,8 +40,10 @@ from kvstrata.bench.pd_load import Prompts, pages
 from kvstrata.bench.registry import BENCHES
 from kvstrata.workloads.agent import WorkloadSpec
 
-QUICK = WorkloadSpec(sessions=6, turns=3, first_lines=12, tool_lines=6, max_new_tokens=8)
-FULL = WorkloadSpec(sessions=12, turns=5, first_lines=40, tool_lines=16, max_new_tokens=16)
+# Sessions not a multiple of the default 3 replicas: else round robin's turn-major cycle would
+# land every turn of a session on one replica (session-sticky by accident).
+QUICK = WorkloadSpec(sessions=5, turns=3, first_lines=12, tool_lines=6, max_new_tokens=8)
+FULL = WorkloadSpec(sessions=13, turns=5, first_lines=40, tool_lines=16, max_new_tokens=16)
 RATE = {True: 1.0, False: 0.5}
 """Requests per second, quick and full."""
 PAGE = 16
