@@ -136,6 +136,7 @@ def fleet_png(arms: dict[str, dict[str, Any]], ceil: float, path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     hits.axhline(ceil, color="black", linestyle="--", label="ceiling")
     hits.set_xticks(list(x), names)
+    hits.set_ylim(0, 1)  # the ceiling line stays visible above the bars
     hits.set_ylabel("hit rate (prompt tokens)")
     hits.legend(loc="upper left")
     width = 0.4
