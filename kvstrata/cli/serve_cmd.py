@@ -57,6 +57,7 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Storag
     validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
     if cache_cfg.storage_url:
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url")
+    validate.check_storage_options(args, STORAGE_PREFIX, cache_cfg.storage_url)
     if engine_cfg.tiers == "device_host_storage" and not cache_cfg.storage_url:
         raise ValueError("--tiers device_host_storage needs --storage-url")
     return engine_cfg, cache_cfg, config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
