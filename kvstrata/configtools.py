@@ -56,6 +56,21 @@ def _config_group(
     return made[name]
 
 
+def _cli_fields(
+    cls: type, exclude: tuple[str, ...], only: tuple[str, ...] | None
+) -> list[dataclasses.Field]:
+    """The fields of `cls` on the command line, those in no named group first (the config's own
+    group is then listed before its named ones)."""
+    chosen = [
+        f
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("cli") is not False
+        and f.name not in exclude
+        and (only is None or f.name in only)
+    ]
+    return sorted(chosen, key=lambda f: bool(f.metadata.get("group")))
+
+
 def add_config_args(
     parser: argparse.ArgumentParser,
     cls: type,
@@ -68,14 +83,7 @@ def add_config_args(
     marked `group=NAME` to the config's group of that name ("Cls: NAME")."""
     hints = get_type_hints(cls)
     groups: dict[str, Any] = {}  # made at their first field: no empty group is shown
-    chosen = [
-        f
-        for f in dataclasses.fields(cls)
-        if f.metadata.get("cli") is not False
-        and f.name not in exclude
-        and (only is None or f.name in only)
-    ]
-    for f in sorted(chosen, key=lambda f: bool(f.metadata.get("group"))):  # the config's own first
+    for f in _cli_fields(cls, exclude, only):
         if f.metadata.get("debug"):
             group = debug_group(parser)
         else:

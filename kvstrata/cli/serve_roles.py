@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
@@ -30,9 +30,6 @@ class ConfigArgs:
     cls: type
     prefix: str = ""
     only: tuple[str, ...] | None = None  # None: every field
-
-    def names(self) -> set[str]:
-        return {f.name for f in fields(self.cls)} if self.only is None else set(self.only)
 
 
 ROUTER_SERVE_FIELDS = (
