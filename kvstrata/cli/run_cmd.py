@@ -120,13 +120,18 @@ def _default_device_pages(prompts: Prompts, max_new: int, page: int) -> int:
     return max(max(needs) + 1, 3 * sum(needs) // 4)
 
 
+def default_store_url(out: Path) -> str:
+    """The store of a run without --storage-url: a file store under its report directory."""
+    return f"file://{(out / 'store').resolve()}"
+
+
 def _configs(args: argparse.Namespace, prompts: Prompts, spec: WorkloadSpec) -> tuple[Any, ...]:
     engine_cfg = config_from_args(EngineConfig, args)
     cache_cfg = config_from_args(CacheConfig, args)
     storage_cfg = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
     over: dict[str, Any] = {}
     if not cache_cfg.storage_url:
-        over["storage_url"] = f"file://{(args.out / 'store').resolve()}"
+        over["storage_url"] = default_store_url(args.out)
     if args.device_pages is None:
         pages = _default_device_pages(prompts, spec.max_new_tokens, cache_cfg.page_size)
         cp = config_from_args(DistConfig, args).cp
@@ -285,6 +290,8 @@ def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Di
     if cache_cfg.storage_url:
         create = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX).create_dir
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url", create)
+    store = cache_cfg.storage_url or default_store_url(args.out)
+    validate.check_storage_options(args, STORAGE_PREFIX, store)
     validate.check_checkpoint(resolve_model_path(engine_cfg))
     return engine_cfg, cache_cfg, dist_cfg
 

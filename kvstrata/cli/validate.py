@@ -8,6 +8,8 @@ what the machine has available, checkpoints by reading config.json and safetenso
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import struct
@@ -141,6 +143,25 @@ def check_storage_url(url: str, option: str, create_dir: bool = True) -> None:
 
 
 # ---- memory -------------------------------------------------------------------------------------
+def check_storage_options(args: argparse.Namespace, prefix: str, url: str) -> None:
+    """Every storage option given (`--{prefix}NAME`) is read by the store at `url`: none is
+    without a store, and a backend's own option only with a store of that backend."""
+    from kvstrata.storage.base import StorageConfig, read_by, url_scheme
+
+    for f in dataclasses.fields(StorageConfig):
+        if getattr(args, (prefix + f.name).replace("-", "_"), None) is None:
+            continue  # not given
+        option = "--" + (prefix + f.name).replace("_", "-")
+        if not url:
+            raise InputError(f"{option} needs --storage-url (without a store nothing reads it)")
+        readers, scheme = read_by(f.name), url_scheme(url)
+        if readers is not None and scheme not in readers:
+            raise InputError(
+                f"{option} is read by the {'/'.join(readers)} backend, not by {scheme} "
+                f"(the store {url})"
+            )
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 

@@ -78,10 +78,6 @@ class PagePart:
         f, (l0, l1), (h0, h1) = self.full, self.layers, self.heads
         return dataclasses.replace(f, num_layers=l1 - l0, num_kv_heads=h1 - h0)
 
-    @property
-    def is_full(self) -> bool:
-        return self.shape == self.full
-
     def view(self, page: np.ndarray | torch.Tensor, full: bool) -> torch.Tensor:
         """A uint8 buffer as a [layers, 2, page, heads, dim] tensor (shares memory)."""
         s = self.full if full else self.shape
