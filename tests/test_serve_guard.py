@@ -16,7 +16,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from kvstrata.serve.auth import API_KEY_ENV, resolve_api_key
+from kvstrata.http.auth import API_KEY_ENV, resolve_api_key
 from tests.serve_helpers import TINY_ENGINE, Server
 from tests.tiny_models import make_llama
 
