@@ -30,8 +30,9 @@ def read_key_file(path: str, option: str) -> str:
 
 
 def check_key_text(key: str, source: str) -> str:
-    """`key` unchanged; ValueError naming `source` if it is empty or has whitespace at either
-    end (trimmed silently, it would be a different key than the operator typed or shared)."""
+    """`key` unchanged; ValueError naming `source` if it is empty, has whitespace at either end
+    (trimmed silently, it would be a different key than the operator typed or shared) or holds
+    a control character (a newline inside: no client could send it)."""
     if not key:
         raise ValueError(f"{source}: the key is empty")
     if key != key.strip():
@@ -39,4 +40,6 @@ def check_key_text(key: str, source: str) -> str:
             f"{source}: the key has leading or trailing whitespace; remove it (keys are "
             "compared exactly)"
         )
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        raise ValueError(f"{source}: the key holds a control character (no header can carry it)")
     return key
