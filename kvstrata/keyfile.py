@@ -17,7 +17,7 @@ def read_key_file(path: str, option: str) -> str:
     mode = stat.S_IMODE(p.stat().st_mode)
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         print(
-            f"kvstrata: warning: {option} {path}: group/others may read it (mode {mode:o}); "
+            f"kvstrata: warning: {option} {path}: group/others may access it (mode {mode:o}); "
             "chmod 600",
             file=sys.stderr,
             flush=True,

@@ -150,7 +150,7 @@ def test_a_key_file_others_may_read_is_warned_about(
     (tmp_path / "k").write_text("sk-1\n")
     (tmp_path / "k").chmod(0o640)
     assert resolve_api_key("", str(tmp_path / "k")) == "sk-1"
-    assert "group/others may read it (mode 640); chmod 600" in capsys.readouterr().err
+    assert "group/others may access it (mode 640); chmod 600" in capsys.readouterr().err
     (tmp_path / "k").chmod(0o600)
     assert resolve_api_key("", str(tmp_path / "k")) == "sk-1"
     assert capsys.readouterr().err == ""
