@@ -30,7 +30,7 @@ JSON_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", 
 """The routes whose body is one JSON object (every other route reads no body)."""
 _STATE_KEY = "kvstrata_json_body"  # where the middleware leaves the parsed object (scope state)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff, paired or lone
-_CLOSE = {"Connection": "close"}  # the unread rest of a refused body ends the connection
+_CLOSE = {"Connection": "close"}
 
 
 class JsonBodies:
@@ -47,8 +47,8 @@ class JsonBodies:
             return
         try:
             raw = await self._read(scope, receive)
-        except ApiError as err:
-            await err.response(_CLOSE if err.status != 400 else None)(scope, receive, send)
+        except ApiError as err:  # 415 / 413 / 408: the body's unread rest ends the connection
+            await err.response(_CLOSE)(scope, receive, send)
             return
         if raw is None:  # the client went away mid-body: nobody to answer
             return
