@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -19,7 +21,7 @@ TINY_ENGINE = [
 ]  # fmt: skip
 __all__ = [
     "TINY_ENGINE", "Server", "alive", "apply_events", "free_port", "metrics_when", "refused_port",
-    "reserved_ports", "subscribed",
+    "raw_http", "read_reply", "reserved_ports", "subscribed", "trickle",
 ]  # fmt: skip
 
 
@@ -110,3 +112,49 @@ def reserved_ports(n: int) -> Iterator[tuple[int, ...]]:
     while the server starts and binds them (libzmq binds with SO_REUSEADDR)."""
     with contextlib.ExitStack() as held:
         yield tuple(held.enter_context(reserved_port()) for _ in range(n))
+
+
+def raw_http(port: int, head: str, body: bytes = b"") -> str:
+    """Send `head` + `body` on a fresh socket; the whole reply (head and body) as text."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        return read_reply(sock)
+
+
+def read_reply(sock: socket.socket) -> str:
+    """One HTTP reply from `sock`, or what came before the server closed it."""
+    reply = b""
+    while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _length(reply):
+        got = sock.recv(1 << 16)  # the head and body may come in separate segments
+        if not got:
+            break
+        reply += got
+    return reply.decode(errors="replace")
+
+
+def _length(reply: bytes) -> int:
+    """The Content-Length of a reply's head (0 when it has none)."""
+    m = re.search(rb"(?im)^content-length: *(\d+)", reply)
+    return int(m.group(1)) if m else 0
+
+
+def trickle(sock: socket.socket, data: bytes, limit_s: float) -> tuple[str, float]:
+    """Send `data` one byte a second (a slowloris client) until the server closes `sock` or
+    `limit_s` passes; (what the server answered, seconds it took to close)."""
+    t0 = time.monotonic()
+    sock.settimeout(1.0)
+    reply = b""
+    for byte in data:
+        if time.monotonic() - t0 > limit_s:
+            break
+        try:
+            sock.sendall(bytes([byte]))
+            got = sock.recv(1 << 16)  # waits up to 1 s: the pace of the trickle
+        except TimeoutError:
+            continue
+        except OSError:  # reset: the server closed while we wrote
+            break
+        reply += got
+        if not got:
+            break
+    return reply.decode(errors="replace"), time.monotonic() - t0

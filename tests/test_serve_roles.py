@@ -16,7 +16,7 @@ ROUTER_OPTIONS = {
     "--role", "--router-info-timeout-s", "--router-start-timeout-s", "--router-connect-timeout-s",
     "--router-read-timeout-s", "--router-down-s", "--router-health-interval-s",
     "--router-require-info", "--prefill", "--decode", "--api-key", "--api-key-file",
-    "--router-worker-api-key-file",
+    "--router-worker-api-key-file", "--max-request-bytes", "--client-timeout-s",
 }  # fmt: skip
 DEBUG_OPTIONS = ("--parent-pid", "--debug-endpoints", "--inject-divergence",
                  "--storage-emulate-read-s-per-page")  # fmt: skip

@@ -29,15 +29,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvstrata.http.auth import ApiKeyGuard, resolve_api_key
+from kvstrata.http.errors import ApiError
+from kvstrata.http.rules import add_http_rules, server_options
+from kvstrata.http.sse import sse
 from kvstrata.keyfile import read_key_file
 from kvstrata.router.config import RouterConfig
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.upstream import INFO_PATH, Upstreams
-from kvstrata.serve.auth import ApiKeyGuard, resolve_api_key
 from kvstrata.serve.config import ServeConfig
-from kvstrata.serve.errors import add_error_handlers
-from kvstrata.serve.protocol import ApiError
-from kvstrata.serve.responses import sse
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
 JSON = {"content-type": "application/json"}
@@ -76,10 +76,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                 watch.cancel()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
-    if state.api_key is not None:  # every path but /health and /metrics, as on a worker
-        app.add_middleware(ApiKeyGuard, api_key=state.api_key)
-
-    add_error_handlers(app)
+    add_http_rules(app, state.api_key, state.cfg.max_request_bytes, state.cfg.client_timeout_s)
 
     _info_routes(app, state)
     _generate_routes(app, state)
@@ -361,6 +358,7 @@ def serve_router(cfg: ServeConfig, rcfg: RouterConfig) -> int:
         log_level=cfg.log_level,
         timeout_graceful_shutdown=int(cfg.stop_timeout_s),
         lifespan="on",
+        **server_options(cfg.client_timeout_s),
     )
     workers = ", ".join(f"{r} {u}" for r, u in up.all())
     print(f"kvstrata serve: router on http://{cfg.host}:{cfg.port} ({workers})", flush=True)

@@ -53,6 +53,12 @@ class ServeConfig:
         "largest request body accepted; beyond: 413 before the rest is read. 16 MiB holds a "
         "1M-token prompt as a JSON token-id list (~7 bytes a token) with room to spare",
     )
+    client_timeout_s: float = doc(
+        60.0,
+        "a client gets this long to send a request's headers (from connecting, or from its "
+        "last answer) and as long again for its body; beyond: 408 and the connection is "
+        "closed, so slow clients (slowloris) cannot hold connections",
+    )
     role: str = doc(
         "single",
         "single (one server does it all) | prefill | decode (P/D workers) | router (front of P/D)",
@@ -66,7 +72,7 @@ class ServeConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.parent_pid < 0:
             raise ValueError(f"parent_pid must be >= 0, got {self.parent_pid}")
-        for name in ("request_timeout_s", "stop_timeout_s"):
+        for name in ("request_timeout_s", "stop_timeout_s", "client_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.role not in ROLES:

@@ -21,6 +21,7 @@ import uvicorn
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import Built, build_engine
 from kvstrata.engine.config import EngineConfig
+from kvstrata.http.rules import server_options
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.spec import check_spec_layout
@@ -151,9 +152,10 @@ def _exit_when_ranks_stop(server: _Server, state: ServerState) -> None:
 
 def serve(state: ServerState) -> int:
     cfg = state.cfg
+    app = create_app(state)  # ValueError (a bad API key, ...) before the engine thread starts
     state.loop.start()
     config = uvicorn.Config(
-        create_app(state),
+        app,
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
@@ -161,6 +163,7 @@ def serve(state: ServerState) -> int:
         # logs a traceback per connection) is only the backstop for a stream that still hangs
         timeout_graceful_shutdown=int(cfg.stop_timeout_s + ABORT_GRACE_S),
         lifespan="on",
+        **server_options(cfg.client_timeout_s),
     )
     server = _Server(config, state)
     if isinstance(state.loop, RankedLoop):

@@ -6,11 +6,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.http.errors import ApiError
 from kvstrata.serve.codec import Codec
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import EngineLoop
 from kvstrata.serve.metrics import ServeMetrics
-from kvstrata.serve.protocol import ApiError, Limits
+from kvstrata.serve.protocol import Limits
 from kvstrata.serve.ranks import RankedLoop
 
 
