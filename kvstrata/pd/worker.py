@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstrata.engine.engine import Engine
+from kvstrata.listeners import Listeners
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.connectors import pd_side
 from kvstrata.pd.decode import DecodeSide
@@ -22,7 +23,14 @@ class PDWorker:
     side and channel; this object (HTTP process) only picks prefill workers, serves
     /v1/pd/info (`ranked_ready`) and counts what rank 0 reports."""
 
-    def __init__(self, role: str, cfg: PDConfig, metrics: PDMetrics, ranked: bool = False) -> None:
+    def __init__(
+        self,
+        role: str,
+        cfg: PDConfig,
+        metrics: PDMetrics,
+        ranked: bool = False,
+        listeners: Listeners | None = None,
+    ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"a P/D worker is a prefill or a decode, not {role!r}")
         self.role, self.cfg, self.metrics, self.ranked = role, cfg, metrics, ranked
@@ -34,6 +42,8 @@ class PDWorker:
             side = pd_side(role, cfg, transport, metrics)
             self.prefill = side if isinstance(side, PrefillSide) else None
             self.decode = side if isinstance(side, DecodeSide) else None
+            if self.prefill is not None and listeners is not None:
+                self.prefill.listeners = listeners
         elif role == "decode":
             self.decode = DecodeSide(cfg, transport, metrics)  # ranked: only `choose` is used
         self.layout: Layout | None = None
