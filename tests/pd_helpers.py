@@ -17,6 +17,7 @@ import numpy as np
 
 from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.local_ports import PortTaken, free_port
+from kvstrata.pd.local_keys import local_keys
 from kvstrata.pd.transport import TRANSPORTS
 from kvstrata.pd.wire import (
     Frames,
@@ -176,11 +177,13 @@ def raw_handoff(
     pull: the reply to each of prefill's `pull` headers (None: stay silent, as a dead decode
     would). The header returned lists the pulls asked: "pulls": [[first_page, end_page], ...].
     extra: more hand-off fields (under cp: "owners"). curve: this client's CURVE keys (the
-    worker's own key must be among their peers)."""
+    worker's own key must be among their peers); default: this user's own pair, which workers
+    started without --pd-curve-* use (kvstrata/pd/local_keys.py)."""
+    curve = curve or local_curve()
     n_layers, page_bytes = part or (layout["layers"], layout["page_bytes"])
     ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout, **(extra or {}))
-    transport = TRANSPORTS.create("zmq", **({"curve": curve} if curve else {}))
-    ch = transport.connect(endpoint, "", next(iter(curve.peers)) if curve else b"")
+    transport = TRANSPORTS.create("zmq", curve=curve)
+    ch = transport.connect(endpoint, "", next(iter(curve.peers)))
     try:
         ch.send([header("handoff", hid, **ask)])
         head, frames, layers, pulls = _answer(ch, endpoint, timeout_s, page_bytes // n_layers, pull)
@@ -195,6 +198,11 @@ def raw_handoff(
         )
         head = {**read_header(frames), "layer_messages": len(layers)}
     return {**head, "pulls": pulls}, frames
+
+
+def local_curve() -> CurveKeys:
+    """This user's P/D key pair, as a worker started without --pd-curve-* loads it."""
+    return CurveKeys.load(*local_keys(), "this user's P/D keys")
 
 
 def keys_of(layout: dict[str, Any], tokens: list[int]) -> list[int]:

@@ -45,10 +45,11 @@ CKPT = {"seed": 3, "max_position_embeddings": 512}
 def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict[str, Server]]:
     tmp = tmp_path_factory.mktemp("pdpull")
     slow = ["--pd-timeout-s", str(TIMEOUT_S)]
+    trust = "--pd-trust-pulled"  # the decode worker is ours: what it sends may be cached
     p1, p2 = start_all(
         [
-            (worker_args(ckpt, "--role", "prefill"), tmp / "p1.log"),
-            (worker_args(ckpt, "--role", "prefill", *slow), tmp / "p2.log"),
+            (worker_args(ckpt, "--role", "prefill", trust), tmp / "p1.log"),
+            (worker_args(ckpt, "--role", "prefill", trust, *slow), tmp / "p2.log"),
         ]
     )
     pd = ["--pd-prefill", f"{p1.url},{p2.url}", "--pd-trust-request-prefill"]  # + relays

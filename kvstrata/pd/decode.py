@@ -152,6 +152,11 @@ class Handoff(threading.Thread):
             try:
                 self.endpoint = side.resolver.endpoint(self.target, side.layout.rank)
                 key = side.resolver.server_key(self.target)
+                if not (key or side.cfg.pd_insecure or self.target.startswith("tcp://")):
+                    raise ValueError(
+                        f"{self.target} runs --pd-insecure (its /v1/pd/info names no CURVE key) "
+                        "and this decode worker authenticates: start both alike"
+                    )
                 outcome = self._exchange(side.transport.connect(self.endpoint, self.hid, key))
             except WireError as exc:  # corrupted or inconsistent: nothing of it was used
                 outcome = self._fail(502, f"bad hand-off reply: {exc}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from kvstrata.engine.engine import Engine
@@ -35,6 +36,13 @@ class PDWorker:
             raise ValueError(f"a P/D worker is a prefill or a decode, not {role!r}")
         self.role, self.cfg, self.metrics, self.ranked = role, cfg, metrics, ranked
         self.curve = curve_keys(cfg)  # its public half goes in /v1/pd/info
+        if cfg.pd_insecure:
+            print(
+                f"kvstrata serve: WARNING: --pd-insecure: this {role} worker's KV transfer is "
+                "not authenticated; any process that reaches it can exchange KV pages with it",
+                file=sys.stderr,
+                flush=True,
+            )
         transport = None if ranked else transport_of(cfg, self.curve)
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
