@@ -37,6 +37,11 @@ from tests.serve_helpers import TINY_ENGINE, Server
 PAGE = 8
 
 
+INSECURE = "--pd-insecure"
+"""For modules that corrupt the link itself (CuttableRelay): under CURVE (the default) its MAC
+drops a flipped bit before the hand-off's own checksums could see it."""
+
+
 def worker_args(ckpt: Path, *extra: str, store: Path | None = None) -> list[str]:
     """A tiny-model worker (page size 8) with integrity endpoints, optionally sharing a storage
     dir."""
@@ -169,6 +174,7 @@ def raw_handoff(
     pull: Callable[[dict[str, Any]], Frames | None] = no_pages,
     extra: dict[str, Any] | None = None,
     curve: CurveKeys | None = None,
+    insecure: bool = False,
 ) -> tuple[dict[str, Any], Frames]:
     """Ask a prefill worker for a hand-off as decode would: its answer (a refusal, or the pages
     with the logits row; pages sent layer by layer are put together and re-framed as one
@@ -178,12 +184,13 @@ def raw_handoff(
     would). The header returned lists the pulls asked: "pulls": [[first_page, end_page], ...].
     extra: more hand-off fields (under cp: "owners"). curve: this client's CURVE keys (the
     worker's own key must be among their peers); default: this user's own pair, which workers
-    started without --pd-curve-* use (kvstrata/pd/local_keys.py)."""
-    curve = curve or local_curve()
+    started without --pd-curve-* use (kvstrata/pd/local_keys.py); insecure: no CURVE (a
+    worker started with --pd-insecure)."""
+    curve = None if insecure else curve or local_curve()
     n_layers, page_bytes = part or (layout["layers"], layout["page_bytes"])
     ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout, **(extra or {}))
-    transport = TRANSPORTS.create("zmq", curve=curve)
-    ch = transport.connect(endpoint, "", next(iter(curve.peers)))
+    transport = TRANSPORTS.create("zmq", **({"curve": curve} if curve else {}))
+    ch = transport.connect(endpoint, "", next(iter(curve.peers)) if curve else b"")
     try:
         ch.send([header("handoff", hid, **ask)])
         head, frames, layers, pulls = _answer(ch, endpoint, timeout_s, page_bytes // n_layers, pull)

@@ -38,6 +38,7 @@ from kvstrata.serve.torchrun import torchrun_rank
 from kvstrata.storage.base import StorageConfig
 
 ABORT_GRACE_S = 5.0  # aborted streams' last frames reach the clients within this
+DEATH_NOTICE_S = 2.0  # a dead listener: /health says why (503) this long before the port closes
 
 
 class _Server(uvicorn.Server):
@@ -165,12 +166,14 @@ def _exit_when_ranks_stop(server: _Server, state: ServerState) -> None:
 
 def _exit_when_a_listener_dies(server: _Server, state: ServerState) -> None:
     """A listener thread that died (kvstrata/listeners.py) never serves again: /health answers
-    503 from then on (state.check_ready) and the server stops as on SIGTERM (stop_timeout_s for
-    in-flight requests), exit 1."""
+    503 from then on (state.check_ready), DEATH_NOTICE_S later the server stops as on SIGTERM
+    (stop_timeout_s for in-flight requests), exit 1."""
 
     def stop(why: str) -> None:
         state.stopping = True
-        server.handle_exit(signal.SIGTERM, None)
+        timer = threading.Timer(DEATH_NOTICE_S, server.handle_exit, (signal.SIGTERM, None))
+        timer.daemon = True
+        timer.start()
 
     state.listeners.on_death.append(stop)
     if state.listeners.dead is not None:  # died before the server was up
