@@ -56,7 +56,10 @@ def workers(
     pa, pb = start_all(
         [
             (worker_args(ckpt, "--role", "prefill", "--pd-trust-pulled", *lay), tmp / "pa.log"),
-            (worker_args(ckpt, "--role", "prefill", "--pd-trust-pulled", *slow, *lay), tmp / "pb.log"),
+            (
+                worker_args(ckpt, "--role", "prefill", "--pd-trust-pulled", *slow, *lay),
+                tmp / "pb.log",
+            ),
         ]
     )
     d, single = start_all(
