@@ -123,6 +123,19 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         ),
         False,
     ),
+    "replay_flood": (
+        frozenset(
+            {
+                "ttft_quiet_s",
+                "ttft_flood_s",
+                "ttft_quiet_after_s",
+                "flood_over_quiet",
+                "flood_requests_sent",
+                "flood_requests_answered",
+            }
+        ),
+        True,
+    ),
 }
 COVERED_ELSEWHERE = {
     "serve": "tests/test_bench_serve.py",

@@ -48,7 +48,8 @@ def test_each_worker_role_lists_its_own_pd_options(capsys: pytest.CaptureFixture
     assert not any(o.startswith(("--pd-", "--router-")) for o in single)
     assert prefill - single == {
         "--pd-transfer-endpoint", "--pd-transport", "--pd-timeout-s", "--pd-heartbeat-s",
-        "--pd-layerwise", "--pd-curve-secret-file", "--pd-curve-peers-dir",
+        "--pd-layerwise", "--pd-curve-secret-file", "--pd-curve-peers-dir", "--pd-keys-dir",
+        "--pd-insecure", "--pd-trust-pulled",
     }  # fmt: skip
     assert decode - single == {
         "--pd-transport",
@@ -57,6 +58,8 @@ def test_each_worker_role_lists_its_own_pd_options(capsys: pytest.CaptureFixture
         "--pd-trust-request-prefill",
         "--pd-curve-secret-file",
         "--pd-curve-peers-dir",
+        "--pd-keys-dir",
+        "--pd-insecure",
         "--pd-timeout-s",
         "--pd-on-failure",
     }

@@ -33,6 +33,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.sglang_hicache",
     "kvstrata.bench.vllm_bench",
     "kvstrata.bench.vllm_copies",
+    "kvstrata.bench.replay_flood",
 )
 
 

@@ -15,6 +15,8 @@ Rules that live here, once:
 - hits per tier come from the final match: device pages, host pages, and the host pages that this
   lease's own prefetch brought from storage count as storage;
 - admission is all or nothing: a lease either owns every device page it needs or none;
+- pages at or past `keep_private` never join the tree (so never reach host copies or storage):
+  they serve this request only and are freed with it;
 - a page is hashed only when its key is needed (a storage probe, an insert): the match walks the
   request's token bytes, and the matched pages' keys come from the tree (cache/chain.py).
 """
@@ -94,6 +96,9 @@ class Lease:
         self.load: TransferOp | None = None  # host -> device copy the first forward waits on
         self.page_table: list[int] = []  # device page of each logical page once admitted
         self.inserted = 0  # leading pages of page_table that the tree owns
+        # pages from this one on never join the tree (None: no such bound): their KV came from,
+        # or was computed over, a peer not trusted to write this cache (kvstrata/pd/pull.py)
+        self.shared_below: int | None = None
         self.from_storage = 0  # pages this lease's prefetch landed in host memory
         self.hits = Hits()
 
@@ -222,9 +227,16 @@ class Lease:
         """Whole further pages of token ids (generated ones); hashed when committed."""
         self.chain.extend_tokens(tokens, vocab_size)
 
+    def keep_private(self, first_page: int) -> None:
+        """Pages [first_page, ...) serve this request only: never committed, freed at release."""
+        bound = self.shared_below
+        self.shared_below = first_page if bound is None else min(bound, first_page)
+
     def commit(self, computed_tokens: int) -> None:
         """Hand the full pages among the first `computed_tokens` to the tree (shared from now)."""
         n_full = min(computed_tokens // self.page, self.chain.pages, len(self.page_table))
+        if self.shared_below is not None:
+            n_full = min(n_full, self.shared_below)
         if self.cache is None or n_full <= self.inserted:
             return
         # the first `inserted` pages end at the locked node (matched, or committed before)

@@ -37,10 +37,10 @@ ROUTER_SERVE_FIELDS = (
     "api_key", "api_key_file", "max_request_bytes", "client_timeout_s",
 )  # fmt: skip
 """What the router reads of ServeConfig (it loads no model and queues nothing itself)."""
-CURVE_FIELDS = ("pd_curve_secret_file", "pd_curve_peers_dir")
+CURVE_FIELDS = ("pd_curve_secret_file", "pd_curve_peers_dir", "pd_keys_dir", "pd_insecure")
 PREFILL_FIELDS = (
-    "pd_transfer_endpoint", "pd_transport", *CURVE_FIELDS, "pd_timeout_s", "pd_heartbeat_s",
-    "pd_layerwise",
+    "pd_transfer_endpoint", "pd_transport", *CURVE_FIELDS, "pd_trust_pulled", "pd_timeout_s",
+    "pd_heartbeat_s", "pd_layerwise",
 )  # fmt: skip
 DECODE_FIELDS = (
     "pd_transport", "pd_prefill", "pd_prefill_api_key_file", "pd_trust_request_prefill",

@@ -205,6 +205,13 @@ def _debug_routes(app: FastAPI, state: ServerState) -> None:
         state.loop.call(functools.partial(_stall, seconds))
         return JSONResponse({"queued": seconds}, 202)
 
+    @app.post("/debug/listeners/{name}/kill")
+    async def kill_listener(name: str) -> JSONResponse:
+        """Makes listener thread `name` (pd-prefill, kv-events-replay) die at its next turn, as
+        a fault would: /health goes 503 and the server stops (a test's way to check that)."""
+        state.listeners.kill(name)
+        return JSONResponse({"killing": name}, 202)
+
 
 async def _generate(
     state: ServerState, body: CompletionRequest | ChatRequest, request: Request

@@ -24,6 +24,11 @@ class ServeConfig:
     kv_events_replay_endpoint: str = doc("", "ZMQ ROUTER endpoint that replays events from a seq")
     kv_events_topic: str = doc("", "topic frame of every KV event message")
     kv_events_buffer: int = doc(10000, "event batches kept for replay")
+    kv_events_replay_rate: float = doc(
+        10.0,
+        "replay requests a subscriber may make per second (a burst of as many); more are "
+        "dropped unanswered",
+    )
     kv_events_curve_secret_file: str = doc(
         "",
         "KV events: the server's CURVE secret key file (`kvstrata keys curve DIR NAME`: "
@@ -70,6 +75,10 @@ class ServeConfig:
         for name in ("max_pending", "default_max_tokens", "kv_events_buffer", "max_request_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_events_replay_rate <= 0:
+            raise ValueError(
+                f"kv_events_replay_rate must be positive, got {self.kv_events_replay_rate}"
+            )
         if self.parent_pid < 0:
             raise ValueError(f"parent_pid must be >= 0, got {self.parent_pid}")
         for name in ("request_timeout_s", "stop_timeout_s", "client_timeout_s"):

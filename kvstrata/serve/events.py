@@ -12,7 +12,8 @@ medium), followed by BlockStored for what the reset kept (host copies; storage w
 knows it), so the sets a subscriber rebuilds always equal the cache's own.
 Block hashes are the low 64 bits of our 128-bit page keys (msgpack integers are 64-bit).
 A ROUTER socket (optional) answers a request [start_seq (8 bytes)] with every buffered batch from
-that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty).
+that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty); it is served
+by a thread of its own, at a bounded rate per subscriber (kvstrata/serve/event_replay.py).
 
 With kv_events_curve_secret_file / kv_events_curve_clients_dir both sockets are CURVE servers:
 every subscriber must present a key pair whose public half is in the clients directory (pyzmq's
@@ -20,14 +21,14 @@ ThreadAuthenticator checks it), and all traffic is encrypted; anyone else's conn
 handshake and receives nothing. Event payloads carry every tenant's prompt token ids, so a
 socket reachable by other users or hosts should not run without it.
 
-Runs on the engine thread (rank 0's, under ranks): the sockets are used by that thread only (the
-authenticator runs its own thread on the same context).
+The publisher runs on the engine thread (rank 0's, under ranks): the PUB socket is used by that
+thread only; the replay socket by the replay thread only (the authenticator runs its own thread
+on the same context).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 import msgpack
@@ -36,10 +37,10 @@ import zmq
 from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker, block_hash
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
+from kvstrata.listeners import Listeners, exit_process
 from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.event_replay import ReplayBuffer, ReplayServer
 from kvstrata.zmq_curve import CurveKeys, authenticator
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def encode_change(change: BlockChange, tokens: list[int], page_size: int) -> list[Any]:
@@ -53,7 +54,9 @@ def encode_change(change: BlockChange, tokens: list[int], page_size: int) -> lis
 class KVEventPublisher:
     """Publishes the tree's per-medium changes after every step."""
 
-    def __init__(self, cfg: ServeConfig, page_size: int) -> None:
+    def __init__(
+        self, cfg: ServeConfig, page_size: int, listeners: Listeners | None = None
+    ) -> None:
         self.page = page_size
         self.topic = cfg.kv_events_topic.encode()
         self.ctx = zmq.Context()
@@ -64,14 +67,17 @@ class KVEventPublisher:
         if keys is not None:
             keys.server(self.pub)
         self.pub.bind(cfg.kv_events_endpoint)
-        self.replay: zmq.Socket | None = None
+        self.buffer = ReplayBuffer(cfg.kv_events_buffer)
+        self.replay: ReplayServer | None = None
         if cfg.kv_events_replay_endpoint:
-            self.replay = self.ctx.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            if keys is not None:
-                keys.server(self.replay)
-            self.replay.bind(cfg.kv_events_replay_endpoint)
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.kv_events_buffer)
+            self.replay = ReplayServer(
+                self.ctx,
+                cfg.kv_events_replay_endpoint,
+                self.buffer,
+                cfg.kv_events_replay_rate,
+                keys,
+                listeners,
+            )
         self.seq = 0
         self.tracker = BlockTracker()
         self.tokens: dict[int, list[int]] = {}  # page key -> its tokens (for BlockStored)
@@ -99,15 +105,11 @@ class KVEventPublisher:
             held = set().union(*self.tracker.held.values())
             for key in [k for k in self.tokens if k not in held]:
                 del self.tokens[key]
-        self._serve_replay()
-
-    def on_idle(self) -> None:
-        self._serve_replay()
 
     def close(self) -> None:
-        self.pub.close()
         if self.replay is not None:
-            self.replay.close()
+            self.replay.close()  # its thread first: the context's term waits for its socket
+        self.pub.close()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
@@ -131,23 +133,11 @@ class KVEventPublisher:
         payload = msgpack.packb([time.time(), events, 0])
         seq = self.seq
         self.seq += 1
-        self.buffer.append((seq, payload))
+        self.buffer.append(seq, payload)
         try:
             self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
         except zmq.Again:  # a slow subscriber: it can replay from the buffer
             pass
-
-    def _serve_replay(self) -> None:
-        sock = self.replay
-        while sock is not None and sock.poll(0):
-            frames = sock.recv_multipart()
-            if len(frames) < 2:
-                continue
-            client, start = frames[0], int.from_bytes(frames[-1], "big")
-            for seq, payload in self.buffer:
-                if seq >= start:
-                    sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            sock.send_multipart((client, b"", END_SEQ, b""))
 
 
 def curve_keys(cfg: ServeConfig) -> CurveKeys | None:
@@ -168,4 +158,6 @@ def rank0_events(
     every rank); None when the server publishes none."""
     if serve_cfg is None or not serve_cfg.kv_events_endpoint or eng.cache is None:
         return None
-    return KVEventPublisher(serve_cfg, page_size)
+    listeners = Listeners()
+    listeners.on_death.append(exit_process)  # its server sees rank 0 go, and stops
+    return KVEventPublisher(serve_cfg, page_size, listeners)

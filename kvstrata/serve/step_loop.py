@@ -114,11 +114,8 @@ class StepLoop:
             return False
         if msg.step:
             self._step()
-        if self.events is not None:
-            if msg.step or aborts or msg.calls:  # a call may reset the cache
-                self.events.after_step(eng)
-            else:
-                self.events.on_idle()
+        if self.events is not None and (msg.step or aborts or msg.calls):  # a call may reset
+            self.events.after_step(eng)  # the cache; replay is served by its own thread
         if self.out is not None and msg.clock - self._last_stats >= self.stats_every_s:
             self._last_stats = msg.clock
             self.out(StatsOut(engine_stats(eng), list(self.agree_s)))
