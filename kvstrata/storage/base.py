@@ -198,6 +198,35 @@ def register_host_memory(storage: object, array: np.ndarray) -> bool:
     return bool(register(array)) if register is not None else False
 
 
+@dataclass(frozen=True)
+class PutReport:
+    """What one put did: values stored (written now or found stored and kept) and the payload
+    bytes it actually wrote (what counts as moved to storage)."""
+
+    stored: int
+    written_bytes: int
+
+
+def put_report(store: object, keys: Sequence[int], pages: Sequence[np.ndarray]) -> PutReport:
+    """Store pages through `store.put_report` where the store keeps values already stored (the
+    file store: its report says which it wrote); any other store writes every value it stores."""
+    report = getattr(store, "put_report", None)
+    if report is not None:
+        return report(keys, pages)
+    stored = store.put(keys, pages)  # type: ignore[attr-defined]
+    return PutReport(stored, stored * (pages[0].nbytes if pages else 0))
+
+
+@dataclass(frozen=True)
+class KeepCheck:
+    """How a writer decides whether a value already stored under a key is kept or rewritten (a
+    sealed store: whether its seal opens): the value is read into `pieces` (page_nbytes in all)
+    and `keep(key)` says; a rewrite is counted (`rewrites`)."""
+
+    pieces: Sequence[memoryview]
+    keep: Callable[[int], bool]
+
+
 def url_scheme(url: str) -> str:
     """The scheme of a storage URL; a plain path (no "://") is the file backend."""
     if not isinstance(url, str) or not url:

@@ -41,6 +41,8 @@ from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import (
     HEADER_NBYTES,
     STORAGE_BACKENDS,
+    KeepCheck,
+    PutReport,
     StorageConfig,
     Verify,
     check_batch,
@@ -64,7 +66,7 @@ _WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _COUNTERS = (
     "puts", "put_existing", "put_errors", "gets", "get_hits", "get_misses", "corrupt",
     "read_errors", "exists_queries", "deleted", "evicted", "rescans", "bytes_written", "bytes_read",
-    "tmp_swept", "foreign",
+    "tmp_swept", "foreign", "rewrites",
 )  # fmt: skip
 """verify(i) of get_verified: True if value i, just read into its pieces, is good (must not
 change the pieces)."""
@@ -247,38 +249,83 @@ class FileStore:
 
     # ---- updates -----------------------------------------------------------------------------
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
+        return self.put_report(keys, pages).stored
+
+    def put_report(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> PutReport:
+        """As put, saying which values it wrote (a value already stored is kept, not written)."""
         check_batch(keys, pages, "put")
         views = [page_view(p, self.page_nbytes, "put") for p in pages]
-        return self.put_pieces(keys, ([memoryview(v)] for v in views))
+        return self.write_pieces(keys, ([memoryview(v)] for v in views))
 
     def put_pieces(self, keys: Sequence[int], values: Iterable[Sequence[memoryview]]) -> int:
+        return self.write_pieces(keys, values).stored
+
+    def write_pieces(
+        self,
+        keys: Sequence[int],
+        values: Iterable[Sequence[memoryview]],
+        check: KeepCheck | None = None,
+    ) -> PutReport:
         """As put, each payload given as pieces written one after another (lengths summing to
         page_nbytes; no copy joins them). `values` is taken in order, one per key, each written
-        before the next is taken: a producer may reuse its buffers (a SealedStore's scratch)."""
+        before the next is taken: a producer may reuse its buffers (a SealedStore's scratch).
+        A whole value already stored is kept (its LRU age refreshed) if it verifies: under
+        `check` (a sealed store's seal) or else by its size; one that fails is rewritten."""
         self._check_open()
-        counts = {"puts": 0, "put_existing": 0, "put_errors": 0}
+        counts = dict.fromkeys(
+            ("puts", "put_existing", "put_errors", "rewrites", "corrupt", "foreign", "read_errors"),
+            0,
+        )
         added = 0
         for key, value in zip(keys, values, strict=True):
             if sum(v.nbytes for v in value) != self.page_nbytes:
                 raise ValueError(f"put: each page must hold {self.page_nbytes} bytes")
-            outcome = self._write_one(key, value)
+            outcome = self._write_one(key, value, check, counts)
             counts[outcome] += 1
             added += self.file_disk_nbytes if outcome == "puts" else 0
-        counts["bytes_written"] = counts["puts"] * self.file_nbytes
+        written = counts["puts"] + counts["rewrites"]
+        counts["bytes_written"] = written * self.file_nbytes
         self._add(counts, added)
         self._maybe_cleanup()
-        return counts["puts"] + counts["put_existing"]
+        return PutReport(written + counts["put_existing"], written * self.page_nbytes)
 
-    def _write_one(self, key: int, value: Sequence[memoryview]) -> str:
-        """Write one page atomically; returns the counter name of the outcome."""
+    def _write_one(
+        self,
+        key: int,
+        value: Sequence[memoryview],
+        check: KeepCheck | None,
+        counts: dict[str, int],
+    ) -> str:
+        """Write one page atomically unless a good copy is stored; the outcome's counter name."""
         path = self._path(key)
         now = time.time_ns()
-        try:
-            if os.stat(path).st_size == self.file_nbytes:
+        existed = self._keeps(key, path, check, counts)
+        if existed == "keep":
+            try:
                 os.utime(path, ns=(now, now))  # same key = same bytes: refresh its LRU age only
                 return "put_existing"
+            except OSError:
+                existed = "none"  # removed meanwhile (a clean-up): write it anew
+        written = self._write_new(key, path, value, now)
+        return "rewrites" if written == "puts" and existed == "bad" else written
+
+    def _keeps(
+        self, key: int, path: str, check: KeepCheck | None, counts: dict[str, int]
+    ) -> str:
+        """"keep" (a whole value stored that verifies), "bad" (one that does not) or "none"."""
+        try:
+            if os.stat(path).st_size != self.file_nbytes:
+                return "none"
         except OSError:
-            pass
+            return "none"
+        if check is None:
+            return "keep"
+        header = bytearray(HEADER_NBYTES)
+        ok, freed = self._read_one(key, header, check.pieces, counts, lambda: check.keep(key))
+        self._add({}, -freed)
+        return "keep" if ok else "bad"
+
+    def _write_new(self, key: int, path: str, value: Sequence[memoryview], now: int) -> str:
         tmp = self._tmps.new(path)
         if tmp is None:  # close() ran meanwhile (a signal): start no new temp file
             return "put_errors"

@@ -40,9 +40,19 @@ import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from kvstrata.storage.base import StorageBackend, check_batch, page_view, register_host_memory
+from kvstrata.storage.base import (
+    KeepCheck,
+    PutReport,
+    StorageBackend,
+    check_batch,
+    page_view,
+    put_report,
+    register_host_memory,
+)
+from kvstrata.storage.file_store import FileStore
 
 SEAL_TAG = b"kvstrata-seal-v2"  # v2: MAC-only units carry the label as GCM plaintext
+NAME_TAG = b"kvstrata-name-v1"
 SALT, NONCE, TAG = 16, 12, 16
 SEAL_OVERHEAD = TAG + SALT + NONCE
 LABEL_NBYTES = len(SEAL_TAG) + 1 + 16 + 8
@@ -83,6 +93,14 @@ class Sealer:
         self._nonces = itertools.count(1)
         self._lock = threading.Lock()
         self._keys: OrderedDict[bytes, AESGCM] = OrderedDict()
+
+    def name(self, key: int) -> int:
+        """Page `key`'s name in a sealed store (128 bits, keyed): its units, commit marker and
+        pending record are named from it, so listing the store confirms no page key computed
+        from a known prompt, and stores of two keys never share a name."""
+        raw = NAME_TAG + key.to_bytes(16, "big")
+        digest = hashlib.blake2b(raw, key=self.key[:64], digest_size=16).digest()
+        return int.from_bytes(digest, "big")
 
     def _derive(self, salt: bytes) -> AESGCM:
         return AESGCM(hashlib.blake2b(SEAL_TAG + salt, key=self.key[:64], digest_size=32).digest())
@@ -166,7 +184,8 @@ class SealedStore:
             raise ValueError(f"inner store values of {inner.page_nbytes} bytes hold no sealed unit")
         self._lock = threading.Lock()
         self._scratch = threading.local()
-        self.counts = {"seal_failures": 0, "sealed": 0, "opened": 0}
+        self.counts = {"seal_failures": 0, "sealed": 0, "opened": 0, "rewrites": 0}
+        self._failed: OrderedDict[int, None] = OrderedDict()  # unit keys that failed to open
 
     def exists_prefix(self, keys: Sequence[int]) -> int:
         return self.inner.exists_prefix(keys)
@@ -208,7 +227,9 @@ class SealedStore:
     ) -> Callable[[int], bool]:
         def verify(i: int) -> bool:
             ok = self.sealer.check_mac(keys[i], dst[i], tail)
-            failed[0] += not ok
+            if not ok:
+                failed[0] += 1
+                self._note_failed(keys[i])
             return ok
 
         return verify
@@ -218,7 +239,9 @@ class SealedStore:
     ) -> Callable[[int], bool]:
         def verify(i: int) -> bool:
             ok = self.sealer.open(keys[i], stored, dst[i])
-            failed[0] += not ok
+            if not ok:
+                failed[0] += 1
+                self._note_failed(keys[i])
             return ok
 
         return verify
@@ -230,7 +253,9 @@ class SealedStore:
         opened = 0
         while opened < n and self.sealer.open(keys[opened], stored[opened], dst[opened]):
             opened += 1
-        failed[0] += int(opened < n)
+        if opened < n:
+            failed[0] += 1
+            self._note_failed(keys[opened])
         return opened
 
     def _scratch_buf(self, name: str, nbytes: int) -> np.ndarray:
@@ -243,19 +268,56 @@ class SealedStore:
         return buf
 
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
-        """Seal and store; a store that writes values in pieces (FileStore's put_pieces) gets
-        the unit's own bytes and a tail (MAC only) or one reused ciphertext scratch (encrypt),
-        sealed one unit at a time as it asks for them: no copy, no fresh buffer."""
+        return self.put_report(keys, pages).stored
+
+    def put_report(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> PutReport:
+        """Seal and store; a store that writes values in pieces (FileStore's write_pieces, a
+        Mooncake store's put_pieces) gets the unit's own bytes and a tail (MAC only) or one reused
+        ciphertext scratch (encrypt), sealed one unit at a time as it asks for them: no copy, no
+        fresh buffer. A file store keeps a unit already stored only if its seal opens (else
+        it is rewritten: a unit of another key or a forger's heals at the next backup); the
+        other stores overwrite every value they are given."""
         check_batch(keys, pages, "put")
         pairs = [
             (k, page_view(p, self.page_nbytes, "put")) for k, p in zip(keys, pages, strict=True)
         ]
-        write = getattr(self.inner, "put_pieces", None)
-        self._count(sealed=len(pairs))
-        if write is None:
-            return self.inner.put(keys, [self.sealer.seal(k, u) for k, u in pairs])
+        self._count(sealed=len(pairs), rewrites=self._forget_failed(keys))
         scratch = self._scratch_buf("seal", self.inner.page_nbytes)
-        return write(keys, (self.sealer.seal_pieces(k, u, scratch) for k, u in pairs))
+        values = (self.sealer.seal_pieces(k, u, scratch) for k, u in pairs)
+        if isinstance(self.inner, FileStore):
+            return self.inner.write_pieces(keys, values, self._keep_check(keys))
+        write = getattr(self.inner, "put_pieces", None)
+        if write is None:
+            sealed = [self.sealer.seal(k, u) for k, u in pairs]
+            return put_report(self.inner, keys, sealed)
+        stored = write(keys, values)
+        return PutReport(stored, stored * self.inner.page_nbytes)
+
+    def _keep_check(self, keys: Sequence[int]) -> KeepCheck:
+        """A unit found stored on write is kept only if it opens (counted like a read's)."""
+        stored = self._scratch_buf("kept", self.inner.page_nbytes)
+        opened = self._scratch_buf("kept-out", self.page_nbytes)
+
+        def keep(key: int) -> bool:
+            ok = self.sealer.open(key, stored, opened)
+            self._count(seal_failures=int(not ok))
+            return ok
+
+        return KeepCheck([memoryview(stored)], keep)
+
+    def _note_failed(self, key: int) -> None:
+        """A unit that failed to open on read: its next write is a rewrite (stores that
+        overwrite every value; a file store counts its own)."""
+        if isinstance(self.inner, FileStore):
+            return
+        with self._lock:
+            self._failed[key] = None
+            if len(self._failed) > _CACHED_KEYS:
+                self._failed.popitem(last=False)
+
+    def _forget_failed(self, keys: Sequence[int]) -> int:
+        with self._lock:
+            return sum(self._failed.pop(k, 0) is None for k in keys)
 
     def delete(self, keys: Sequence[int]) -> int:
         return self.inner.delete(keys)
@@ -268,7 +330,8 @@ class SealedStore:
     def stats(self) -> dict[str, int | float]:
         with self._lock:
             own = dict(self.counts)
-        return {**self.inner.stats(), **own}
+        inner = self.inner.stats()
+        return {**inner, **own, "rewrites": own["rewrites"] + inner.get("rewrites", 0)}
 
     def close(self) -> None:
         self.inner.close()
