@@ -285,13 +285,14 @@ class SealedStore:
         scratch = self._scratch_buf("seal", self.inner.page_nbytes)
         values = (self.sealer.seal_pieces(k, u, scratch) for k, u in pairs)
         if isinstance(self.inner, FileStore):
-            return self.inner.write_pieces(keys, values, self._keep_check(keys))
-        write = getattr(self.inner, "put_pieces", None)
-        if write is None:
-            sealed = [self.sealer.seal(k, u) for k, u in pairs]
-            return put_report(self.inner, keys, sealed)
-        stored = write(keys, values)
-        return PutReport(stored, stored * self.inner.page_nbytes)
+            report = self.inner.write_pieces(keys, values, self._keep_check(keys))
+        elif (write := getattr(self.inner, "put_pieces", None)) is not None:
+            stored = write(keys, values)
+            report = PutReport(stored, stored * self.inner.page_nbytes)
+        else:
+            report = put_report(self.inner, keys, [self.sealer.seal(k, u) for k, u in pairs])
+        units = report.written_bytes // self.inner.page_nbytes  # the units' bytes, no seal
+        return PutReport(report.stored, units * self.page_nbytes)
 
     def _keep_check(self, keys: Sequence[int]) -> KeepCheck:
         """A unit found stored on write is kept only if it opens (counted like a read's)."""

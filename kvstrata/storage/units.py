@@ -219,6 +219,7 @@ class UnitStorage:
         self.page_nbytes = part.shape.page_nbytes
         self._marker = layout.marker()
         self.mark: SealedMark | None = None  # set where the store is sealed
+        self.backend = ""  # the URL scheme it was opened with (metrics' label)
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(
             ("units_written", "unit_bytes_written", "units_read", "unit_bytes_read", "commits"), 0
@@ -405,6 +406,7 @@ def open_unit_storage(
     units: StorageBackend = SealedStore(raw_units, sealer) if sealer else raw_units
     name = sealer.name if sealer else None
     out = UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units, pending, name)
+    out.backend = url_scheme(url)
     try:
         if sealer is None:
             refuse_keyless(commits, url)
