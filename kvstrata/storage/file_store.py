@@ -309,10 +309,8 @@ class FileStore:
         written = self._write_new(key, path, value, now)
         return "rewrites" if written == "puts" and existed == "bad" else written
 
-    def _keeps(
-        self, key: int, path: str, check: KeepCheck | None, counts: dict[str, int]
-    ) -> str:
-        """"keep" (a whole value stored that verifies), "bad" (one that does not) or "none"."""
+    def _keeps(self, key: int, path: str, check: KeepCheck | None, counts: dict[str, int]) -> str:
+        """What is stored under `key`: "keep" (a whole value that verifies), "bad" or "none"."""
         try:
             if os.stat(path).st_size != self.file_nbytes:
                 return "none"
