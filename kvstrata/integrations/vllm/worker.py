@@ -35,7 +35,7 @@ class WorkerSide:
     def __init__(self, config: VllmConnectorConfig, spec: KVSpec, tp_rank: int) -> None:
         self.spec = spec
         # pinned whenever CUDA is available (HostPool's rule): the CUDA block copier needs it
-        self.host = HostPool(spec.local_shape, config.resolved_host_pages(spec.page_nbytes))
+        self.host = HostPool(spec.local_shape, config.host_pool_pages(spec.page_nbytes))
         self.storage: StorageBackend | None = None
         if config.storage_url:
             part = PagePart(spec.full_shape, (0, spec.num_layers), spec.heads_of(tp_rank))
