@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import struct
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -103,6 +104,11 @@ class StorageConfig:
     )
     encrypt: bool = doc(
         False, "with key_file: units are also encrypted at rest (AES-256-GCM) instead of MAC'd only"
+    )
+    seal_check_thread: bool = doc(
+        True,
+        "with key_file, file backend: check each unit's seal on a second thread while the next "
+        "unit is read (on machines with >= 2 cores); off: read then check on one thread",
     )
     group_access: bool = doc(
         False,
@@ -215,6 +221,21 @@ def put_report(store: object, keys: Sequence[int], pages: Sequence[np.ndarray]) 
         return report(keys, pages)
     stored = store.put(keys, pages)  # type: ignore[attr-defined]
     return PutReport(stored, stored * (pages[0].nbytes if pages else 0))
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How a get_verified caller overlaps its checks with the reads: value i's check runs on
+    `executor` while the values after it are read, at most `window` values read ahead of the
+    oldest unchecked one (so values i and i + window may share pieces). `check(i)` must be
+    pure (it may run for values past a miss, whose verdict is then dropped); `failed(i)` is
+    called once for the value whose check failed and ended the batch (what a serial verify
+    counts)."""
+
+    executor: Executor
+    window: int
+    check: Callable[[int], bool]
+    failed: Callable[[int], None]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -42,6 +44,7 @@ from kvstrata.storage.base import (
     HEADER_NBYTES,
     STORAGE_BACKENDS,
     KeepCheck,
+    Overlap,
     PutReport,
     StorageConfig,
     Verify,
@@ -70,6 +73,17 @@ _COUNTERS = (
 )  # fmt: skip
 """verify(i) of get_verified: True if value i, just read into its pieces, is good (must not
 change the pieces)."""
+
+
+@dataclass
+class _InFlight:
+    """A value of an overlapped get between its read and its settling (see get_overlapped)."""
+
+    path: str
+    fd: int | None  # open until settled (its file is touched or judged then)
+    outcome: str  # known at read time ("missing", "corrupt", "foreign", "read_errors"), or ""
+    digest: int = 0  # the header's checksum (a failed check: intact or corrupt)
+    verdict: Future[bool] | None = None  # the check running on the executor
 
 
 class FileStore:
@@ -148,6 +162,102 @@ class FileStore:
         too (a value intact under its checksum is someone else's, e.g. another key's: it stays)."""
         check_pieces(keys, pieces, self.page_nbytes)
         return self._get(keys, pieces, verify)
+
+    def get_overlapped(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], overlap: Overlap
+    ) -> int:
+        """As get_verified, each value's check run on overlap.executor while the next values
+        are read (see Overlap). Outcomes, counters and files end exactly as get_verified's: a
+        value is settled (kept and touched, or its file judged and removed) only once every
+        value before it passed, and nothing is read past a value missing or bad at read time.
+        Every check started has finished when it returns (none writes into a caller's buffer
+        later)."""
+        check_pieces(keys, pieces, self.page_nbytes)
+        self._check_open()
+        counts = {
+            "gets": 1, "get_hits": 0, "get_misses": 0, "corrupt": 0, "read_errors": 0, "foreign": 0
+        }  # fmt: skip
+        header = bytearray(HEADER_NBYTES)
+        flight: collections.deque[_InFlight] = collections.deque()
+        freed, ok = 0, True
+        try:
+            for i, key in enumerate(keys):
+                while ok and len(flight) >= overlap.window:  # its pieces are about to be reused
+                    ok, gone = self._settle(flight.popleft(), pieces, overlap, counts)
+                    freed += gone
+                if not ok:
+                    break
+                item = self._read_ahead(i, key, header, pieces[i], overlap)
+                flight.append(item)
+                if item.verdict is None:
+                    break  # a miss at read time: nothing after it is read
+            while ok and flight:
+                ok, gone = self._settle(flight.popleft(), pieces, overlap, counts)
+                freed += gone
+        finally:
+            for item in flight:  # past the first miss: wait for its check, then drop it
+                if item.verdict is not None:
+                    item.verdict.exception()
+                if item.fd is not None:
+                    os.close(item.fd)
+        counts["get_misses"] = int(counts["get_hits"] < len(keys))
+        counts["bytes_read"] = counts["get_hits"] * self.page_nbytes
+        self._add(counts, -freed)
+        return counts["get_hits"]
+
+    def _read_ahead(
+        self, i: int, key: int, header: bytearray, value: Sequence[memoryview], overlap: Overlap
+    ) -> _InFlight:
+        """Read value i and start its check; an outcome known at read time (missing, header
+        wrong, short) starts none."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, _RD)
+        except FileNotFoundError:
+            return _InFlight(path, None, "missing")
+        except OSError:
+            return _InFlight(path, None, "read_errors")
+        try:
+            n = transfer_all(os.readv, fd, [memoryview(header), *value])
+            digest = header_ok(header, key, self.page_nbytes) if n == self.file_nbytes else None
+            if digest is None:
+                foreign = header_foreign(header, key, os.fstat(fd).st_size)
+                return _InFlight(path, fd, "foreign" if foreign else "corrupt")
+        except OSError:
+            os.close(fd)
+            return _InFlight(path, None, "read_errors")
+        return _InFlight(path, fd, "", digest, overlap.executor.submit(overlap.check, i))
+
+    def _settle(
+        self,
+        item: _InFlight,
+        pieces: Sequence[Sequence[memoryview]],
+        overlap: Overlap,
+        counts: dict[str, int],
+    ) -> tuple[bool, int]:
+        """The oldest value's verdict, acted on as _read_one does; (ok, bytes of a removed file)."""
+        i = counts["get_hits"]
+        outcome = item.outcome
+        if item.verdict is not None:
+            if item.verdict.result():
+                outcome = "ok"
+            else:
+                overlap.failed(i)
+                intact = checksum_of_pieces(pieces[i]) == item.digest
+                outcome = "rejected" if intact else "corrupt"
+        fd, item.fd = item.fd, None
+        try:
+            if outcome in ("corrupt", "foreign", "read_errors"):
+                counts[outcome] += 1
+            if outcome == "ok":
+                counts["get_hits"] += 1
+                if self.config.touch_on_read:
+                    self._touch(fd)  # type: ignore[arg-type]
+            gone = self._discard(item.path, fd) if outcome == "corrupt" and fd is not None else 0
+            return outcome == "ok", gone
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def _get(
         self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None

@@ -403,7 +403,9 @@ def open_unit_storage(
         pending = FilePending(store, config.stale_unit_s, config.rescan_interval_s)
     elif isinstance(raw_units, RedisStore):
         pending = RedisExpiry(raw_units, config.redis_ttl_s)
-    units: StorageBackend = SealedStore(raw_units, sealer) if sealer else raw_units
+    units: StorageBackend = (
+        SealedStore(raw_units, sealer, config.seal_check_thread) if sealer else raw_units
+    )
     name = sealer.name if sealer else None
     out = UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units, pending, name)
     out.backend = url_scheme(url)
