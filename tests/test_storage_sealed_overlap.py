@@ -15,10 +15,12 @@ import pytest
 from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import HEADER_NBYTES, encode_header
 from kvstrata.storage.file_store import FileStore
-from kvstrata.storage.sealed import SEAL_OVERHEAD, VERIFY_WINDOW, SealedStore, Sealer
+from kvstrata.storage.sealed import CHECK_GROUP_BYTES, SEAL_OVERHEAD, SealedStore, Sealer
 
-UNIT = 4096 + 13
-KEYS = list(range(1, 13))
+UNIT = 64 * 1024 + 13  # odd: no piece boundary falls on an aligned offset
+GROUP = CHECK_GROUP_BYTES // (UNIT + SEAL_OVERHEAD)  # units per check task (7)
+KEYS = list(range(1, 4 * GROUP + 1))
+BAD = GROUP + 3  # in the second group: the first group passed, the third is read ahead
 COUNTERS = ("seal_failures", "corrupt", "foreign", "read_errors", "get_hits", "get_misses")
 
 
@@ -40,10 +42,11 @@ def _forge(path: Path, key: int) -> None:
 
 
 def _damage(root: Path, how: str) -> None:
-    """Unit 5 damaged `how`; units 7 and 9 (read ahead of it) damaged too."""
-    five = _file(root, 5)
+    """Unit BAD damaged `how`; two units read ahead of it (its group's, the next group's)
+    damaged too."""
+    five = _file(root, BAD)
     if how == "forged":  # a valid header over other bytes: fails the seal, stays
-        _forge(five, 5)
+        _forge(five, BAD)
     elif how == "flipped":  # fails the seal and the checksum: removed
         _flip(five, HEADER_NBYTES + 100)
     elif how == "missing":
@@ -53,8 +56,8 @@ def _damage(root: Path, how: str) -> None:
     elif how == "foreign":  # another format version: a miss that stays
         _flip(five, 4)
     if how != "none":
-        _flip(_file(root, 7), 30)  # corrupt at read time, past the miss
-        _flip(_file(root, 9), HEADER_NBYTES + 5)  # fails its check, past the miss
+        _flip(_file(root, BAD + 2), HEADER_NBYTES + 5)  # fails its check, past the miss
+        _flip(_file(root, BAD + GROUP), 30)  # corrupt at read time, past the miss
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
@@ -85,11 +88,11 @@ def test_overlapped_sealed_reads_equal_serial_ones(tmp_path: Path, encrypt: bool
         reader.check_integrity()
     assert got["a"] == got["b"]
     n, counts, files = got["b"]
-    assert n == (len(KEYS) if how == "none" else 4)  # units 1-4, then the miss at 5
+    assert n == (len(KEYS) if how == "none" else BAD - 1)  # then the miss at BAD
     assert counts["seal_failures"] == int(how in ("forged", "flipped"))
     assert len(files) == len(KEYS) - int(how in ("flipped", "missing", "header"))
-    assert VERIFY_WINDOW < len(KEYS)  # reads ahead of the miss did happen
+    assert GROUP >= 2 and len(KEYS) * (UNIT + SEAL_OVERHEAD) > CHECK_GROUP_BYTES  # overlapped
     for reader in readers.values():
         again = [np.zeros(UNIT, np.uint8) for _ in KEYS]
-        assert reader.get(KEYS[:4], again[:4]) == 4  # a miss left the store serving
+        assert reader.get(KEYS[: BAD - 1], again[: BAD - 1]) == BAD - 1  # still serving
         reader.close()

@@ -225,15 +225,15 @@ def put_report(store: object, keys: Sequence[int], pages: Sequence[np.ndarray]) 
 
 @dataclass(frozen=True)
 class Overlap:
-    """How a get_verified caller overlaps its checks with the reads: value i's check runs on
-    `executor` while the values after it are read, at most `window` values read ahead of the
-    oldest unchecked one (so values i and i + window may share pieces). `check(i)` must be
-    pure (it may run for values past a miss, whose verdict is then dropped); `failed(i)` is
-    called once for the value whose check failed and ended the batch (what a serial verify
-    counts)."""
+    """How a get_verified caller overlaps its checks with the reads: the values are checked in
+    groups of `group`, one task per group on `executor`, while the next group is read; at most
+    two groups are read ahead of the oldest value not yet settled (so values i and i + 2 x group
+    may share pieces). `check(i)` must only read (it may run for values past a miss, whose
+    verdict is then dropped); `failed(i)` is called once for the value whose check failed and
+    ended the batch (what a serial verify counts)."""
 
     executor: Executor
-    window: int
+    group: int
     check: Callable[[int], bool]
     failed: Callable[[int], None]
 

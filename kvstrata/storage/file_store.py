@@ -79,11 +79,13 @@ change the pieces)."""
 class _InFlight:
     """A value of an overlapped get between its read and its settling (see get_overlapped)."""
 
+    index: int  # its place in the batch
     path: str
     fd: int | None  # open until settled (its file is touched or judged then)
     outcome: str  # known at read time ("missing", "corrupt", "foreign", "read_errors"), or ""
     digest: int = 0  # the header's checksum (a failed check: intact or corrupt)
-    verdict: Future[bool] | None = None  # the check running on the executor
+    verdict: Future[int] | None = None  # its group's check: how many of the group lead passed
+    verdict_lo: int = 0  # the index of its group's first value
 
 
 class FileStore:
@@ -166,31 +168,36 @@ class FileStore:
     def get_overlapped(
         self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], overlap: Overlap
     ) -> int:
-        """As get_verified, each value's check run on overlap.executor while the next values
-        are read (see Overlap). Outcomes, counters and files end exactly as get_verified's: a
-        value is settled (kept and touched, or its file judged and removed) only once every
-        value before it passed, and nothing is read past a value missing or bad at read time.
-        Every check started has finished when it returns (none writes into a caller's buffer
-        later)."""
+        """As get_verified, the checks run on overlap.executor, a group of values per task,
+        while the next group is read (see Overlap). Outcomes, counters and files end exactly as
+        get_verified's: a value is settled (kept and touched, or its file judged and removed)
+        only once every value before it passed, and nothing is read past a value missing or bad
+        at read time. Every check started has finished when it returns (none writes into a
+        caller's buffer later)."""
         check_pieces(keys, pieces, self.page_nbytes)
         self._check_open()
         counts = {
             "gets": 1, "get_hits": 0, "get_misses": 0, "corrupt": 0, "read_errors": 0, "foreign": 0
         }  # fmt: skip
-        header = bytearray(HEADER_NBYTES)
         flight: collections.deque[_InFlight] = collections.deque()
+        group: list[_InFlight] = []  # read, its check not started yet
         freed, ok = 0, True
         try:
             for i, key in enumerate(keys):
-                while ok and len(flight) >= overlap.window:  # its pieces are about to be reused
+                while ok and len(flight) >= 2 * overlap.group:  # a group's pieces come back
                     ok, gone = self._settle(flight.popleft(), pieces, overlap, counts)
                     freed += gone
                 if not ok:
                     break
-                item = self._read_ahead(i, key, header, pieces[i], overlap)
+                item = self._read_ahead(i, key, pieces[i])
                 flight.append(item)
-                if item.verdict is None:
+                if item.outcome:
                     break  # a miss at read time: nothing after it is read
+                group.append(item)
+                if len(group) == overlap.group:
+                    self._start_checks(group, overlap)
+            if ok:
+                self._start_checks(group, overlap)
             while ok and flight:
                 ok, gone = self._settle(flight.popleft(), pieces, overlap, counts)
                 freed += gone
@@ -205,28 +212,44 @@ class FileStore:
         self._add(counts, -freed)
         return counts["get_hits"]
 
-    def _read_ahead(
-        self, i: int, key: int, header: bytearray, value: Sequence[memoryview], overlap: Overlap
-    ) -> _InFlight:
-        """Read value i and start its check; an outcome known at read time (missing, header
-        wrong, short) starts none."""
+    @staticmethod
+    def _start_checks(group: list[_InFlight], overlap: Overlap) -> None:
+        """One task checks the group's values in order; its result: how many lead passed."""
+        if not group:
+            return
+        lo, hi = group[0].index, group[-1].index + 1
+
+        def run() -> int:
+            for i in range(lo, hi):
+                if not overlap.check(i):
+                    return i - lo
+            return hi - lo
+
+        verdict = overlap.executor.submit(run)
+        for item in group:
+            item.verdict, item.verdict_lo = verdict, lo
+        group.clear()
+
+    def _read_ahead(self, i: int, key: int, value: Sequence[memoryview]) -> _InFlight:
+        """Read value i; an outcome known at read time (missing, header wrong, short) is set."""
         path = self._path(key)
         try:
             fd = os.open(path, _RD)
         except FileNotFoundError:
-            return _InFlight(path, None, "missing")
+            return _InFlight(i, path, None, "missing")
         except OSError:
-            return _InFlight(path, None, "read_errors")
+            return _InFlight(i, path, None, "read_errors")
+        header = bytearray(HEADER_NBYTES)
         try:
             n = transfer_all(os.readv, fd, [memoryview(header), *value])
             digest = header_ok(header, key, self.page_nbytes) if n == self.file_nbytes else None
             if digest is None:
                 foreign = header_foreign(header, key, os.fstat(fd).st_size)
-                return _InFlight(path, fd, "foreign" if foreign else "corrupt")
+                return _InFlight(i, path, fd, "foreign" if foreign else "corrupt")
         except OSError:
             os.close(fd)
-            return _InFlight(path, None, "read_errors")
-        return _InFlight(path, fd, "", digest, overlap.executor.submit(overlap.check, i))
+            return _InFlight(i, path, None, "read_errors")
+        return _InFlight(i, path, fd, "", digest)
 
     def _settle(
         self,
@@ -236,10 +259,10 @@ class FileStore:
         counts: dict[str, int],
     ) -> tuple[bool, int]:
         """The oldest value's verdict, acted on as _read_one does; (ok, bytes of a removed file)."""
-        i = counts["get_hits"]
+        i = item.index
         outcome = item.outcome
         if item.verdict is not None:
-            if item.verdict.result():
+            if i - item.verdict_lo < item.verdict.result():
                 outcome = "ok"
             else:
                 overlap.failed(i)

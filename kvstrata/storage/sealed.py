@@ -60,7 +60,10 @@ SEAL_OVERHEAD = TAG + SALT + NONCE
 LABEL_NBYTES = len(SEAL_TAG) + 1 + 16 + 8
 KEY_MIN_BYTES = 32
 _CACHED_KEYS = 4096  # derived AES keys kept per reader (one per writer it has read from)
-VERIFY_WINDOW = 4  # units a file store reads ahead of the oldest one still being checked
+CHECK_GROUP_BYTES = 512 * 1024
+"""Stored bytes per check task of an overlapped get (a file store reads the next group while
+the verifier thread checks this one): enough that a hand-off between threads is small beside
+it, few enough that two groups stay in the core's cache."""
 _U64 = struct.Struct("<Q")
 
 
@@ -219,7 +222,7 @@ class SealedStore:
         dst = [page_view(o, self.page_nbytes, "get out") for o in out]  # never a copy
         failed = [0]
         read = getattr(self.inner, "get_verified", None)
-        if self._verifier is not None and len(keys) > 1:
+        if self._verifier is not None and len(keys) * self.inner.page_nbytes > CHECK_GROUP_BYTES:
             opened = self._get_overlapped(keys, dst, failed)
         elif read is None:
             opened = self._get_whole(keys, dst, failed)
@@ -235,11 +238,13 @@ class SealedStore:
         return opened
 
     def _get_overlapped(self, keys: Sequence[int], dst: list[np.ndarray], failed: list[int]) -> int:
-        """A file store's units read one after another while the one before is checked on the
-        verifier thread; a ring of VERIFY_WINDOW tails (MAC only) or scratches (encrypt) holds
-        what is read ahead (the store never reads more ahead than that)."""
+        """A file store's units read one group after another while the group before is checked
+        on the verifier thread; a ring of two groups' tails (MAC only) or scratches (encrypt)
+        holds what is read ahead (the store never reads further ahead than that)."""
         assert isinstance(self.inner, FileStore) and self._verifier is not None
-        w, size = VERIFY_WINDOW, self.inner.page_nbytes
+        size = self.inner.page_nbytes
+        group = max(1, CHECK_GROUP_BYTES // size)
+        w = 2 * group
         if self.sealer.encrypt:
             ring = self._scratch_buf("read-ring", w * size).reshape(w, size)
             pieces = [[memoryview(ring[i % w])] for i in range(len(keys))]
@@ -257,7 +262,9 @@ class SealedStore:
             failed[0] += 1
             self._note_failed(keys[i])
 
-        return self.inner.get_overlapped(keys, pieces, Overlap(self._verifier, w, check, on_failed))
+        return self.inner.get_overlapped(
+            keys, pieces, Overlap(self._verifier, group, check, on_failed)
+        )
 
     def _checker(
         self, keys: Sequence[int], tail: memoryview, dst: list[np.ndarray], failed: list[int]
