@@ -325,7 +325,10 @@ class SealedStore:
         pairs = [
             (k, page_view(p, self.page_nbytes, "put")) for k, p in zip(keys, pages, strict=True)
         ]
-        self._count(sealed=len(pairs), rewrites=self._forget_failed(keys))
+        again = self._forget_failed(keys)
+        if again:  # a store that keeps an existing value (mooncake) must not keep these
+            self.inner.delete(again)
+        self._count(sealed=len(pairs), rewrites=len(again))
         scratch = self._scratch_buf("seal", self.inner.page_nbytes)
         values = (self.sealer.seal_pieces(k, u, scratch) for k, u in pairs)
         if isinstance(self.inner, FileStore):
@@ -351,8 +354,9 @@ class SealedStore:
         return KeepCheck([memoryview(stored)], keep)
 
     def _note_failed(self, key: int) -> None:
-        """A unit that failed to open on read: its next write is a rewrite (stores that
-        overwrite every value; a file store counts its own)."""
+        """A unit that failed to open on read: its next write removes it first (a Mooncake
+        store refuses to put over a stored value) and counts a rewrite (a file store checks
+        and counts its own on the write path)."""
         if isinstance(self.inner, FileStore):
             return
         with self._lock:
@@ -360,9 +364,10 @@ class SealedStore:
             if len(self._failed) > _CACHED_KEYS:
                 self._failed.popitem(last=False)
 
-    def _forget_failed(self, keys: Sequence[int]) -> int:
+    def _forget_failed(self, keys: Sequence[int]) -> list[int]:
+        """The keys about to be written that failed to open when last read."""
         with self._lock:
-            return sum(self._failed.pop(k, 0) is None for k in keys)
+            return [k for k in keys if self._failed.pop(k, 0) is None]
 
     def delete(self, keys: Sequence[int]) -> int:
         return self.inner.delete(keys)
