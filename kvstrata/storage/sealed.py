@@ -21,6 +21,14 @@ call about 1, so one-shot calls are used throughout).
 Nonces never repeat under one AES key: each writer (each Sealer) draws a random 128-bit salt at
 start and seals under the key derived from (cluster key, salt) with a counter as nonce. A reader
 derives the key of each salt it meets (cached).
+
+Names: a sealed unit store names every page by Sealer.name (keyed BLAKE2b of the page key), so a
+listing confirms no known prompt and two cluster keys never share a name (a rotated key misses
+once, then writes its own units). Healing: a unit that fails to open is replaced by the next
+write of it: a file store checks the seal of a unit it finds stored before keeping it (KeepCheck;
+else it rewrites it), the others overwrite (Mooncake after the failed unit is removed). Reads: a
+file store's units are checked on a second thread, a group at a time, while the next group is
+read (FileStore.get_overlapped); same outcomes as the serial read-then-check.
 """
 
 from __future__ import annotations
