@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -76,7 +77,7 @@ def test_pipeline_parallel_is_refused_by_name() -> None:
 
 def _smollm2_spec(block: int) -> KVSpec:
     """SmolLM2-135M's KV geometry under vLLM's CPU block size (what kv_spec reads from vLLM)."""
-    return KVSpec(block, block, 30, 3, 1, 64, "bfloat16", "smollm2")
+    return KVSpec(block, block, 30, 3, 1, 64, "float32", "smollm2")
 
 
 @pytest.mark.parametrize("key", ["host_pages", "host_bytes"])
@@ -100,3 +101,24 @@ def test_a_host_pool_beyond_available_memory_is_refused_before_allocation(key: s
         {key: 8 if key == "host_pages" else 8 * spec.page_nbytes}
     )
     assert small.host_pool_pages(spec.page_nbytes) == 8
+
+
+@pytest.mark.slow
+def test_vllm_stops_at_start_naming_an_oversized_host_pool(tmp_path: Path) -> None:
+    """A real vLLM start (SmolLM2) asked for a host pool four times the memory available: it
+    stops while starting, its log naming the key and the bytes, nothing allocated (it was
+    SIGKILLed by the kernel before)."""
+    from kvstrata.bench.vllm_server import VllmServer
+    from kvstrata.model.smollm2 import ensure_smollm2
+
+    spec = _smollm2_spec(32)
+    pages = 4 * psutil.virtual_memory().available // spec.page_nbytes + 1
+    log = tmp_path / "vllm.log"
+    server = VllmServer(ensure_smollm2(), log, connector={"host_pages": pages}, startup_s=300)
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            server.start()
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "kv_connector_extra_config['host_pages']" in text and "available" in text
