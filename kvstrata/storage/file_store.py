@@ -75,7 +75,21 @@ _COUNTERS = (
 change the pieces)."""
 
 
-@dataclass
+@dataclass(slots=True)
+class _Checks:
+    """One group's check task: how many of its values, from `lo` on, passed (read once)."""
+
+    lo: int
+    task: Future[int]
+    passed: int = -1
+
+    def ok(self, i: int) -> bool:
+        if self.passed < 0:
+            self.passed = self.task.result()
+        return i - self.lo < self.passed
+
+
+@dataclass(slots=True)
 class _InFlight:
     """A value of an overlapped get between its read and its settling (see get_overlapped)."""
 
@@ -84,8 +98,7 @@ class _InFlight:
     fd: int | None  # open until settled (its file is touched or judged then)
     outcome: str  # known at read time ("missing", "corrupt", "foreign", "read_errors"), or ""
     digest: int = 0  # the header's checksum (a failed check: intact or corrupt)
-    verdict: Future[int] | None = None  # its group's check: how many of the group lead passed
-    verdict_lo: int = 0  # the index of its group's first value
+    verdict: _Checks | None = None  # its group's check
 
 
 class FileStore:
@@ -204,7 +217,7 @@ class FileStore:
         finally:
             for item in flight:  # past the first miss: wait for its check, then drop it
                 if item.verdict is not None:
-                    item.verdict.exception()
+                    item.verdict.task.exception()
                 if item.fd is not None:
                     os.close(item.fd)
         counts["get_misses"] = int(counts["get_hits"] < len(keys))
@@ -225,9 +238,9 @@ class FileStore:
                     return i - lo
             return hi - lo
 
-        verdict = overlap.executor.submit(run)
+        verdict = _Checks(lo, overlap.executor.submit(run))
         for item in group:
-            item.verdict, item.verdict_lo = verdict, lo
+            item.verdict = verdict
         group.clear()
 
     def _read_ahead(self, i: int, key: int, value: Sequence[memoryview]) -> _InFlight:
@@ -262,7 +275,7 @@ class FileStore:
         i = item.index
         outcome = item.outcome
         if item.verdict is not None:
-            if i - item.verdict_lo < item.verdict.result():
+            if item.verdict.ok(i):
                 outcome = "ok"
             else:
                 overlap.failed(i)

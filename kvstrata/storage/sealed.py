@@ -68,7 +68,7 @@ SEAL_OVERHEAD = TAG + SALT + NONCE
 LABEL_NBYTES = len(SEAL_TAG) + 1 + 16 + 8
 KEY_MIN_BYTES = 32
 _CACHED_KEYS = 4096  # derived AES keys kept per reader (one per writer it has read from)
-CHECK_GROUP_BYTES = 512 * 1024
+CHECK_GROUP_BYTES = 1024 * 1024
 """Stored bytes per check task of an overlapped get (a file store reads the next group while
 the verifier thread checks this one): enough that a hand-off between threads is small beside
 it, few enough that two groups stay in the core's cache."""
