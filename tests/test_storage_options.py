@@ -19,7 +19,7 @@ GROUPS = {
     "StorageConfig: file backend": {
         "--storage-evict-to-fraction", "--storage-rescan-interval-s", "--storage-fsync",
         "--storage-create-dir", "--storage-touch-on-read", "--storage-stale-tmp-s",
-        "--storage-group-access",
+        "--storage-group-access", "--storage-seal-check-thread",
     },
     "StorageConfig: file and redis backends": {"--storage-stale-unit-s"},
     "StorageConfig: redis backend": {

@@ -37,6 +37,8 @@ class CacheCounters:
     )
     """Prefetch outcomes: every page arrived, some, none; stopped early by the policy."""
     failed_pages: dict[str, int] = field(default_factory=lambda: _zeros(list(DIRECTIONS.values())))
+    unwritten_bytes: int = 0
+    """Bytes of backed-up pages that storage held already (kept, not written): not moved."""
 
     def record_request(self, prompt_pages: int, device: int, host: int, storage: int) -> None:
         self.requests += 1
@@ -45,14 +47,19 @@ class CacheCounters:
         self.hit_pages["host"] += host
         self.hit_pages["storage"] += storage
 
-    def record_move(self, kind: str, asked: int, ok: int) -> None:
+    def record_move(self, kind: str, asked: int, ok: int, written_bytes: int | None = None) -> None:
+        """`ok` of `asked` pages moved; written_bytes (backup): what storage actually wrote."""
         direction = DIRECTIONS[kind]
         self.pages_moved[direction] += ok
         self.failed_pages[direction] += asked - ok
+        if written_bytes is not None:
+            self.unwritten_bytes += max(0, ok * self.page_nbytes - written_bytes)
 
     @property
     def bytes_moved(self) -> dict[str, int]:
-        return {d: n * self.page_nbytes for d, n in self.pages_moved.items()}
+        out = {d: n * self.page_nbytes for d, n in self.pages_moved.items()}
+        out[DIRECTIONS["backup"]] -= self.unwritten_bytes
+        return out
 
     @property
     def hit_rate(self) -> float:

@@ -222,7 +222,7 @@ class HiCache:
         for op, ok in self.queues.take_agreed(agreed):
             op.agreed = ok
             if op.kind != PROBE:
-                self.counters.record_move(op.kind, op.pages, ok)
+                self.counters.record_move(op.kind, op.pages, ok, op.written_bytes)
             {
                 LOAD: self._load_done,
                 STORE: self._store_done,

@@ -296,23 +296,6 @@ def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Di
     return engine_cfg, cache_cfg, dist_cfg
 
 
-def _check_memory(model: DecoderLM, cache: CacheConfig, dist_cfg: DistConfig, page: int) -> None:
-    """The pools of one configuration (`page` bytes a page), and a model copy per rank, fit."""
-    limit = model.spec.max_position_embeddings
-    if cache.page_size > limit:
-        raise ValueError(f"--page-size {cache.page_size} exceeds the model's {limit} positions")
-    # parameters, not the state dict: that re-derives every prepacked weight (model/prepack.py)
-    weights = sum(t.numel() * t.element_size() for t in model.parameters())
-    validate.check_memory(
-        [
-            ("--device-pages", cache.device_pages * page),
-            ("--host-pages", cache.host_pages * page),
-            ("--tp x --cp x --pp (model per rank)", weights * (dist_cfg.world_size - 1)),
-        ],
-        f"{page:,} bytes per page ",
-    )
-
-
 def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, Prompts, Any]:
     """Check every input, load the model once, build the prompts; then create --out and the
     store (this is the first write)."""
@@ -327,7 +310,7 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     check_spec_layout(engine_cfg, dist_cfg)  # an MTP head with --tp > 1: refused here
     if engine_cfg.spec_draft:  # a bad draft fails here, before --out; pages carry its layers
         shape = build_speculator(engine_cfg, model, shape)[1]
-    _check_memory(model, cfgs[1], dist_cfg, shape.page_nbytes)
+    validate.check_engine_memory(model, cfgs[1], dist_cfg.world_size, shape.page_nbytes)
     _check_prompts(prompts, spec.max_new_tokens, model, cfgs[1])
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     validate.check_ranks(dist_cfg.world_size)

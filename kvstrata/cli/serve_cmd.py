@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     check_spec_layout(cfgs[0], dist_cfg)  # on every torchrun rank, before any serves
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
+    page_nbytes = model.kv_shape(cfgs[1].page_size).page_nbytes  # a draft's layers add more
+    validate.check_engine_memory(model, cfgs[1], dist_cfg.world_size, page_nbytes)
     rank = torchrun_rank(dist_cfg.world_size)  # ValueError: a world size other than tp*cp*pp
     if rank:
         engine_cfg = dataclasses.replace(cfgs[0], model=str(path))

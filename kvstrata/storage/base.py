@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import struct
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -124,6 +125,12 @@ class StorageConfig:
     encrypt: bool = doc(
         False, "with key_file: units are also encrypted at rest (AES-256-GCM) instead of MAC'd only"
     )
+    seal_check_thread: bool = backend_doc(
+        FILE,
+        True,
+        "with key_file: check each unit's seal on a second thread while the next unit is read "
+        "(on machines with >= 2 cores); off: read then check on one thread",
+    )
     group_access: bool = backend_doc(
         FILE,
         False,
@@ -217,6 +224,50 @@ def register_host_memory(storage: object, array: np.ndarray) -> bool:
     (mooncake: registered with its client); False where the backend has no such path."""
     register = getattr(storage, "register_buffer", None)
     return bool(register(array)) if register is not None else False
+
+
+@dataclass(frozen=True)
+class PutReport:
+    """What one put did: values stored (written now or found stored and kept) and the payload
+    bytes it actually wrote (what counts as moved to storage)."""
+
+    stored: int
+    written_bytes: int
+
+
+def put_report(store: object, keys: Sequence[int], pages: Sequence[np.ndarray]) -> PutReport:
+    """Store pages through `store.put_report` where the store keeps values already stored (the
+    file store: its report says which it wrote); any other store writes every value it stores."""
+    report = getattr(store, "put_report", None)
+    if report is not None:
+        return report(keys, pages)
+    stored = store.put(keys, pages)  # type: ignore[attr-defined]
+    return PutReport(stored, stored * (pages[0].nbytes if pages else 0))
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How a get_verified caller overlaps its checks with the reads: the values are checked in
+    groups of `group`, one task per group on `executor`, while the next group is read; at most
+    two groups are read ahead of the oldest value not yet settled (so values i and i + 2 x group
+    may share pieces). `check(i)` must only read (it may run for values past a miss, whose
+    verdict is then dropped); `failed(i)` is called once for the value whose check failed and
+    ended the batch (what a serial verify counts)."""
+
+    executor: Executor
+    group: int
+    check: Callable[[int], bool]
+    failed: Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class KeepCheck:
+    """How a writer decides whether a value already stored under a key is kept or rewritten (a
+    sealed store: whether its seal opens): the value is read into `pieces` (page_nbytes in all)
+    and `keep(key)` says; a rewrite is counted (`rewrites`)."""
+
+    pieces: Sequence[memoryview]
+    keep: Callable[[int], bool]
 
 
 def url_scheme(url: str) -> str:
