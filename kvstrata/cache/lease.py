@@ -15,6 +15,8 @@ Rules that live here, once:
 - hits per tier come from the final match: device pages, host pages, and the host pages that this
   lease's own prefetch brought from storage count as storage;
 - admission is all or nothing: a lease either owns every device page it needs or none;
+- a client's pin (cache/pins.py) takes hold once its pages are the tree's (matched at admission
+  or committed), through the locked node that ends them; a hit renews the pins on its path;
 - a page is hashed only when its key is needed (a storage probe, an insert): the match walks the
   request's token bytes, and the matched pages' keys come from the tree (cache/chain.py).
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from kvstrata.cache.chain import PageChain
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import TransferOp
+from kvstrata.cache.pins import PinSpec
 from kvstrata.cache.radix import Match, Node
 from kvstrata.cache.tiers import Allocator
 
@@ -96,6 +99,12 @@ class Lease:
         self.inserted = 0  # leading pages of page_table that the tree owns
         self.from_storage = 0  # pages this lease's prefetch landed in host memory
         self.hits = Hits()
+        self.pin_specs: list[PinSpec] = []  # pins still to take hold (their pages not cached yet)
+        self.pinned_pages = 0  # the longest prefix this lease pinned
+
+    def want_pins(self, specs: list[PinSpec] | tuple[PinSpec, ...]) -> None:
+        """Pin these prefixes as soon as their pages belong to the tree (shortest first)."""
+        self.pin_specs = sorted(specs, key=lambda s: s.tokens)
 
     @property
     def keys(self) -> list[int]:
@@ -203,6 +212,9 @@ class Lease:
         storage = min(self.from_storage, m.host_pages)
         self.hits = Hits(m.device_pages, m.host_pages - storage, storage)
         cache.counters.record_request(self.match_pages, *self._hit_tuple())
+        if m.last_node is not None and m.pages:
+            cache.renew_pins(m.last_node)
+        self._take_pins()
         return True
 
     def _hit_tuple(self) -> tuple[int, int, int]:
@@ -240,6 +252,18 @@ class Lease:
         # a page another request cached first was freed by insert: use the tree's copy
         self.page_table[start:n_full] = ids
         self.inserted = n_full
+        self._take_pins()
+
+    def _take_pins(self) -> None:
+        """Pin each wanted prefix whose whole pages the tree now holds (ending at `inserted`)."""
+        if self.cache is None or not self.pin_specs:
+            return
+        while self.pin_specs and self.pin_specs[0].tokens // self.page <= self.inserted:
+            spec = self.pin_specs.pop(0)
+            pages = spec.tokens // self.page
+            if pages and self.locked is not None:
+                got = self.cache.pin(self.locked, pages, spec.ttl_s)
+                self.pinned_pages = max(self.pinned_pages, got)
 
     def release(self) -> None:
         """Give back everything: unlock the prefix, free pages the tree did not take.

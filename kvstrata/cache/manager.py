@@ -16,6 +16,7 @@ from kvstrata.cache.chain import PageChain
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, OpQueues, PageMover, TransferOp
+from kvstrata.cache.pins import PinBook
 from kvstrata.cache.policies import EVICTION, WRITE, PrefetchState
 from kvstrata.cache.policies import PREFETCH as PREFETCH_POLICIES
 from kvstrata.cache.radix import Match, Node, RadixTree
@@ -62,6 +63,13 @@ class HiCache:
             self._demote,
         )
         self.queues = OpQueues(config.results_per_step)
+        # client pins: within pin_budget of the host pool (the device one without a host tier)
+        pool = config.host_pages if host is not None else config.device_pages
+        self.pins = PinBook(
+            self.tree, int(config.pin_budget * pool), self.tiers.touched, self.counters.pins
+        )
+        device_share = int(config.pin_budget * config.device_pages)
+        self.tiers.pinned_device_over = lambda: self.pins.device_over(device_share)
         self.owned: set[int] = set()  # device pages held by running requests, not in the tree
         self.resets = 0  # prefix-cache resets so far (agreed: every rank resets at one step)
 
@@ -168,6 +176,21 @@ class HiCache:
                 self._store(walk)
                 walk = walk.parent
         return node
+
+    # ---- client pins (cache/pins.py) ---------------------------------------------------------
+    def tick(self, now_s: float) -> None:
+        """Once per step, with the agreed step clock: pins past their deadline let go."""
+        self.pins.tick(now_s)
+
+    def pin(self, end: Node, pages: int, ttl_s: float) -> int:
+        """Keep the first `pages` pages of the path that ends at `end` (which the caller holds
+        locked) for ttl_s of the step clock; returns the pages pinned (0: refused)."""
+        return self.pins.pin_at(end, pages, ttl_s)
+
+    def renew_pins(self, end: Node) -> None:
+        """The path ending at `end` was used: the pins on it start their TTL again."""
+        if self.pins.pins:
+            self.pins.renew_path(end)
 
     # ---- storage probe and prefetch -----------------------------------------------------------
     def start_probe(self, keys: list[int]) -> TransferOp | None:
@@ -333,9 +356,7 @@ class HiCache:
     # ---- reset --------------------------------------------------------------------------------
     def busy_pages(self) -> int:
         """Device pages a reset cannot drop now: owned by requests, or in locked/pinned nodes."""
-        locked = sum(
-            len(n.device) for n in self.tree.nodes() if n.device is not None and not n.evictable
-        )
+        locked = sum(len(n.device) for n in self.tree.nodes() if n.device is not None and n.busy)
         return len(self.owned) + locked
 
     def reset_prefix(self, drop_host: bool = False) -> bool:
@@ -347,6 +368,7 @@ class HiCache:
         """
         if self.busy_pages() or len(self.queues):
             return False
+        self.pins.clear()  # a reset forgets what clients asked to keep
         self.tiers.clear_device(drop_host)
         self.resets += 1
         return True
@@ -357,8 +379,10 @@ class HiCache:
         return integrity.accounting(self)
 
     def check_integrity(self) -> None:
-        """Tree invariants, and every page id accounted for exactly once in each pool."""
+        """Tree invariants, every page id accounted for exactly once in each pool, and every
+        pin counted on its path and within the budget."""
         integrity.check(self)
+        self.pins.check_integrity()
 
     def stats(self) -> dict[str, Any]:
         return {

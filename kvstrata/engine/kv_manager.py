@@ -59,6 +59,8 @@ class KVManager:
     ) -> list[Request]:
         """Admit up to `slots` ready requests that fit, in arrival order (see module doc).
         failed: rid -> why, for requests whose own lease work raised (the caller ends them)."""
+        if self.cache is not None:
+            self.cache.tick(now_s)  # the agreed step clock: expired pins let go
         admitted: list[Request] = []
         window = waiting[: self.lookahead]
         for i, req in enumerate(window):
@@ -78,6 +80,7 @@ class KVManager:
                 self._step_back(window[i + 1 :])
                 break
             req.computed = lease.hit_tokens
+            req.pinned_pages = max(req.pinned_pages, lease.pinned_pages)
             req.state = State.PREFILL
             admitted.append(req)
             slots -= 1
@@ -104,6 +107,7 @@ class KVManager:
             self.page,
             allocator=self.allocator,
         )
+        req.lease.want_pins(req.pins)  # they enter with the request: the same on every rank
         return req.lease
 
     # ---- keys -----------------------------------------------------------------------------------
@@ -188,6 +192,7 @@ class KVManager:
                 req.all_tokens[have * self.page : n_full * self.page], self.vocab_size
             )
         lease.commit(ready)
+        req.pinned_pages = max(req.pinned_pages, lease.pinned_pages)
         if final:
             lease.release()
 
