@@ -99,6 +99,7 @@ class Lease:
         self.inserted = 0  # leading pages of page_table that the tree owns
         self.from_storage = 0  # pages this lease's prefetch landed in host memory
         self.hits = Hits()
+        self.fetch_cap: int | None = None  # a prefetch hint's bound on pages read from storage
         self.pin_specs: list[PinSpec] = []  # pins still to take hold (their pages not cached yet)
         self.pinned_pages = 0  # the longest prefix this lease pinned
 
@@ -150,6 +151,8 @@ class Lease:
     def _start_prefetch(self, now_s: float) -> None:
         assert self.cache is not None and self.probe is not None and self.locked is not None
         n = self.probe.agreed or 0
+        if self.fetch_cap is not None:
+            n = min(n, self.fetch_cap)
         want = self._after_match()[:n]
         self.prefetch = None
         if want:
@@ -188,6 +191,17 @@ class Lease:
             return False
         self.state = LeaseState.ADMITTED
         return True
+
+    def warm(self, max_load: int) -> None:
+        """A prefetch hint, once READY: start the host -> device load of its matched host pages
+        (at most `max_load`) where the device has room without taking a pinned or running
+        page. No device page becomes the hint's and it counts as no request; it keeps its lock
+        until `release` (once `load` is applied, or at once when nothing moves)."""
+        assert self.state is LeaseState.READY and self.cache is not None, "warm a ready lease"
+        m = self.match
+        assert m is not None
+        if 0 < m.host_pages <= max_load:
+            self.load = self.cache.load_host(m, spare_pinned=True)
 
     @property
     def can_ever_fit(self) -> bool:

@@ -113,16 +113,17 @@ class HiCache:
         self.owned.difference_update(ids)
         self.tiers.device.free(ids)
 
-    def load_host(self, m: Match) -> TransferOp | None:
+    def load_host(self, m: Match, spare_pinned: bool = False) -> TransferOp | None:
         """Give the match's host-only pages device pages and start the host -> device copy.
 
-        The caller has locked m.last_node. Returns None (try later) when device memory is too full.
+        The caller has locked m.last_node. Returns None (try later) when device memory is too full
+        (spare_pinned: too full of pages that are neither pinned nor in use; a prefetch hint).
         """
         n = m.host_pages
         if n == 0:
             return TransferOp(LOAD, [], [], agreed=0)  # nothing to move: already done
         src = [h for node in m.host_nodes for h in node.host]  # type: ignore[union-attr]
-        ids = self.tiers.alloc_device(n, like=src)  # same owner as the host copy (cp)
+        ids = self.tiers.alloc_device(n, src, spare_pinned)  # same owner as the host copy (cp)
         if ids is None:
             return None
         at = 0

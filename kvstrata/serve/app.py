@@ -21,6 +21,7 @@ from kvstrata.serve.auth import ApiKeyGuard, resolve_api_key
 from kvstrata.serve.body import read_json_object
 from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.generate import Generation, choose_prefill, complete, stream
+from kvstrata.serve.kv_hint_routes import add_kv_hint_routes
 from kvstrata.serve.protocol import (
     ApiError,
     ChatMessage,
@@ -76,6 +77,7 @@ def create_app(state: ServerState) -> FastAPI:
     _generate_routes(app, state)
     _token_routes(app, state)
     _cache_routes(app, state)
+    add_kv_hint_routes(app, state, parse)
     pd_routes(app, state)
     if state.cfg.debug_endpoints:
         _debug_routes(app, state)

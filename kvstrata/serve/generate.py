@@ -11,6 +11,7 @@ from typing import Any
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import Sampler
 from kvstrata.serve import responses as R
+from kvstrata.serve.cache_hints import request_pins
 from kvstrata.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -76,6 +77,7 @@ class Generation:
             sampler=Sampler(prep.sampling, self.rid),
             cache_salt=prep.cache_salt,
         )
+        self.req.pins = request_pins(body, prep.tokens, state.codec.encode_chat)
         if remote:  # P/D decode: this prefill worker computes the prompt
             self.req.kv_params = {"prefill": remote}
         self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)
