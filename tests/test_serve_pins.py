@@ -6,6 +6,7 @@ output equals the cold run's."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ def test_bad_ttls_are_400s_naming_the_value(server: Server) -> None:
         {"role": "system", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "10m"}}]},
         {"role": "user", "content": "hi"},
     ]  # fmt: skip
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 3}, timeout=30)
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 3}, timeout=30
+    )
     assert r.status_code == 400 and "'10m'" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "messages.0.content.0.cache_control.ttl"
     body = {"prompt": PINNED, "kv_pin_s": 7200, "max_tokens": 3}
@@ -142,3 +145,24 @@ def test_prefetch_moves_exactly_the_pages_named(server: Server) -> None:
     server.wait_idle()
     total = metric(server, moved) - before
     assert (after_hint - before) * 10 == total * 6 > 0  # the hint moved 6 of the 10 pages
+
+
+@pytest.mark.slow
+def test_tp2_ranks_pin_and_expire_the_same_pages(ckpt: Path, tmp_path: Path) -> None:
+    """Under `--tp 2` the pins enter with the request on every rank and expire on the agreed
+    step clock: both ranks hold the same pins, before and after expiry; outputs equal cold."""
+    args = ["--model", str(ckpt), *TINY_ENGINE, "--device-pages", "24", "--host-pages", "32"]
+    srv = Server([*args, "--tp", "2", "--debug-endpoints"], tmp_path / "two.log")
+    try:
+        cold = text_and_cached(complete(srv, PINNED, kv_pin_s=300))
+        short = [(17 * i + 3) % 97 for i in range(25)]  # 3 full pages
+        assert text_and_cached(complete(srv, short, kv_pin_s=1))[2] == 24
+        time.sleep(1.2)  # past the short pin's deadline; the storm's steps tick past it
+        storm(srv, 10, 3)
+        pins = httpx.get(f"{srv.url}/debug/pins", timeout=30).json()
+        assert len(pins) == 2 and pins[0] == pins[1] and pins[0]["pinned"] == 5
+        assert [p[0] for p in pins[0]["pins"]] == [5]  # the 1 s pin expired during the storm
+        assert text_and_cached(complete(srv, PINNED)) == (cold[0], 40, 0)
+        srv.wait_idle()
+    finally:
+        assert srv.terminate() == 0, (tmp_path / "two.log").read_text()

@@ -27,6 +27,7 @@ class PinCounts:
     expired: int = 0
     dropped_for_budget: int = 0  # older pins that made room for newer ones
     refused_for_budget: int = 0  # pins larger than the whole budget
+    lost: int = 0  # pins whose pages had no copy left to keep (vLLM's transit pages)
     pinned_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
 
 

@@ -70,6 +70,7 @@ class HiCache:
         )
         device_share = int(config.pin_budget * config.device_pages)
         self.tiers.pinned_device_over = lambda: self.pins.device_over(device_share)
+        self.tiers.lose_pins = self.pins.lose
         self.owned: set[int] = set()  # device pages held by running requests, not in the tree
         self.resets = 0  # prefix-cache resets so far (agreed: every rank resets at one step)
 
@@ -311,7 +312,8 @@ class HiCache:
             self.tiers.host.free(op.dst)  # type: ignore[union-attr]
             return
         for node in nodes:
-            if op.evict_after and node.evictable and not node.has_device_child():
+            # a demotion was an eviction: a pin taken since keeps the host copy it just got
+            if op.evict_after and not node.busy and not node.has_device_child():
                 self.tiers.drop_device(node)
             self._backup(node)
 

@@ -125,6 +125,12 @@ class PinBook:
             if pin is not None:
                 self._renew(pin, pin.ttl_s)
 
+    def lose(self, node: Node) -> None:
+        """`node` leaves every tier (a caller dropped its only copy): the pins over it go."""
+        for pin in [p for p in self.pins.values() if _under(self.tree, p.node, node)]:
+            self._drop(pin)
+            self.counts.lost += 1
+
     def clear(self) -> None:
         """Drop every pin (a prefix-cache reset forgets them)."""
         for pin in list(self.pins.values()):
@@ -185,6 +191,11 @@ class PinBook:
             if n.keep == 0:
                 self.pinned -= len(n)
                 self.touched(n)
+
+
+def _under(tree: RadixTree, node: Node, top: Node) -> bool:
+    """`node` is `top` or below it."""
+    return any(n is top for n in _path(tree, node))
 
 
 def _path(tree: RadixTree, node: Node) -> Iterator[Node]:

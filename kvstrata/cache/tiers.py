@@ -70,6 +70,8 @@ class Tiers:
         self.freeing = 0  # device pages whose demotion copy is in flight
         # whether pinned pages hold more of the device than their budget (cache/pins.py)
         self.pinned_device_over: Callable[[], bool] = lambda: False
+        # lets go of the pins over a node about to leave every tier (cache/pins.py)
+        self.lose_pins: Callable[[Node], None] = lambda node: None
         self._requeued_at: tuple[int, int] = (-1, -1)
 
     def touched(self, node: Node | None) -> None:
@@ -162,6 +164,8 @@ class Tiers:
         node.device = None
         parent = node.parent
         if node.host is None:
+            if node.keep:  # only a caller outside eviction drops one (vLLM's transit copies)
+                self.lose_pins(node)
             self.tree.remove_leaf(node)
         else:
             self.host_q.push(node)
