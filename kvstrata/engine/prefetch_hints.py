@@ -80,7 +80,7 @@ class PrefetchHints:
 
     def _settle(self, hid: int, lease: Lease, now_s: float) -> None:
         probe = lease.probe
-        if self.found[hid] is None and probe is not None and probe.agreed is not None:
+        if self.found.get(hid, 0) is None and probe is not None and probe.agreed is not None:
             self.found[hid] = probe.agreed
         if lease.load is None:
             # waiting on storage: never stopped early, the hint wants every page it named
