@@ -156,3 +156,17 @@ def test_reset_forgets_pins() -> None:
 def test_pin_spec_rejects_a_bad_ttl() -> None:
     with pytest.raises(ValueError, match="7200"):
         PinSpec(64, 7200.0)
+
+
+def test_a_pinned_page_without_a_host_copy_gives_way_by_demotion() -> None:
+    """write_back: the pinned pages have no host copy; a request needing the whole device
+    demotes them to the host tier (which keeps them pinned) instead of waiting for ever."""
+    cache, mover = make_cache(device=8, host=16, storage=False, write_policy="write_back")
+    a = seq(1, 4)
+    serve_pinned(cache, mover, a, 4)
+    assert cache.match(a).device_pages == 4 and cache.counters.pages_moved["device->host"] == 0
+    assert serve(cache, mover, seq(2, 8)) == (0, 0, 0)
+    cache.drain()
+    m = cache.match(a)
+    assert (m.device_pages, m.host_pages) == (0, 4) and cache.pins.pinned == 4
+    assert serve_pinned(cache, mover, a, 4)[0] == (0, 4, 0)  # content checked

@@ -106,18 +106,23 @@ class Tiers:
 
     def evict_device(self, n: int) -> None:
         """Free at least n device pages (some only once their demotion copy lands): unpinned
-        pages first; pinned ones (their host copy stays) only when those are not enough, or
-        while the pinned pages on the device are over their share of it."""
+        pages first (and pinned ones with a host copy while the pinned pages hold more than
+        their share of the device); then any pinned page: a pin never keeps a request out (its
+        page is demoted to the host tier, which keeps it, or at worst dropped with its pin)."""
         goal_free = self.device.num_free + n  # pages already being freed count toward it
         self._evict_device_pass(goal_free, self.pinned_device_over())
-        self._evict_device_pass(goal_free, True)
+        self._evict_device_pass(goal_free, True, host_copy_only=False)
 
     def _evict_unpinned(self, n: int) -> None:
         self._evict_device_pass(self.device.num_free + n, self.pinned_device_over())
 
-    def _evict_device_pass(self, goal_free: int, take_kept: bool) -> None:
+    def _evict_device_pass(
+        self, goal_free: int, take_kept: bool, host_copy_only: bool = True
+    ) -> None:
         def may_take(node: Node) -> bool:
-            return not node.busy and (node.keep == 0 or (take_kept and node.host is not None))
+            if node.busy:
+                return False
+            return not node.keep or (take_kept and (node.host is not None or not host_copy_only))
 
         skipped: list[Node] = []
         while (need := goal_free - self.device.num_free - self.freeing) > 0:
