@@ -154,6 +154,7 @@ class KVManager:
         return req.lease is not None
 
     def _ns(self, req: Request) -> Namespace:
+        """The request's key namespace (its cache_salt's)."""
         return self.salted(req.cache_salt)
 
     def salted(self, cache_salt: str) -> Namespace:
