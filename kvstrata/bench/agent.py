@@ -52,7 +52,11 @@ def agent_bench(
         spec = AgentSpec(**{**spec.__dict__, "sessions": sessions})
     sampler = GapSampler(inter_turn_gaps_s(find_trace(trace)), spec.gap_scale, spec.gap_cap_s, 0)
     path = resolve_model_path(EngineConfig(model=model or ""))
-    out_dir = out or Path("kvstrata-out")
+    return run_agent(spec, path, sampler, out or Path("kvstrata-out"))
+
+
+def run_agent(spec: AgentSpec, path: Path, sampler: GapSampler, out_dir: Path) -> dict[str, Any]:
+    """The three arms, one fresh server each, and the ratios to the no-hints arm."""
     out_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"model": str(path), "spec": dict(spec.__dict__)}
     for arm in ARMS:
