@@ -66,11 +66,13 @@ class HiCache:
         # client pins: within pin_budget of the host pool (the device one without a host tier)
         pool = config.host_pages if host is not None else config.device_pages
         self.pins = PinBook(
-            self.tree, int(config.pin_budget * pool), self.tiers.touched, self.counters.pins
+            self.tree,
+            int(config.pin_budget * pool),
+            int(config.pin_budget * config.device_pages),
+            self.tiers.touched,
+            self.counters.pins,
         )
-        device_share = int(config.pin_budget * config.device_pages)
-        self.tiers.pinned_device_over = lambda: self.pins.device_over(device_share)
-        self.tiers.lose_pins = self.pins.lose
+        self.tiers.pins = self.pins
         self.owned: set[int] = set()  # device pages held by running requests, not in the tree
         self.resets = 0  # prefix-cache resets so far (agreed: every rank resets at one step)
 

@@ -61,10 +61,13 @@ class PinBook:
         self,
         tree: RadixTree,
         limit_pages: int,
+        device_share: int,
         touched: Callable[[Node], None],
         counts: PinCounts | None = None,
     ) -> None:
-        self.tree, self.limit = tree, limit_pages
+        """limit_pages: the budget (distinct pinned pages); device_share: the device pages
+        pinned ones may hold before they lose their place there first."""
+        self.tree, self.limit, self.device_share = tree, limit_pages, device_share
         self.touched = touched  # an unpinned node may have become an eviction candidate
         self.pins: dict[Node, Pin] = {}  # by the node that ends the pinned prefix
         self.pinned = 0  # distinct pages under some pin
@@ -147,9 +150,9 @@ class PinBook:
                 seen.add(id(n))
                 yield n
 
-    def device_over(self, share: int) -> bool:
-        """Pinned pages hold more than `share` device pages (the device may take theirs)."""
-        return bool(self.pins) and self.pages_by_tier()["device"] > share
+    def device_over(self) -> bool:
+        """Pinned pages hold more than their share of the device (it may take theirs first)."""
+        return bool(self.pins) and self.pages_by_tier()["device"] > self.device_share
 
     def pages_by_tier(self) -> dict[str, int]:
         out = {"device": 0, "host": 0}

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.cache.eviction import TierQueue
+from kvstrata.cache.pins import PinBook
 from kvstrata.cache.policies import Priority, WritePolicy
 from kvstrata.cache.radix import Node, RadixTree
 
@@ -68,10 +69,7 @@ class Tiers:
         self.device_q = TierQueue(_device_candidate, priority)
         self.host_q = TierQueue(_host_candidate, priority)
         self.freeing = 0  # device pages whose demotion copy is in flight
-        # whether pinned pages hold more of the device than their budget (cache/pins.py)
-        self.pinned_device_over: Callable[[], bool] = lambda: False
-        # lets go of the pins over a node about to leave every tier (cache/pins.py)
-        self.lose_pins: Callable[[Node], None] = lambda node: None
+        self.pins: PinBook | None = None  # client pins (the manager's), read by eviction
         self._requeued_at: tuple[int, int] = (-1, -1)
 
     def touched(self, node: Node | None) -> None:
@@ -110,11 +108,16 @@ class Tiers:
         their share of the device); then any pinned page: a pin never keeps a request out (its
         page is demoted to the host tier, which keeps it, or at worst dropped with its pin)."""
         goal_free = self.device.num_free + n  # pages already being freed count toward it
-        self._evict_device_pass(goal_free, self.pinned_device_over())
-        self._evict_device_pass(goal_free, True, host_copy_only=False)
+        self._evict_device_pass(goal_free, self._pinned_device_over())
+        if self.pins is not None and self.pins.pins:
+            self._evict_device_pass(goal_free, True, host_copy_only=False)
 
     def _evict_unpinned(self, n: int) -> None:
-        self._evict_device_pass(self.device.num_free + n, self.pinned_device_over())
+        self._evict_device_pass(self.device.num_free + n, self._pinned_device_over())
+
+    def _pinned_device_over(self) -> bool:
+        """Pinned pages hold more of the device than their share: they may go before others."""
+        return self.pins is not None and self.pins.device_over()
 
     def _evict_device_pass(
         self, goal_free: int, take_kept: bool, host_copy_only: bool = True
@@ -169,8 +172,8 @@ class Tiers:
         node.device = None
         parent = node.parent
         if node.host is None:
-            if node.keep:  # only a caller outside eviction drops one (vLLM's transit copies)
-                self.lose_pins(node)
+            if node.keep and self.pins is not None:  # its only copy goes: so do its pins
+                self.pins.lose(node)
             self.tree.remove_leaf(node)
         else:
             self.host_q.push(node)
