@@ -31,7 +31,7 @@ QUICK = AgentSpec(
 )  # fmt: skip
 FULL = AgentSpec(
     sessions=12, turns=6, first_lines=24, tool_lines=5, max_tokens=8, gap_scale=0.03,
-    gap_cap_s=10.0, unhinted_every=4, page_size=64, device_pages=24, host_pages=48,
+    gap_cap_s=10.0, unhinted_every=4, page_size=64, device_pages=24, host_pages=96,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server
 
