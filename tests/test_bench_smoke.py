@@ -145,6 +145,7 @@ COVERED_ELSEWHERE = {
     "sglang": "tests/test_sglang_storage.py",
     "vllm": "tests/test_bench_vllm.py",
     "decode": "tests/test_bench_serve.py",
+    "agent": "tests/test_bench_agent.py",
 }
 """Benches whose --quick run has its own test (they need servers, ranks or a draft)."""
 

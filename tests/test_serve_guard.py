@@ -76,6 +76,8 @@ def test_openai_client_needs_the_key(server: Server) -> None:
         ("POST", "/reset_prefix_cache?reset_external=true"),
         ("GET", "/debug/integrity"),
         ("GET", "/debug/blocks"),
+        ("POST", "/v1/kv/prefetch"),
+        ("GET", "/debug/pins"),
         ("GET", "/docs"),
         ("GET", "/openapi.json"),
     ],

@@ -24,6 +24,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.ttft",
     "kvstrata.bench.admission",
     "kvstrata.bench.serve_bench",
+    "kvstrata.bench.agent",
     "kvstrata.bench.parallel",
     "kvstrata.bench.spec",
     "kvstrata.bench.prefill",

@@ -19,6 +19,19 @@ def _zeros(names: tuple[str, ...] | list[str]) -> dict[str, int]:
 
 
 @dataclass
+class PinCounts:
+    """Monotone pin counters, and the pinned pages per tier as of the last step."""
+
+    made: int = 0
+    renewed: int = 0
+    expired: int = 0
+    dropped_for_budget: int = 0  # older pins that made room for newer ones
+    refused_for_budget: int = 0  # pins larger than the whole budget
+    lost: int = 0  # pins whose pages had no copy left to keep (vLLM's transit pages)
+    pinned_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+
+
+@dataclass
 class CacheCounters:
     """Monotone counters; tokens are pages x page size."""
 
@@ -39,6 +52,8 @@ class CacheCounters:
     failed_pages: dict[str, int] = field(default_factory=lambda: _zeros(list(DIRECTIONS.values())))
     unwritten_bytes: int = 0
     """Bytes of backed-up pages that storage held already (kept, not written): not moved."""
+    pins: PinCounts = field(default_factory=PinCounts)
+    """Client pins (cache/pins.py): made, renewed, expired, dropped or refused for budget."""
 
     def record_request(self, prompt_pages: int, device: int, host: int, storage: int) -> None:
         self.requests += 1

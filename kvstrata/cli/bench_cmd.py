@@ -14,7 +14,9 @@ from rich.table import Table
 from kvstrata.bench.registry import load_benches
 from kvstrata.cli import validate
 
-BENCH_OPTIONS = ("url", "sessions", "concurrency", "model", "out", "vllm_url", "vllm_bf16_url")
+BENCH_OPTIONS = (
+    "url", "sessions", "concurrency", "model", "out", "vllm_url", "vllm_bf16_url", "trace",
+)  # fmt: skip
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +44,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="bench decode: a vLLM server of the same checkpoint with --dtype bfloat16, "
         "for the bf16 rows (--vllm-url then serves the fp32 rows)",
+    )
+    agent = p.add_argument_group("bench agent", "options of the agent benchmark only")
+    agent.add_argument(
+        "--trace",
+        default=None,
+        help="the Mooncake trace whose inter-turn gaps the tool calls take (default: "
+        "shared/data/mooncake_synthetic_trace.jsonl near the repository)",
     )
     p.set_defaults(func=run)
 

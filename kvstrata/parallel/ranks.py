@@ -87,12 +87,16 @@ class RankOptions:
 
 
 def tree_digest(cache: HiCache) -> int:
-    """63-bit digest of the whole tree: keys and every tier's page ids, children by key."""
+    """63-bit digest of the whole tree: keys, every tier's page ids, locks and pins (copies'
+    and clients'), children by key."""
     h = xxhash.xxh3_64()
     stack: list[tuple[int, Node]] = [(0, cache.tree.root)]
     while stack:
         depth, node = stack.pop()
-        rec = (depth, node.keys, node.device, node.host, node.in_storage, node.lock_ref, node.pins)
+        rec = (
+            depth, node.keys, node.device, node.host, node.in_storage, node.lock_ref, node.pins,
+            node.keep,
+        )  # fmt: skip
         h.update(repr(rec).encode())
         stack.extend((depth + 1, node.children[k]) for k in sorted(node.children, reverse=True))
     return h.intdigest() & MASK63

@@ -13,6 +13,7 @@ from kvstrata.engine.sampling import Sampler
 from kvstrata.http.errors import ApiError
 from kvstrata.http.sse import DONE, sse
 from kvstrata.serve import responses as R
+from kvstrata.serve.cache_hints import request_pins
 from kvstrata.serve.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -77,6 +78,7 @@ class Generation:
             sampler=Sampler(prep.sampling, self.rid),
             cache_salt=prep.cache_salt,
         )
+        self.req.pins = request_pins(body, prep.tokens, state.codec.encode_chat)
         if remote:  # P/D decode: this prefill worker computes the prompt
             self.req.kv_params = {"prefill": remote}
         self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)

@@ -244,3 +244,34 @@ class _PoolCollector(Collector):
         for tier, n in c.evictions.items():
             evicted.add_metric([self.name, tier], n)
         yield evicted
+        yield from self._pins(c)
+
+    def _pins(self, c: CacheCounters) -> Iterator[Metric]:
+        """Client pins (cache_control, kv_pin_s): pages kept per tier, and their fates."""
+        pinned = GaugeMetricFamily(
+            "kvstrata:pinned_pages",
+            "pages client pins keep, per tier",
+            labels=["model_name", "tier"],
+        )
+        for tier, n in c.pins.pinned_pages.items():
+            pinned.add_metric([self.name, tier], n)
+        yield pinned
+        p = c.pins
+        for name, doc, value in (
+            ("pins_made", "client pins that took hold", p.made),
+            ("pins_renewed", "pins whose TTL a hit or a new hint restarted", p.renewed),
+            ("pins_expired", "pins let go at the end of their TTL", p.expired),
+            (
+                "pins_dropped_for_budget",
+                "older pins let go to make room under --pin-budget",
+                p.dropped_for_budget,
+            ),
+            (
+                "pins_refused_for_budget",
+                "pins larger than the whole --pin-budget",
+                p.refused_for_budget,
+            ),
+        ):
+            fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=["model_name"])
+            fam.add_metric([self.name], value)
+            yield fam

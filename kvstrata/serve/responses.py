@@ -68,6 +68,7 @@ def usage(
         "prompt_tokens_details": {
             "cached_tokens": sum(by_tier.values()),
             "cached_tokens_by_tier": by_tier,
+            "pinned_tokens": req.pinned_pages * page_size,  # kept by its cache_control pins
         },
         **pd,  # P/D decode: what crossed from prefill
     }

@@ -177,7 +177,10 @@ class StepLoop:
             self._report(Failed(req.rid, req.failure))
         else:  # spec_*: usage.spec on the HTTP side
             hits, spec = dict(req.hits), list(req.spec_accepts)
-            done = Finished(req.rid, req.finish_reason, hits, req.transfer, spec, req.spec_proposed)
+            done = Finished(
+                req.rid, req.finish_reason, hits, req.transfer, spec, req.spec_proposed,
+                req.pinned_pages,
+            )  # fmt: skip
             self._report(done)
 
     def _fail_all(self, message: str) -> None:
