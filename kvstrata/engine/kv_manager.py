@@ -18,11 +18,10 @@ locks so they cannot keep it out for ever.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from kvstrata.cache.chain import PageChain
-from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.cache.keys import Namespace, page_keys, salted
 from kvstrata.cache.lease import Hits, Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.request import Request, State
@@ -143,11 +142,7 @@ class KVManager:
 
     def _ns(self, req: Request) -> Namespace:
         """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""
-        if not req.cache_salt:
-            return self.ns
-        return dataclasses.replace(
-            self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{req.cache_salt}"
-        )
+        return salted(self.ns, req.cache_salt)
 
     # ---- loads (host -> device, layer by layer) -------------------------------------------------
     def layer_wait(self, reqs: list[Request]) -> Callable[[int], None] | None:
