@@ -21,6 +21,7 @@ from kvstrata.serve.auth import ApiKeyGuard, resolve_api_key
 from kvstrata.serve.body import read_json_object
 from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.generate import Generation, choose_prefill, complete, stream
+from kvstrata.serve.kv_info import add_routes as kv_info_routes
 from kvstrata.serve.protocol import (
     ApiError,
     ChatMessage,
@@ -77,6 +78,7 @@ def create_app(state: ServerState) -> FastAPI:
     _token_routes(app, state)
     _cache_routes(app, state)
     pd_routes(app, state)
+    kv_info_routes(app, state)
     if state.cfg.debug_endpoints:
         _debug_routes(app, state)
     return app

@@ -96,7 +96,18 @@ def make_state(
     )
     codec = open_codec(model_path, model.vocab_size)
     spec = bool(engine_cfg.spec_draft)
-    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics, spec, pd=pd)
+    return ServerState(
+        cfg,
+        loop,
+        name,
+        str(model_path),
+        codec,
+        limits,
+        metrics,
+        spec,
+        pd=pd,
+        storage_url=cache_cfg.storage_url,
+    )
 
 
 def _pd_worker(

@@ -26,6 +26,7 @@ class ServerState:
     speculative: bool = False  # --spec-draft set: usage carries each request's `spec`
     stopping: bool = False
     pd: Any = None  # kvstrata.pd.worker.PDWorker on a prefill or decode worker
+    storage_url: str = ""  # the cache's shared store ("" without one): named in KV events' info
     aloop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
 
     def check_ready(self) -> None:
