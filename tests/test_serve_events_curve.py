@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import msgpack
 import openai
 import zmq
 import zmq.auth
 
+from kvstrata.cache.event_wire import BlockStored, decode_batch
 from kvstrata.cli.keys_cmd import write_curve_pair
 from tests.serve_helpers import TINY_ENGINE, Server, reserved_ports, subscribed
 from tests.tiny_models import make_llama
@@ -62,7 +62,7 @@ def test_only_allowed_subscribers_get_events(tmp_path: Path) -> None:
         assert subs["allowed"].poll(10_000), "the allowed subscriber got no event in 10 s"
         topic, seq, payload = subs["allowed"].recv_multipart()
         assert int.from_bytes(seq, "big") == 0
-        assert msgpack.unpackb(payload)[1][0][0] == "BlockStored"
+        assert isinstance(decode_batch(payload).events[0], BlockStored)
         # the others: their handshakes failed, so nothing was (or will be) delivered to them
         assert not subs["stranger"].poll(1000) and not subs["plain"].poll(0)
         replies = {}

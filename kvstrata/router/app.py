@@ -95,7 +95,20 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     _info_routes(app, state)
     _generate_routes(app, state)
+    if state.fleet is not None and state.cfg.debug_endpoints:
+        _fleet_debug_routes(app, state.fleet)
     return app
+
+
+def _fleet_debug_routes(app: FastAPI, fleet: Fleet) -> None:
+    @app.get("/debug/fleet/blocks")
+    async def blocks() -> dict[str, dict[str, list[int]]]:
+        """Per replica in the routing set, the block hashes the index holds per medium (what the
+        replica's own /debug/blocks lists once its events are applied)."""
+        return {
+            r.url: {m: sorted(hs) for m, hs in fleet.index.blocks(r.url).items()}
+            for r in fleet.pool.live()
+        }
 
 
 def _info_routes(app: FastAPI, state: RouterState) -> None:
@@ -210,7 +223,8 @@ def _fleet_health(fleet: Fleet) -> Response:
     """200 while a replica is in the routing set (the body lists those that are not); else 503."""
     down = [url for url, r in fleet.pool.replicas.items() if not r.up]
     if len(down) == len(fleet.pool.replicas):
-        err = ApiError(503, "no replica is up: " + ", ".join(down))
+        why = "; ".join(f"{r.url}: {r.why}" for r in fleet.pool.replicas.values())
+        err = ApiError(503, "no replica is up: " + why)
         return JSONResponse(err.body(), status_code=503)
     return JSONResponse({"status": "ok", "down": down})
 

@@ -47,7 +47,7 @@ class DynamoIndexer:
         if info.get("replay_endpoint"):
             body["replay_endpoint"] = connectable(str(info["replay_endpoint"]), rep.url)
         r = await self.client.post(f"{self.url}/register", json=body)
-        if r.status_code != 200:
+        if not r.is_success:  # 201 Created
             raise ValueError(f"{self.url}/register of {rep.url}: HTTP {r.status_code}: {r.text}")
 
     async def matches(

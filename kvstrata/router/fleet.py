@@ -111,7 +111,7 @@ class Fleet:
         self.metrics.retries.labels(replica=url).inc()
         rep = self.pool.replicas.get(url)
         if rep is not None:
-            self.pool.leave(rep)
+            self.pool.leave(rep, "refused a connection")
 
     def observe(self, route: Route, url: str, usage: Any) -> None:
         """The chosen replica's usage: its cached_tokens against the prediction."""

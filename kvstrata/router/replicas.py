@@ -40,6 +40,7 @@ class Replica:
     in_flight: int = 0  # the router's own requests on it now
     subscriber: Subscriber | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    why: str = "not probed yet"  # while not up: what its last health round met
 
     @property
     def load(self) -> int:
@@ -88,14 +89,14 @@ class ReplicaPool:
                 if self.live():
                     return
                 raise ValueError(
-                    f"no replica answered /health within {self.cfg.start_timeout_s} s: "
-                    + ", ".join(self.replicas)
+                    f"no replica joined within {self.cfg.start_timeout_s} s: "
+                    + "; ".join(f"{r.url}: {r.why}" for r in self.replicas.values())
                 )
             await asyncio.sleep(0.2)
 
     def close(self) -> None:
         for r in self.replicas.values():
-            self.leave(r)
+            self.leave(r, "router stopping")
 
     # ---- internals --------------------------------------------------------------------------------
     async def _guarded(self, client: httpx.AsyncClient, rep: Replica) -> None:
@@ -104,18 +105,18 @@ class ReplicaPool:
         except Exception as exc:  # noqa: BLE001 - one replica's surprise never stops the loop
             kind = type(exc).__name__
             self.metrics.health_failures.labels(replica=rep.url, kind=kind).inc()
-            self.leave(rep)
+            self.leave(rep, f"{kind}: {exc}")
 
     async def _round(self, client: httpx.AsyncClient, rep: Replica) -> None:
         timeout = self.cfg.info_timeout_s
         try:
             health = await client.get(f"{rep.url}/health", timeout=timeout)
-            ok = health.status_code == 200
-            text = (await client.get(f"{rep.url}/metrics", timeout=timeout)).text if ok else ""
-        except httpx.HTTPError:
-            ok = False
-        if not ok:
-            self.leave(rep)
+            why = "" if health.status_code == 200 else f"/health: HTTP {health.status_code}"
+            text = "" if why else (await client.get(f"{rep.url}/metrics", timeout=timeout)).text
+        except httpx.HTTPError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if why:
+            self.leave(rep, why)
             return
         rep.polled_load = parse_load(text)
         self.metrics.load.labels(replica=rep.url).set(rep.polled_load)
@@ -148,7 +149,9 @@ class ReplicaPool:
         rep.subscriber = Subscriber(src, self.index, self.metrics, self.keys)
         rep.subscriber.start()
 
-    def leave(self, rep: Replica) -> None:
+    def leave(self, rep: Replica, why: str) -> None:
+        """Out of the routing set (`why`), its subscriber stopped and its index entries gone."""
+        rep.why = why
         if rep.subscriber is not None:
             rep.subscriber.stop()
             rep.subscriber = None
