@@ -238,7 +238,8 @@ def test_vllms_decoder_reads_every_batch(replicas: Replicas, tmp_path: Path) -> 
     media = {row[2] for _, rows in ours for row in rows if row[0] == "BlockStored"}
     assert media == {"GPU", "CPU", "DISK"}  # device, host and the shared store
     salted = [r for _, rows in ours for r in rows if r[0] == "BlockStored" and r[6][0]]
-    assert salted and all(r[6] == [["tenant-v"]] * len(r[1]) for r in salted)
+    assert all(r[6] == [r[6][0]] * len(r[1]) for r in salted)  # every block carries its salt
+    assert {"tenant-v", "tenant-a", "tenant-b"} >= {r[6][0][0] for r in salted} >= {"tenant-v"}
 
 
 def _dynamo_or_skip() -> None:
