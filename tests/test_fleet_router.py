@@ -166,6 +166,19 @@ def test_two_salts_never_share_a_match(router: str, replicas: Replicas) -> None:
     assert metric(router, "cached_tokens_predictions", outcome="unequal") == 0
 
 
+def test_round_robin_takes_turns(replicas: Replicas, tmp_path: Path) -> None:
+    rt = start_router(replicas, tmp_path / "rr.log", "--routing", "round_robin")
+    try:
+        for _ in range(4):  # one session, one prompt: still in turn
+            complete(rt.url, {"prompt": prompt(60)}, "same")
+            settle(rt.url, replicas)
+        assert [served_by(rt.url, u) for u in replicas.urls] == [2, 2]
+        assert metric(rt.url, "routing_decisions", reason="round_robin") == 4
+        assert metric(rt.url, "cached_tokens_predictions", outcome="unequal") == 0
+    finally:
+        assert rt.terminate() == 0, rt.log.read_text()
+
+
 def replayed(endpoint: str) -> list[bytes]:
     """Every batch the replica's replay socket still buffers, as published."""
     ctx = zmq.Context()

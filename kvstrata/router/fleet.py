@@ -72,14 +72,14 @@ class Fleet:
         self, client: httpx.AsyncClient, raw: bytes, headers: Mapping[str, str]
     ) -> Route:
         live = self.live()
-        prompt = await self._prompt(client, raw, headers, live[0].url)
+        self._turn += 1  # round_robin's turn, and whose /tokenize a text prompt uses
+        prompt = await self._prompt(client, raw, headers, live[self._turn % len(live)].url)
         matches = await self._matches(client, live, prompt)
         predicted = {
             r.url: matches[r.url].storage * (r.namespace.page_size if r.namespace else 0)
             for r in live
         }
         if self.cfg.routing == "round_robin":
-            self._turn += 1
             n = len(live)
             order = [live[(self._turn + i) % n].url for i in range(n)]
             return Route(order, predicted, "round_robin")
