@@ -1,8 +1,13 @@
-"""The fleet's routing rule (kvstrata/router/rule.py), exact cases: a pure function."""
+"""The fleet's routing rule (kvstrata/router/rule.py), exact cases: a pure function; and the load
+it weighs, as read from a replica's /metrics."""
 
 from __future__ import annotations
 
+from prometheus_client import generate_latest
+
+from kvstrata.router.replicas import parse_load
 from kvstrata.router.rule import Candidate, choose, rank, session_replica
+from kvstrata.serve.metrics import ServeMetrics
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 
@@ -55,3 +60,10 @@ def test_consistent_hashing_moves_only_the_leavers_sessions() -> None:
     moved = {s for s in sessions if before[s] != after[s]}
     assert moved == {s for s in sessions if before[s] == B}
     assert 60 < len(moved) < 140  # B had about a third of them
+
+
+def test_load_is_read_from_a_replicas_metrics() -> None:
+    m = ServeMetrics("tiny")
+    m.running.labels(model_name="tiny").set(2)
+    m.waiting.labels(model_name="tiny").set(3)
+    assert parse_load(generate_latest(m.registry).decode()) == 5

@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvstrata.keyfile import read_key_file
 from kvstrata.router.config import RouterConfig
 from kvstrata.router.fleet import Fleet, Route
-from kvstrata.router.fleet_start import make_fleet, start_fleet
+from kvstrata.router.fleet_start import make_fleet, start_fleet, use_client
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.upstream import INFO_PATH, Upstreams
 from kvstrata.router.usage_watch import UsageWatch
@@ -77,7 +77,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
             state.client = client
             if state.fleet is not None:
-                await start_fleet(state.fleet, client)
+                use_client(state.fleet, client)
             watch = asyncio.ensure_future(_watch_health(state))
             try:
                 yield
@@ -470,6 +470,8 @@ def serve_router(cfg: ServeConfig, rcfg: RouterConfig) -> int:
     fleet = make_fleet(rcfg, metrics.registry, cfg.served_model_name) if rcfg.fleet else None
     if fleet is None:
         up.check_roles()
+    else:
+        start_fleet(fleet, up.headers)
     state = RouterState(cfg, up, metrics, api_key=api_key, fleet=fleet)
     config = uvicorn.Config(
         create_router_app(state),

@@ -3,6 +3,8 @@ Dynamo's indexer client, which every replica is registered with (again) as it jo
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx2 as httpx
 from prometheus_client import CollectorRegistry
 
@@ -29,8 +31,20 @@ def make_fleet(cfg: RouterConfig, registry: CollectorRegistry, model_name: str) 
     return fleet
 
 
-async def start_fleet(fleet: Fleet, client: httpx.AsyncClient) -> None:
-    """Bounded by start_timeout_s: every replica read (or, past it, at least one)."""
+def start_fleet(fleet: Fleet, headers: dict[str, str]) -> None:
+    """Before the router serves, bounded by start_timeout_s: every replica read and joined (or,
+    past it, at least one; else ValueError naming why each did not)."""
+
+    async def wait() -> None:
+        timeout = httpx.Timeout(fleet.cfg.info_timeout_s, connect=fleet.cfg.connect_timeout_s)
+        async with httpx.AsyncClient(timeout=timeout, headers=headers) as client:
+            use_client(fleet, client)
+            await fleet.pool.wait_any(client)
+
+    asyncio.run(wait())
+
+
+def use_client(fleet: Fleet, client: httpx.AsyncClient) -> None:
+    """The HTTP client the fleet's parts talk through from now on (the router's, once it serves)."""
     if fleet.indexer is not None:
         fleet.indexer.client = client
-    await fleet.pool.wait_any(client)

@@ -57,12 +57,19 @@ class FleetMetrics:
     """A fleet router's own series (beside RouterMetrics' requests per worker and latencies)."""
 
     def __init__(self, reg: CollectorRegistry) -> None:
-        def counter(name: str, doc: str, labels: list[str]) -> Counter:
-            return Counter(f"kvstrata:router_{name}", doc, labels, registry=reg)
+        self.reg = reg
+        self._request_series()
+        self._stream_series()
 
-        def gauge(name: str, doc: str, labels: list[str]) -> Gauge:
-            return Gauge(f"kvstrata:router_{name}", doc, labels, registry=reg)
+    def counter(self, name: str, doc: str, labels: list[str]) -> Counter:
+        return Counter(f"kvstrata:router_{name}", doc, labels, registry=self.reg)
 
+    def gauge(self, name: str, doc: str, labels: list[str]) -> Gauge:
+        return Gauge(f"kvstrata:router_{name}", doc, labels, registry=self.reg)
+
+    def _request_series(self) -> None:
+        """What each request was predicted, reported and routed by."""
+        counter = self.counter
         self.predictions = counter(
             "cached_tokens_predictions",
             "answered requests by whether the cached_tokens the router predicted for the replica "
@@ -86,6 +93,10 @@ class FleetMetrics:
             "prefix: the session's hash), load (no prefix, no session), round_robin",
             ["reason"],
         )
+
+    def _stream_series(self) -> None:
+        """The routing set, the index, the event streams and the background loops."""
+        counter, gauge = self.counter, self.gauge
         self.index_pages = gauge(
             "index_pages", "pages in the router's index per medium, over every replica", ["medium"]
         )
