@@ -142,8 +142,17 @@ def test_sessions_follow_their_pages_and_predictions_hold(router: str, replicas:
         assert r.status_code == 200, r.text
         settle(router, replicas)
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # a stream: its usage chunk is read as the bytes pass
+    body = {"model": "tiny", "prompt": prompt(0) + [9], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        chunks = [json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: {")]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert usage[-1]["prompt_tokens_details"]["cached_tokens"] == 40
+    settle(router, replicas)
     assert metric(router, "cached_tokens_predictions", outcome="unequal") == 0
-    assert metric(router, "cached_tokens_predictions", outcome="equal") == 6
+    assert metric(router, "cached_tokens_predictions", outcome="equal") == 7
     assert metric(router, "predicted_cached_tokens") == metric(router, "reported_cached_tokens") > 0
 
 
