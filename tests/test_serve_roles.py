@@ -15,7 +15,9 @@ ROUTER_OPTIONS = {
     "--role", "--router-info-timeout-s", "--router-start-timeout-s", "--router-connect-timeout-s",
     "--router-read-timeout-s", "--router-down-s", "--router-health-interval-s",
     "--router-require-info", "--prefill", "--decode", "--api-key", "--api-key-file",
-    "--router-worker-api-key-file",
+    "--router-worker-api-key-file", "--replicas", "--routing", "--kv-indexer-url",
+    "--router-load-weight", "--router-kv-events-curve-secret-file",
+    "--router-kv-events-curve-peers-dir", "--debug-endpoints",
 }  # fmt: skip
 DEBUG_OPTIONS = ("--parent-pid", "--debug-endpoints", "--inject-divergence",
                  "--storage-emulate-read-s-per-page")  # fmt: skip
