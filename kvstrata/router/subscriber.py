@@ -73,10 +73,10 @@ class Subscriber(threading.Thread):
         self.ctx = zmq.Context()
         self.next = 0  # the sequence number expected next
         self.seen: OrderedDict[int, int] = OrderedDict()  # seq -> xxh64 of its payload
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     # ---- the thread -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -85,7 +85,7 @@ class Subscriber(threading.Thread):
         sub.connect(self.src.endpoint)
         try:
             self._guarded(lambda: self._replay(0))
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 if sub.poll(POLL_MS):
                     self._on_message(sub.recv_multipart())
         finally:
@@ -117,30 +117,32 @@ class Subscriber(threading.Thread):
             self.metrics.event_failures.labels(replica=self.src.replica, kind=kind).inc()
 
     def _take(self, seq: int, payload: bytes, live: bool) -> None:
+        """Apply batch `seq` once, in order (a gap filled from the replay socket first)."""
         digest = xxhash.xxh64_intdigest(payload)
         if seq < self.next:
             if self.seen.get(seq, digest) == digest:
                 return  # the overlap of a replay with the live stream
             self._restart()  # the same number with other bytes: a new publisher
-            return
+            if seq < self.next:
+                return  # its replay brought this one
         if seq > self.next and live:
             self.metrics.event_gaps.labels(replica=self.src.replica).inc()
             self._replay(self.next)
             if seq < self.next:
                 return  # the replay brought it
-            if seq > self.next:  # the buffer no longer holds the missing batches: start over
-                self._restart()
+            if seq > self.next and self.src.replay_endpoint is not None:
+                self._restart()  # the buffer no longer holds the missing batches: start over
                 return
-        batch = decode_batch(payload)
-        self.index.apply(self.src.replica, batch)
-        self.next = seq + 1
+        self.next = seq + 1  # passed even if it fails below: one bad batch is skipped, once
         self.seen[seq] = digest
         while len(self.seen) > SEEN:
             self.seen.popitem(last=False)
+        batch = decode_batch(payload)  # an EventWireError is counted by the caller
+        self.index.apply(self.src.replica, batch)
         self.metrics.events_applied.labels(replica=self.src.replica).inc()
-        self.metrics.event_lag.labels(replica=self.src.replica).set(
-            max(0.0, time.time() - batch.ts)
-        )
+        if live:  # a replayed batch is old by design
+            lag = max(0.0, time.time() - batch.ts)
+            self.metrics.event_lag.labels(replica=self.src.replica).set(lag)
 
     def _restart(self) -> None:
         """Rebuild the replica's entries from everything its replay socket buffers."""
@@ -159,7 +161,7 @@ class Subscriber(threading.Thread):
         dealer.connect(self.src.replay_endpoint)
         try:
             dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 if not dealer.poll(REPLAY_TIMEOUT_MS):
                     raise TimeoutError(
                         f"replay socket {self.src.replay_endpoint} sent nothing for "
@@ -168,7 +170,7 @@ class Subscriber(threading.Thread):
                 frames = dealer.recv_multipart()
                 if frames[-2] == END_SEQ:
                     return
-                seq = int.from_bytes(frames[-2], "big")
-                self._take(seq, frames[-1], live=False)
+                seq, payload = int.from_bytes(frames[-2], "big"), frames[-1]
+                self._guarded(lambda: self._take(seq, payload, live=False))  # noqa: B023
         finally:
             dealer.close()
