@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 import xxhash
+import zmq.auth
 from fastapi import FastAPI
 
 from kvstrata.serve.protocol import ApiError
@@ -36,8 +37,6 @@ def curve_public(secret_file: str) -> str | None:
     """The z85 public key of a CURVE secret key file (None without CURVE)."""
     if not secret_file:
         return None
-    import zmq.auth
-
     public, _ = zmq.auth.load_certificate(secret_file)
     return public.decode()
 
