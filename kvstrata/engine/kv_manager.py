@@ -18,11 +18,10 @@ locks so they cannot keep it out for ever.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from kvstrata.cache.chain import PageChain
-from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.cache.keys import Namespace, page_keys, salted
 from kvstrata.cache.lease import Hits, Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.prefetch_hints import HintAnswer, PrefetchHints
@@ -154,21 +153,15 @@ class KVManager:
         return req.lease is not None
 
     def _ns(self, req: Request) -> Namespace:
-        """The request's key namespace (its cache_salt's)."""
-        return self.salted(req.cache_salt)
-
-    def salted(self, cache_salt: str) -> Namespace:
-        """A request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""
-        if not cache_salt:
-            return self.ns
-        return dataclasses.replace(self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{cache_salt}")
+        """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""
+        return salted(self.ns, req.cache_salt)
 
     # ---- prefetch hints (engine/prefetch_hints.py) ----------------------------------------------
     def hint(self, tokens: list[int], cache_salt: str, now_s: float) -> HintAnswer | None:
         """Start bringing these tokens' pages up the tiers (None: no cache)."""
         if self.hints is None:
             return None
-        return self.hints.start(tokens, self.salted(cache_salt), now_s)
+        return self.hints.start(tokens, salted(self.ns, cache_salt), now_s)
 
     # ---- loads (host -> device, layer by layer) -------------------------------------------------
     def layer_wait(self, reqs: list[Request]) -> Callable[[int], None] | None:

@@ -104,7 +104,17 @@ def make_state(
     codec = open_codec(model_path, model.vocab_size)
     spec = bool(engine_cfg.spec_draft)
     return ServerState(
-        cfg, loop, name, str(model_path), codec, limits, metrics, spec, pd=pd, listeners=listeners
+        cfg,
+        loop,
+        name,
+        str(model_path),
+        codec,
+        limits,
+        metrics,
+        spec,
+        pd=pd,
+        storage_url=cache_cfg.storage_url,
+        listeners=listeners,
     )
 
 

@@ -29,6 +29,7 @@ class ServerState:
     stopping: bool = False
     pd: Any = None  # kvstrata.pd.worker.PDWorker on a prefill or decode worker
     listeners: Listeners = field(default_factory=Listeners)  # the process's listener threads
+    storage_url: str = ""  # the cache's shared store ("" without one): named in KV events' info
     aloop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
 
     def check_ready(self) -> None:

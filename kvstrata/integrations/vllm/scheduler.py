@@ -30,14 +30,13 @@ reads a block vLLM may have reused.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.cache.chain import PageChain
 from kvstrata.cache.config import CacheConfig
-from kvstrata.cache.keys import Namespace
+from kvstrata.cache.keys import Namespace, salted
 from kvstrata.cache.lease import Lease, LeaseState
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Match, Node
@@ -150,10 +149,7 @@ class SchedulerSide:
 
     def _namespace(self, request: Any) -> Namespace:
         """The request's cache_salt joins the tenant salt: two salts never share a page."""
-        salt = getattr(request, "cache_salt", None)
-        if not salt:
-            return self.ns
-        return dataclasses.replace(self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{salt}")
+        return salted(self.ns, getattr(request, "cache_salt", None) or "")
 
     def _loadable(self, m: Match, num_computed: int) -> int:
         """Tokens past vLLM's hit that host memory provides: the match, unless a page past vLLM's
@@ -225,7 +221,11 @@ class SchedulerSide:
         self._drop_transit()
         if self.events is not None:  # the token ids of every page a live lease knows
             for st in self.requests.values():
-                self.events.record(st.lease.keys, st.request.all_token_ids)
+                self.events.record(
+                    st.lease.keys,
+                    st.request.all_token_ids,
+                    salt=getattr(st.request, "cache_salt", None) or "",
+                )
         jobs = self.mover.take_jobs()
         jobs.failed_blocks = sorted(self.load_errors)
         self.load_errors.clear()
