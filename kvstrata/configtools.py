@@ -45,6 +45,32 @@ def debug_group(parser: argparse.ArgumentParser) -> Any:
     )
 
 
+def _config_group(
+    parser: argparse.ArgumentParser, cls: type, name: str, made: dict[str, Any]
+) -> Any:
+    """The help group of `cls` (name "") or of its fields marked `group=name`."""
+    if name not in made:
+        about = (cls.__doc__ or "").strip().splitlines()[0]
+        title = f"{cls.__name__}: {name}" if name else cls.__name__
+        made[name] = parser.add_argument_group(title, None if name else about)
+    return made[name]
+
+
+def _cli_fields(
+    cls: type, exclude: tuple[str, ...], only: tuple[str, ...] | None
+) -> list[dataclasses.Field]:
+    """The fields of `cls` on the command line, those in no named group first (the config's own
+    group is then listed before its named ones)."""
+    chosen = [
+        f
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("cli") is not False
+        and f.name not in exclude
+        and (only is None or f.name in only)
+    ]
+    return sorted(chosen, key=lambda f: bool(f.metadata.get("group")))
+
+
 def add_config_args(
     parser: argparse.ArgumentParser,
     cls: type,
@@ -53,20 +79,15 @@ def add_config_args(
     only: tuple[str, ...] | None = None,
 ) -> None:
     """Add one `--prefix-field-name` option per field of the dataclass `cls` (but `exclude`;
-    with `only`, just those fields). Fields marked debug go to the parser's debug group."""
+    with `only`, just those fields). Fields marked debug go to the parser's debug group; fields
+    marked `group=NAME` to the config's group of that name ("Cls: NAME")."""
     hints = get_type_hints(cls)
-    own = None  # made at its first field: a config whose fields are all debug shows no group
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("cli") is False or f.name in exclude:
-            continue
-        if only is not None and f.name not in only:
-            continue
+    groups: dict[str, Any] = {}  # made at their first field: no empty group is shown
+    for f in _cli_fields(cls, exclude, only):
         if f.metadata.get("debug"):
             group = debug_group(parser)
         else:
-            title, about = cls.__name__, (cls.__doc__ or "").strip().splitlines()[0]
-            own = own or parser.add_argument_group(title, about)
-            group = own
+            group = _config_group(parser, cls, f.metadata.get("group", ""), groups)
         name = "--" + (prefix + f.name).replace("_", "-")
         tp = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]

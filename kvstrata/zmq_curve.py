@@ -10,6 +10,7 @@ it reaches the socket's owner.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,3 +73,19 @@ def authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
     auth.start()
     auth.configure_curve(domain="*", location=keys.peers_dir)
     return auth
+
+
+def write_curve_pair(directory: Path, name: str) -> tuple[Path, Path]:
+    """(public file, secret file) of a fresh CURVE key pair (ValueError if either exists)."""
+    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+    for p in (public, secret):
+        if p.exists():
+            raise ValueError(f"{p} exists; remove it first to make a new key pair")
+    directory.mkdir(mode=0o700, parents=False, exist_ok=True)
+    old = os.umask(0o077)  # the secret file is owner-only from its first byte
+    try:
+        made = zmq.auth.create_certificates(str(directory), name)
+    finally:
+        os.umask(old)
+    os.chmod(made[0], 0o644)  # the public half is meant to be handed out
+    return Path(made[0]), Path(made[1])

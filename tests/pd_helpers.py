@@ -17,6 +17,7 @@ import numpy as np
 
 from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.local_ports import PortTaken, free_port
+from kvstrata.pd.local_keys import local_keys
 from kvstrata.pd.transport import TRANSPORTS
 from kvstrata.pd.wire import (
     Frames,
@@ -34,6 +35,11 @@ from kvstrata.zmq_curve import CurveKeys
 from tests.serve_helpers import TINY_ENGINE, Server
 
 PAGE = 8
+
+
+INSECURE = "--pd-insecure"
+"""For modules that corrupt the link itself (CuttableRelay): under CURVE (the default) its MAC
+drops a flipped bit before the hand-off's own checksums could see it."""
 
 
 def worker_args(ckpt: Path, *extra: str, store: Path | None = None) -> list[str]:
@@ -168,6 +174,7 @@ def raw_handoff(
     pull: Callable[[dict[str, Any]], Frames | None] = no_pages,
     extra: dict[str, Any] | None = None,
     curve: CurveKeys | None = None,
+    insecure: bool = False,
 ) -> tuple[dict[str, Any], Frames]:
     """Ask a prefill worker for a hand-off as decode would: its answer (a refusal, or the pages
     with the logits row; pages sent layer by layer are put together and re-framed as one
@@ -176,7 +183,10 @@ def raw_handoff(
     pull: the reply to each of prefill's `pull` headers (None: stay silent, as a dead decode
     would). The header returned lists the pulls asked: "pulls": [[first_page, end_page], ...].
     extra: more hand-off fields (under cp: "owners"). curve: this client's CURVE keys (the
-    worker's own key must be among their peers)."""
+    worker's own key must be among their peers); default: this user's own pair, which workers
+    started without --pd-curve-* use (kvstrata/pd/local_keys.py); insecure: no CURVE (a
+    worker started with --pd-insecure)."""
+    curve = None if insecure else curve or local_curve()
     n_layers, page_bytes = part or (layout["layers"], layout["page_bytes"])
     ask = dict(tokens=tokens, salt=salt, keys=pack_keys(keys), layout=layout, **(extra or {}))
     transport = TRANSPORTS.create("zmq", **({"curve": curve} if curve else {}))
@@ -195,6 +205,11 @@ def raw_handoff(
         )
         head = {**read_header(frames), "layer_messages": len(layers)}
     return {**head, "pulls": pulls}, frames
+
+
+def local_curve() -> CurveKeys:
+    """This user's P/D key pair, as a worker started without --pd-curve-* loads it."""
+    return CurveKeys.load(*local_keys(), "this user's P/D keys")
 
 
 def keys_of(layout: dict[str, Any], tokens: list[int]) -> list[int]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import re
+import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -11,6 +13,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvstrata.cache.event_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvstrata.local_ports import free_port, refused_port, reserved_port
 from kvstrata.serve.process import ServerProcess
 
@@ -19,7 +22,7 @@ TINY_ENGINE = [
 ]  # fmt: skip
 __all__ = [
     "TINY_ENGINE", "Server", "alive", "apply_events", "free_port", "metrics_when", "refused_port",
-    "reserved_ports", "subscribed",
+    "raw_http", "read_reply", "reserved_ports", "subscribed", "trickle",
 ]  # fmt: skip
 
 
@@ -44,22 +47,22 @@ class Server(ServerProcess):
 
 
 def apply_events(batch: bytes, held: dict[str, set[int]], page: int = 8) -> None:
-    """Apply one KV event batch (vLLM wire format) to per-medium block sets, checking its shape."""
-    ts, events, dp_rank = msgpack.unpackb(batch)
-    assert isinstance(ts, float) and dp_rank == 0
-    for ev in events:
-        if ev[0] == "BlockStored":
-            _, hashes, parent, tokens, block_size, lora, medium = ev
-            assert block_size == page and lora is None
-            assert parent is None or isinstance(parent, int)
-            assert len(tokens) in (0, page * len(hashes))
-            held[medium].update(hashes)
-        elif ev[0] == "BlockRemoved":
-            _, hashes, medium = ev
-            assert set(hashes) <= held[medium]  # only what was stored is removed
-            held[medium].difference_update(hashes)
+    """Apply one KV event batch (either wire format) to per-medium block sets, checking its
+    shape."""
+    assert isinstance(msgpack.unpackb(batch)[0], float)
+    decoded = decode_batch(batch)
+    assert decoded.data_parallel_rank == 0
+    for ev in decoded.events:
+        if isinstance(ev, BlockStored):
+            assert ev.block_size == page and ev.lora_name is None
+            assert ev.parent_block_hash is None or isinstance(ev.parent_block_hash, int)
+            assert len(ev.token_ids) in (0, page * len(ev.block_hashes))
+            held[ev.medium].update(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            assert set(ev.block_hashes) <= held[ev.medium]  # only what was stored is removed
+            held[ev.medium].difference_update(ev.block_hashes)
         else:
-            assert ev == ["AllBlocksCleared"]
+            assert isinstance(ev, AllBlocksCleared)
             for s in held.values():
                 s.clear()
 
@@ -110,3 +113,49 @@ def reserved_ports(n: int) -> Iterator[tuple[int, ...]]:
     while the server starts and binds them (libzmq binds with SO_REUSEADDR)."""
     with contextlib.ExitStack() as held:
         yield tuple(held.enter_context(reserved_port()) for _ in range(n))
+
+
+def raw_http(port: int, head: str, body: bytes = b"") -> str:
+    """Send `head` + `body` on a fresh socket; the whole reply (head and body) as text."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        return read_reply(sock)
+
+
+def read_reply(sock: socket.socket) -> str:
+    """One HTTP reply from `sock`, or what came before the server closed it."""
+    reply = b""
+    while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _length(reply):
+        got = sock.recv(1 << 16)  # the head and body may come in separate segments
+        if not got:
+            break
+        reply += got
+    return reply.decode(errors="replace")
+
+
+def _length(reply: bytes) -> int:
+    """The Content-Length of a reply's head (0 when it has none)."""
+    m = re.search(rb"(?im)^content-length: *(\d+)", reply)
+    return int(m.group(1)) if m else 0
+
+
+def trickle(sock: socket.socket, data: bytes, limit_s: float) -> tuple[str, float]:
+    """Send `data` one byte a second (a slowloris client) until the server closes `sock` or
+    `limit_s` passes; (what the server answered, seconds it took to close)."""
+    t0 = time.monotonic()
+    sock.settimeout(1.0)
+    reply = b""
+    for byte in data:
+        if time.monotonic() - t0 > limit_s:
+            break
+        try:
+            sock.sendall(bytes([byte]))
+            got = sock.recv(1 << 16)  # waits up to 1 s: the pace of the trickle
+        except TimeoutError:
+            continue
+        except OSError:  # reset: the server closed while we wrote
+            break
+        reply += got
+        if not got:
+            break
+    return reply.decode(errors="replace"), time.monotonic() - t0

@@ -123,6 +123,19 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
         ),
         False,
     ),
+    "replay_flood": (
+        frozenset(
+            {
+                "ttft_quiet_s",
+                "ttft_flood_s",
+                "ttft_quiet_after_s",
+                "flood_over_quiet",
+                "flood_requests_sent",
+                "flood_requests_answered",
+            }
+        ),
+        True,
+    ),
 }
 COVERED_ELSEWHERE = {
     "serve": "tests/test_bench_serve.py",
@@ -133,6 +146,7 @@ COVERED_ELSEWHERE = {
     "sglang": "tests/test_sglang_storage.py",
     "vllm": "tests/test_bench_vllm.py",
     "decode": "tests/test_bench_serve.py",
+    "agent": "tests/test_bench_agent.py",
 }
 """Benches whose --quick run has its own test (they need servers, ranks or a draft)."""
 

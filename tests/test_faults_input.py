@@ -232,3 +232,12 @@ def test_run_with_unreachable_redis_writes_nothing(
         )
     one_line_error(capsys, url)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("option", ["--host-pages", "--device-pages"])
+def test_serve_refuses_pools_beyond_available_memory(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    """The same rule as run's, before the engine allocates a pool (and before any port)."""
+    assert main(["serve", "--model", str(ckpt), *TINY, option, "100000000"]) == 2
+    one_line_error(capsys, option, "available")

@@ -3,7 +3,8 @@ prompt sends all its pages, a full decode hit only the last, turn 2 only the new
 decode finds in the shared storage directory nothing for those pages; a prefill refuses a layout
 mismatch (naming the field), forged keys and a claim on the last prompt token's page; an
 unreachable prefill is a 502 naming it. Every worker's pools pass the integrity check after
-each step."""
+each step. The workers run --pd-insecure: a relay corrupts the link itself, which CURVE's MAC
+would catch before the pages' own checksums (the default, CURVE: tests/test_pd_rogue.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.serve.codec import ByteCodec
 from kvstrata.storage.units import UnitLayout
 from tests.pd_helpers import (
+    INSECURE,
     PAGE,
     CuttableRelay,
     complete,
@@ -49,12 +51,12 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def workers(store: Path, ckpt: Path) -> Iterator[dict[str, Server]]:
     tmp = store.parent
-    p = (worker_args(ckpt, "--role", "prefill", store=store), tmp / "p.log")
+    p = (worker_args(ckpt, INSECURE, "--role", "prefill", store=store), tmp / "p.log")
     servers = start_all([p])
     prefill = servers[0]
     fallback = {1: [], 2: ["--pd-on-failure", "local"]}
     decode = [
-        (worker_args(ckpt, "--role", "decode", "--pd-prefill", prefill.url, "--pd-timeout-s",
+        (worker_args(ckpt, INSECURE, "--role", "decode", "--pd-prefill", prefill.url, "--pd-timeout-s",
                      "3", "--pd-trust-request-prefill", *fallback[i], store=store), tmp / f"d{i}.log")
         for i in (1, 2)
     ]  # fmt: skip
@@ -180,24 +182,28 @@ def test_prefill_checks_layout_keys_and_the_last_page(workers: dict[str, Server]
     pinfo = info(workers["p"])
     ep, lay = pinfo["transfer_endpoint"], pinfo["layout"]
     keys = _keys(lay, PROMPT_A)
-    head, frames = raw_handoff(ep, PROMPT_A, keys[:2], lay, hid="ok")
+    head, frames = raw_handoff(ep, PROMPT_A, keys[:2], lay, hid="ok", insecure=True)
     assert head["type"] == "pages" and head["first_page"] == 2 and len(frames) == 2 + 4
-    head, _ = raw_handoff(ep, PROMPT_A, keys[:2], {**lay, "page_size": 16}, hid="ps")
+    head, _ = raw_handoff(ep, PROMPT_A, keys[:2], {**lay, "page_size": 16}, hid="ps", insecure=True)
     assert head["type"] == "refused" and head["id"] == "ps"
     assert head["message"].startswith("layout mismatch: page_size is 8 here but 16 on decode")
-    head, _ = raw_handoff(ep, PROMPT_A, keys[:2], {**lay, "dtype": "bfloat16"}, hid="dt")
+    head, _ = raw_handoff(
+        ep, PROMPT_A, keys[:2], {**lay, "dtype": "bfloat16"}, hid="dt", insecure=True
+    )
     assert "layout mismatch: dtype" in head["message"]
     forged = [keys[0], keys[1] ^ 1]
-    head, _ = raw_handoff(ep, PROMPT_A, forged, lay, hid="forged")
+    head, _ = raw_handoff(ep, PROMPT_A, forged, lay, hid="forged", insecure=True)
     assert head["type"] == "refused" and "page 1: decode's key does not match" in head["message"]
-    head, _ = raw_handoff(ep, PROMPT_A, keys[:2], lay, salt="tenant-b", hid="salt")
+    head, _ = raw_handoff(ep, PROMPT_A, keys[:2], lay, salt="tenant-b", hid="salt", insecure=True)
     assert head["type"] == "refused" and "page 0" in head["message"]  # other namespace
     salted = _keys(lay, PROMPT_A, salt="tenant-b")
-    head, _ = raw_handoff(ep, PROMPT_A, salted[:2], lay, salt="tenant-b", hid="salt-ok")
+    head, _ = raw_handoff(
+        ep, PROMPT_A, salted[:2], lay, salt="tenant-b", hid="salt-ok", insecure=True
+    )
     assert head["type"] == "pages" and head["pulls"] == [[0, 2]]  # answered with no page
     assert head["computed_tokens"] == 41  # so prefill computed them
     whole = PROMPT_A[:40] + [9] * 8  # 48 tokens: 6 full pages, the 6th holds the last token
-    head, _ = raw_handoff(ep, whole, _keys(lay, whole), lay, hid="last")
+    head, _ = raw_handoff(ep, whole, _keys(lay, whole), lay, hid="last", insecure=True)
     assert head["type"] == "refused" and "at most 5" in head["message"]
     check_all(workers)
 

@@ -3,7 +3,9 @@ on 127.0.0.1 (two prefill workers, one decode, no shared storage). Turn 2 of a s
 worker that never saw turn 1 pulls exactly decode's held pages and computes only the new tokens;
 asked again it hits its own cache. A raw decode-side client checks the logits against
 recompute, a corrupted pulled page (recomputed, never used), and a decode that goes silent
-mid-pull (prefill's lease ends, every page comes back). Integrity checks after each step."""
+mid-pull (prefill's lease ends, every page comes back). Integrity checks after each step.
+The workers run --pd-insecure and --pd-trust-pulled: a relay corrupts the link itself, which
+CURVE's MAC would catch before the pages' own checksums; and the decode worker is ours."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from kvstrata.pd.wire import Frames, pulled_message, read_pages
 from kvstrata.serve.codec import ByteCodec
 from tests.pd_helpers import (
+    INSECURE,
     PAGE,
     CuttableRelay,
     complete,
@@ -45,14 +48,15 @@ CKPT = {"seed": 3, "max_position_embeddings": 512}
 def workers(tmp_path_factory: pytest.TempPathFactory, ckpt: Path) -> Iterator[dict[str, Server]]:
     tmp = tmp_path_factory.mktemp("pdpull")
     slow = ["--pd-timeout-s", str(TIMEOUT_S)]
+    trust = "--pd-trust-pulled"  # the decode worker is ours: what it sends may be cached
     p1, p2 = start_all(
         [
-            (worker_args(ckpt, "--role", "prefill"), tmp / "p1.log"),
-            (worker_args(ckpt, "--role", "prefill", *slow), tmp / "p2.log"),
+            (worker_args(ckpt, INSECURE, "--role", "prefill", trust), tmp / "p1.log"),
+            (worker_args(ckpt, INSECURE, "--role", "prefill", trust, *slow), tmp / "p2.log"),
         ]
     )
     pd = ["--pd-prefill", f"{p1.url},{p2.url}", "--pd-trust-request-prefill"]  # + relays
-    (d,) = start_all([(worker_args(ckpt, "--role", "decode", *pd), tmp / "d.log")])
+    (d,) = start_all([(worker_args(ckpt, INSECURE, "--role", "decode", *pd), tmp / "d.log")])
     yield {"p1": p1, "p2": p2, "d": d}
     for s in (p1, p2, d):
         s.stop()
@@ -156,7 +160,9 @@ def test_a_pulled_page_corrupted_on_the_link_is_recomputed(
 def _source_pages(workers: dict[str, Server], prompt: list[int]) -> list[Any]:
     """Every page of `prompt` as prefill worker 1 computes it (what a decode would hold)."""
     lay = info(workers["p1"])["layout"]
-    head, frames = raw_handoff(info(workers["p1"])["transfer_endpoint"], prompt, [], lay)
+    head, frames = raw_handoff(
+        info(workers["p1"])["transfer_endpoint"], prompt, [], lay, insecure=True
+    )
     return read_pages(head, frames, lay["page_bytes"]).pages
 
 
@@ -181,7 +187,9 @@ def test_pulled_pages_give_recompute_logits_and_a_corrupted_one_is_recomputed(
             return msg
 
         keys = keys_of(lay, prompt)
-        head, frames = raw_handoff(ep, prompt, keys, lay, hid=f"pull{bad}", pull=give)
+        head, frames = raw_handoff(
+            ep, prompt, keys, lay, hid=f"pull{bad}", pull=give, insecure=True
+        )
         assert head["type"] == "pages" and head["pulls"] == [[0, 5]]
         kept = 5 if bad is None else bad  # the bad page and the ones after it are computed
         assert head["computed_tokens"] == len(prompt) - kept * PAGE
@@ -191,7 +199,9 @@ def test_pulled_pages_give_recompute_logits_and_a_corrupted_one_is_recomputed(
         assert pulled(workers["p2"], "pull_received")[0] == before + kept
         before += kept
         check_all(workers)
-        head, _ = raw_handoff(ep, prompt, keys, lay, hid=f"again{bad}")  # its own cache now
+        head, _ = raw_handoff(
+            ep, prompt, keys, lay, hid=f"again{bad}", insecure=True
+        )  # its own cache now
         assert head["pulls"] == [] and head["computed_tokens"] == 1
         check_all(workers)
 
@@ -205,7 +215,7 @@ def test_a_decode_silent_mid_pull_ends_the_lease_and_frees_every_page(
     t0 = time.monotonic()
     head, _ = raw_handoff(
         p2["transfer_endpoint"], prompt, keys_of(p2["layout"], prompt), p2["layout"],
-        hid="silent", pull=lambda head: None,
+        hid="silent", pull=lambda head: None, insecure=True,
     )  # fmt: skip
     took = time.monotonic() - t0
     assert head["type"] == "refused" and head["pulls"] == [[0, 4]]

@@ -55,8 +55,11 @@ def workers(
     slow = ["--pd-timeout-s", str(TIMEOUT_S)]
     pa, pb = start_all(
         [
-            (worker_args(ckpt, "--role", "prefill", *lay), tmp / "pa.log"),
-            (worker_args(ckpt, "--role", "prefill", *slow, *lay), tmp / "pb.log"),
+            (worker_args(ckpt, "--role", "prefill", "--pd-trust-pulled", *lay), tmp / "pa.log"),
+            (
+                worker_args(ckpt, "--role", "prefill", "--pd-trust-pulled", *slow, *lay),
+                tmp / "pb.log",
+            ),
         ]
     )
     d, single = start_all(

@@ -150,7 +150,8 @@ def test_worker_errors_pass_through(
     router: str, path: str, body: object, status: int, words: list[str]
 ) -> None:
     data = body if isinstance(body, str) else json.dumps(body)
-    r = httpx.post(f"{router}{path}", content=data, timeout=30)
+    kind = {"Content-Type": "application/json"}  # the router refuses any other (415)
+    r = httpx.post(f"{router}{path}", content=data, headers=kind, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status

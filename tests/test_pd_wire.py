@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -17,6 +18,7 @@ from kvstrata.pd.wire import (
     WireError,
     assemble,
     checksum,
+    int_list,
     layer_message,
     layout_mismatch,
     pack_keys,
@@ -27,6 +29,7 @@ from kvstrata.pd.wire import (
     read_layer,
     read_pages,
     read_pulled,
+    typed,
     unpack_keys,
 )
 from kvstrata.serve.process import ROOT
@@ -65,6 +68,34 @@ def test_layout_mismatch_names_the_field() -> None:
         assert repr(other) in msg and "decode" in msg
     missing = {k: v for k, v in LAYOUT.as_dict().items() if k != "head_dim"}
     assert "head_dim" in (layout_mismatch(LAYOUT, missing, "decode") or "")
+
+
+def test_any_peer_value_is_checked_never_raised_on() -> None:
+    for theirs, why in [
+        ("x", "is a str, not a map"),
+        (5, "is a int, not a map"),
+        (None, "is a NoneType"),
+        ({**LAYOUT.as_dict(), "tp": True}, "tp is 1 here but True"),
+        ({**LAYOUT.as_dict(), "page_size": float(LAYOUT.page_size)}, "page_size"),
+    ]:
+        assert why in (layout_mismatch(LAYOUT, theirs, "decode") or ""), theirs
+    head = {"type": "pages", "first_page": "0", "vocab": True, "n": -1, "ids": [1, "2"]}
+    for name, kind, words in [
+        ("first_page", int, "'first_page': expected int, got str"),
+        ("vocab", int, "'vocab': expected int, got bool"),
+        ("n", int, r"'n': -1 is outside \[0,"),
+        ("absent", str, "'absent': expected str, got nothing"),
+    ]:
+        with pytest.raises(WireError, match=words):
+            typed(head, name, kind)
+    with pytest.raises(WireError, match="'ids': not a list of ints in"):
+        int_list(head, "ids")
+    for frames in ([msgpack.packb({"type": "x", "id": 7})], [msgpack.packb([1])], [b"\xc1"]):
+        with pytest.raises(WireError):
+            read_header(frames)
+    bad = dict(read_header(pages_message("h", 0, pages(1), np.ones(3, np.float32))), vocab="3")
+    with pytest.raises(WireError, match="'vocab'"):
+        read_pages(bad, pages_message("h", 0, pages(1), np.ones(3, np.float32)), PAGE_BYTES)
 
 
 def test_pages_round_trip_and_all_or_nothing() -> None:

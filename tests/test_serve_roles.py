@@ -1,4 +1,5 @@
-"""`kvstrata serve --role R --help` lists what role R reads; the command line takes every role's."""
+"""`kvstrata serve --role R` takes only the options role R reads (`--help` lists them); any other
+is refused by name, one line, exit 2."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ ROUTER_OPTIONS = {
     "--role", "--router-info-timeout-s", "--router-start-timeout-s", "--router-connect-timeout-s",
     "--router-read-timeout-s", "--router-down-s", "--router-health-interval-s",
     "--router-require-info", "--prefill", "--decode", "--api-key", "--api-key-file",
-    "--router-worker-api-key-file",
+    "--router-worker-api-key-file", "--max-request-bytes", "--client-timeout-s",
+    "--replicas", "--routing", "--kv-indexer-url",
+    "--router-load-weight", "--router-kv-events-curve-secret-file",
+    "--router-kv-events-curve-peers-dir", "--debug-endpoints",
 }  # fmt: skip
 DEBUG_OPTIONS = ("--parent-pid", "--debug-endpoints", "--inject-divergence",
                  "--storage-emulate-read-s-per-page")  # fmt: skip
@@ -47,7 +51,8 @@ def test_each_worker_role_lists_its_own_pd_options(capsys: pytest.CaptureFixture
     assert not any(o.startswith(("--pd-", "--router-")) for o in single)
     assert prefill - single == {
         "--pd-transfer-endpoint", "--pd-transport", "--pd-timeout-s", "--pd-heartbeat-s",
-        "--pd-layerwise", "--pd-curve-secret-file", "--pd-curve-peers-dir",
+        "--pd-layerwise", "--pd-curve-secret-file", "--pd-curve-peers-dir", "--pd-keys-dir",
+        "--pd-insecure", "--pd-trust-pulled",
     }  # fmt: skip
     assert decode - single == {
         "--pd-transport",
@@ -56,6 +61,8 @@ def test_each_worker_role_lists_its_own_pd_options(capsys: pytest.CaptureFixture
         "--pd-trust-request-prefill",
         "--pd-curve-secret-file",
         "--pd-curve-peers-dir",
+        "--pd-keys-dir",
+        "--pd-insecure",
         "--pd-timeout-s",
         "--pd-on-failure",
     }
@@ -69,13 +76,44 @@ def test_hooks_sit_in_the_debug_group(capsys: pytest.CaptureFixture[str]) -> Non
     assert not options("\n".join(lines[end:])) & set(DEBUG_OPTIONS)
 
 
-def test_the_command_line_takes_every_roles_options() -> None:
+def test_a_role_parses_its_own_options() -> None:
     args = parser().parse_args(
         ["serve", "--role", "router", "--prefill", "http://a:1", "--router-down-s", "3",
-         "--page-size", "4", "--pd-prefill", "http://b:2", "--inject-divergence", "1:0"]
+         "--api-key", "k"]
     )  # fmt: skip
     assert (args.role, args.router_prefill, args.router_down_s) == ("router", ["http://a:1"], 3.0)
-    assert (args.page_size, args.pd_prefill, args.inject_divergence) == (4, "http://b:2", "1:0")
+    assert args.api_key == "k" and not hasattr(args, "page_size")
+    args = parser().parse_args(
+        ["serve", "--page-size", "4", "--role=decode", "--pd-prefill", "http://b:2"]
+    )
+    assert (args.role, args.page_size, args.pd_prefill) == ("decode", 4, "http://b:2")
+
+
+@pytest.mark.parametrize(
+    ("argv", "refusal"),
+    [
+        (["--role", "router", "--device-pages", "8"],
+         "--role router does not read --device-pages (read by --role single, prefill, decode)"),
+        (["--role", "prefill", "--pd-prefill", "http://b:2"],
+         "--role prefill does not read --pd-prefill (read by --role decode)"),
+        (["--role", "decode", "--pd-heartbeat-s", "1"],
+         "--role decode does not read --pd-heartbeat-s (read by --role prefill)"),
+        (["--prefill", "http://a:1"], "--role single does not read --prefill (read by --role router)"),
+        (["--role", "single", "--no-pd-layerwise"],
+         "--role single does not read --no-pd-layerwise (read by --role prefill)"),
+        (["--role", "single", "--decode", "8"],  # not taken for --decode-step-tokens
+         "--role single does not read --decode (read by --role router)"),
+        (["--role", "router", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    ],
+)  # fmt: skip
+def test_an_option_the_role_does_not_read_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str], argv: list[str], refusal: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args(["serve", *argv])
+    err = capsys.readouterr().err.splitlines()
+    role = argv[argv.index("--role") + 1] if "--role" in argv else "single"
+    assert exc.value.code == 2 and err[-1] == f"kvstrata serve --role {role}: error: {refusal}"
 
 
 def test_an_unknown_role_is_refused_at_help(capsys: pytest.CaptureFixture[str]) -> None:

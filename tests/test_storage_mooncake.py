@@ -402,5 +402,9 @@ def test_sealed_units_move_in_place_and_tampering_is_a_counted_miss(
     assert inner.exists_prefix(keys[2:3]) == 0, "the corrupt value was not removed"
     assert store.get(keys[3:], out[3:]) == 3
     np.testing.assert_array_equal(np.stack(out[3:]), pool[3:6])
+    assert store.put(keys[1:3], list(pool[1:3])) == 2  # the next backup replaces both
+    assert store.stats()["rewrites"] == 2
+    assert store.get(keys, out) == 6
+    np.testing.assert_array_equal(np.stack(out), pool[:6])
     store.check_integrity()
     store.close()

@@ -84,11 +84,9 @@ def test_a_rewritten_unit_with_a_valid_header_is_a_counted_miss(
     victim.write_bytes(bytes(raw))
     assert store.get([11, 12, 13], out) == 1 and store.stats()["seal_failures"] == 2
     assert not victim.exists()
-    plain = open_unit_storage(f"file://{tmp_path / 'storage'}", part, StorageConfig())
-    assert plain.get([11], out) == 0  # a reader without the key reads nothing either, ...
-    assert plain.stats()["foreign"] == 1 and plain.stats()["corrupt"] == 0
-    plain.close()
-    assert store.get([11], out) == 1  # ... and removes nothing (a forgotten key file)
+    with pytest.raises(ValueError, match="--storage-key-file"):  # a forgotten key file
+        open_unit_storage(f"file://{tmp_path / 'storage'}", part, StorageConfig())
+    assert store.get([11], out) == 1  # ... removed nothing
     store.check_integrity()
     store.close()
 
@@ -306,18 +304,16 @@ def _flipped(data: bytes, at: int) -> bytes:
 
 def _redis_tampering_and_a_keyless_reader(store, url: str, part: PagePart, page) -> None:  # noqa: ANN001
     """Redis under a seal: checked by the tag, not xxh3. A value rewritten with a valid header
-    is a seal failure and stays; a bit flipped on the server fails xxh3 too: removed. A reader
-    without the key sees another size: a miss counted as foreign, nothing removed."""
+    is a seal failure and stays; a bit flipped on the server fails xxh3 too: removed. A store
+    opened without the key refuses to start (the store is marked sealed)."""
     raw = store.units.inner
     assert store.put([22], [page]) == 1
     ukey = store.all_unit_keys(22)[0]
     value = raw._client.get(raw._name(ukey))
     assert len(value) == HEADER_NBYTES + store.units.page_nbytes + SEAL_OVERHEAD
     out = [np.zeros_like(page)]
-    plain = open_unit_storage(url, part, StorageConfig())
-    assert plain.get([22], out) == 0 and plain.stats()["foreign"] == 1
-    assert plain.stats()["corrupt"] == 0
-    plain.close()
+    with pytest.raises(ValueError, match="--storage-key-file"):
+        open_unit_storage(url, part, StorageConfig())
     assert store.get([22], out) == 1 and np.array_equal(out[0], page)
     flipped = bytearray(value)
     flipped[HEADER_NBYTES + 5] ^= 1  # a body byte

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from kvstrata.integrations.vllm.config import ConnectorConfigError, VllmConnectorConfig
-from kvstrata.integrations.vllm.spec import kv_spec
+from kvstrata.integrations.vllm.spec import KVSpec, kv_spec
+from kvstrata.integrations.vllm.worker import WorkerSide
 
 
 def refused(extra: dict) -> str:
@@ -70,3 +73,52 @@ def test_pipeline_parallel_is_refused_by_name() -> None:
     )
     with pytest.raises(ConnectorConfigError, match="pipeline_parallel_size=2"):
         kv_spec(vllm_config, VllmConnectorConfig.from_extra({"host_pages": 8}))
+
+
+def _smollm2_spec(block: int) -> KVSpec:
+    """SmolLM2-135M's KV geometry under vLLM's CPU block size (what kv_spec reads from vLLM)."""
+    return KVSpec(block, block, 30, 3, 1, 64, "float32", "smollm2")
+
+
+@pytest.mark.parametrize("key", ["host_pages", "host_bytes"])
+def test_a_host_pool_beyond_available_memory_is_refused_before_allocation(key: str) -> None:
+    """README's host_pages under vLLM's CPU default of 128-token blocks (not README's
+    --block-size 32) asked for more than the machine had, and the worker was SIGKILLed while
+    allocating: the worker side now refuses first, naming the key and the bytes."""
+    spec = _smollm2_spec(128)
+    avail = psutil.virtual_memory().available
+    pages = 4 * avail // spec.page_nbytes + 1  # four times what is available
+    extra = (
+        {"host_pages": pages} if key == "host_pages" else {"host_bytes": pages * spec.page_nbytes}
+    )
+    config = VllmConnectorConfig.from_extra(extra)
+    with pytest.raises(ConnectorConfigError) as exc:
+        WorkerSide(config, spec, 0)  # the worker role's start, before any pool byte
+    msg = str(exc.value)
+    assert f"kv_connector_extra_config[{key!r}]" in msg and "\n" not in msg
+    assert f"{pages * spec.page_nbytes:,} bytes" in msg and "available" in msg
+    small = VllmConnectorConfig.from_extra(
+        {key: 8 if key == "host_pages" else 8 * spec.page_nbytes}
+    )
+    assert small.host_pool_pages(spec.page_nbytes) == 8
+
+
+@pytest.mark.slow
+def test_vllm_stops_at_start_naming_an_oversized_host_pool(tmp_path: Path) -> None:
+    """A real vLLM start (SmolLM2) asked for a host pool four times the memory available: it
+    stops while starting, its log naming the key and the bytes, nothing allocated (it was
+    SIGKILLed by the kernel before)."""
+    from kvstrata.bench.vllm_server import VllmServer
+    from kvstrata.model.smollm2 import ensure_smollm2
+
+    spec = _smollm2_spec(32)
+    pages = 4 * psutil.virtual_memory().available // spec.page_nbytes + 1
+    log = tmp_path / "vllm.log"
+    server = VllmServer(ensure_smollm2(), log, connector={"host_pages": pages}, startup_s=300)
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            server.start()
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "kv_connector_extra_config['host_pages']" in text and "available" in text

@@ -18,19 +18,23 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from typing import Any
 
 from kvstrata.bench.costmodel import CostModel
-from kvstrata.bench.fleet_rule_standin import LOAD_WEIGHT, Candidate, choose
 from kvstrata.bench.reference import ceiling
 from kvstrata.bench.replay import ReplayConfig, Replayer
 from kvstrata.bench.simulate import FifoServer, Outcome, Timing, summarize
+from kvstrata.router.config import RouterConfig
+from kvstrata.router.rule import Candidate, choose
 from kvstrata.storage.base import StorageBackend, open_storage
 from kvstrata.workloads.trace import Trace, TraceRequest
 
 ROUTINGS: tuple[str, ...] = ("round_robin", "kv_aware")
 MAX_REPLICAS = 64
 TIERS = ("device", "host", "storage")
+LOAD_WEIGHT: float = next(f.default for f in fields(RouterConfig) if f.name == "load_weight")
+"""The router's default weight of one queued request against a whole prompt's prefill."""
 
 
 class SimReplica:

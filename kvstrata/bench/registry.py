@@ -24,6 +24,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.ttft",
     "kvstrata.bench.admission",
     "kvstrata.bench.serve_bench",
+    "kvstrata.bench.agent",
     "kvstrata.bench.parallel",
     "kvstrata.bench.spec",
     "kvstrata.bench.prefill",
@@ -34,6 +35,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.sglang_hicache",
     "kvstrata.bench.vllm_bench",
     "kvstrata.bench.vllm_copies",
+    "kvstrata.bench.replay_flood",
 )
 
 

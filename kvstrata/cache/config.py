@@ -32,6 +32,14 @@ class CacheConfig:
         0.005, "timeout policy: budget added per prefetched page"
     )
     results_per_step: int = doc(8, "completions of each kind agreed and applied per step at most")
+    pin_budget: float = doc(
+        0.5,
+        "fraction of each pool that client pins (cache_control, kv_pin_s) may keep; past it "
+        "the oldest pin lets go first",
+    )
+    max_prefetch_pages: int = doc(
+        256, "pages that prefetch hints (POST /v1/kv/prefetch) may have in flight at most"
+    )
 
     def __post_init__(self) -> None:
         for name in ("page_size", "device_pages", "results_per_step", "write_through_threshold"):
@@ -43,5 +51,9 @@ class CacheConfig:
             raise ValueError(
                 "storage_url needs host_pages > 0: storage pages move through host memory"
             )
+        if not 0.0 <= self.pin_budget <= 1.0:
+            raise ValueError(f"pin_budget must be in [0, 1], got {self.pin_budget}")
+        if self.max_prefetch_pages < 0:
+            raise ValueError(f"max_prefetch_pages must be >= 0, got {self.max_prefetch_pages}")
         if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_page_s < 0:
             raise ValueError("prefetch timeouts must be >= 0")

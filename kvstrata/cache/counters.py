@@ -19,6 +19,19 @@ def _zeros(names: tuple[str, ...] | list[str]) -> dict[str, int]:
 
 
 @dataclass
+class PinCounts:
+    """Monotone pin counters, and the pinned pages per tier as of the last step."""
+
+    made: int = 0
+    renewed: int = 0
+    expired: int = 0
+    dropped_for_budget: int = 0  # older pins that made room for newer ones
+    refused_for_budget: int = 0  # pins larger than the whole budget
+    lost: int = 0  # pins whose pages had no copy left to keep (vLLM's transit pages)
+    pinned_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
+
+
+@dataclass
 class CacheCounters:
     """Monotone counters; tokens are pages x page size."""
 
@@ -37,6 +50,10 @@ class CacheCounters:
     )
     """Prefetch outcomes: every page arrived, some, none; stopped early by the policy."""
     failed_pages: dict[str, int] = field(default_factory=lambda: _zeros(list(DIRECTIONS.values())))
+    unwritten_bytes: int = 0
+    """Bytes of backed-up pages that storage held already (kept, not written): not moved."""
+    pins: PinCounts = field(default_factory=PinCounts)
+    """Client pins (cache/pins.py): made, renewed, expired, dropped or refused for budget."""
 
     def record_request(self, prompt_pages: int, device: int, host: int, storage: int) -> None:
         self.requests += 1
@@ -45,14 +62,19 @@ class CacheCounters:
         self.hit_pages["host"] += host
         self.hit_pages["storage"] += storage
 
-    def record_move(self, kind: str, asked: int, ok: int) -> None:
+    def record_move(self, kind: str, asked: int, ok: int, written_bytes: int | None = None) -> None:
+        """`ok` of `asked` pages moved; written_bytes (backup): what storage actually wrote."""
         direction = DIRECTIONS[kind]
         self.pages_moved[direction] += ok
         self.failed_pages[direction] += asked - ok
+        if written_bytes is not None:
+            self.unwritten_bytes += max(0, ok * self.page_nbytes - written_bytes)
 
     @property
     def bytes_moved(self) -> dict[str, int]:
-        return {d: n * self.page_nbytes for d, n in self.pages_moved.items()}
+        out = {d: n * self.page_nbytes for d, n in self.pages_moved.items()}
+        out[DIRECTIONS["backup"]] -= self.unwritten_bytes
+        return out
 
     @property
     def hit_rate(self) -> float:

@@ -15,6 +15,10 @@ from kvstrata.cache.policies import Priority
 from kvstrata.cache.radix import Node
 
 
+def _evictable(node: Node) -> bool:
+    return node.evictable
+
+
 class TierQueue:
     """Leaf-first eviction order of one tier under one priority."""
 
@@ -29,8 +33,9 @@ class TierQueue:
         self._seq += 1
         heapq.heappush(self._heap, (self.priority(node), self._seq, node))
 
-    def pop(self) -> Node | None:
-        """The evictable candidate of lowest priority, or None. Busy nodes are set aside."""
+    def pop(self, may_take: Callable[[Node], bool] = _evictable) -> Node | None:
+        """The candidate of lowest priority that `may_take` allows (default: not busy, not
+        pinned), or None. The others are set aside."""
         busy: list[Node] = []
         found = None
         while self._heap:
@@ -40,7 +45,7 @@ class TierQueue:
             if prio != self.priority(node):
                 self.push(node)
                 continue
-            if not node.evictable:
+            if not may_take(node):
                 busy.append(node)
                 continue
             found = node

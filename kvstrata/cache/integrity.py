@@ -32,7 +32,7 @@ def accounting(cache: HiCache) -> dict[str, dict[str, int]]:
     }
     loading = set(cache.queues.inflight_ids(LOAD, "dst"))
     for node in cache.tree.nodes():
-        busy = "locked" if not node.evictable else "cached"
+        busy = "locked" if node.busy else "cached"  # pinned by a client: still cached
         if node.device is not None:
             moving = sum(1 for d in node.device if d in loading)
             dev["in_flight"] += moving

@@ -8,6 +8,7 @@ across processes, machines and runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -51,6 +52,14 @@ class Namespace:
     def seed(self) -> int:
         """The 128-bit root key that every chain starts from."""
         return self._seed
+
+
+def salted(namespace: Namespace, cache_salt: str) -> Namespace:
+    """A request's namespace: its cache_salt joins the tenant salt, so two salts share no page
+    (the one rule the engine, the vLLM connector and the fleet router all key by)."""
+    if not cache_salt:
+        return namespace
+    return dataclasses.replace(namespace, tenant_salt=f"{namespace.tenant_salt}\x00{cache_salt}")
 
 
 _UNSIGNED = {4: np.uint32, 8: np.uint64}

@@ -15,6 +15,10 @@ Rules that live here, once:
 - hits per tier come from the final match: device pages, host pages, and the host pages that this
   lease's own prefetch brought from storage count as storage;
 - admission is all or nothing: a lease either owns every device page it needs or none;
+- pages at or past `keep_private` never join the tree (so never reach host copies or storage):
+  they serve this request only and are freed with it;
+- a client's pin (cache/pins.py) takes hold once its pages are the tree's (matched at admission
+  or committed), through the locked node that ends them; a hit renews the pins on its path;
 - a page is hashed only when its key is needed (a storage probe, an insert): the match walks the
   request's token bytes, and the matched pages' keys come from the tree (cache/chain.py).
 """
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from kvstrata.cache.chain import PageChain
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import TransferOp
+from kvstrata.cache.pins import PinSpec
 from kvstrata.cache.radix import Match, Node
 from kvstrata.cache.tiers import Allocator
 
@@ -94,8 +99,18 @@ class Lease:
         self.load: TransferOp | None = None  # host -> device copy the first forward waits on
         self.page_table: list[int] = []  # device page of each logical page once admitted
         self.inserted = 0  # leading pages of page_table that the tree owns
+        # pages from this one on never join the tree (None: no such bound): their KV came from,
+        # or was computed over, a peer not trusted to write this cache (kvstrata/pd/pull.py)
+        self.shared_below: int | None = None
         self.from_storage = 0  # pages this lease's prefetch landed in host memory
         self.hits = Hits()
+        self.fetch_cap: int | None = None  # a prefetch hint's bound on pages read from storage
+        self.pin_specs: list[PinSpec] = []  # pins still to take hold (their pages not cached yet)
+        self.pinned_pages = 0  # the longest prefix this lease pinned
+
+    def want_pins(self, specs: list[PinSpec] | tuple[PinSpec, ...]) -> None:
+        """Pin these prefixes as soon as their pages belong to the tree (shortest first)."""
+        self.pin_specs = sorted(specs, key=lambda s: s.tokens)
 
     @property
     def keys(self) -> list[int]:
@@ -141,6 +156,8 @@ class Lease:
     def _start_prefetch(self, now_s: float) -> None:
         assert self.cache is not None and self.probe is not None and self.locked is not None
         n = self.probe.agreed or 0
+        if self.fetch_cap is not None:
+            n = min(n, self.fetch_cap)
         want = self._after_match()[:n]
         self.prefetch = None
         if want:
@@ -180,6 +197,17 @@ class Lease:
         self.state = LeaseState.ADMITTED
         return True
 
+    def warm(self, max_load: int) -> None:
+        """A prefetch hint, once READY: start the host -> device load of its matched host pages
+        (at most `max_load`) where the device has room without taking a pinned or running
+        page. No device page becomes the hint's and it counts as no request; it keeps its lock
+        until `release` (once `load` is applied, or at once when nothing moves)."""
+        assert self.state is LeaseState.READY and self.cache is not None, "warm a ready lease"
+        m = self.match
+        assert m is not None
+        if 0 < m.host_pages <= max_load:
+            self.load = self.cache.load_host(m, spare_pinned=True)
+
     @property
     def can_ever_fit(self) -> bool:
         """The request needs no more device pages than the pool has at all."""
@@ -203,6 +231,9 @@ class Lease:
         storage = min(self.from_storage, m.host_pages)
         self.hits = Hits(m.device_pages, m.host_pages - storage, storage)
         cache.counters.record_request(self.match_pages, *self._hit_tuple())
+        if m.last_node is not None and m.pages:
+            cache.renew_pins(m.last_node)
+        self._take_pins()
         return True
 
     def _hit_tuple(self) -> tuple[int, int, int]:
@@ -222,9 +253,16 @@ class Lease:
         """Whole further pages of token ids (generated ones); hashed when committed."""
         self.chain.extend_tokens(tokens, vocab_size)
 
+    def keep_private(self, first_page: int) -> None:
+        """Pages [first_page, ...) serve this request only: never committed, freed at release."""
+        bound = self.shared_below
+        self.shared_below = first_page if bound is None else min(bound, first_page)
+
     def commit(self, computed_tokens: int) -> None:
         """Hand the full pages among the first `computed_tokens` to the tree (shared from now)."""
         n_full = min(computed_tokens // self.page, self.chain.pages, len(self.page_table))
+        if self.shared_below is not None:
+            n_full = min(n_full, self.shared_below)
         if self.cache is None or n_full <= self.inserted:
             return
         # the first `inserted` pages end at the locked node (matched, or committed before)
@@ -240,6 +278,18 @@ class Lease:
         # a page another request cached first was freed by insert: use the tree's copy
         self.page_table[start:n_full] = ids
         self.inserted = n_full
+        self._take_pins()
+
+    def _take_pins(self) -> None:
+        """Pin each wanted prefix whose whole pages the tree now holds (ending at `inserted`)."""
+        if self.cache is None or not self.pin_specs:
+            return
+        while self.pin_specs and self.pin_specs[0].tokens // self.page <= self.inserted:
+            spec = self.pin_specs.pop(0)
+            pages = spec.tokens // self.page
+            if pages and self.locked is not None:
+                got = self.cache.pin(self.locked, pages, spec.ttl_s)
+                self.pinned_pages = max(self.pinned_pages, got)
 
     def release(self) -> None:
         """Give back everything: unlock the prefix, free pages the tree did not take.

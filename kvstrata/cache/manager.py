@@ -16,6 +16,7 @@ from kvstrata.cache.chain import PageChain
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, OpQueues, PageMover, TransferOp
+from kvstrata.cache.pins import PinBook
 from kvstrata.cache.policies import EVICTION, WRITE, PrefetchState
 from kvstrata.cache.policies import PREFETCH as PREFETCH_POLICIES
 from kvstrata.cache.radix import Match, Node, RadixTree
@@ -62,6 +63,16 @@ class HiCache:
             self._demote,
         )
         self.queues = OpQueues(config.results_per_step)
+        # client pins: within pin_budget of the host pool (the device one without a host tier)
+        pool = config.host_pages if host is not None else config.device_pages
+        self.pins = PinBook(
+            self.tree,
+            int(config.pin_budget * pool),
+            int(config.pin_budget * config.device_pages),
+            self.tiers.touched,
+            self.counters.pins,
+        )
+        self.tiers.pins = self.pins
         self.owned: set[int] = set()  # device pages held by running requests, not in the tree
         self.resets = 0  # prefix-cache resets so far (agreed: every rank resets at one step)
 
@@ -110,16 +121,17 @@ class HiCache:
         self.owned.difference_update(ids)
         self.tiers.device.free(ids)
 
-    def load_host(self, m: Match) -> TransferOp | None:
+    def load_host(self, m: Match, spare_pinned: bool = False) -> TransferOp | None:
         """Give the match's host-only pages device pages and start the host -> device copy.
 
-        The caller has locked m.last_node. Returns None (try later) when device memory is too full.
+        The caller has locked m.last_node. Returns None (try later) when device memory is too full
+        (spare_pinned: too full of pages that are neither pinned nor in use; a prefetch hint).
         """
         n = m.host_pages
         if n == 0:
             return TransferOp(LOAD, [], [], agreed=0)  # nothing to move: already done
         src = [h for node in m.host_nodes for h in node.host]  # type: ignore[union-attr]
-        ids = self.tiers.alloc_device(n, like=src)  # same owner as the host copy (cp)
+        ids = self.tiers.alloc_device(n, src, spare_pinned)  # same owner as the host copy (cp)
         if ids is None:
             return None
         at = 0
@@ -174,6 +186,21 @@ class HiCache:
                 walk = walk.parent
         return node
 
+    # ---- client pins (cache/pins.py) ---------------------------------------------------------
+    def tick(self, now_s: float) -> None:
+        """Once per step, with the agreed step clock: pins past their deadline let go."""
+        self.pins.tick(now_s)
+
+    def pin(self, end: Node, pages: int, ttl_s: float) -> int:
+        """Keep the first `pages` pages of the path that ends at `end` (which the caller holds
+        locked) for ttl_s of the step clock; returns the pages pinned (0: refused)."""
+        return self.pins.pin_at(end, pages, ttl_s)
+
+    def renew_pins(self, end: Node) -> None:
+        """The path ending at `end` was used: the pins on it start their TTL again."""
+        if self.pins.pins:
+            self.pins.renew_path(end)
+
     # ---- storage probe and prefetch -----------------------------------------------------------
     def start_probe(self, keys: list[int]) -> TransferOp | None:
         """Ask storage how many leading `keys` it holds; the agreed answer lands in op.agreed."""
@@ -227,7 +254,7 @@ class HiCache:
         for op, ok in self.queues.take_agreed(agreed):
             op.agreed = ok
             if op.kind != PROBE:
-                self.counters.record_move(op.kind, op.pages, ok)
+                self.counters.record_move(op.kind, op.pages, ok, op.written_bytes)
             {
                 LOAD: self._load_done,
                 STORE: self._store_done,
@@ -292,7 +319,8 @@ class HiCache:
             self.tiers.host.free(op.dst)  # type: ignore[union-attr]
             return
         for node in nodes:
-            if op.evict_after and node.evictable and not node.has_device_child():
+            # a demotion was an eviction: a pin taken since keeps the host copy it just got
+            if op.evict_after and not node.busy and not node.has_device_child():
                 self.tiers.drop_device(node)
             self._backup(node)
 
@@ -338,9 +366,7 @@ class HiCache:
     # ---- reset --------------------------------------------------------------------------------
     def busy_pages(self) -> int:
         """Device pages a reset cannot drop now: owned by requests, or in locked/pinned nodes."""
-        locked = sum(
-            len(n.device) for n in self.tree.nodes() if n.device is not None and not n.evictable
-        )
+        locked = sum(len(n.device) for n in self.tree.nodes() if n.device is not None and n.busy)
         return len(self.owned) + locked
 
     def reset_prefix(self, drop_host: bool = False) -> bool:
@@ -352,6 +378,7 @@ class HiCache:
         """
         if self.busy_pages() or len(self.queues):
             return False
+        self.pins.clear()  # a reset forgets what clients asked to keep
         self.tiers.clear_device(drop_host)
         self.resets += 1
         return True
@@ -362,8 +389,10 @@ class HiCache:
         return integrity.accounting(self)
 
     def check_integrity(self) -> None:
-        """Tree invariants, and every page id accounted for exactly once in each pool."""
+        """Tree invariants, every page id accounted for exactly once in each pool, and every
+        pin counted on its path and within the budget."""
         integrity.check(self)
+        self.pins.check_integrity()
 
     def stats(self) -> dict[str, Any]:
         return {

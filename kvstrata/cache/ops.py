@@ -47,6 +47,9 @@ class TransferOp:
     """Pages moved OK on every rank, set when the op is applied."""
     started_s: float = 0.0
     """Agreed scheduler time at submission (prefetch budgets)."""
+    written_bytes: int | None = None
+    """backup only: bytes this rank's mover actually wrote (pages found stored already and kept
+    count none); None: every page moved counts whole."""
 
     @property
     def pages(self) -> int:

@@ -13,7 +13,8 @@ keys. Tier invariants:
 - the device-resident nodes are closed under ancestors (eviction from device memory is leaf-first),
   so a match is a device prefix followed by host-only pages;
 - a node with `lock_ref > 0` (a running request uses it) or `pins > 0` (a copy reads it) is never
-  evicted from any tier.
+  evicted from any tier; one with `keep > 0` (a client's pin, cache/pins.py) never from the host
+  tier, and from the device only once unpinned pages are gone and it has a host copy.
 Time is a logical clock (one tick per match/insert), identical on every rank, never wall time.
 """
 
@@ -189,10 +190,11 @@ class RadixTree:
         upper = Node(
             node.parent, node.keys[:n], _head(node.device, n), _head(node.host, n), node.last_access
         )
-        upper.in_storage, upper.lock_ref, upper.pins, upper.hits = (
+        upper.in_storage, upper.lock_ref, upper.pins, upper.keep, upper.hits = (
             node.in_storage,
             node.lock_ref,
             node.pins,
+            node.keep,
             node.hits,
         )
         assert node.parent is not None

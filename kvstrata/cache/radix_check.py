@@ -35,7 +35,8 @@ def _check_node(tree: RadixTree, node: Node) -> None:
         assert ids is None or len(ids) == len(node.keys), "tier ids misaligned with keys"
     if node.device is not None and parent is not tree.root:
         assert parent.device is not None, "device set not ancestor-closed"
-    assert node.lock_ref >= 0 and node.pins >= 0
+    assert node.lock_ref >= 0 and node.pins >= 0 and node.keep >= 0
+    assert node.keep <= parent.keep or parent is tree.root, "a pin must cover its ancestors"
     assert node.lock_ref <= parent.lock_ref or parent is tree.root
     for k, child in node.children.items():
         assert child.keys[0] == k

@@ -22,6 +22,7 @@ class Node:
         "in_storage",
         "lock_ref",
         "pins",
+        "keep",
         "hits",
         "last_access",
         "tokens",
@@ -44,7 +45,8 @@ class Node:
         self.host = host
         self.in_storage = False
         self.lock_ref = 0
-        self.pins = 0
+        self.pins = 0  # copies reading or writing its pages (they land before it may go)
+        self.keep = 0  # client pins (cache/pins.py) whose prefix covers it
         self.hits = 0
         self.last_access = clock
         self.tokens: bytes | None = None  # token bytes of the edge's pages, if known
@@ -58,8 +60,13 @@ class Node:
         return self.keys[0] < other.keys[0]
 
     @property
+    def busy(self) -> bool:
+        """A request uses it or a copy reads or writes it: no tier may drop it now."""
+        return self.lock_ref > 0 or self.pins > 0
+
+    @property
     def evictable(self) -> bool:
-        return self.lock_ref == 0 and self.pins == 0
+        return self.lock_ref == 0 and self.pins == 0 and self.keep == 0
 
     def has_device_child(self) -> bool:
         return any(c.device is not None for c in self.children.values())

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.cache.eviction import TierQueue
+from kvstrata.cache.pins import PinBook
 from kvstrata.cache.policies import Priority, WritePolicy
 from kvstrata.cache.radix import Node, RadixTree
 
@@ -68,6 +69,7 @@ class Tiers:
         self.device_q = TierQueue(_device_candidate, priority)
         self.host_q = TierQueue(_host_candidate, priority)
         self.freeing = 0  # device pages whose demotion copy is in flight
+        self.pins: PinBook | None = None  # client pins (the manager's), read by eviction
         self._requeued_at: tuple[int, int] = (-1, -1)
 
     def touched(self, node: Node | None) -> None:
@@ -80,28 +82,54 @@ class Tiers:
             self.host_q.push(node)
 
     # ---- device -------------------------------------------------------------------------------
-    def alloc_device(self, n: int, like: list[int] | None = None) -> list[int] | None:
+    def alloc_device(
+        self, n: int, like: list[int] | None = None, spare_pinned: bool = False
+    ) -> list[int] | None:
         """n device pages, evicting cached pages if needed; None if they cannot be had now.
 
-        like: ids (host ids) whose owners the new ids must have, position by position."""
+        like: ids (host ids) whose owners the new ids must have, position by position.
+        spare_pinned: take no pinned page's device copy (a prefetch hint's load)."""
         if n == 0:
             return []
+        evict = self.evict_device if not spare_pinned else self._evict_unpinned
         if like is not None and self.shards > 1:
             assert len(like) == n
-            return self._alloc_like(self.device, like, self.evict_device)
+            return self._alloc_like(self.device, like, evict)
         if self.device.num_free < n:
-            self.evict_device(n - self.device.num_free)
+            evict(n - self.device.num_free)
         if self.device.num_free + self.freeing < n:
             self.requeue_all()  # a candidate the lazy queues missed (e.g. a split edge)
-            self.evict_device(n - self.device.num_free - self.freeing)
+            evict(n - self.device.num_free - self.freeing)
         return self.device.alloc(n) if self.device.num_free >= n else None
 
     def evict_device(self, n: int) -> None:
-        """Free at least n device pages (some only once their demotion copy lands)."""
+        """Free at least n device pages (some only once their demotion copy lands): unpinned
+        pages first (and pinned ones with a host copy while the pinned pages hold more than
+        their share of the device); then any pinned page: a pin never keeps a request out (its
+        page is demoted to the host tier, which keeps it, or at worst dropped with its pin)."""
         goal_free = self.device.num_free + n  # pages already being freed count toward it
+        self._evict_device_pass(goal_free, self._pinned_device_over())
+        if self.pins is not None and self.pins.pins:
+            self._evict_device_pass(goal_free, True, host_copy_only=False)
+
+    def _evict_unpinned(self, n: int) -> None:
+        self._evict_device_pass(self.device.num_free + n, self._pinned_device_over())
+
+    def _pinned_device_over(self) -> bool:
+        """Pinned pages hold more of the device than their share: they may go before others."""
+        return self.pins is not None and self.pins.device_over()
+
+    def _evict_device_pass(
+        self, goal_free: int, take_kept: bool, host_copy_only: bool = True
+    ) -> None:
+        def may_take(node: Node) -> bool:
+            if node.busy:
+                return False
+            return not node.keep or (take_kept and (node.host is not None or not host_copy_only))
+
         skipped: list[Node] = []
         while (need := goal_free - self.device.num_free - self.freeing) > 0:
-            node = self.device_q.pop()
+            node = self.device_q.pop(may_take)
             if node is None:
                 break
             if not self.evict_node(self._tail(node, need)):
@@ -144,6 +172,8 @@ class Tiers:
         node.device = None
         parent = node.parent
         if node.host is None:
+            if node.keep and self.pins is not None:  # its only copy goes: so do its pins
+                self.pins.lose(node)
             self.tree.remove_leaf(node)
         else:
             self.host_q.push(node)
@@ -235,7 +265,7 @@ class Tiers:
     def clear_device(self, drop_host: bool) -> None:
         """Drop every cached device copy (a prefix-cache reset); with drop_host every host copy too.
 
-        The caller checked that nothing is locked, pinned or in flight. A node keeps its place
+        The caller checked that nothing is locked, pinned (copies or clients) or in flight. A node keeps its place
         only with a host copy kept and a parent that stays (a match walks from the root); the
         eviction queues' entries for dropped nodes go stale and are skipped when popped.
         """

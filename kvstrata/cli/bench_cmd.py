@@ -15,7 +15,7 @@ from kvstrata.bench.registry import load_benches
 from kvstrata.cli import validate
 
 BENCH_OPTIONS = (
-    "url", "sessions", "concurrency", "model", "out", "vllm_url", "vllm_bf16_url",
+    "url", "sessions", "concurrency", "model", "out", "vllm_url", "vllm_bf16_url", "trace",
     "replicas", "storage_url", "rate",
 )  # fmt: skip
 
@@ -55,6 +55,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and holder; a mooncake:// URL is used as given",
     )
     fleet.add_argument("--rate", type=float, default=None, help="requests per second")
+    agent = p.add_argument_group("bench agent", "options of the agent benchmark only")
+    agent.add_argument(
+        "--trace",
+        default=None,
+        help="the Mooncake trace whose inter-turn gaps the tool calls take (default: "
+        "shared/data/mooncake_synthetic_trace.jsonl near the repository)",
+    )
     p.set_defaults(func=run)
 
 

@@ -17,6 +17,10 @@ import os
 import secrets
 from pathlib import Path
 
+from kvstrata.zmq_curve import write_curve_pair
+
+__all__ = ["register", "run", "write_cluster_key", "write_curve_pair"]
+
 CLUSTER_KEY_BYTES = 32
 
 
@@ -36,24 +40,6 @@ def write_cluster_key(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(CLUSTER_KEY_BYTES) + "\n")
-
-
-def write_curve_pair(directory: Path, name: str) -> tuple[Path, Path]:
-    """(public file, secret file) of a fresh CURVE key pair (ValueError if either exists)."""
-    import zmq.auth
-
-    public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
-    for p in (public, secret):
-        if p.exists():
-            raise ValueError(f"{p} exists; remove it first to make a new key pair")
-    directory.mkdir(mode=0o700, parents=False, exist_ok=True)
-    old = os.umask(0o077)  # the secret file is owner-only from its first byte
-    try:
-        made = zmq.auth.create_certificates(str(directory), name)
-    finally:
-        os.umask(old)
-    os.chmod(made[0], 0o644)  # the public half is meant to be handed out
-    return Path(made[0]), Path(made[1])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import importlib
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from types import FrameType
 
 COMMAND_MODULES: tuple[str, ...] = (
@@ -27,9 +28,25 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser. One whose options depend on its command line sets the default
+    `parse_with(parser, argv, namespace) -> namespace`, which parses argv whole (an option it
+    does not take is its error): `kvstrata serve` parses with the parser of the --role given."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parse_with = self.get_default("parse_with")
+        if parse_with is None:
+            return super().parse_known_args(args, namespace)
+        argv = sys.argv[1:] if args is None else list(args)
+        defaults, _ = super().parse_known_args([], namespace)  # func, set by the subcommand
+        return parse_with(self, argv, defaults), []
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstrata", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     for mod in COMMAND_MODULES:
         importlib.import_module(mod).register(sub)
     return parser

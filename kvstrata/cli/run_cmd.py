@@ -120,13 +120,18 @@ def _default_device_pages(prompts: Prompts, max_new: int, page: int) -> int:
     return max(max(needs) + 1, 3 * sum(needs) // 4)
 
 
+def default_store_url(out: Path) -> str:
+    """The store of a run without --storage-url: a file store under its report directory."""
+    return f"file://{(out / 'store').resolve()}"
+
+
 def _configs(args: argparse.Namespace, prompts: Prompts, spec: WorkloadSpec) -> tuple[Any, ...]:
     engine_cfg = config_from_args(EngineConfig, args)
     cache_cfg = config_from_args(CacheConfig, args)
     storage_cfg = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
     over: dict[str, Any] = {}
     if not cache_cfg.storage_url:
-        over["storage_url"] = f"file://{(args.out / 'store').resolve()}"
+        over["storage_url"] = default_store_url(args.out)
     if args.device_pages is None:
         pages = _default_device_pages(prompts, spec.max_new_tokens, cache_cfg.page_size)
         cp = config_from_args(DistConfig, args).cp
@@ -285,25 +290,10 @@ def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Di
     if cache_cfg.storage_url:
         create = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX).create_dir
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url", create)
+    store = cache_cfg.storage_url or default_store_url(args.out)
+    validate.check_storage_options(args, STORAGE_PREFIX, store)
     validate.check_checkpoint(resolve_model_path(engine_cfg))
     return engine_cfg, cache_cfg, dist_cfg
-
-
-def _check_memory(model: DecoderLM, cache: CacheConfig, dist_cfg: DistConfig, page: int) -> None:
-    """The pools of one configuration (`page` bytes a page), and a model copy per rank, fit."""
-    limit = model.spec.max_position_embeddings
-    if cache.page_size > limit:
-        raise ValueError(f"--page-size {cache.page_size} exceeds the model's {limit} positions")
-    # parameters, not the state dict: that re-derives every prepacked weight (model/prepack.py)
-    weights = sum(t.numel() * t.element_size() for t in model.parameters())
-    validate.check_memory(
-        [
-            ("--device-pages", cache.device_pages * page),
-            ("--host-pages", cache.host_pages * page),
-            ("--tp x --cp x --pp (model per rank)", weights * (dist_cfg.world_size - 1)),
-        ],
-        f"{page:,} bytes per page ",
-    )
 
 
 def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, Prompts, Any]:
@@ -320,7 +310,7 @@ def _prepare(args: argparse.Namespace) -> tuple[WorkloadSpec, Path, DecoderLM, P
     check_spec_layout(engine_cfg, dist_cfg)  # an MTP head with --tp > 1: refused here
     if engine_cfg.spec_draft:  # a bad draft fails here, before --out; pages carry its layers
         shape = build_speculator(engine_cfg, model, shape)[1]
-    _check_memory(model, cfgs[1], dist_cfg, shape.page_nbytes)
+    validate.check_engine_memory(model, cfgs[1], dist_cfg.world_size, shape.page_nbytes)
     _check_prompts(prompts, spec.max_new_tokens, model, cfgs[1])
     check_layout(model.spec, dist_cfg.tp, dist_cfg.pp)
     validate.check_ranks(dist_cfg.world_size)

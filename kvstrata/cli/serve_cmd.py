@@ -8,7 +8,7 @@ import dataclasses
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
-from kvstrata.cli.serve_roles import add_serve_args
+from kvstrata.cli.serve_roles import parse_role_args
 from kvstrata.configtools import config_from_args
 from kvstrata.engine.build import resolve_model_path
 from kvstrata.engine.config import EngineConfig
@@ -45,8 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server over the cached engine", add_help=False
     )
-    add_serve_args(p)  # every role's options; `--role R --help` lists role R's (serve_roles.py)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parse_with=parse_role_args)  # role R's options only (serve_roles.py)
 
 
 def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, StorageConfig]:
@@ -58,6 +57,7 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Storag
     validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
     if cache_cfg.storage_url:
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url")
+    validate.check_storage_options(args, STORAGE_PREFIX, cache_cfg.storage_url)
     if engine_cfg.tiers == "device_host_storage" and not cache_cfg.storage_url:
         raise ValueError("--tiers device_host_storage needs --storage-url")
     return engine_cfg, cache_cfg, config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     check_spec_layout(cfgs[0], dist_cfg)  # on every torchrun rank, before any serves
     if cfgs[1].device_pages % dist_cfg.cp:
         raise ValueError(f"--device-pages {cfgs[1].device_pages} must be a multiple of --cp")
+    page_nbytes = model.kv_shape(cfgs[1].page_size).page_nbytes  # a draft's layers add more
+    validate.check_engine_memory(model, cfgs[1], dist_cfg.world_size, page_nbytes)
     rank = torchrun_rank(dist_cfg.world_size)  # ValueError: a world size other than tp*cp*pp
     if rank:
         engine_cfg = dataclasses.replace(cfgs[0], model=str(path))

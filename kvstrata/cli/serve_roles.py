@@ -1,16 +1,15 @@
-"""Which configs each `kvstrata serve --role` reads, hence which options its --help lists.
+"""Which configs each `kvstrata serve --role` reads, hence which options it takes.
 
-The parser that reads the command line takes the union of every role's options (a launcher may
-hand all roles the same options; a role ignores what it does not read), while `--role R --help`
-prints only role R's: put `--role` before `--help`.
+`--role` is read first; the rest of the command line is then parsed by that role's parser,
+which holds only the options the role reads: any other is refused (one line, exit 2) rather
+than silently ignored, and `--role R --help` lists role R's options.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
@@ -32,19 +31,16 @@ class ConfigArgs:
     prefix: str = ""
     only: tuple[str, ...] | None = None  # None: every field
 
-    def names(self) -> set[str]:
-        return {f.name for f in fields(self.cls)} if self.only is None else set(self.only)
-
 
 ROUTER_SERVE_FIELDS = (
     "host", "port", "served_model_name", "stop_timeout_s", "log_level", "parent_pid", "role",
-    "api_key", "api_key_file",
+    "api_key", "api_key_file", "max_request_bytes", "client_timeout_s", "debug_endpoints",
 )  # fmt: skip
 """What the router reads of ServeConfig (it loads no model and queues nothing itself)."""
-CURVE_FIELDS = ("pd_curve_secret_file", "pd_curve_peers_dir")
+CURVE_FIELDS = ("pd_curve_secret_file", "pd_curve_peers_dir", "pd_keys_dir", "pd_insecure")
 PREFILL_FIELDS = (
-    "pd_transfer_endpoint", "pd_transport", *CURVE_FIELDS, "pd_timeout_s", "pd_heartbeat_s",
-    "pd_layerwise",
+    "pd_transfer_endpoint", "pd_transport", *CURVE_FIELDS, "pd_trust_pulled", "pd_timeout_s",
+    "pd_heartbeat_s", "pd_layerwise",
 )  # fmt: skip
 DECODE_FIELDS = (
     "pd_transport", "pd_prefill", "pd_prefill_api_key_file", "pd_trust_request_prefill",
@@ -78,37 +74,45 @@ def add_configs(p: argparse.ArgumentParser, configs: Sequence[ConfigArgs]) -> No
             add_router_urls(p)
 
 
-def union(roles: Sequence[str]) -> list[ConfigArgs]:
-    """One ConfigArgs per config class, reading what any of `roles` reads (first-seen order)."""
-    merged: dict[type, ConfigArgs] = {}
-    for role in roles:
-        for c in ROLE_CONFIGS[role]:
-            seen = merged.get(c.cls)
-            names = c.names() | (seen.names() if seen is not None else set())
-            keep = tuple(f.name for f in fields(c.cls) if f.name in names)
-            merged[c.cls] = ConfigArgs(c.cls, c.prefix, keep)
-    return list(merged.values())
+def role_of(serve: argparse.ArgumentParser, argv: Sequence[str]) -> str:
+    """The `--role` given in argv (default single), read before the role's parser exists."""
+    pre = argparse.ArgumentParser(prog=serve.prog, add_help=False, allow_abbrev=False)
+    pre.add_argument("--role", default="single")
+    role = pre.parse_known_args(list(argv))[0].role
+    if role not in ROLE_CONFIGS:
+        serve.error(f"--role must be one of {', '.join(ROLE_CONFIGS)}, got {role!r}")
+    return role
 
 
-class RoleHelp(argparse.Action):
-    """`-h/--help`: the options of the role given so far (`--role R` before it; default single)."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, **kw: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
-
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, *_: Any) -> None:
-        role = getattr(ns, "role", None) or "single"
-        if role not in ROLE_CONFIGS:
-            parser.error(f"--role must be one of {', '.join(ROLE_CONFIGS)}, got {role!r}")
-        shown = argparse.ArgumentParser(
-            prog=f"{parser.prog} --role {role}", description=parser.description
-        )
-        add_configs(shown, ROLE_CONFIGS[role])
-        shown.print_help()
-        parser.exit()
+def role_parser(role: str, prog: str) -> argparse.ArgumentParser:
+    """The parser of role `role`: its options only, each spelled in full (no abbreviation:
+    `--decode` must not pass for `--decode-step-tokens`)."""
+    prog = f"{prog} --role {role}"
+    usage = f"{prog} [options] (--help lists them)"
+    p = argparse.ArgumentParser(prog=prog, usage=usage, allow_abbrev=False)
+    add_configs(p, ROLE_CONFIGS[role])
+    return p
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """Every role's options on the parser that reads them; -h prints one role's."""
-    p.add_argument("-h", "--help", action=RoleHelp, help="this role's options (--role R --help)")
-    add_configs(p, union(list(ROLE_CONFIGS)))
+def options_of(role: str) -> set[str]:
+    """Every option string role `role` takes (`--x`, `--no-x`, ...)."""
+    return {o for a in role_parser(role, "")._actions for o in a.option_strings}
+
+
+def parse_role_args(
+    serve: argparse.ArgumentParser, argv: Sequence[str], namespace: argparse.Namespace
+) -> argparse.Namespace:
+    """Parse argv with the parser of the role it names; an option that role does not read is
+    argparse's one-line error (exit 2) naming it, and the roles that do read it."""
+    role = role_of(serve, argv)
+    parser = role_parser(role, serve.prog)
+    ns, extra = parser.parse_known_args(list(argv), namespace)
+    if extra:
+        flag = next((a.split("=", 1)[0] for a in extra if a.startswith("-")), extra[0])
+        readers = [r for r in ROLE_CONFIGS if r != role and flag in options_of(r)]
+        if readers:
+            parser.error(
+                f"--role {role} does not read {flag} (read by --role {', '.join(readers)})"
+            )
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return ns

@@ -2,22 +2,27 @@
 
 Each check raises InputError (a ValueError) whose message is one line naming the option or the
 file; cli/main.py prints it and exits 2. Nothing here creates, writes or allocates: paths are
-checked with os.access on the nearest existing directory, memory against psutil's figure of
-what the machine has available, checkpoints by reading config.json and safetensors headers.
+checked with os.access on the nearest existing directory, memory against what the machine has
+available (kvstrata.memory.available), checkpoints by reading config.json and safetensors headers.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psutil
-
+from kvstrata.memory.available import check_fits
 from kvstrata.registry import Registry
+
+if TYPE_CHECKING:
+    from kvstrata.cache.config import CacheConfig
+    from kvstrata.model.decoder import DecoderLM
 
 RANKS_PER_CORE = 4
 """More local ranks than this many per CPU core only time out: refused up front."""
@@ -140,22 +145,53 @@ def check_storage_url(url: str, option: str, create_dir: bool = True) -> None:
     check_out_dir(root, option)
 
 
+# ---- storage options ----------------------------------------------------------------------------
+def check_storage_options(args: argparse.Namespace, prefix: str, url: str) -> None:
+    """Every storage option given (`--{prefix}NAME`) is read by the store at `url`: none is
+    without a store, and a backend's own option only with a store of that backend."""
+    from kvstrata.storage.base import StorageConfig, read_by, url_scheme
+
+    for f in dataclasses.fields(StorageConfig):
+        if getattr(args, (prefix + f.name).replace("-", "_"), None) is None:
+            continue  # not given
+        option = "--" + (prefix + f.name).replace("_", "-")
+        if not url:
+            raise InputError(f"{option} needs --storage-url (without a store nothing reads it)")
+        readers, scheme = read_by(f.name), url_scheme(url)
+        if readers is not None and scheme not in readers:
+            raise InputError(
+                f"{option} is read by the {'/'.join(readers)} backend, not by {scheme} "
+                f"(the store {url})"
+            )
+
+
 # ---- memory -------------------------------------------------------------------------------------
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
 def check_memory(parts: Sequence[tuple[str, int]], what: str = "") -> None:
-    """Refuse when the pools (label, bytes) would not fit in the memory available now."""
-    need = sum(n for _, n in parts)
-    avail = psutil.virtual_memory().available
-    if need <= avail:
-        return
-    biggest = max(parts, key=lambda p: p[1])
-    detail = ", ".join(f"{label} {_gb(n)}" for label, n in parts if n)
-    raise InputError(
-        f"{biggest[0]}: {what}needs {_gb(need)} ({detail}) but the machine has "
-        f"{_gb(avail)} available"
+    """Refuse when the pools (label, bytes) would not fit in the memory available now (the one
+    rule: kvstrata.memory.available)."""
+    try:
+        check_fits(parts, what)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def check_engine_memory(
+    model: DecoderLM, cache: CacheConfig, world_size: int, page_nbytes: int
+) -> None:
+    """The pools of one engine configuration (`page_nbytes` a page; a CacheConfig's device and
+    host pages), and a model copy per extra local rank, fit."""
+    limit = model.spec.max_position_embeddings
+    if cache.page_size > limit:
+        raise InputError(f"--page-size {cache.page_size} exceeds the model's {limit} positions")
+    # parameters, not the state dict: that re-derives every prepacked weight (model/prepack.py)
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    check_memory(
+        [
+            ("--device-pages", cache.device_pages * page_nbytes),
+            ("--host-pages", cache.host_pages * page_nbytes),
+            ("--tp x --cp x --pp (model per rank)", weights * (world_size - 1)),
+        ],
+        f"{page_nbytes:,} bytes per page ",
     )
 
 

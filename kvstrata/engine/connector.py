@@ -14,7 +14,8 @@ each step:
    after each layer (P/D prefill sends a layer's pages as soon as it is computed).
 4. `request_finished`: a request the connector may track ended (finished, failed or aborted).
 Everything a connector may use of its engine comes through `register_kv_caches` (an EngineView).
-Connector kinds are chosen by name through CONNECTORS (the P/D roles register themselves).
+Connector kinds are chosen by name through CONNECTORS (kvstrata/pd/connectors.py registers
+"pd-prefill" and "pd-decode").
 An engine without a connector computes everything itself.
 """
 
@@ -143,4 +144,4 @@ class KVConnector:
 
 
 CONNECTORS: Registry[KVConnector] = Registry("kv connector")
-"""Connector kinds by name (kvstrata/pd/worker.py registers the P/D roles)."""
+"""Connector kinds by name ("pd-prefill", "pd-decode": kvstrata/pd/connectors.py)."""

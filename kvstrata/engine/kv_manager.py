@@ -18,13 +18,13 @@ locks so they cannot keep it out for ever.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from kvstrata.cache.chain import PageChain
-from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.cache.keys import Namespace, page_keys, salted
 from kvstrata.cache.lease import Hits, Lease
 from kvstrata.cache.manager import HiCache
+from kvstrata.engine.prefetch_hints import HintAnswer, PrefetchHints
 from kvstrata.engine.request import Request, State
 from kvstrata.memory.allocator import PageAllocator
 
@@ -48,6 +48,11 @@ class KVManager:
         self.page = namespace.page_size
         self.vocab_size = vocab_size
         self.lookahead = lookahead
+        self.hints = (
+            PrefetchHints(cache, vocab_size, cache.config.max_prefetch_pages)
+            if cache is not None
+            else None
+        )
 
     # ---- admission ------------------------------------------------------------------------------
     def advance(
@@ -59,6 +64,10 @@ class KVManager:
     ) -> list[Request]:
         """Admit up to `slots` ready requests that fit, in arrival order (see module doc).
         failed: rid -> why, for requests whose own lease work raised (the caller ends them)."""
+        if self.cache is not None:
+            self.cache.tick(now_s)  # the agreed step clock: expired pins let go
+        if self.hints is not None:
+            self.hints.advance(now_s)
         admitted: list[Request] = []
         window = waiting[: self.lookahead]
         for i, req in enumerate(window):
@@ -78,6 +87,7 @@ class KVManager:
                 self._step_back(window[i + 1 :])
                 break
             req.computed = lease.hit_tokens
+            req.pinned_pages = max(req.pinned_pages, lease.pinned_pages)
             req.state = State.PREFILL
             admitted.append(req)
             slots -= 1
@@ -104,6 +114,7 @@ class KVManager:
             self.page,
             allocator=self.allocator,
         )
+        req.lease.want_pins(req.pins)  # they enter with the request: the same on every rank
         return req.lease
 
     # ---- keys -----------------------------------------------------------------------------------
@@ -143,11 +154,14 @@ class KVManager:
 
     def _ns(self, req: Request) -> Namespace:
         """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""
-        if not req.cache_salt:
-            return self.ns
-        return dataclasses.replace(
-            self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{req.cache_salt}"
-        )
+        return salted(self.ns, req.cache_salt)
+
+    # ---- prefetch hints (engine/prefetch_hints.py) ----------------------------------------------
+    def hint(self, tokens: list[int], cache_salt: str, now_s: float) -> HintAnswer | None:
+        """Start bringing these tokens' pages up the tiers (None: no cache)."""
+        if self.hints is None:
+            return None
+        return self.hints.start(tokens, salted(self.ns, cache_salt), now_s)
 
     # ---- loads (host -> device, layer by layer) -------------------------------------------------
     def layer_wait(self, reqs: list[Request]) -> Callable[[int], None] | None:
@@ -188,6 +202,7 @@ class KVManager:
                 req.all_tokens[have * self.page : n_full * self.page], self.vocab_size
             )
         lease.commit(ready)
+        req.pinned_pages = max(req.pinned_pages, lease.pinned_pages)
         if final:
             lease.release()
 

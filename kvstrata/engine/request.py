@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvstrata.cache.lease import Hits, Lease
+from kvstrata.cache.pins import PinSpec
 from kvstrata.engine.sampling import Sampler
 
 
@@ -39,6 +40,8 @@ class Request:
     the engine). P/D decode: {"prefill": the worker that computes the prompt}; P/D prefill:
     the checked hand-off ({"pd_held": pages decode holds, ...})."""
     transfer: dict[str, Any] | None = None  # P/D decode: what crossed for it (usage.pd)
+    pins: tuple[PinSpec, ...] = ()  # prefixes the client asked to keep (cache_control, kv_pin_s)
+    pinned_pages: int = 0  # the longest prefix its pins kept (usage.pinned_tokens)
 
     # --- engine state -------------------------------------------------------------------------
     state: State = State.WAITING

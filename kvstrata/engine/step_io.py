@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.cache.pins import PinSpec
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import Sampler, SamplingParams
 
@@ -30,13 +31,14 @@ class NewRequest:
     prefill worker; P/D prefill carries the checked hand-off ({"pd_held": pages decode holds,
     "pd_owners": ...})."""
     keep_logits: bool = False  # P/D prefill: the first-token row travels to decode
+    pins: tuple[PinSpec, ...] = ()  # client pins: every rank pins the same prefixes
 
     def build(self) -> Request:
         sampler = Sampler(self.params, self.rid) if self.params is not None else None
         req = Request(
             self.rid, self.tokens, self.max_new_tokens, sampler=sampler, cache_salt=self.cache_salt
         )
-        req.kv_params, req.keep_logits = self.kv_params, self.keep_logits
+        req.kv_params, req.keep_logits, req.pins = self.kv_params, self.keep_logits, self.pins
         return req
 
 
@@ -102,6 +104,7 @@ class Finished:
     transfer: dict[str, Any] | None  # P/D decode: what crossed for it (usage.pd)
     spec_accepts: list[int] = field(default_factory=list)
     spec_proposed: int = 0
+    pinned_pages: int = 0  # the longest prefix the request's pins kept
 
 
 @dataclass(frozen=True)

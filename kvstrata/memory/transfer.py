@@ -17,7 +17,7 @@ import torch
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
 from kvstrata.memory.copy_engine import CopyEngine
 from kvstrata.memory.pool import DevicePool, HostPool
-from kvstrata.storage.base import StorageBackend, register_host_memory
+from kvstrata.storage.base import StorageBackend, put_report, register_host_memory
 
 PREFETCH_CHUNK = 32
 """Pages read per storage call; a stopped prefetch ends at a chunk boundary."""
@@ -101,7 +101,9 @@ class TensorMover:
         if op.kind == PROBE:
             return self.storage.exists_prefix(op.keys)
         if op.kind == BACKUP:
-            return self.storage.put(op.keys, [self.host.page_bytes(h) for h in op.src])
+            report = put_report(self.storage, op.keys, [self.host.page_bytes(h) for h in op.src])
+            op.written_bytes = report.written_bytes
+            return report.stored
         assert op.kind == PREFETCH
         done = 0
         while done < len(op.keys) and not op.cancelled:

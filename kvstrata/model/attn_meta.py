@@ -76,11 +76,6 @@ class AttnMeta:
         )  # fmt: skip
 
     @property
-    def all_decode(self) -> bool:
-        """True when every sequence adds one token at its end (the batched decode route)."""
-        return all(n == 1 for n in self.seq_lens) and all(self.tail)
-
-    @property
     def rows_as_decode(self) -> bool:
         """True when every sequence adds at most ROWS_AS_DECODE tokens at its end (a decode
         step, a speculative verify's rows): each row is then a query over the positions up to

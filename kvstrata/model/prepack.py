@@ -102,23 +102,6 @@ EDITED = (
 )
 
 
-def prepack_module(linear: nn.Module) -> Prepacked | None:
-    """A plain nn.Linear's weight packed beside it (the plain one kept: see `pack_linear` for
-    the packed-only module); None for anything else (a tensor-parallel wrapper runs its own
-    forward)."""
-    if type(linear) is not nn.Linear:
-        return None
-    return Prepacked.build(linear.weight, linear.bias)
-
-
-def run_linear(linear: nn.Module, packed: Prepacked | None, x: torch.Tensor) -> torch.Tensor:
-    """`linear(x)`, through `packed` while it still holds the module's weights."""
-    weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
-    if packed is not None and packed.holds(weight, bias):  # type: ignore[arg-type]
-        return packed(x)
-    return linear(x)
-
-
 class PackedLinear(nn.Linear):
     """An nn.Linear whose weight lives only in oneDNN's layout (`packed`); `weight` is the
     placeholder, `bias` the plain one. Its state dict entry is the re-derived plain weight."""

@@ -1,9 +1,9 @@
 """Context parallel over a page-sharded device pool: a rank computes the tokens of its pages.
 
-Ownership is helper-5's fixed rule (kvstrata.parallel.cp_gather.CPOwnership): owner = id % cp,
-local slot = id // cp; the DevicePool(n_shards=cp, rank=r) of rank r holds only its pages, and
-rank r computes exactly the new tokens whose page it owns (its KV is written locally; no KV moves
-on write). Per layer l:
+Ownership is a fixed rule of the page id (kvstrata.parallel.cp_gather.CPOwnership): owner =
+id % cp, local slot = id // cp; the DevicePool(n_shards=cp, rank=r) of rank r holds only its
+pages, and rank r computes exactly the new tokens whose page it owns (its KV is written locally;
+no KV moves on write). Per layer l:
   scratch  # [2, n_pages, page, kv_heads, head_dim]: the batch's pages (each once, logical
              order) gathered from their owners by CPGather, double-buffered: layer l+1's async
              all_gather runs while layer l computes (it packs pool pages written before this

@@ -117,13 +117,15 @@ class DistMover(TensorMover):
         """Write this rank's units of the pages it owns; op.pages when all are in."""
         assert self.units is not None and self.host is not None
         if not self.unit_writer:  # another rank holds and writes these very units
+            op.written_bytes = 0
             return op.pages
         pos = self._mine(op.src)
         pages = [self.host.page_bytes(op.src[i]) for i in pos]
         foreign = self._foreign_bytes([op.src[i] for i in pos])
-        stored = self.units.put([op.keys[i] for i in pos], pages)
+        report = self.units.put_report([op.keys[i] for i in pos], pages)
+        stored, op.written_bytes = report.stored, report.written_bytes
         with self._lock:
-            self.counts["backup_bytes"] += stored * self.units.page_nbytes
+            self.counts["backup_bytes"] += report.written_bytes
             self.counts["foreign_backup_bytes"] += foreign
         return op.pages if stored == len(pos) else 0
 

@@ -4,8 +4,9 @@ Every rank loads the model, keeps its part (kvstrata.parallel.tp / pp / cp), bui
 its part of every page (kvstrata.parallel.parts), the same HiCache and the same scheduler. Per step:
   1. rank 0 broadcasts (new requests, its clock, stop) with broadcast_object_list: inputs and
      time are the same on every rank, so admission and prefetch budgets decide alike;
-  2. Engine.step(): its `agree` hook is helper-5's StepConsensus, one all_reduce(MIN) over the
-     cache's progress vector (+ step and, in live mode, decision-digest checks);
+  2. Engine.step(): its `agree` hook is StepConsensus (kvstrata.parallel.consensus), one
+     all_reduce(MIN) over the cache's progress vector (+ step and, in live mode,
+     decision-digest checks);
   3. the forward (tp all_reduces / pp sends / cp gathers), identical tokens on every rank.
 The tree is never sent: each rank applies exactly the agreed events. A per-step tree digest
 (optional) is logged in the DecisionLog and returned, so tests compare trees step by step.
@@ -86,12 +87,16 @@ class RankOptions:
 
 
 def tree_digest(cache: HiCache) -> int:
-    """63-bit digest of the whole tree: keys and every tier's page ids, children by key."""
+    """63-bit digest of the whole tree: keys, every tier's page ids, locks and pins (copies'
+    and clients'), children by key."""
     h = xxhash.xxh3_64()
     stack: list[tuple[int, Node]] = [(0, cache.tree.root)]
     while stack:
         depth, node = stack.pop()
-        rec = (depth, node.keys, node.device, node.host, node.in_storage, node.lock_ref, node.pins)
+        rec = (
+            depth, node.keys, node.device, node.host, node.in_storage, node.lock_ref, node.pins,
+            node.keep,
+        )  # fmt: skip
         h.update(repr(rec).encode())
         stack.extend((depth + 1, node.children[k]) for k in sorted(node.children, reverse=True))
     return h.intdigest() & MASK63

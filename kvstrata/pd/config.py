@@ -35,14 +35,31 @@ class PDConfig:
     )
     pd_curve_secret_file: str = doc(
         "",
-        "this worker's CURVE key pair (`kvstrata keys curve DIR NAME`: DIR/NAME.key_secret); "
-        "with it the transfer sockets authenticate and encrypt every peer (ZMQ CURVE). Needs "
-        "pd_curve_peers_dir",
+        "this worker's CURVE key pair (`kvstrata keys curve DIR NAME`: DIR/NAME.key_secret): "
+        "the transfer sockets authenticate and encrypt every peer with it (ZMQ CURVE). Needs "
+        "pd_curve_peers_dir. Not given: the pair in pd_keys_dir",
     )
     pd_curve_peers_dir: str = doc(
         "",
         "directory of the public keys (*.key) of the peers allowed: on prefill the decode "
         "workers it serves, on decode the prefill workers it hands off to",
+    )
+    pd_keys_dir: str = doc(
+        "",
+        "without pd_curve_secret_file: the owner-only directory of this user's P/D key pair "
+        "(made on first start) and of the peers' public keys (*.key); every worker one user "
+        "starts on one machine shares it (default ~/.cache/kvstrata/pd-curve)",
+    )
+    pd_insecure: bool = doc(
+        False,
+        "transfer sockets without CURVE: any process that reaches them may hand off or answer "
+        "pulls (a warning at start). Default: authenticated (pd_curve_* or pd_keys_dir)",
+    )
+    pd_trust_pulled: bool = doc(
+        False,
+        "prefill: held pages pulled from a decode worker (and what is computed over them) join "
+        "prefill's cache and the shared store (off: they serve that request only; a decode "
+        "worker may read this cache, not write it)",
     )
     pd_timeout_s: float = doc(
         10.0, "longest silence (no page, no heartbeat) on a live link before a hand-off fails"
@@ -70,6 +87,8 @@ class PDConfig:
             )
         if bool(self.pd_curve_secret_file) != bool(self.pd_curve_peers_dir):
             raise ValueError("pd_curve_secret_file and pd_curve_peers_dir go together")
+        if self.pd_insecure and (self.pd_curve_secret_file or self.pd_keys_dir):
+            raise ValueError("pd_insecure turns CURVE off: give it no pd_curve_* or pd_keys_dir")
         if self.pd_on_failure not in ON_FAILURE:
             raise ValueError(
                 f"pd_on_failure must be one of {ON_FAILURE}, got {self.pd_on_failure!r}"

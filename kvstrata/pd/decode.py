@@ -44,6 +44,7 @@ from kvstrata.pd.wire import (
     read_header,
     read_layer,
     read_pages,
+    typed,
 )
 
 POLL_S = 0.05  # how often a waiting hand-off checks for a cancel
@@ -151,6 +152,11 @@ class Handoff(threading.Thread):
             try:
                 self.endpoint = side.resolver.endpoint(self.target, side.layout.rank)
                 key = side.resolver.server_key(self.target)
+                if not (key or side.cfg.pd_insecure or self.target.startswith("tcp://")):
+                    raise ValueError(
+                        f"{self.target} runs --pd-insecure (its /v1/pd/info names no CURVE key) "
+                        "and this decode worker authenticates: start both alike"
+                    )
                 outcome = self._exchange(side.transport.connect(self.endpoint, self.hid, key))
             except WireError as exc:  # corrupted or inconsistent: nothing of it was used
                 outcome = self._fail(502, f"bad hand-off reply: {exc}")
@@ -159,6 +165,8 @@ class Handoff(threading.Thread):
                     continue  # the same hand-off again, on a fresh channel
             except (OSError, httpx.HTTPError, zmq.ZMQError, ValueError) as exc:
                 outcome = self._fail(502, f"unreachable: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - whatever prefill sent, the request ends
+                outcome = self._fail(502, f"bad hand-off reply: {type(exc).__name__}: {exc}")
             break
         if outcome.failure is not None:
             side.resolver.forget(self.target)
@@ -205,10 +213,11 @@ class Handoff(threading.Thread):
         if head["type"] == "refused":
             return self._fail(502, f"refused: {head.get('message', '?')}")
         if head["type"] == "pull":
-            return self._answer_pull(int(head["first_page"]), int(head["end_page"]))
+            return self._answer_pull(typed(head, "first_page", int), typed(head, "end_page", int))
         layers, page_bytes = self.side.part  # this rank's part of a page
         if head["type"] == "layer":
-            self.layers[int(head["layer"])] = read_layer(head, frames, page_bytes // layers)
+            layer = typed(head, "layer", int, 0, layers - 1)
+            self.layers[layer] = read_layer(head, frames, page_bytes // layers)
             return None
         if head["type"] != "pages":
             raise WireError(f"unexpected message type {head['type']!r}")

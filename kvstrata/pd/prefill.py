@@ -28,6 +28,7 @@ from kvstrata.engine.connector import (
 )
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.step_io import Abort, NewRequest
+from kvstrata.listeners import Listeners
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
 from kvstrata.pd.pull import Puller, PullGate
@@ -38,10 +39,14 @@ from kvstrata.pd.wire import (
     Layout,
     WireError,
     header,
+    int_list,
     layout_mismatch,
     read_header,
+    typed,
     unpack_keys,
 )
+
+LISTENER = "pd-prefill"  # the listener thread's name (/metrics label, debug kill)
 
 
 class PrefillSide(KVConnector):
@@ -72,8 +77,9 @@ class PrefillSide(KVConnector):
         self.peers: dict[str, tuple[bytes, float]] = {}  # hand-off id -> (decode peer, since)
         self.queued: dict[str, list[Frames]] = {}  # answers waiting for their peer
         self.puller = Puller(cfg, metrics, lambda sink, f: self.outbox.put((sink, f)), rank=rank)
+        self.listeners = Listeners()  # the process's (a server's: its death stops the server)
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._serve, name="pd-prefill", daemon=True)
+        self.thread: threading.Thread | None = None
 
     def attach(self, engine: Any, layout: Layout, inbox: Any, gate: PullGate | None = None) -> None:
         """On the engine thread, once the engine is built. gate: the pulls' agreement under
@@ -84,11 +90,12 @@ class PrefillSide(KVConnector):
         if gate is not None and self.pulls:
             self.puller.gate, gate.puller = gate, self.puller
         engine.use_connector(self)
-        self.thread.start()
+        # stopping: requests the loop aborted are answered (_flush), not left to time out
+        self.thread = self.listeners.start(LISTENER, self._step, self._stop, self._flush)
 
     def close(self) -> None:
         self._stop.set()
-        if self.thread.is_alive():
+        if self.thread is not None and self.thread.is_alive():
             self.thread.join(5.0)
         self.listener.close()
 
@@ -163,15 +170,16 @@ class PrefillSide(KVConnector):
                 sink.on_layer(layer)
 
     # ---- listener thread -----------------------------------------------------------------------
-    def _serve(self) -> None:
-        wait = min(0.05, self.cfg.pd_heartbeat_s / 2)
-        while not self._stop.is_set():
-            got = self.listener.recv(wait)
-            if got is not None:
+    def _step(self) -> None:
+        """One turn of the listener thread: at most one message, then what is queued to send."""
+        got = self.listener.recv(min(0.05, self.cfg.pd_heartbeat_s / 2))
+        if got is not None:
+            try:
                 self._on_message(*got)
-            self._flush()
-            self._heartbeat()
-        self._flush()  # stopping: requests the loop aborted are answered, not left to time out
+            except Exception as exc:  # noqa: BLE001 - one message fails alone; the next is served
+                self.listeners.failed(LISTENER, exc)
+        self._flush()
+        self._heartbeat()
 
     def _taken(self) -> list[tuple[Sink, Any]]:
         """Everything the engine thread queued so far, in order."""
@@ -183,11 +191,8 @@ class PrefillSide(KVConnector):
                 return out
 
     def _on_message(self, peer: bytes, frames: Frames) -> None:
-        try:
-            head = read_header(frames)
-        except WireError:
-            return
-        hid = str(head["id"])
+        head = read_header(frames)  # not even a header: no id to refuse it by (counted, dropped)
+        hid = head["id"]
         if head["type"] == "cancel":
             self.peers.pop(hid, None)
             self.queued.pop(hid, None)
@@ -204,7 +209,7 @@ class PrefillSide(KVConnector):
             return
         try:
             self._check(hid, head)
-        except (WireError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a bad hand-off is refused with the reason
             self.metrics.failed()
             self.listener.send(peer, [header("refused", hid, message=str(exc))])
             return
@@ -217,7 +222,7 @@ class PrefillSide(KVConnector):
         if hid in self.peers:
             raise WireError(f"hand-off {hid} is already in flight")
         if self.rank:
-            bad = layout_mismatch(self.layout, head["layout"], "decode")
+            bad = layout_mismatch(self.layout, head.get("layout"), "decode")
             if bad:
                 raise WireError(bad)
             return
@@ -272,16 +277,19 @@ class PrefillSide(KVConnector):
 def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Request, int]:
     """The engine request of a checked hand-off, and how many leading pages decode holds.
 
-    Checks, in order: decode's layout (the first differing field named), then decode's key
-    chain against the prompt under the request's namespace (cache_salt), then the rule that the
-    page of the last prompt token is never held. WireError (or a KeyError / TypeError of a
-    malformed header) when one fails."""
-    bad = layout_mismatch(layout, head["layout"], "decode")
+    Checks, in order: every field's type and range (tokens: ints below the vocabulary), decode's
+    layout (the first differing field named), then decode's key chain against the prompt under
+    the request's namespace (cache_salt), then the rule that the page of the last prompt token
+    is never held. WireError when one fails: nothing of the hand-off is used."""
+    bad = layout_mismatch(layout, head.get("layout"), "decode")
     if bad:
         raise WireError(bad)
-    tokens, salt = [int(t) for t in head["tokens"]], str(head["salt"])
-    req = Request(handoff_rid(str(head["id"])), tokens, 1, keep_logits=True, cache_salt=salt)
-    held = unpack_keys(head["keys"])
+    tokens = int_list(head, "tokens", 0, kv.vocab_size - 1)
+    if not tokens:
+        raise WireError("handoff field 'tokens': the prompt is empty")
+    salt, blob = typed(head, "salt", str), typed(head, "keys", bytes)
+    req = Request(handoff_rid(head["id"]), tokens, 1, keep_logits=True, cache_salt=salt)
+    held = unpack_keys(blob)
     most = hittable_pages(len(tokens), layout.page_size)
     if len(held) > most:
         raise WireError(
@@ -292,7 +300,7 @@ def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Reques
     for i, (a, b) in enumerate(zip(held, mine, strict=True)):
         if a != b:
             raise WireError(f"page {i}: decode's key does not match the prompt (namespace/salt)")
-    req.kv_params = {"pd_id": str(head["id"]), "pd_held": len(held)}
+    req.kv_params = {"pd_id": head["id"], "pd_held": len(held)}
     return req, len(held)
 
 

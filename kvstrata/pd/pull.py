@@ -5,9 +5,12 @@ prefetches over prefill's own device/host/storage and is admitted as any request
 hits `have` are known (the connector's get_num_new_matched_tokens): with have >= held it goes on at
 once; else it waits for remote KV while prefill asks decode for pages [have, held), bounded by
 pd_timeout_s. The leading pulled pages that pass their checksums are
-written into the request's own pages, which then count as computed and join the tree through
-the same `cache_pages` / Lease.commit a computed chunk takes; the engine computes the rest
-(a page that failed, every page after it, and the pages nobody held). No reply within
+written into the request's own pages, which then count as computed; the engine computes the rest
+(a page that failed, every page after it, and the pages nobody held). A checksum proves the
+bytes crossed intact, not that decode computed them honestly: the pulled pages, and every page
+computed over them, serve this request only (Lease.keep_private: never in prefill's tree, its
+host copies or the shared store), unless prefill is started with pd_trust_pulled; then they
+join the tree through the same `cache_pages` / Lease.commit a computed chunk takes. No reply within
 pd_timeout_s (decode died mid-pull): the request fails, its lease gives back every page.
 
 Under tp x pp ranks (kvstrata/pd/ranks.py) every prefill rank runs the same request at the same
@@ -141,6 +144,8 @@ class Puller:
             print(f"kvstrata pd: {sink.hid}{where}: {why}; prefill computes them", file=sys.stderr)
         pages = pages[:kept]
         write_pages(self.view.pool, sink.pages[first : first + kept], pages)
+        if kept and not self.cfg.pd_trust_pulled:  # decode may read this cache, not write it
+            sink.req.lease.keep_private(first)  # these pages, and all computed over them
         sink.pulled = kept
         self.metrics.pulled("pull_received", kept, sum(p.nbytes for p in pages))
         return Landed(sink.req, (first + kept) * self.view.page_size)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from kvstrata.engine.request import Request
 from kvstrata.engine.step_io import SideCount, SideReady
+from kvstrata.listeners import exit_process
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.connectors import pd_side
 from kvstrata.pd.decode import DecodeSide
@@ -160,6 +161,8 @@ class RankPD:
         )
         self.decode = side if isinstance(side, DecodeSide) else None
         self.prefill = side if isinstance(side, PrefillSide) else None
+        if self.prefill is not None:  # a rank whose listener died leaves; its server follows
+            self.prefill.listeners.on_death.append(exit_process)
         self.inbox = inbox
         self.engine: Any = None
 

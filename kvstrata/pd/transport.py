@@ -5,7 +5,8 @@ decode a `Channel` per hand-off (one peer: the prefill worker). Both are used by
 only. Every receive has a bound. Room here for NIXL or Mooncake's transfer engine: they would
 register under their own name with the same two classes.
 
-With CURVE keys (`--pd-curve-secret-file`, `--pd-curve-peers-dir`; kvstrata/zmq_curve.py) the
+CURVE is on unless --pd-insecure: keys from `--pd-curve-secret-file` / `--pd-curve-peers-dir`,
+else this user's own pair (kvstrata/pd/local_keys.py; kvstrata/zmq_curve.py). The
 listener is a CURVE server that admits only the decode workers whose public keys it holds, and
 each channel a CURVE client that talks only to the prefill key it was given (its /v1/pd/info's
 `curve_public_key`, which must be one of decode's peers): a peer without an allowed key gets no
@@ -21,6 +22,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvstrata.pd.config import PDConfig
+from kvstrata.pd.local_keys import local_keys
 from kvstrata.pd.wire import Frames
 from kvstrata.registry import Registry
 from kvstrata.zmq_curve import CurveKeys, authenticator
@@ -184,8 +186,8 @@ class ZmqTransport:
         curve = self.curve
         if curve is None and server_key:  # else the handshake fails silently: a bare timeout
             raise ValueError(
-                f"{endpoint} speaks CURVE only: give this worker --pd-curve-secret-file and "
-                "--pd-curve-peers-dir"
+                f"{endpoint} speaks CURVE only and this worker runs --pd-insecure: drop it (or "
+                "give --pd-curve-secret-file and --pd-curve-peers-dir)"
             )
         if curve is not None and not server_key:
             if len(curve.peers) != 1:  # a tcp:// entry: no /v1/pd/info named the key
@@ -198,10 +200,13 @@ class ZmqTransport:
 
 
 def curve_keys(cfg: PDConfig) -> CurveKeys | None:
-    """The transfer sockets' CURVE keys (None: no CURVE)."""
-    if not cfg.pd_curve_secret_file:
+    """The transfer sockets' CURVE keys: the given ones, else this user's own pair (made on
+    first use); None only under pd_insecure."""
+    if cfg.pd_insecure:
         return None
-    return CurveKeys.load(cfg.pd_curve_secret_file, cfg.pd_curve_peers_dir, "--pd-curve-*")
+    if cfg.pd_curve_secret_file:
+        return CurveKeys.load(cfg.pd_curve_secret_file, cfg.pd_curve_peers_dir, "--pd-curve-*")
+    return CurveKeys.load(*local_keys(cfg.pd_keys_dir), "--pd-keys-dir")
 
 
 def transport_of(cfg: PDConfig, curve: CurveKeys | None = None) -> Transport:

@@ -23,6 +23,8 @@ import xxhash
 
 Frames = list[Any]  # bytes-like frames (bytes, memoryview, numpy buffers)
 KEY_BYTES = 16  # page keys are 128-bit; msgpack ints stop at 64 bits
+U64 = (1 << 64) - 1
+MAX_ID = 256  # longest `type` / `id` of a header (an id is a request id, plus "~attempt")
 
 
 class WireError(Exception):
@@ -50,13 +52,40 @@ class Layout:
         return asdict(self)
 
 
-def layout_mismatch(mine: Layout, theirs: dict[str, Any], theirs_name: str) -> str | None:
-    """None when `theirs` matches `mine`; else a sentence naming the first differing field."""
+def layout_mismatch(mine: Layout, theirs: Any, theirs_name: str) -> str | None:
+    """None when `theirs` matches `mine`; else a sentence naming the first differing field (or
+    saying `theirs` is no layout at all: whatever a peer sent, this never raises)."""
+    if not isinstance(theirs, dict):
+        return f"layout from {theirs_name} is a {type(theirs).__name__}, not a map"
     for field, value in mine.as_dict().items():
         other = theirs.get(field)
-        if other != value:
+        if type(other) is not type(value) or other != value:  # 1 == True == 1.0: types first
             return f"layout mismatch: {field} is {value!r} here but {other!r} on {theirs_name}"
     return None
+
+
+def typed(head: dict[str, Any], name: str, kind: type, lo: int = 0, hi: int = 1 << 62) -> Any:
+    """head[name] if it is a `kind` (an int in [lo, hi]; bool is no int), else WireError naming
+    the field: every field of a peer's message is checked by type and range before use."""
+    value = head.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        got = type(value).__name__ if name in head else "nothing"
+        raise WireError(
+            f"{head.get('type')!s:.20} field {name!r}: expected {kind.__name__}, got {got}"
+        )
+    if kind is int and not lo <= value <= hi:
+        raise WireError(f"{head.get('type')!s:.20} field {name!r}: {value} is outside [{lo}, {hi}]")
+    return value
+
+
+def int_list(head: dict[str, Any], name: str, lo: int = 0, hi: int = 1 << 62) -> list[int]:
+    """head[name] as a list of ints in [lo, hi] (checked like `typed`)."""
+    values = typed(head, name, list)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi for v in values):
+        raise WireError(
+            f"{head.get('type')!s:.20} field {name!r}: not a list of ints in [{lo}, {hi}]"
+        )
+    return values
 
 
 def checksum(page: Any) -> int:
@@ -85,8 +114,12 @@ def read_header(frames: Frames) -> dict[str, Any]:
         head = msgpack.unpackb(bytes(frames[0]))
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"header is not msgpack: {exc}") from None
-    if not isinstance(head, dict) or "type" not in head or "id" not in head:
-        raise WireError("header lacks type/id")
+    if not isinstance(head, dict):
+        raise WireError("header is not a map")
+    for name in ("type", "id"):
+        value = head.get(name)
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_ID:
+            raise WireError(f"header field {name!r}: expected a string of 1 to {MAX_ID} chars")
     return head
 
 
@@ -141,9 +174,10 @@ def read_pages(
 ) -> Received:
     """Check every frame (count, size, checksum) before any is used: all or nothing.
     `want_state`: the reply must carry the speculator's state (decode runs an MTP head)."""
-    sums, sizes = head.get("checksums"), head.get("page_bytes")
-    if not isinstance(sums, list) or not isinstance(sizes, list) or len(sums) != len(sizes):
+    sums, sizes = int_list(head, "checksums", 0, U64), int_list(head, "page_bytes")
+    if len(sums) != len(sizes):
         raise WireError("pages header lacks matching checksums/page_bytes lists")
+    first, vocab = typed(head, "first_page", int), typed(head, "vocab", int, 1, 1 << 32)
     has_state = "state_shape" in head
     if want_state and not has_state:
         raise WireError("the reply lacks the MTP head's hidden state (prefill's state frame)")
@@ -154,22 +188,22 @@ def read_pages(
         if size != page_bytes or page.nbytes != page_bytes:
             raise WireError(f"page {i}: {page.nbytes} bytes, expected {page_bytes}")
         if checksum(page) != want:
-            raise WireError(f"page {i} (prompt page {head['first_page'] + i}) failed its checksum")
+            raise WireError(f"page {i} (prompt page {first + i}) failed its checksum")
     row = memoryview(frames[1 + len(sums)]).cast("B")
-    if checksum(row) != head.get("logits_checksum") or row.nbytes != 4 * head.get("vocab", -1):
+    if checksum(row) != head.get("logits_checksum") or row.nbytes != 4 * vocab:
         raise WireError("the logits row failed its checksum or size")
     logits = np.frombuffer(row, dtype=np.float32).copy()
     state = _read_state(head, frames[-1]) if has_state else None
     skip = ("type", "id", "checksums", "page_bytes", "logits_checksum", "first_page")
     skip += ("state_checksum", "state_shape")
     stats = {k: v for k, v in head.items() if k not in skip}
-    return Received(int(head["first_page"]), pages, logits, stats, state)
+    return Received(first, pages, logits, stats, state)
 
 
 def _read_state(head: dict[str, Any], frame: Any) -> np.ndarray:
     """The speculator's state frame, checked against its checksum and shape."""
     raw = memoryview(frame).cast("B")
-    shape = [int(n) for n in head["state_shape"]]
+    shape = int_list(head, "state_shape", 1, 1 << 32)
     if checksum(raw) != head.get("state_checksum") or raw.nbytes != 4 * int(np.prod(shape)):
         raise WireError("the speculator's state failed its checksum or size")
     return np.frombuffer(raw, dtype=np.float32).reshape(shape).copy()
@@ -188,9 +222,9 @@ def layer_message(hid: str, layer: int, first_page: int, pages: list[Any]) -> Fr
 
 def read_layer(head: dict[str, Any], frames: Frames, layer_bytes: int) -> list[memoryview]:
     """One layer's page slices, each checked (size, checksum) before any is kept."""
-    sums = head.get("checksums")
-    if not isinstance(sums, list) or len(frames) != 1 + len(sums):
-        raise WireError(f"layer message: {len(frames) - 1} page frames for {sums!r} checksums")
+    sums = int_list(head, "checksums", 0, U64)
+    if len(frames) != 1 + len(sums):
+        raise WireError(f"layer message: {len(frames) - 1} page frames for {len(sums)} checksums")
     out = [memoryview(f).cast("B") for f in frames[1:]]
     for i, (part, want) in enumerate(zip(out, sums, strict=True)):
         if part.nbytes != layer_bytes or checksum(part) != want:
@@ -239,7 +273,7 @@ def read_pulled(
     and why the rest were dropped ("" when none was)."""
     sums = head.get("checksums")
     if head.get("first_page") != first_page or not isinstance(sums, list):
-        return [], f"pulled reply starts at page {head.get('first_page')}, asked {first_page}"
+        return [], f"pulled reply starts at page {head.get('first_page')!r:.20}, asked {first_page}"
     if len(frames) != 1 + len(sums) or len(sums) > end_page - first_page:
         return [], f"pulled reply: {len(frames) - 1} frames, {len(sums)} checksums"
     good: list[memoryview] = []

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from kvstrata.engine.engine import Engine
+from kvstrata.listeners import Listeners
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.connectors import pd_side
 from kvstrata.pd.decode import DecodeSide
@@ -22,11 +24,25 @@ class PDWorker:
     side and channel; this object (HTTP process) only picks prefill workers, serves
     /v1/pd/info (`ranked_ready`) and counts what rank 0 reports."""
 
-    def __init__(self, role: str, cfg: PDConfig, metrics: PDMetrics, ranked: bool = False) -> None:
+    def __init__(
+        self,
+        role: str,
+        cfg: PDConfig,
+        metrics: PDMetrics,
+        ranked: bool = False,
+        listeners: Listeners | None = None,
+    ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"a P/D worker is a prefill or a decode, not {role!r}")
         self.role, self.cfg, self.metrics, self.ranked = role, cfg, metrics, ranked
         self.curve = curve_keys(cfg)  # its public half goes in /v1/pd/info
+        if cfg.pd_insecure:
+            print(
+                f"kvstrata serve: WARNING: --pd-insecure: this {role} worker's KV transfer is "
+                "not authenticated; any process that reaches it can exchange KV pages with it",
+                file=sys.stderr,
+                flush=True,
+            )
         transport = None if ranked else transport_of(cfg, self.curve)
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
@@ -34,6 +50,8 @@ class PDWorker:
             side = pd_side(role, cfg, transport, metrics)
             self.prefill = side if isinstance(side, PrefillSide) else None
             self.decode = side if isinstance(side, DecodeSide) else None
+            if self.prefill is not None and listeners is not None:
+                self.prefill.listeners = listeners
         elif role == "decode":
             self.decode = DecodeSide(cfg, transport, metrics)  # ranked: only `choose` is used
         self.layout: Layout | None = None

@@ -16,16 +16,19 @@ from pydantic import BaseModel, ValidationError
 
 from kvstrata.cache.events import MEDIA, snapshot
 from kvstrata.engine.scheduler import RESET_DRAIN_S
+from kvstrata.http.auth import resolve_api_key
+from kvstrata.http.body import json_body
+from kvstrata.http.errors import ApiError
+from kvstrata.http.rules import add_http_rules
 from kvstrata.pd.routes import add_routes as pd_routes
-from kvstrata.serve.auth import ApiKeyGuard, resolve_api_key
-from kvstrata.serve.body import read_json_object
-from kvstrata.serve.errors import add_error_handlers
 from kvstrata.serve.generate import Generation, choose_prefill, complete, stream
+from kvstrata.serve.kv_hint_routes import add_kv_hint_routes
+from kvstrata.serve.kv_info import add_routes as kv_info_routes
 from kvstrata.serve.protocol import (
-    ApiError,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
+    TokenIds,
     check_tokens,
 )
 from kvstrata.serve.state import ServerState
@@ -41,14 +44,14 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    tokens: list[int]
+    tokens: TokenIds
 
 
-async def parse(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
-    """The JSON body as `model`, or a 400 naming the bad field (415 / 413: see serve/body.py)."""
-    data = await read_json_object(request, max_bytes)
+def parse(request: Request, model: type[BaseModel]) -> Any:
+    """The JSON body as `model`, or a 400 naming the bad field (415 / 413 / 408 / malformed
+    JSON: answered before, by the body rules of kvstrata/http/body.py)."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(json_body(request))
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or None
@@ -67,16 +70,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
 
-    add_error_handlers(app)
-    api_key = resolve_api_key(state.cfg.api_key, state.cfg.api_key_file)
-    if api_key is not None:
-        app.add_middleware(ApiKeyGuard, api_key=api_key)
+    cfg = state.cfg
+    api_key = resolve_api_key(cfg.api_key, cfg.api_key_file)
+    add_http_rules(app, api_key, cfg.max_request_bytes, cfg.client_timeout_s)
 
     _info_routes(app, state)
     _generate_routes(app, state)
     _token_routes(app, state)
     _cache_routes(app, state)
+    add_kv_hint_routes(app, state, parse)
     pd_routes(app, state)
+    kv_info_routes(app, state)
     if state.cfg.debug_endpoints:
         _debug_routes(app, state)
     return app
@@ -111,21 +115,17 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
 def _generate_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        return await _generate(
-            state, await parse(request, CompletionRequest, state.cfg.max_request_bytes), request
-        )
+        return await _generate(state, parse(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Any:
-        return await _generate(
-            state, await parse(request, ChatRequest, state.cfg.max_request_bytes), request
-        )
+        return await _generate(state, parse(request, ChatRequest), request)
 
 
 def _token_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = await parse(request, TokenizeRequest, state.cfg.max_request_bytes)
+        body = parse(request, TokenizeRequest)
         if body.messages is not None:
             toks = state.codec.encode_chat(
                 [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -138,7 +138,7 @@ def _token_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = await parse(request, DetokenizeRequest, state.cfg.max_request_bytes)
+        body = parse(request, DetokenizeRequest)
         if body.tokens:
             check_tokens(body.tokens, state.limits, "tokens")
         return {"prompt": state.codec.decode(body.tokens)}
@@ -208,6 +208,13 @@ def _debug_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"error": f"seconds must be in (0, {MAX_STALL_S}]"}, 400)
         state.loop.call(functools.partial(_stall, seconds))
         return JSONResponse({"queued": seconds}, 202)
+
+    @app.post("/debug/listeners/{name}/kill")
+    async def kill_listener(name: str) -> JSONResponse:
+        """Makes listener thread `name` (pd-prefill, kv-events-replay) die at its next turn, as
+        a fault would: /health goes 503 and the server stops (a test's way to check that)."""
+        state.listeners.kill(name)
+        return JSONResponse({"killing": name}, 202)
 
 
 async def _generate(

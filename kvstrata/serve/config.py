@@ -24,6 +24,16 @@ class ServeConfig:
     kv_events_replay_endpoint: str = doc("", "ZMQ ROUTER endpoint that replays events from a seq")
     kv_events_topic: str = doc("", "topic frame of every KV event message")
     kv_events_buffer: int = doc(10000, "event batches kept for replay")
+    kv_events_replay_rate: float = doc(
+        10.0,
+        "replay requests a subscriber may make per second (a burst of as many); more are "
+        "dropped unanswered",
+    )
+    kv_events_format: str = doc(
+        "vllm",
+        "KV events' schema: vllm (vLLM 0.32's tagged maps, cache_salt in extra_keys) | array "
+        "(the older tagged arrays, no salt)",
+    )
     kv_events_curve_secret_file: str = doc(
         "",
         "KV events: the server's CURVE secret key file (`kvstrata keys curve DIR NAME`: "
@@ -53,6 +63,12 @@ class ServeConfig:
         "largest request body accepted; beyond: 413 before the rest is read. 16 MiB holds a "
         "1M-token prompt as a JSON token-id list (~7 bytes a token) with room to spare",
     )
+    client_timeout_s: float = doc(
+        60.0,
+        "a client gets this long to send a request's headers (from connecting, or from its "
+        "last answer) and as long again for its body; beyond: 408 and the connection is "
+        "closed, so slow clients (slowloris) cannot hold connections",
+    )
     role: str = doc(
         "single",
         "single (one server does it all) | prefill | decode (P/D workers) | router (front of P/D)",
@@ -64,9 +80,13 @@ class ServeConfig:
         for name in ("max_pending", "default_max_tokens", "kv_events_buffer", "max_request_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_events_replay_rate <= 0:
+            raise ValueError(
+                f"kv_events_replay_rate must be positive, got {self.kv_events_replay_rate}"
+            )
         if self.parent_pid < 0:
             raise ValueError(f"parent_pid must be >= 0, got {self.parent_pid}")
-        for name in ("request_timeout_s", "stop_timeout_s"):
+        for name in ("request_timeout_s", "stop_timeout_s", "client_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.role not in ROLES:
@@ -74,6 +94,10 @@ class ServeConfig:
         if bool(self.kv_events_curve_secret_file) != bool(self.kv_events_curve_clients_dir):
             raise ValueError(
                 "kv_events_curve_secret_file and kv_events_curve_clients_dir go together"
+            )
+        if self.kv_events_format not in ("vllm", "array"):
+            raise ValueError(
+                f"kv_events_format must be vllm or array, got {self.kv_events_format!r}"
             )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")

@@ -1,18 +1,16 @@
 """KV cache events for routers, in vLLM's wire format over ZMQ.
 
 PUB socket, one multipart message per event batch: (topic, sequence number as 8 bytes big-endian,
-msgpack payload). The payload is vLLM's `EventBatch` as a msgpack array
-`[ts, [event, ...], data_parallel_rank]`; each event is a tagged array whose first item names its
-type, fields in vLLM's order:
-  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-  ["BlockRemoved", block_hashes, medium]
-  ["AllBlocksCleared"]
+msgpack payload). The payload's schema is kv_events_format's (kvstrata/cache/event_wire.py: "vllm",
+vLLM 0.32's tagged maps with each block's cache_salt in extra_keys, or "array", the older tagged
+arrays); events are BlockStored, BlockRemoved and AllBlocksCleared.
 After a prefix-cache reset the batch starts with AllBlocksCleared (a subscriber forgets every
 medium), followed by BlockStored for what the reset kept (host copies; storage where the tree still
 knows it), so the sets a subscriber rebuilds always equal the cache's own.
 Block hashes are the low 64 bits of our 128-bit page keys (msgpack integers are 64-bit).
 A ROUTER socket (optional) answers a request [start_seq (8 bytes)] with every buffered batch from
-that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty).
+that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty); it is served
+by a thread of its own, at a bounded rate per subscriber (kvstrata/serve/event_replay.py).
 
 With kv_events_curve_secret_file / kv_events_curve_clients_dir both sockets are CURVE servers:
 every subscriber must present a key pair whose public half is in the clients directory (pyzmq's
@@ -20,41 +18,52 @@ ThreadAuthenticator checks it), and all traffic is encrypted; anyone else's conn
 handshake and receives nothing. Event payloads carry every tenant's prompt token ids, so a
 socket reachable by other users or hosts should not run without it.
 
-Runs on the engine thread (rank 0's, under ranks): the sockets are used by that thread only (the
-authenticator runs its own thread on the same context).
+The publisher runs on the engine thread (rank 0's, under ranks): the PUB socket is used by that
+thread only; the replay socket by the replay thread only (the authenticator runs its own thread
+on the same context).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Any
 
-import msgpack
 import zmq
 
+from kvstrata.cache.event_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    encode_batch,
+)
 from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker, block_hash
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
+from kvstrata.listeners import Listeners, exit_process
 from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.event_replay import ReplayBuffer, ReplayServer
 from kvstrata.zmq_curve import CurveKeys, authenticator
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-
-def encode_change(change: BlockChange, tokens: list[int], page_size: int) -> list[Any]:
+def encode_change(
+    change: BlockChange, tokens: list[int], page_size: int, salts: list[str]
+) -> KVEvent:
+    """One tree change as a typed event (salts: each page's cache_salt, stored changes only)."""
     hashes = [block_hash(k) for k in change.keys]
     if not change.stored:
-        return ["BlockRemoved", hashes, change.medium]
+        return BlockRemoved(hashes, change.medium)
     parent = None if change.parent is None else block_hash(change.parent)
-    return ["BlockStored", hashes, parent, tokens, page_size, None, change.medium]
+    return BlockStored(hashes, parent, tokens, page_size, change.medium, salts)
 
 
 class KVEventPublisher:
     """Publishes the tree's per-medium changes after every step."""
 
-    def __init__(self, cfg: ServeConfig, page_size: int) -> None:
+    def __init__(
+        self, cfg: ServeConfig, page_size: int, listeners: Listeners | None = None
+    ) -> None:
         self.page = page_size
+        self.format = cfg.kv_events_format
         self.topic = cfg.kv_events_topic.encode()
         self.ctx = zmq.Context()
         keys = curve_keys(cfg)
@@ -64,17 +73,21 @@ class KVEventPublisher:
         if keys is not None:
             keys.server(self.pub)
         self.pub.bind(cfg.kv_events_endpoint)
-        self.replay: zmq.Socket | None = None
+        self.buffer = ReplayBuffer(cfg.kv_events_buffer)
+        self.replay: ReplayServer | None = None
         if cfg.kv_events_replay_endpoint:
-            self.replay = self.ctx.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            if keys is not None:
-                keys.server(self.replay)
-            self.replay.bind(cfg.kv_events_replay_endpoint)
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.kv_events_buffer)
+            self.replay = ReplayServer(
+                self.ctx,
+                cfg.kv_events_replay_endpoint,
+                self.buffer,
+                cfg.kv_events_replay_rate,
+                keys,
+                listeners,
+            )
         self.seq = 0
         self.tracker = BlockTracker()
         self.tokens: dict[int, list[int]] = {}  # page key -> its tokens (for BlockStored)
+        self.salts: dict[int, str] = {}  # page key -> its request's cache_salt (salted only)
         self.recorded: dict[str, int] = {}  # rid -> how many of its keys are in self.tokens
         self.resets = 0  # the cache's reset count last announced
 
@@ -88,26 +101,23 @@ class KVEventPublisher:
         for req in [*engine.waiting, *engine.running]:
             self._record(req)
         assert engine.cache is not None
-        head: list[list[Any]] = []
+        head: list[KVEvent] = []
         if engine.cache.resets != self.resets:  # the cache was reset: say so, then what is left
             self.resets = engine.cache.resets
             self.tracker = BlockTracker()
-            head = [["AllBlocksCleared"]]
+            head = [AllBlocksCleared()]
         changes = self.tracker.diff(engine.cache.tree)
         if changes or head:
             self._publish(head + [self._encode(c) for c in changes])
             held = set().union(*self.tracker.held.values())
             for key in [k for k in self.tokens if k not in held]:
                 del self.tokens[key]
-        self._serve_replay()
-
-    def on_idle(self) -> None:
-        self._serve_replay()
+                self.salts.pop(key, None)
 
     def close(self) -> None:
-        self.pub.close()
         if self.replay is not None:
-            self.replay.close()
+            self.replay.close()  # its thread first: the context's term waits for its socket
+        self.pub.close()
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
@@ -121,33 +131,26 @@ class KVEventPublisher:
         toks = req.all_tokens
         for i in range(done, len(keys)):
             self.tokens.setdefault(keys[i], toks[i * self.page : (i + 1) * self.page])
+            if req.cache_salt:  # a salted key is the salt's alone (the salt is in its chain)
+                self.salts[keys[i]] = req.cache_salt
         self.recorded[req.rid] = len(keys)
 
-    def _encode(self, change: BlockChange) -> list[Any]:
-        toks = [t for k in change.keys for t in self.tokens.get(k, [])] if change.stored else []
-        return encode_change(change, toks, self.page)
+    def _encode(self, change: BlockChange) -> KVEvent:
+        if not change.stored:
+            return encode_change(change, [], self.page, [])
+        toks = [t for k in change.keys for t in self.tokens.get(k, [])]
+        salts = [self.salts.get(k, "") for k in change.keys]
+        return encode_change(change, toks, self.page, salts)
 
-    def _publish(self, events: list[list[Any]]) -> None:
-        payload = msgpack.packb([time.time(), events, 0])
+    def _publish(self, events: list[KVEvent]) -> None:
+        payload = encode_batch(events, self.format, time.time())
         seq = self.seq
         self.seq += 1
-        self.buffer.append((seq, payload))
+        self.buffer.append(seq, payload)
         try:
             self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
         except zmq.Again:  # a slow subscriber: it can replay from the buffer
             pass
-
-    def _serve_replay(self) -> None:
-        sock = self.replay
-        while sock is not None and sock.poll(0):
-            frames = sock.recv_multipart()
-            if len(frames) < 2:
-                continue
-            client, start = frames[0], int.from_bytes(frames[-1], "big")
-            for seq, payload in self.buffer:
-                if seq >= start:
-                    sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            sock.send_multipart((client, b"", END_SEQ, b""))
 
 
 def curve_keys(cfg: ServeConfig) -> CurveKeys | None:
@@ -168,4 +171,6 @@ def rank0_events(
     every rank); None when the server publishes none."""
     if serve_cfg is None or not serve_cfg.kv_events_endpoint or eng.cache is None:
         return None
-    return KVEventPublisher(serve_cfg, page_size)
+    listeners = Listeners()
+    listeners.on_death.append(exit_process)  # its server sees rank 0 go, and stops
+    return KVEventPublisher(serve_cfg, page_size, listeners)

@@ -10,9 +10,11 @@ from typing import Any
 
 from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import Sampler
+from kvstrata.http.errors import ApiError
+from kvstrata.http.sse import DONE, sse
 from kvstrata.serve import responses as R
+from kvstrata.serve.cache_hints import request_pins
 from kvstrata.serve.protocol import (
-    ApiError,
     ChatRequest,
     CompletionRequest,
     Prepared,
@@ -76,6 +78,7 @@ class Generation:
             sampler=Sampler(prep.sampling, self.rid),
             cache_salt=prep.cache_salt,
         )
+        self.req.pins = request_pins(body, prep.tokens, state.codec.encode_chat)
         if remote:  # P/D decode: this prefill worker computes the prompt
             self.req.kv_params = {"prefill": remote}
         self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)
@@ -183,12 +186,12 @@ async def stream(gen: Generation) -> AsyncIterator[str]:
                 yield R.chunk(gen.chat, gen.rid, name, delta, None, first=first)
                 first = False
         except ApiError as exc:
-            yield R.sse(exc.body())
-            yield R.DONE
+            yield sse(exc.body())
+            yield DONE
             return
         yield R.chunk(gen.chat, gen.rid, name, gen.text.flush(), gen.reason(), first=first)
         if gen.usage_wanted:
             yield R.usage_chunk(gen.chat, gen.rid, name, gen.usage())
-        yield R.DONE
+        yield DONE
     finally:
         gen.abort()

@@ -112,6 +112,7 @@ class LoopFront:
             return
         req.finish_reason, req.hits, req.transfer = msg.reason, msg.hits, msg.transfer
         req.spec_accepts, req.spec_proposed = msg.spec_accepts, msg.spec_proposed
+        req.pinned_pages = msg.pinned_pages
         for obs in self.observers:
             obs.on_finished(req, stream, now)
         stream.push("done", req)

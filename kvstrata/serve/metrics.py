@@ -19,6 +19,7 @@ from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.engine.speculative import SpecStats
 from kvstrata.serve.stream import LoopObserver, Stream
+from kvstrata.storage.base import StorageBackend
 
 
 @dataclass
@@ -33,6 +34,29 @@ class PoolStats:
     running: int = 0
     waiting: int = 0
     spec: SpecStats | None = None  # speculative decoding's counters (None: off)
+    storage: StorageCounts | None = None  # the storage backend's trouble counters (None: none)
+
+
+@dataclass(frozen=True)
+class StorageCounts:
+    """A storage backend's counters of bad units, read live from its stats()."""
+
+    backend: str  # the URL scheme: file, redis, mooncake, ...
+    seal_failures: int  # units that failed their seal (MAC/decryption), read or write path
+    corrupt: int  # values whose header or checksum failed (removed)
+    rewrites: int  # units written again over a stored one that failed its seal or checksum
+
+    @classmethod
+    def of(cls, storage: StorageBackend) -> StorageCounts:
+        """The counters of a mover's storage (a UnitStorage: its `backend` names the scheme)."""
+        st = storage.stats()
+        backend = str(getattr(storage, "backend", "") or "unknown")
+        return cls(
+            backend,
+            int(st.get("seal_failures", 0)),
+            int(st.get("corrupt", 0)),
+            int(st.get("rewrites", 0)),
+        )
 
 
 def engine_stats(engine: Engine) -> PoolStats:
@@ -43,6 +67,7 @@ def engine_stats(engine: Engine) -> PoolStats:
     if engine.spec is not None:  # a copy: the engine thread goes on counting
         st = engine.spec.stats
         spec = SpecStats(st.steps, st.proposed, st.accepted, list(st.accepted_per_pos))
+    storage = getattr(cache.mover, "storage", None) if cache is not None else None
     return PoolStats(
         alloc.num_free,
         alloc.capacity,
@@ -52,6 +77,7 @@ def engine_stats(engine: Engine) -> PoolStats:
         len(engine.running),
         len(engine.waiting),
         spec,
+        StorageCounts.of(storage) if storage is not None else None,
     )
 
 
@@ -156,6 +182,19 @@ class _PoolCollector(Collector):
             yield from self._counters(st.counters)
         if st.spec is not None:
             yield from self._spec(st.spec)
+        if st.storage is not None:
+            yield from self._storage(st.storage)
+
+    def _storage(self, s: StorageCounts) -> Iterator[Metric]:
+        lbl = ["model_name", "backend"]
+        for name, doc, value in (
+            ("storage_seal_failures", "stored units that failed their seal (MAC)", s.seal_failures),
+            ("storage_corrupt_units", "stored values whose checksum failed (removed)", s.corrupt),
+            ("storage_unit_rewrites", "units rewritten over a stored unit that failed", s.rewrites),
+        ):
+            fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=lbl)
+            fam.add_metric([self.name, s.backend], value)
+            yield fam
 
     def _spec(self, s: SpecStats) -> Iterator[Metric]:
         """vLLM's spec_decode_* counters: mean accepted length = 1 + accepted / drafts."""
@@ -205,3 +244,34 @@ class _PoolCollector(Collector):
         for tier, n in c.evictions.items():
             evicted.add_metric([self.name, tier], n)
         yield evicted
+        yield from self._pins(c)
+
+    def _pins(self, c: CacheCounters) -> Iterator[Metric]:
+        """Client pins (cache_control, kv_pin_s): pages kept per tier, and their fates."""
+        pinned = GaugeMetricFamily(
+            "kvstrata:pinned_pages",
+            "pages client pins keep, per tier",
+            labels=["model_name", "tier"],
+        )
+        for tier, n in c.pins.pinned_pages.items():
+            pinned.add_metric([self.name, tier], n)
+        yield pinned
+        p = c.pins
+        for name, doc, value in (
+            ("pins_made", "client pins that took hold", p.made),
+            ("pins_renewed", "pins whose TTL a hit or a new hint restarted", p.renewed),
+            ("pins_expired", "pins let go at the end of their TTL", p.expired),
+            (
+                "pins_dropped_for_budget",
+                "older pins let go to make room under --pin-budget",
+                p.dropped_for_budget,
+            ),
+            (
+                "pins_refused_for_budget",
+                "pins larger than the whole --pin-budget",
+                p.refused_for_budget,
+            ),
+        ):
+            fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=["model_name"])
+            fam.add_metric([self.name], value)
+            yield fam

@@ -1,51 +1,66 @@
 """OpenAI request bodies (pydantic) and their translation into engine requests.
 
 Unknown fields are accepted and ignored (clients send many), wrong types of known fields are
-rejected with a 400 naming the field. Limits come from the model (vocabulary, positions) and the
-device pool (pages), checked here so a bad request never reaches the engine thread.
+rejected with a 400 naming the field, and so are fields vLLM knows that this server would
+otherwise ignore silently (`best_of`, `logprobs`: refused unless they ask for what is done
+anyway), token ids that are not JSON integers (`true`, `1.0`: never coerced) and an empty
+`cache_salt` (it would share the unsalted cache). Limits come from the model (vocabulary,
+positions) and the device pool (pages), checked here so a bad request never reaches the engine
+thread.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from kvstrata.engine.sampling import SamplingParams
+from kvstrata.http.errors import ApiError
 
 
-class ApiError(Exception):
-    """An error answered in vLLM's shape: {"error": {"message", "type", "param", "code"}}."""
+def _integer_ids(value: Any) -> Any:
+    """A prompt as given, unless a token id in it is a JSON true/false or a number with a
+    fraction or exponent: those are refused, never coerced to an integer."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            for x in item if isinstance(item, list) else (item,):
+                if isinstance(x, bool | float):
+                    raise ValueError(f"token ids must be integers, got {x!r} in prompt[{i}]")
+    return value
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
 
-    @property
-    def kind(self) -> str:
-        kinds = {
-            400: "BadRequestError",
-            401: "UnauthorizedError",
-            403: "PermissionDeniedError",
-            404: "NotFoundError",
-            413: "RequestEntityTooLargeError",
-            415: "UnsupportedMediaTypeError",
-            502: "BadGatewayError",
-            503: "ServiceUnavailableError",
-            504: "GatewayTimeoutError",
-        }
-        return kinds.get(self.status, "InternalServerError")
+def _one_sequence(value: int | None) -> int | None:
+    """vLLM's best_of: only 1 (one sequence per prompt) or null."""
+    if value not in (None, 1):
+        raise ValueError(f"only 1 (or null) is supported: one sequence per prompt, got {value}")
+    return value
 
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
+
+def _no_logprobs(value: int | bool | None) -> int | bool | None:
+    """This server returns no log-probabilities: only null (or false) is accepted, never a
+    request it would answer without them."""
+    if value is not None and value is not False:  # 0 too: completions' 0 asks for one each
+        raise ValueError(
+            f"log-probabilities are not returned by this server: send null, got {value!r}"
+        )
+    return value
+
+
+def _no_top_logprobs(value: int | None) -> int | None:
+    if value not in (None, 0):
+        raise ValueError(
+            f"log-probabilities are not returned by this server: send null or 0, got {value!r}"
+        )
+    return value
+
+
+TokenIds = list[StrictInt]
+"""Token ids from a client: JSON integers only (`true` or `1.0` is a 400, not coerced)."""
+Prompt = Annotated[
+    str | list[StrictInt] | list[str] | list[list[StrictInt]], BeforeValidator(_integer_ids)
+]
 
 
 class StreamOptions(BaseModel):
@@ -61,17 +76,19 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1)
+    best_of: Annotated[int | None, AfterValidator(_one_sequence)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # "" would share the unsalted cache
     pd_prefill: str | None = None  # P/D decode: the prefill worker to use (the router sets it)
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
+    logprobs: Annotated[int | None, AfterValidator(_no_logprobs)] = None
 
 
 class TextPart(BaseModel):
@@ -96,6 +113,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: Annotated[bool | None, AfterValidator(_no_logprobs)] = None
+    top_logprobs: Annotated[int | None, AfterValidator(_no_top_logprobs)] = None
 
 
 @dataclass(frozen=True)

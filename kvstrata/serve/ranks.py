@@ -147,8 +147,9 @@ class RankedLoop(LoopFront):
         assert req.sampler is not None
         params = req.sampler.params
         return NewRequest(
-            req.rid, req.tokens, req.max_new_tokens, params, req.cache_salt, req.kv_params
-        )
+            req.rid, req.tokens, req.max_new_tokens, params, req.cache_salt, req.kv_params,
+            pins=req.pins,
+        )  # fmt: skip
 
     def stop(self, timeout_s: float) -> bool:
         self.inbox.put(Stop())

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from kvstrata.engine.request import Request
+from kvstrata.http.sse import sse
 from kvstrata.serve.codec import Codec
 
 
@@ -68,6 +68,7 @@ def usage(
         "prompt_tokens_details": {
             "cached_tokens": sum(by_tier.values()),
             "cached_tokens_by_tier": by_tier,
+            "pinned_tokens": req.pinned_pages * page_size,  # kept by its cache_control pins
         },
         **pd,  # P/D decode: what crossed from prefill
     }
@@ -133,10 +134,3 @@ def chunk(
 def usage_chunk(chat: bool, rid: str, model: str, use: dict[str, Any]) -> str:
     obj = "chat.completion.chunk" if chat else "text_completion"
     return sse({**head(rid, model, obj), "choices": [], "usage": use})
-
-
-def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body)}\n\n"
-
-
-DONE = "data: [DONE]\n\n"

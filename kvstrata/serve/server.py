@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -21,6 +22,8 @@ import uvicorn
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import Built, build_engine
 from kvstrata.engine.config import EngineConfig
+from kvstrata.http.rules import server_options
+from kvstrata.listeners import Listeners
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.spec import check_spec_layout
@@ -36,6 +39,7 @@ from kvstrata.serve.torchrun import torchrun_rank
 from kvstrata.storage.base import StorageConfig
 
 ABORT_GRACE_S = 5.0  # aborted streams' last frames reach the clients within this
+DEATH_NOTICE_S = 2.0  # a dead listener: /health says why (503) this long before the port closes
 
 
 class _Server(uvicorn.Server):
@@ -73,8 +77,9 @@ def make_state(
     engine_cfg, cache_cfg, storage_cfg = configs
     name = cfg.served_model_name or model_path.name
     metrics = ServeMetrics(name)
+    listeners = Listeners(metrics.registry)
     ranked = dist_cfg is not None and dist_cfg.world_size > 1
-    pd = _pd_worker(cfg, pd_cfg, metrics, name, ranked)
+    pd = _pd_worker(cfg, pd_cfg, metrics, name, ranked, listeners)
     loop: EngineLoop | RankedLoop
     if ranked:
         assert dist_cfg is not None
@@ -87,7 +92,9 @@ def make_state(
         loop.observers.append(metrics)
         metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
     else:
-        loop = EngineLoop(lambda: _build(loop, cfg, metrics, model, configs, pd), cfg.max_pending)
+        loop = EngineLoop(
+            lambda: _build(loop, cfg, metrics, model, configs, pd, listeners), cfg.max_pending
+        )
     limits = Limits(
         model.vocab_size,
         model.spec.max_position_embeddings,
@@ -96,11 +103,28 @@ def make_state(
     )
     codec = open_codec(model_path, model.vocab_size)
     spec = bool(engine_cfg.spec_draft)
-    return ServerState(cfg, loop, name, str(model_path), codec, limits, metrics, spec, pd=pd)
+    return ServerState(
+        cfg,
+        loop,
+        name,
+        str(model_path),
+        codec,
+        limits,
+        metrics,
+        spec,
+        pd=pd,
+        storage_url=cache_cfg.storage_url,
+        listeners=listeners,
+    )
 
 
 def _pd_worker(
-    cfg: ServeConfig, pd_cfg: Any, metrics: ServeMetrics, name: str, ranked: bool = False
+    cfg: ServeConfig,
+    pd_cfg: Any,
+    metrics: ServeMetrics,
+    name: str,
+    ranked: bool,
+    listeners: Listeners,
 ) -> Any:
     """The P/D side of a prefill or decode worker (None for single and router); ranked: its
     ranks hold their own sides (kvstrata/pd/ranks.py), this one is the HTTP process's."""
@@ -110,7 +134,8 @@ def _pd_worker(
     from kvstrata.pd.metrics import PDMetrics
     from kvstrata.pd.worker import PDWorker
 
-    return PDWorker(cfg.role, pd_cfg or PDConfig(), PDMetrics(metrics.registry, name), ranked)
+    pd_metrics = PDMetrics(metrics.registry, name)
+    return PDWorker(cfg.role, pd_cfg or PDConfig(), pd_metrics, ranked, listeners)
 
 
 def _build(
@@ -119,7 +144,8 @@ def _build(
     metrics: ServeMetrics,
     model: DecoderLM,
     configs: Any,
-    pd: Any = None,
+    pd: Any,
+    listeners: Listeners,
 ) -> Built:
     """On the engine thread: pools, storage, cache; the observers that watch the loop."""
     built = build_engine(*configs, model=model)
@@ -131,7 +157,7 @@ def _build(
         from kvstrata.serve.events import KVEventPublisher
 
         assert isinstance(loop, EngineLoop)
-        loop.events = KVEventPublisher(cfg, configs[1].page_size)  # the step loop drives it
+        loop.events = KVEventPublisher(cfg, configs[1].page_size, listeners)  # the step loop
     return built
 
 
@@ -149,11 +175,28 @@ def _exit_when_ranks_stop(server: _Server, state: ServerState) -> None:
     threading.Thread(target=watch, name="kvstrata-ranks-watch", daemon=True).start()
 
 
+def _exit_when_a_listener_dies(server: _Server, state: ServerState) -> None:
+    """A listener thread that died (kvstrata/listeners.py) never serves again: /health answers
+    503 from then on (state.check_ready), DEATH_NOTICE_S later the server stops as on SIGTERM
+    (stop_timeout_s for in-flight requests), exit 1."""
+
+    def stop(why: str) -> None:
+        state.stopping = True
+        timer = threading.Timer(DEATH_NOTICE_S, server.handle_exit, (signal.SIGTERM, None))
+        timer.daemon = True
+        timer.start()
+
+    state.listeners.on_death.append(stop)
+    if state.listeners.dead is not None:  # died before the server was up
+        stop(state.listeners.dead)
+
+
 def serve(state: ServerState) -> int:
     cfg = state.cfg
+    app = create_app(state)  # ValueError (a bad API key, ...) before the engine thread starts
     state.loop.start()
     config = uvicorn.Config(
-        create_app(state),
+        app,
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
@@ -161,16 +204,18 @@ def serve(state: ServerState) -> int:
         # logs a traceback per connection) is only the backstop for a stream that still hangs
         timeout_graceful_shutdown=int(cfg.stop_timeout_s + ABORT_GRACE_S),
         lifespan="on",
+        **server_options(cfg.client_timeout_s),
     )
     server = _Server(config, state)
     if isinstance(state.loop, RankedLoop):
         _exit_when_ranks_stop(server, state)
+    _exit_when_a_listener_dies(server, state)
     where = f"http://{cfg.host}:{cfg.port}"
     print(f"kvstrata serve: {state.model_name} on {where} (pid {os.getpid()})", flush=True)
     server.run()
     if state.loop.thread.is_alive():
         print("kvstrata serve: the engine loop did not stop in time", file=sys.stderr)
         return 1
-    if state.loop.failed:
+    if state.loop.failed or state.listeners.dead is not None:
         return 1
     return 0

@@ -6,11 +6,13 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstrata.http.errors import ApiError
+from kvstrata.listeners import Listeners
 from kvstrata.serve.codec import Codec
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import EngineLoop
 from kvstrata.serve.metrics import ServeMetrics
-from kvstrata.serve.protocol import ApiError, Limits
+from kvstrata.serve.protocol import Limits
 from kvstrata.serve.ranks import RankedLoop
 
 
@@ -26,10 +28,14 @@ class ServerState:
     speculative: bool = False  # --spec-draft set: usage carries each request's `spec`
     stopping: bool = False
     pd: Any = None  # kvstrata.pd.worker.PDWorker on a prefill or decode worker
+    listeners: Listeners = field(default_factory=Listeners)  # the process's listener threads
+    storage_url: str = ""  # the cache's shared store ("" without one): named in KV events' info
     aloop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
 
     def check_ready(self) -> None:
         """503 while the engine builds, after it failed, or while stopping."""
+        if self.listeners.dead is not None:
+            raise ApiError(503, f"listener thread {self.listeners.dead} died; server is stopping")
         if self.stopping:
             raise ApiError(503, "server is stopping")
         if self.loop.failed is not None:

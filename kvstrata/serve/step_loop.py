@@ -114,11 +114,8 @@ class StepLoop:
             return False
         if msg.step:
             self._step()
-        if self.events is not None:
-            if msg.step or aborts or msg.calls:  # a call may reset the cache
-                self.events.after_step(eng)
-            else:
-                self.events.on_idle()
+        if self.events is not None and (msg.step or aborts or msg.calls):  # a call may reset
+            self.events.after_step(eng)  # the cache; replay is served by its own thread
         if self.out is not None and msg.clock - self._last_stats >= self.stats_every_s:
             self._last_stats = msg.clock
             self.out(StatsOut(engine_stats(eng), list(self.agree_s)))
@@ -180,7 +177,10 @@ class StepLoop:
             self._report(Failed(req.rid, req.failure))
         else:  # spec_*: usage.spec on the HTTP side
             hits, spec = dict(req.hits), list(req.spec_accepts)
-            done = Finished(req.rid, req.finish_reason, hits, req.transfer, spec, req.spec_proposed)
+            done = Finished(
+                req.rid, req.finish_reason, hits, req.transfer, spec, req.spec_proposed,
+                req.pinned_pages,
+            )  # fmt: skip
             self._report(done)
 
     def _fail_all(self, message: str) -> None:

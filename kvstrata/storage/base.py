@@ -19,8 +19,9 @@ from __future__ import annotations
 import importlib
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from concurrent.futures import Executor
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import xxhash
@@ -35,60 +36,80 @@ HEADER_NBYTES = _HEADER.size  # 40
 _MASK64 = (1 << 64) - 1
 
 
+FILE, MEMORY, REDIS, MOONCAKE = ("file",), ("mem",), ("redis", "rediss"), ("mooncake",)
+"""The URL schemes of each backend, as StorageConfig fields name the backends that read them."""
+
+
+def backend_doc(backends: tuple[str, ...], default: Any, help: str, **kw: Any) -> Any:  # noqa: A002
+    """doc() of a StorageConfig field only the `backends` (URL schemes) read: its help sits in
+    their group, and a command line that gives it with a store of another scheme is refused
+    (kvstrata.cli.validate.check_storage_options)."""
+    names = [s for s in backends if s != "rediss"]  # redis over TLS: the redis backend
+    group = " and ".join(names) + (" backends" if len(names) > 1 else " backend")
+    return doc(default, help, backends=backends, group=group, **kw)
+
+
+def read_by(name: str) -> tuple[str, ...] | None:
+    """The URL schemes whose backend reads StorageConfig field `name`; None: every backend."""
+    return next(f.metadata.get("backends") for f in fields(StorageConfig) if f.name == name)
+
+
 @dataclass(frozen=True)
 class StorageConfig:
-    """Storage backend options (file, redis and mooncake backends)."""
+    """Storage options every backend reads; a backend's own options follow in its group."""
 
-    max_bytes: int = doc(
-        0, "file backend: size cap of the directory in bytes (0 = unbounded); LRU clean-up"
+    max_bytes: int = backend_doc(
+        FILE + MEMORY, 0, "size cap of the store in bytes (0 = unbounded); file: LRU clean-up"
     )
-    evict_to_fraction: float = doc(
-        0.9, "file backend: on overflow, remove oldest pages until this fraction of max_bytes"
+    evict_to_fraction: float = backend_doc(
+        FILE, 0.9, "on overflow, remove oldest pages until this fraction of max_bytes"
     )
-    rescan_interval_s: float = doc(
-        30.0, "file backend: rescan the directory size this often (other processes write too)"
+    rescan_interval_s: float = backend_doc(
+        FILE, 30.0, "rescan the directory size this often (other processes write too)"
     )
-    fsync: bool = doc(False, "file backend: fsync each page file before it is renamed into place")
-    create_dir: bool = doc(
-        True, "file backend: create the directory if missing (its parent must exist)"
+    fsync: bool = backend_doc(FILE, False, "fsync each page file before it is renamed into place")
+    create_dir: bool = backend_doc(
+        FILE, True, "create the directory if missing (its parent must exist)"
     )
-    touch_on_read: bool = doc(
-        True, "file backend: a read refreshes the page's mtime (the LRU clock)"
+    touch_on_read: bool = backend_doc(
+        FILE, True, "a read refreshes the page's mtime (the LRU clock)"
     )
-    stale_tmp_s: float = doc(
-        600.0, "file backend: temp files older than this are removed at rescan (crashed writers)"
+    stale_tmp_s: float = backend_doc(
+        FILE, 600.0, "temp files older than this are removed at rescan (crashed writers)"
     )
-    stale_unit_s: int = doc(
+    stale_unit_s: int = backend_doc(
+        FILE + REDIS,
         3600,
-        "unit stores: units of a page still uncommitted this long after their last write are "
-        "removed (a killed backup); must exceed the longest backup (>= stale_tmp_s)",
+        "units of a page still uncommitted this long after their last write are removed (a "
+        "killed backup); must exceed the longest backup (>= stale_tmp_s)",
     )
-    redis_key_prefix: str = doc(
-        "kvstrata:", "redis backend: prefix of every key (32 hex digits follow)"
+    redis_key_prefix: str = backend_doc(
+        REDIS, "kvstrata:", "prefix of every key (32 hex digits follow)"
     )
-    redis_ttl_s: int = doc(
+    redis_ttl_s: int = backend_doc(
+        REDIS,
         0,
-        "redis backend: expiry of stored pages in seconds (0 = none; use redis maxmemory-policy for LRU)",
+        "expiry of stored pages in seconds (0 = none; use redis maxmemory-policy for LRU)",
     )
-    redis_batch_pages: int = doc(32, "redis backend: pages per pipelined round trip")
-    mooncake_batch_pages: int = doc(
-        16, "mooncake backend: pages per batched transfer (its staging area holds this many)"
+    redis_batch_pages: int = backend_doc(REDIS, 32, "pages per pipelined round trip")
+    mooncake_batch_pages: int = backend_doc(
+        MOONCAKE, 16, "pages per batched transfer (its staging area holds this many)"
     )
-    mooncake_timeout_s: float = doc(
-        5.0, "mooncake backend: bound on every client call; one that outlives it marks it down"
+    mooncake_timeout_s: float = backend_doc(
+        MOONCAKE, 5.0, "bound on every client call; one that outlives it marks it down"
     )
-    mooncake_setup_timeout_s: float = doc(
-        15.0, "mooncake backend: bound on joining the master (the client's set-up)"
+    mooncake_setup_timeout_s: float = backend_doc(
+        MOONCAKE, 15.0, "bound on joining the master (the client's set-up)"
     )
-    socket_timeout_s: float = doc(1.0, "redis backend: socket read/write timeout in seconds")
-    connect_timeout_s: float = doc(
-        0.5, "redis/mooncake backends: socket connect timeout in seconds (mooncake: reachability)"
+    socket_timeout_s: float = backend_doc(REDIS, 1.0, "socket read/write timeout in seconds")
+    connect_timeout_s: float = backend_doc(
+        REDIS + MOONCAKE, 0.5, "socket connect timeout in seconds (mooncake: reachability)"
     )
-    reconnect_backoff_s: float = doc(
-        0.2, "redis/mooncake backends: first wait after a connection failure before retrying"
+    reconnect_backoff_s: float = backend_doc(
+        REDIS + MOONCAKE, 0.2, "first wait after a connection failure before retrying"
     )
-    reconnect_backoff_max_s: float = doc(
-        5.0, "redis/mooncake backends: the wait doubles per failure up to this"
+    reconnect_backoff_max_s: float = backend_doc(
+        REDIS + MOONCAKE, 5.0, "the wait doubles per failure up to this"
     )
     emulate_read_s_per_page: float = doc(
         0.0,
@@ -104,13 +125,20 @@ class StorageConfig:
     encrypt: bool = doc(
         False, "with key_file: units are also encrypted at rest (AES-256-GCM) instead of MAC'd only"
     )
-    group_access: bool = doc(
-        False,
-        "file backend: files 0660 and directories 0770 (workers of one group share the store); "
-        "default owner-only, 0600 and 0700",
+    seal_check_thread: bool = backend_doc(
+        FILE,
+        True,
+        "with key_file: check each unit's seal on a second thread while the next unit is read "
+        "(on machines with >= 2 cores); off: read then check on one thread",
     )
-    require_reachable_at_start: bool = doc(
-        True, "redis/mooncake backends: an unreachable server at construction is a ValueError"
+    group_access: bool = backend_doc(
+        FILE,
+        False,
+        "files 0660 and directories 0770 (workers of one group share the store); default "
+        "owner-only, 0600 and 0700",
+    )
+    require_reachable_at_start: bool = backend_doc(
+        REDIS + MOONCAKE, True, "an unreachable server at construction is a ValueError"
     )
 
     def __post_init__(self) -> None:
@@ -196,6 +224,50 @@ def register_host_memory(storage: object, array: np.ndarray) -> bool:
     (mooncake: registered with its client); False where the backend has no such path."""
     register = getattr(storage, "register_buffer", None)
     return bool(register(array)) if register is not None else False
+
+
+@dataclass(frozen=True)
+class PutReport:
+    """What one put did: values stored (written now or found stored and kept) and the payload
+    bytes it actually wrote (what counts as moved to storage)."""
+
+    stored: int
+    written_bytes: int
+
+
+def put_report(store: object, keys: Sequence[int], pages: Sequence[np.ndarray]) -> PutReport:
+    """Store pages through `store.put_report` where the store keeps values already stored (the
+    file store: its report says which it wrote); any other store writes every value it stores."""
+    report = getattr(store, "put_report", None)
+    if report is not None:
+        return report(keys, pages)
+    stored = store.put(keys, pages)  # type: ignore[attr-defined]
+    return PutReport(stored, stored * (pages[0].nbytes if pages else 0))
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How a get_verified caller overlaps its checks with the reads: the values are checked in
+    groups of `group`, one task per group on `executor`, while the next group is read; at most
+    two groups are read ahead of the oldest value not yet settled (so values i and i + 2 x group
+    may share pieces). `check(i)` must only read (it may run for values past a miss, whose
+    verdict is then dropped); `failed(i)` is called once for the value whose check failed and
+    ended the batch (what a serial verify counts)."""
+
+    executor: Executor
+    group: int
+    check: Callable[[int], bool]
+    failed: Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class KeepCheck:
+    """How a writer decides whether a value already stored under a key is kept or rewritten (a
+    sealed store: whether its seal opens): the value is read into `pieces` (page_nbytes in all)
+    and `keep(key)` says; a rewrite is counted (`rewrites`)."""
+
+    pieces: Sequence[memoryview]
+    keep: Callable[[int], bool]
 
 
 def url_scheme(url: str) -> str:

@@ -34,6 +34,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,6 +43,9 @@ from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import (
     HEADER_NBYTES,
     STORAGE_BACKENDS,
+    KeepCheck,
+    Overlap,
+    PutReport,
     StorageConfig,
     Verify,
     check_batch,
@@ -64,10 +69,36 @@ _WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 _COUNTERS = (
     "puts", "put_existing", "put_errors", "gets", "get_hits", "get_misses", "corrupt",
     "read_errors", "exists_queries", "deleted", "evicted", "rescans", "bytes_written", "bytes_read",
-    "tmp_swept", "foreign",
+    "tmp_swept", "foreign", "rewrites",
 )  # fmt: skip
 """verify(i) of get_verified: True if value i, just read into its pieces, is good (must not
 change the pieces)."""
+
+
+@dataclass(slots=True)
+class _Checks:
+    """One group's check task: how many of its values, from `lo` on, passed (read once)."""
+
+    lo: int
+    task: Future[int]
+    passed: int = -1
+
+    def ok(self, i: int) -> bool:
+        if self.passed < 0:
+            self.passed = self.task.result()
+        return i - self.lo < self.passed
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A value of an overlapped get between its read and its settling (see get_overlapped)."""
+
+    index: int  # its place in the batch
+    path: str
+    fd: int | None  # open until settled (its file is touched or judged then)
+    outcome: str  # known at read time ("missing", "corrupt", "foreign", "read_errors"), or ""
+    digest: int = 0  # the header's checksum (a failed check: intact or corrupt)
+    verdict: _Checks | None = None  # its group's check
 
 
 class FileStore:
@@ -146,6 +177,123 @@ class FileStore:
         too (a value intact under its checksum is someone else's, e.g. another key's: it stays)."""
         check_pieces(keys, pieces, self.page_nbytes)
         return self._get(keys, pieces, verify)
+
+    def get_overlapped(
+        self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], overlap: Overlap
+    ) -> int:
+        """As get_verified, the checks run on overlap.executor, a group of values per task,
+        while the next group is read (see Overlap). Outcomes, counters and files end exactly as
+        get_verified's: a value is settled (kept and touched, or its file judged and removed)
+        only once every value before it passed, and nothing is read past a value missing or bad
+        at read time. Every check started has finished when it returns (none writes into a
+        caller's buffer later)."""
+        check_pieces(keys, pieces, self.page_nbytes)
+        self._check_open()
+        counts = {
+            "gets": 1, "get_hits": 0, "get_misses": 0, "corrupt": 0, "read_errors": 0, "foreign": 0
+        }  # fmt: skip
+        flight: collections.deque[_InFlight] = collections.deque()
+        group: list[_InFlight] = []  # read, its check not started yet
+        freed, ok = 0, True
+        try:
+            for i, key in enumerate(keys):
+                while ok and len(flight) >= 2 * overlap.group:  # a group's pieces come back
+                    ok, gone = self._settle(flight.popleft(), pieces, overlap, counts)
+                    freed += gone
+                if not ok:
+                    break
+                item = self._read_ahead(i, key, pieces[i])
+                flight.append(item)
+                if item.outcome:
+                    break  # a miss at read time: nothing after it is read
+                group.append(item)
+                if len(group) == overlap.group:
+                    self._start_checks(group, overlap)
+            if ok:
+                self._start_checks(group, overlap)
+            while ok and flight:
+                ok, gone = self._settle(flight.popleft(), pieces, overlap, counts)
+                freed += gone
+        finally:
+            for item in flight:  # past the first miss: wait for its check, then drop it
+                if item.verdict is not None:
+                    item.verdict.task.exception()
+                if item.fd is not None:
+                    os.close(item.fd)
+        counts["get_misses"] = int(counts["get_hits"] < len(keys))
+        counts["bytes_read"] = counts["get_hits"] * self.page_nbytes
+        self._add(counts, -freed)
+        return counts["get_hits"]
+
+    @staticmethod
+    def _start_checks(group: list[_InFlight], overlap: Overlap) -> None:
+        """One task checks the group's values in order; its result: how many lead passed."""
+        if not group:
+            return
+        lo, hi = group[0].index, group[-1].index + 1
+
+        def run() -> int:
+            for i in range(lo, hi):
+                if not overlap.check(i):
+                    return i - lo
+            return hi - lo
+
+        verdict = _Checks(lo, overlap.executor.submit(run))
+        for item in group:
+            item.verdict = verdict
+        group.clear()
+
+    def _read_ahead(self, i: int, key: int, value: Sequence[memoryview]) -> _InFlight:
+        """Read value i; an outcome known at read time (missing, header wrong, short) is set."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, _RD)
+        except FileNotFoundError:
+            return _InFlight(i, path, None, "missing")
+        except OSError:
+            return _InFlight(i, path, None, "read_errors")
+        header = bytearray(HEADER_NBYTES)
+        try:
+            n = transfer_all(os.readv, fd, [memoryview(header), *value])
+            digest = header_ok(header, key, self.page_nbytes) if n == self.file_nbytes else None
+            if digest is None:
+                foreign = header_foreign(header, key, os.fstat(fd).st_size)
+                return _InFlight(i, path, fd, "foreign" if foreign else "corrupt")
+        except OSError:
+            os.close(fd)
+            return _InFlight(i, path, None, "read_errors")
+        return _InFlight(i, path, fd, "", digest)
+
+    def _settle(
+        self,
+        item: _InFlight,
+        pieces: Sequence[Sequence[memoryview]],
+        overlap: Overlap,
+        counts: dict[str, int],
+    ) -> tuple[bool, int]:
+        """The oldest value's verdict, acted on as _read_one does; (ok, bytes of a removed file)."""
+        i = item.index
+        outcome = item.outcome
+        if item.verdict is not None:
+            if item.verdict.ok(i):
+                outcome = "ok"
+            else:
+                overlap.failed(i)
+                intact = checksum_of_pieces(pieces[i]) == item.digest
+                outcome = "rejected" if intact else "corrupt"
+        fd, item.fd = item.fd, None
+        try:
+            if outcome in ("corrupt", "foreign", "read_errors"):
+                counts[outcome] += 1
+            if outcome == "ok":
+                counts["get_hits"] += 1
+                if self.config.touch_on_read:
+                    self._touch(fd)  # type: ignore[arg-type]
+            gone = self._discard(item.path, fd) if outcome == "corrupt" and fd is not None else 0
+            return outcome == "ok", gone
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def _get(
         self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
@@ -247,38 +395,81 @@ class FileStore:
 
     # ---- updates -----------------------------------------------------------------------------
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
+        return self.put_report(keys, pages).stored
+
+    def put_report(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> PutReport:
+        """As put, saying which values it wrote (a value already stored is kept, not written)."""
         check_batch(keys, pages, "put")
         views = [page_view(p, self.page_nbytes, "put") for p in pages]
-        return self.put_pieces(keys, ([memoryview(v)] for v in views))
+        return self.write_pieces(keys, ([memoryview(v)] for v in views))
 
     def put_pieces(self, keys: Sequence[int], values: Iterable[Sequence[memoryview]]) -> int:
+        return self.write_pieces(keys, values).stored
+
+    def write_pieces(
+        self,
+        keys: Sequence[int],
+        values: Iterable[Sequence[memoryview]],
+        check: KeepCheck | None = None,
+    ) -> PutReport:
         """As put, each payload given as pieces written one after another (lengths summing to
         page_nbytes; no copy joins them). `values` is taken in order, one per key, each written
-        before the next is taken: a producer may reuse its buffers (a SealedStore's scratch)."""
+        before the next is taken: a producer may reuse its buffers (a SealedStore's scratch).
+        A whole value already stored is kept (its LRU age refreshed) if it verifies: under
+        `check` (a sealed store's seal) or else by its size; one that fails is rewritten."""
         self._check_open()
-        counts = {"puts": 0, "put_existing": 0, "put_errors": 0}
+        counts = dict.fromkeys(
+            ("puts", "put_existing", "put_errors", "rewrites", "corrupt", "foreign", "read_errors"),
+            0,
+        )
         added = 0
         for key, value in zip(keys, values, strict=True):
             if sum(v.nbytes for v in value) != self.page_nbytes:
                 raise ValueError(f"put: each page must hold {self.page_nbytes} bytes")
-            outcome = self._write_one(key, value)
+            outcome = self._write_one(key, value, check, counts)
             counts[outcome] += 1
             added += self.file_disk_nbytes if outcome == "puts" else 0
-        counts["bytes_written"] = counts["puts"] * self.file_nbytes
+        written = counts["puts"] + counts["rewrites"]
+        counts["bytes_written"] = written * self.file_nbytes
         self._add(counts, added)
         self._maybe_cleanup()
-        return counts["puts"] + counts["put_existing"]
+        return PutReport(written + counts["put_existing"], written * self.page_nbytes)
 
-    def _write_one(self, key: int, value: Sequence[memoryview]) -> str:
-        """Write one page atomically; returns the counter name of the outcome."""
+    def _write_one(
+        self,
+        key: int,
+        value: Sequence[memoryview],
+        check: KeepCheck | None,
+        counts: dict[str, int],
+    ) -> str:
+        """Write one page atomically unless a good copy is stored; the outcome's counter name."""
         path = self._path(key)
         now = time.time_ns()
-        try:
-            if os.stat(path).st_size == self.file_nbytes:
+        existed = self._keeps(key, path, check, counts)
+        if existed == "keep":
+            try:
                 os.utime(path, ns=(now, now))  # same key = same bytes: refresh its LRU age only
                 return "put_existing"
+            except OSError:
+                existed = "none"  # removed meanwhile (a clean-up): write it anew
+        written = self._write_new(key, path, value, now)
+        return "rewrites" if written == "puts" and existed == "bad" else written
+
+    def _keeps(self, key: int, path: str, check: KeepCheck | None, counts: dict[str, int]) -> str:
+        """What is stored under `key`: "keep" (a whole value that verifies), "bad" or "none"."""
+        try:
+            if os.stat(path).st_size != self.file_nbytes:
+                return "none"
         except OSError:
-            pass
+            return "none"
+        if check is None:
+            return "keep"
+        header = bytearray(HEADER_NBYTES)
+        ok, freed = self._read_one(key, header, check.pieces, counts, lambda: check.keep(key))
+        self._add({}, -freed)
+        return "keep" if ok else "bad"
+
+    def _write_new(self, key: int, path: str, value: Sequence[memoryview], now: int) -> str:
         tmp = self._tmps.new(path)
         if tmp is None:  # close() ran meanwhile (a signal): start no new temp file
             return "put_errors"

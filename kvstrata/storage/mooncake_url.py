@@ -36,12 +36,6 @@ class MooncakeTarget:
     local_host: str  # the address other clients reach this client's segment on
     prefix: str  # every object key starts with this
 
-    def with_prefix(self, prefix: str) -> MooncakeTarget:
-        return MooncakeTarget(
-            self.master, self.metadata, self.segment_bytes, self.buffer_bytes,
-            self.protocol, self.device, self.local_host, prefix,
-        )  # fmt: skip
-
     @property
     def client_id(self) -> tuple[str, str, int, int, str, str, str]:
         """What one shared client is keyed on (everything but the key prefix)."""

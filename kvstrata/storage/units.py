@@ -28,7 +28,7 @@ import dataclasses
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,9 +38,11 @@ import xxhash
 from kvstrata.kv_shape import KVShape
 from kvstrata.storage.base import (
     HEADER_NBYTES,
+    PutReport,
     StorageBackend,
     StorageConfig,
     open_storage,
+    put_report,
     register_host_memory,
     url_scheme,
 )
@@ -49,12 +51,17 @@ from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.mooncake_url import mooncake_sibling_url
 from kvstrata.storage.redis_store import RedisStore
 from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer, read_key_file
+from kvstrata.storage.sealed_mark import SealedMark, refuse_keyless
 from kvstrata.storage.unit_sweep import FilePending, RedisExpiry
 
 UNIT_TAG = b"kvstrata-unit-v1"
 COMMIT_TAG = b"kvstrata-commit-v1"
 MARKER_NBYTES = 16
 CRASH_EXIT_CODE = 86  # testing: exit code of a rank killed mid-backup (crash_after_units)
+
+
+def _same(key: int) -> int:
+    return key
 
 
 @dataclass(frozen=True)
@@ -77,10 +84,6 @@ class PagePart:
         """The rank-local page shape (what its pools hold)."""
         f, (l0, l1), (h0, h1) = self.full, self.layers, self.heads
         return dataclasses.replace(f, num_layers=l1 - l0, num_kv_heads=h1 - h0)
-
-    @property
-    def is_full(self) -> bool:
-        return self.shape == self.full
 
     def view(self, page: np.ndarray | torch.Tensor, full: bool) -> torch.Tensor:
         """A uint8 buffer as a [layers, 2, page, heads, dim] tensor (shares memory)."""
@@ -192,6 +195,7 @@ class UnitStorage:
         commit_on_put: bool,
         crash_after_units: int = 0,
         pending: FilePending | RedisExpiry | None = None,
+        name: Callable[[int], int] | None = None,
     ) -> None:
         if units.page_nbytes != layout.unit_nbytes or commits.page_nbytes != MARKER_NBYTES:
             raise ValueError("unit / commit stores were opened with the wrong value sizes")
@@ -205,8 +209,13 @@ class UnitStorage:
         self.all_blocks = layout.blocks(whole)  # every rank's units of a page
         self._one_unit = len(self.blocks) == 1  # a unit is this part's whole page: no cut, no paste
         self.pending = pending
+        self.name = name or _same
+        """page key -> its name in the store (a sealed store's are keyed: Sealer.name); every
+        unit key, commit key and pending record derives from the name, never the page key."""
         self.page_nbytes = part.shape.page_nbytes
         self._marker = layout.marker()
+        self.mark: SealedMark | None = None  # set where the store is sealed
+        self.backend = ""  # the URL scheme it was opened with (metrics' label)
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(
             ("units_written", "unit_bytes_written", "units_read", "unit_bytes_read", "commits"), 0
@@ -232,16 +241,23 @@ class UnitStorage:
             dst[...] = u.reshape(dst.shape)
 
     def _unit_keys(self, key: int) -> list[int]:
-        return [self.layout.unit_key(key, b) for b in self.blocks]
+        """This rank's unit keys of page `key`."""
+        return self._units_named(self.name(key), self.blocks)
 
     def all_unit_keys(self, key: int) -> list[int]:
         """The keys of every unit of page `key` (all ranks' blocks)."""
-        return [self.layout.unit_key(key, b) for b in self.all_blocks]
+        return self._units_named(self.name(key), self.all_blocks)
+
+    def _units_named(self, name: int, blocks: list[Block]) -> list[int]:
+        return [self.layout.unit_key(name, b) for b in blocks]
+
+    def _commit_keys(self, keys: Sequence[int]) -> list[int]:
+        return [self.layout.commit_key(self.name(k)) for k in keys]
 
     # ---- StorageBackend ---------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[int]) -> int:
         """Leading pages whose commit marker is in (all their units were written)."""
-        return self.commits.exists_prefix([self.layout.commit_key(k) for k in keys])
+        return self.commits.exists_prefix(self._commit_keys(keys))
 
     def register_buffer(self, array: np.ndarray) -> bool:
         """Host memory for zero-copy unit transfers (used where a unit is a whole part page)."""
@@ -263,28 +279,40 @@ class UnitStorage:
 
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
         """Write this rank's units of each page; count of pages whose units are all in."""
+        return self.put_report(keys, pages).stored
+
+    def put_report(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> PutReport:
+        """As put, with the unit bytes actually written (units found stored and kept: none)."""
         stored: list[int] = []
+        names = [self.name(k) for k in keys]
+        if self.mark is not None:
+            self.mark.refresh()
         if self.pending is not None:
             self.pending.maybe_sweep(self._is_committed, self._drop_units)
-            self.pending.wrote(keys)  # before any unit: a kill leaves a record to sweep
-        for key, page in zip(keys, pages, strict=True):
-            ukeys, ubufs = self._unit_keys(key), self._cut(page)
+            self.pending.wrote(names)  # before any unit: a kill leaves a record to sweep
+        written = 0
+        for key, name, page in zip(keys, names, pages, strict=True):
+            ukeys, ubufs = self._units_named(name, self.blocks), self._cut(page)
             self._maybe_crash(ukeys, ubufs)
-            if self.units.put(ukeys, ubufs) == len(ukeys):
+            report = put_report(self.units, ukeys, ubufs)
+            written += report.written_bytes
+            if report.stored == len(ukeys):
                 stored.append(key)
-                self._count(
-                    units_written=len(ukeys), unit_bytes_written=sum(u.nbytes for u in ubufs)
-                )
+            self._count(
+                units_written=report.written_bytes // self.layout.unit_nbytes,
+                unit_bytes_written=report.written_bytes,
+            )
         if self.commit_on_put and stored:
             self.commit(stored)
-        return len(stored)
+        return PutReport(len(stored), written)
 
     def commit(self, keys: Sequence[int]) -> int:
         """Make pages visible: every rank's units of them are in (the caller knows)."""
-        n = self.commits.put([self.layout.commit_key(k) for k in keys], [self._marker] * len(keys))
+        n = self.commits.put(self._commit_keys(keys), [self._marker] * len(keys))
         self._count(commits=n)
         if self.pending is not None and n == len(keys):
-            self.pending.committed(keys, self.all_unit_keys)
+            names = [self.name(k) for k in keys]
+            self.pending.committed(names, lambda name: self._units_named(name, self.all_blocks))
         return n
 
     def sweep(self) -> int:
@@ -293,15 +321,15 @@ class UnitStorage:
             return 0
         return self.pending.sweep(self._is_committed, self._drop_units)
 
-    def _is_committed(self, key: int) -> bool:
-        return self.commits.exists_prefix([self.layout.commit_key(key)]) == 1
+    def _is_committed(self, name: int) -> bool:
+        return self.commits.exists_prefix([self.layout.commit_key(name)]) == 1
 
-    def _drop_units(self, keys: list[int]) -> int:
-        return self.units.delete([u for k in keys for u in self.all_unit_keys(k)])
+    def _drop_units(self, names: list[int]) -> int:
+        return self.units.delete([u for n in names for u in self._units_named(n, self.all_blocks)])
 
     def delete(self, keys: Sequence[int]) -> int:
         """Hide pages (drop their markers) and drop this rank's units of them."""
-        n = self.commits.delete([self.layout.commit_key(k) for k in keys])
+        n = self.commits.delete(self._commit_keys(keys))
         self.units.delete([u for k in keys for u in self._unit_keys(k)])
         return n
 
@@ -371,7 +399,20 @@ def open_unit_storage(
         pending = FilePending(store, config.stale_unit_s, config.rescan_interval_s)
     elif isinstance(raw_units, RedisStore):
         pending = RedisExpiry(raw_units, config.redis_ttl_s)
-    units: StorageBackend = SealedStore(raw_units, sealer) if sealer else raw_units
-    out = UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units, pending)
+    units: StorageBackend = (
+        SealedStore(raw_units, sealer, config.seal_check_thread) if sealer else raw_units
+    )
+    name = sealer.name if sealer else None
+    out = UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units, pending, name)
+    out.backend = url_scheme(url)
+    try:
+        if sealer is None:
+            refuse_keyless(commits, url)
+        else:
+            out.mark = SealedMark(commits)
+            out.mark.refresh()
+    except ValueError:
+        out.close()
+        raise
     out.sweep()  # at open: what killed backups left
     return out

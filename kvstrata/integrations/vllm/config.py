@@ -12,6 +12,7 @@ from typing import Any, get_type_hints
 
 from kvstrata.cache.policies import EVICTION, PREFETCH, WRITE
 from kvstrata.configtools import doc
+from kvstrata.memory.available import check_fits
 
 COPY_MODES = ("auto", "step", "layer")
 """How host <-> vLLM copies run: "step" all layers at once (loads before the forward, stores after
@@ -102,6 +103,20 @@ class VllmConnectorConfig:
         pages = self.host_bytes // page_nbytes
         if pages < 1:
             _bad("host_bytes", self.host_bytes, f"holds no page of {page_nbytes} bytes")
+        return pages
+
+    def host_pool_pages(self, page_nbytes: int) -> int:
+        """resolved_host_pages, refused (naming the key and the bytes) where the pool would not
+        fit in the memory available now: a worker asks before it allocates its pool."""
+        pages = self.resolved_host_pages(page_nbytes)
+        key = "host_pages" if self.host_pages else "host_bytes"
+        try:
+            check_fits(
+                [(f"kv_connector_extra_config[{key!r}]", pages * page_nbytes)],
+                f"a host pool of {pages:,} pages x {page_nbytes:,} bytes ",
+            )
+        except ValueError as exc:
+            raise ConnectorConfigError(str(exc)) from None
         return pages
 
 

@@ -150,11 +150,6 @@ class JobMover:
             return 0
         return len(keys) if done == len(keys) else 0
 
-    @property
-    def outstanding(self) -> int:
-        """Ops queued or sent whose result has not come back yet."""
-        return len(self._queued) + len(self._sent)
-
 
 def _copy_job(
     op_id: int, host_ids: list[int], blocks: list[tuple[tuple[int, ...], str]]

@@ -30,20 +30,20 @@ reads a block vLLM may have reused.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.cache.chain import PageChain
 from kvstrata.cache.config import CacheConfig
-from kvstrata.cache.keys import Namespace
+from kvstrata.cache.keys import Namespace, salted
 from kvstrata.cache.lease import Lease, LeaseState
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Match, Node
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.metadata import StepJobs
 from kvstrata.integrations.vllm.mover import JobMover
+from kvstrata.integrations.vllm.pins import pins_from_params
 from kvstrata.integrations.vllm.spec import KVSpec
 from kvstrata.integrations.vllm.tier_events import TierChange, TierEvents
 from kvstrata.memory.allocator import PageAllocator
@@ -118,7 +118,7 @@ class SchedulerSide:
 
     # ---- vLLM's scheduler calls ---------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
-        self.cache.step()
+        self._step()
         st = self.requests.get(request.request_id)
         if st is not None and st.lease.state is LeaseState.ADMITTED:
             self._preempted(st)  # vLLM freed its blocks and schedules it afresh
@@ -136,20 +136,20 @@ class SchedulerSide:
         prompt = list(request.prompt_token_ids)
         max_tokens = int(getattr(request, "max_tokens", 0) or 0)
         pages_needed = -(-(len(prompt) + max_tokens) // self.page)
-        return Lease(
+        lease = Lease(
             self.cache,
             PageChain.from_tokens(prompt, self._namespace(request)),
             len(prompt),
             pages_needed,
             self.page,
         )
+        params = getattr(request, "kv_transfer_params", None)
+        lease.want_pins(pins_from_params(params, len(prompt), request.request_id))
+        return lease
 
     def _namespace(self, request: Any) -> Namespace:
         """The request's cache_salt joins the tenant salt: two salts never share a page."""
-        salt = getattr(request, "cache_salt", None)
-        if not salt:
-            return self.ns
-        return dataclasses.replace(self.ns, tenant_salt=f"{self.ns.tenant_salt}\x00{salt}")
+        return salted(self.ns, getattr(request, "cache_salt", None) or "")
 
     def _loadable(self, m: Match, num_computed: int) -> int:
         """Tokens past vLLM's hit that host memory provides: the match, unless a page past vLLM's
@@ -194,8 +194,14 @@ class SchedulerSide:
             if span[-1] < n_blocks and (i + 1) * self.page <= st.valid:
                 self.mover.bind_source(transit, tuple(st.blocks[b] for b in span), rid)
 
-    def build_connector_meta(self, scheduler_output: Any) -> StepJobs:
+    def _step(self) -> None:
+        """Apply finished copies; client pins past their deadline let go (one scheduler process
+        decides: its clock is the step clock)."""
         self.cache.step()
+        self.cache.tick(time.monotonic())
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepJobs:
+        self._step()
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
             st = self.requests.get(req_id)
             if st is not None and st.lease.state is LeaseState.ADMITTED and not st.fresh:
@@ -215,7 +221,11 @@ class SchedulerSide:
         self._drop_transit()
         if self.events is not None:  # the token ids of every page a live lease knows
             for st in self.requests.values():
-                self.events.record(st.lease.keys, st.request.all_token_ids)
+                self.events.record(
+                    st.lease.keys,
+                    st.request.all_token_ids,
+                    salt=getattr(st.request, "cache_salt", None) or "",
+                )
         jobs = self.mover.take_jobs()
         jobs.failed_blocks = sorted(self.load_errors)
         self.load_errors.clear()
@@ -242,10 +252,11 @@ class SchedulerSide:
             self._bind(st)
 
     def _drop_transit(self) -> None:
-        """Forget transit copies no lease holds (leaves first): vLLM may reuse their blocks."""
+        """Forget transit copies no lease holds (leaves first): vLLM may reuse their blocks. A
+        client pin keeps the host copy only (a transit copy names blocks vLLM owns)."""
         tiers = self.cache.tiers
         for node in reversed(list(self.cache.tree.nodes())):
-            if node.device is None or not node.evictable or node.has_device_child():
+            if node.device is None or node.busy or node.has_device_child():
                 continue
             if node.host is not None or not node.children:
                 tiers.drop_device(node)
@@ -266,7 +277,7 @@ class SchedulerSide:
             self.mover.unbind(lease.page_table[lease.inserted :])  # freed by release
         lease.release()
         for node in path:  # leaves first
-            if node.device is not None and node.evictable and not node.has_device_child():
+            if node.device is not None and not node.busy and not node.has_device_child():
                 self.cache.tiers.evict_node(node)
         if self.mover.reads(rid):
             self.leaving.add(rid)

@@ -23,7 +23,7 @@ from kvstrata.integrations.vllm.layer_moves import LayerMoves
 from kvstrata.integrations.vllm.metadata import CopyJob, StepJobs, StorageJob
 from kvstrata.integrations.vllm.spec import KVSpec
 from kvstrata.memory.pool import HostPool
-from kvstrata.storage.base import StorageBackend, StorageConfig
+from kvstrata.storage.base import StorageBackend, StorageConfig, put_report
 from kvstrata.storage.units import PagePart, open_unit_storage
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class WorkerSide:
     def __init__(self, config: VllmConnectorConfig, spec: KVSpec, tp_rank: int) -> None:
         self.spec = spec
         # pinned whenever CUDA is available (HostPool's rule): the CUDA block copier needs it
-        self.host = HostPool(spec.local_shape, config.resolved_host_pages(spec.page_nbytes))
+        self.host = HostPool(spec.local_shape, config.host_pool_pages(spec.page_nbytes))
         self.storage: StorageBackend | None = None
         if config.storage_url:
             part = PagePart(spec.full_shape, (0, spec.num_layers), spec.heads_of(tp_rank))
@@ -139,8 +139,10 @@ class WorkerSide:
                 return self.storage.exists_prefix(list(job.keys))
             pages = [self.host.page_bytes(h) for h in job.host_ids]
             if job.kind == BACKUP:  # all or nothing: only a whole backup is committed
-                put = self.storage.put(list(job.keys), pages)
-                done = put if put == len(job.keys) else 0
+                report = put_report(self.storage, list(job.keys), pages)
+                done = report.stored if report.stored == len(job.keys) else 0
+                self.moved_bytes[job.kind] += report.written_bytes  # pages kept: not moved
+                return done
             else:
                 assert job.kind == PREFETCH, job.kind
                 done = self.storage.get(list(job.keys), pages)

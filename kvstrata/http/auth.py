@@ -11,10 +11,8 @@ import hmac
 import os
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
-from kvstrata.keyfile import read_key_file
-from kvstrata.serve.protocol import ApiError
+from kvstrata.http.errors import ApiError
+from kvstrata.keyfile import check_key_text, read_key_file
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 API_KEY_ENV = "KVSTRATA_API_KEY"
@@ -22,12 +20,16 @@ API_KEY_ENV = "KVSTRATA_API_KEY"
 
 
 def resolve_api_key(api_key: str, api_key_file: str) -> str | None:
-    """The key the server requires, or None (open server). ValueError: an empty key file."""
+    """The key the server requires, or None (open server). ValueError naming the option: an
+    empty key, or one with leading or trailing whitespace (a client would never match it)."""
     if api_key and api_key_file:
         raise ValueError("give --api-key or --api-key-file, not both")
     if api_key_file:
         return read_key_file(api_key_file, "--api-key-file")
-    return api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key:
+        return check_key_text(api_key, "--api-key")
+    from_env = os.environ.get(API_KEY_ENV)
+    return check_key_text(from_env, f"${API_KEY_ENV}") if from_env else None
 
 
 class ApiKeyGuard:
@@ -49,8 +51,7 @@ class ApiKeyGuard:
         err = ApiError(
             401, "Unauthorized: send the server's API key as 'Authorization: Bearer KEY'"
         )
-        headers = {"WWW-Authenticate": "Bearer"}
-        await JSONResponse(err.body(), status_code=401, headers=headers)(scope, receive, send)
+        await err.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")

@@ -1,0 +1,176 @@
+"""The load of `kvstrata bench agent`: agent sessions with tool-call gaps, hinted three ways.
+
+Session s is the held-out trace's session s (kvstrata.workloads.heldout_trace: each turn resends
+the whole history plus a tool call, its output and a question). After each turn the session's
+tool runs for a gap drawn from the Mooncake trace's inter-turn gaps, scaled
+(kvstrata.workloads.turn_gaps): 90% of the gap is the tool, then 10% writing the next turn.
+An arm says what the sessions tell the server:
+- `none`: nothing;
+- `pins`: every turn's history carries `cache_control` (its last message, so the whole prompt);
+- `pins_prefetch`: that, and a `POST /v1/kv/prefetch` of the next turn's history when the tool
+  ends.
+Every `unhinted_every`-th session sends no hints in any arm: its TTFT shows what the others'
+pins cost it. Each turn streams with usage; TTFT is sending to the first chunk with text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2 as httpx
+
+from kvstrata.agent_text import session_messages
+from kvstrata.workloads.heldout_trace import HELDOUT_SEED
+from kvstrata.workloads.turn_gaps import GapSampler
+
+ARMS = ("none", "pins", "pins_prefetch")
+TOOL_SHARE = 0.9  # of a gap: the tool runs, then the next turn is written
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    sessions: int
+    turns: int
+    first_lines: int  # lines of code in a session's first turn (~20 tokens a line)
+    tool_lines: int  # lines of tool output each later turn adds
+    max_tokens: int
+    gap_scale: float  # trace gaps (minutes) x this = the tool call's seconds
+    gap_cap_s: float
+    unhinted_every: int  # every n-th session sends no hints (0: none)
+    page_size: int
+    device_pages: int
+    host_pages: int
+    seed: int = 0
+
+    def hinted(self, session: int) -> bool:
+        n = self.unhinted_every
+        return not (n and session % n == n - 1)
+
+
+@dataclass
+class Turn:
+    session: int
+    turn: int
+    hinted: bool
+    ttft_s: float
+    prompt_tokens: int
+    by_tier: dict[str, int]
+    pinned_tokens: int
+
+
+@dataclass
+class ArmResult:
+    turns: list[Turn] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    hints: int = 0
+    wall_s: float = 0.0
+
+
+def conversations(spec: AgentSpec, session: int) -> list[list[dict[str, str]]]:
+    """The session's prompt per turn (the held-out trace's session, whole history each turn)."""
+    rng = random.Random(HELDOUT_SEED + session)
+    return session_messages(rng, spec.first_lines, spec.tool_lines, spec.turns)
+
+
+def marked(msgs: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """The chat with `cache_control` on its last message: the whole history is to be kept."""
+    last = msgs[-1]
+    part = {"type": "text", "text": last["content"], "cache_control": {"type": "ephemeral"}}
+    return [*msgs[:-1], {"role": last["role"], "content": [part]}]
+
+
+def run_arm(url: str, spec: AgentSpec, arm: str, sampler: GapSampler) -> ArmResult:
+    """Every session at once (agents run in parallel), each turn after its tool call."""
+    assert arm in ARMS, arm
+    out, lock = ArmResult(), threading.Lock()
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+        with ThreadPoolExecutor(spec.sessions) as pool:
+            futs = [
+                pool.submit(_session, client, spec, arm, sampler, s, out, lock)
+                for s in range(spec.sessions)
+            ]
+            for f in futs:
+                f.result()
+    out.wall_s = time.perf_counter() - t0
+    return out
+
+
+def _session(
+    client: httpx.Client,
+    spec: AgentSpec,
+    arm: str,
+    sampler: GapSampler,
+    s: int,
+    out: ArmResult,
+    lock: threading.Lock,
+) -> None:
+    hinted = arm != "none" and spec.hinted(s)
+    convo = conversations(spec, s)
+    time.sleep(0.05 * s)  # sessions start apart, as agents do
+    for k, msgs in enumerate(convo):
+        try:
+            turn = _turn(client, spec, msgs if not hinted else marked(msgs), s, k)
+        except Exception as exc:  # noqa: BLE001 - counted as an error of this arm
+            with lock:
+                out.errors.append(f"session {s} turn {k}: {type(exc).__name__}: {exc}")
+            return
+        turn.hinted = spec.hinted(s)
+        with lock:
+            out.turns.append(turn)
+        if k + 1 == len(convo):
+            return
+        gap = sampler.gap(s, k)
+        time.sleep(gap * TOOL_SHARE)  # the tool runs
+        if hinted and arm == "pins_prefetch":
+            _prefetch(client, convo[k + 1][:-1])  # the history, before the new question
+            with lock:
+                out.hints += 1
+        time.sleep(gap * (1 - TOOL_SHARE))
+
+
+def _turn(client: httpx.Client, spec: AgentSpec, msgs: list[Any], s: int, k: int) -> Turn:
+    body = {
+        "messages": msgs,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft, usage = None, None
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if (
+                ttft is None
+                and chunk.get("choices")
+                and chunk["choices"][0]["delta"].get("content")
+            ):
+                ttft = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    if usage is None:
+        raise RuntimeError("no usage chunk")
+    details = usage["prompt_tokens_details"]
+    return Turn(
+        s, k, True, ttft if ttft is not None else time.perf_counter() - t0,
+        usage["prompt_tokens"], details["cached_tokens_by_tier"], details["pinned_tokens"],
+    )  # fmt: skip
+
+
+def _prefetch(client: httpx.Client, msgs: list[dict[str, str]]) -> None:
+    r = client.post("/v1/kv/prefetch", json={"messages": msgs})
+    if r.status_code != 200:
+        raise RuntimeError(f"prefetch: HTTP {r.status_code}: {r.text[:300]}")

@@ -1,0 +1,38 @@
+"""`kvstrata bench agent` end to end on a tiny random Llama (the --quick run needs SmolLM2 and
+minutes): three servers, the three arms, and the report's keys and pin figures."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from kvstrata.bench.agent import run_agent
+from kvstrata.bench.agent_load import AgentSpec
+from kvstrata.workloads.turn_gaps import GapSampler
+
+CKPT = {"seed": 8, "max_position_embeddings": 1024}
+"""This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
+
+SPEC = AgentSpec(
+    sessions=2, turns=2, first_lines=2, tool_lines=1, max_tokens=2, gap_scale=1.0, gap_cap_s=0.2,
+    unhinted_every=2, page_size=16, device_pages=64, host_pages=96,
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_three_arms_report_their_ratios_and_pins(ckpt: Path, tmp_path: Path) -> None:
+    sampler = GapSampler([0.05, 0.1, 0.3], SPEC.gap_scale, SPEC.gap_cap_s, 0)
+    report = run_agent(SPEC, ckpt, sampler, tmp_path)
+    assert report["errors"] == 0, [report[a]["error_messages"] for a in ("none", "pins")]
+    for key in ("ttft_p90_pins_over_none", "ttft_p50_pins_prefetch_over_none",
+                "unhinted_ttft_over_none"):  # fmt: skip
+        assert not math.isnan(report[key]) and report[key] > 0, key
+    none, pins, both = report["none"], report["pins"], report["pins_prefetch"]
+    assert none["requests"] == pins["requests"] == both["requests"] == 4
+    assert none["pins_made"] == 0 and none["pinned_tokens_reported"] == 0
+    # session 0 is hinted: its 2 turns pin their histories (nested: each a new pin)
+    assert pins["pins_made"] == both["pins_made"] == 2 and pins["pinned_tokens_reported"] > 0
+    assert both["hints_sent"] == 1 and pins["hints_sent"] == 0  # one tool call ends, hinted
+    assert set(both["hit_rate_by_tier"]) == {"device", "host", "storage"}
