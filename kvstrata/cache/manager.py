@@ -81,6 +81,11 @@ class HiCache:
         """Longest cached prefix; backs up hot pages under write_through_selective."""
         return self._matched(self.tree.match(keys))
 
+    def peek(self, keys: list[int]) -> Match:
+        """`match` that changes no recency, hit count or backup: what a router looking at this
+        cache sees (a partially matched edge may still be split, holding the same pages)."""
+        return self.tree.match(keys, touch=False)
+
     def match_chain(self, chain: PageChain, n_pages: int) -> Match:
         """`match` of a chain's first n_pages, by token bytes: only pages the tree does not
         hold may get hashed (see RadixTree.match_chain)."""
