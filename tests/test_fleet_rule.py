@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from kvstrata.router.replicas import parse_load
-from kvstrata.router.rule import Candidate, choose, rank, session_replica
+from kvstrata.router.rule import Candidate, choose, rank, session_replica, spread_key
 from kvstrata.serve.metrics import ServeMetrics
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
@@ -67,3 +67,14 @@ def test_load_is_read_from_a_replicas_metrics() -> None:
     m.running.labels(model_name="tiny").set(2)
     m.waiting.labels(model_name="tiny").set(3)
     assert parse_load(generate_latest(m.registry).decode()) == 5
+
+
+def test_anonymous_prompts_spread_by_their_first_page_on_an_idle_fleet() -> None:
+    names = [A, B, C]
+    idle = [cand(n) for n in names]
+    firsts = [spread_key([i, i + 1]) for i in range(60)]
+    picked = [choose(idle, 4, None, 0.25, f) for f in firsts]
+    assert set(picked) == set(names)  # not one replica for every anonymous prompt
+    for f, p in zip(firsts, picked, strict=True):  # the same first page meets the same replica
+        assert choose(idle, 4, None, 0.25, f) == p
+        assert p == session_replica(f, names)

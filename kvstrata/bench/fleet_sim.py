@@ -9,8 +9,8 @@ replica the arm picks:
                  (a look that touches nothing: HiCache.peek), the shared store's prefix, and the
                  replica's load at the arrival (its requests whose first token is still to come)
 The trace's sessions are unknown (Mooncake traces carry none), so a prompt no replica holds goes
-to the least loaded one (ties broken by the rule's fixed hash). Per arm and N: hit rate by tier against the trace's infinite-capacity
-ceiling (one cache that never evicts), TTFT percentiles and the busiest replica's share of the
+to the least loaded one (ties broken by the hash of its first page: the rule's `spread`). Per arm
+and N: hit rate by tier against the trace's infinite-capacity ceiling (one cache that never evicts), TTFT percentiles and the busiest replica's share of the
 requests over the mean share.
 """
 
@@ -26,7 +26,7 @@ from kvstrata.bench.reference import ceiling
 from kvstrata.bench.replay import ReplayConfig, Replayer
 from kvstrata.bench.simulate import FifoServer, Outcome, Timing, summarize
 from kvstrata.router.config import RouterConfig
-from kvstrata.router.rule import Candidate, choose
+from kvstrata.router.rule import Candidate, choose, spread_key
 from kvstrata.storage.base import StorageBackend, open_storage
 from kvstrata.workloads.trace import Trace, TraceRequest
 
@@ -98,7 +98,8 @@ class Fleet:
         keys = self._keys.keys(req)
         stored = self.shared.exists_prefix(keys) if self.shared is not None else 0
         cands = [r.candidate(keys, stored, now_s) for r in self.replicas]
-        name = choose(cands, len(keys), None, LOAD_WEIGHT)
+        spread = spread_key(keys[:1])
+        name = choose(cands, len(keys), None, LOAD_WEIGHT, spread)
         return next(r for r in self.replicas if r.name == name)
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ from kvstrata.router.config import RouterConfig
 from kvstrata.router.index import FleetIndex, Match
 from kvstrata.router.metrics import FleetMetrics
 from kvstrata.router.replicas import Replica, ReplicaPool
-from kvstrata.router.rule import Candidate, rank
+from kvstrata.router.rule import Candidate, rank, spread_key
 from kvstrata.serve.protocol import ApiError
 from kvstrata.zmq_curve import CurveKeys
 
@@ -88,7 +88,8 @@ class Fleet:
             for r in live
             for m in (matches[r.url],)
         ]
-        order = rank(cands, _pages(prompt, live), prompt.session, self.cfg.load_weight)
+        spread = spread_key(prompt.tokens[: _page_size(live)]) if prompt.tokens else ""
+        order = rank(cands, _pages(prompt, live), prompt.session, self.cfg.load_weight, spread)
         held = any(c.storage for c in cands)
         reason = "prefix" if held else "session" if prompt.session is not None else "load"
         return Route(order, predicted, reason)
@@ -173,6 +174,11 @@ class Fleet:
                 hashes_by_ns[ns] = [block_hash(k) for k in keys[:usable]]
             out[r.url] = self.index.match(r.url, prompt.salt, hashes_by_ns[ns])
         return out
+
+
+def _page_size(live: list[Replica]) -> int:
+    """The fleet's page size (replicas that told theirs; 0 if none did)."""
+    return next((r.namespace.page_size for r in live if r.namespace is not None), 0)
 
 
 def _pages(prompt: Prompt, live: list[Replica]) -> int:

@@ -18,7 +18,10 @@ requests than one holding none of it.
 With no prefix held anywhere (every saved = 0) a request with a session identity goes where the
 identity hashes (rendezvous hashing over the replicas: a replica that leaves moves only the
 sessions that hashed to it), so a session's turns meet its pages; without one, the least loaded
-replica. Ties go by the same hash (deterministic, never Python's hash()).
+replica. Ties go by the same hash (deterministic, never Python's hash()); a request without a
+session identity is hashed by its `spread` key instead (the caller's digest of its first page), so
+anonymous prompts on an idle fleet spread over the replicas rather than all landing on the one
+that an empty identity hashes to, and prompts that start alike meet.
 """
 
 from __future__ import annotations
@@ -63,13 +66,18 @@ def session_replica(session: str, names: Sequence[str]) -> str:
 
 
 def rank(
-    cands: Sequence[Candidate], pages: int, session: str | None, load_weight: float
+    cands: Sequence[Candidate],
+    pages: int,
+    session: str | None,
+    load_weight: float,
+    spread: str = "",
 ) -> list[str]:
     """Every candidate's name, best first (the first is the choice; the rest are the order to
-    retry in when a replica refuses the connection)."""
+    retry in when a replica refuses the connection). `spread`: the tie-break identity of a
+    request without a session."""
     if not cands:
         raise ValueError("no replica to route to")
-    tie = session or ""
+    tie = session or spread
     if all(c.saved() == 0 for c in cands):
         if session is not None:
             home = session_replica(session, [c.name for c in cands])
@@ -88,6 +96,18 @@ def _idle(c: Candidate, tie: str) -> tuple[int, int]:
     return c.load, -placement(tie, c.name)
 
 
-def choose(cands: Sequence[Candidate], pages: int, session: str | None, load_weight: float) -> str:
+def choose(
+    cands: Sequence[Candidate],
+    pages: int,
+    session: str | None,
+    load_weight: float,
+    spread: str = "",
+) -> str:
     """The replica that takes the request."""
-    return rank(cands, pages, session, load_weight)[0]
+    return rank(cands, pages, session, load_weight, spread)[0]
+
+
+def spread_key(first_page: Sequence[int]) -> str:
+    """The tie-break identity of a request without a session: a digest of its first page's
+    token ids (or block ids)."""
+    return xxhash.xxh64_hexdigest(",".join(map(str, first_page)).encode())
