@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,13 +33,20 @@ from kvstrata.storage.units import PagePart, open_unit_storage
 
 @dataclass
 class Built:
-    """An engine and the parts it owns (closed together)."""
+    """An engine and the parts it owns (closed together), on one rank or on each of many."""
 
     engine: Engine
     mover: TensorMover | None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    """Closed after the drain, before the mover (a rank's decision log)."""
 
-    def close(self) -> None:
-        self.engine.drain()
+    def close(self, drain: bool = True) -> None:
+        """drain: every pending op lands first (agreed under ranks; off when the ranks may be
+        in different collectives, as after a failure)."""
+        if drain:
+            self.engine.drain()
+        for close in self.closers:
+            close()
         if self.mover is not None:
             self.mover.close()
             if self.mover.storage is not None:

@@ -193,8 +193,9 @@ class Engine:
         return self.spec.stats.as_dict() if self.spec is not None else None
 
     def drain(self) -> None:
+        """Apply every pending cache op (shutdown, tests), agreed: the cache's one drain loop."""
         if self.cache is not None:
-            self.cache.drain()
+            self.cache.drain(self.agree)
 
     # ---- remote KV (the connector's landed / failed requests) --------------------------------
     def _land_remote(self, done: list[RemoteDone]) -> list[Request]:
@@ -236,12 +237,7 @@ class Engine:
     def reset_prefix_cache(self, reset_running: bool = False, drop_host: bool = False) -> bool:
         """Forget every cached device page (drop_host: host too; never storage); False while
         requests run and reset_running is off (see Scheduler.reset_prefix_cache)."""
-        return self.scheduler.reset_prefix_cache(reset_running, drop_host, self._drain_step)
-
-    def _drain_step(self) -> bool:
-        """One agreed application of finished copies (a reset's drain; no decision log)."""
-        assert self.cache is not None
-        return bool(self.cache.apply(self.agree(self.cache.local_progress())))
+        return self.scheduler.reset_prefix_cache(reset_running, drop_host, self.agree)
 
     # ---- after the forward --------------------------------------------------------------------
     def postprocess(self, work: Work, fwd: Forward) -> list[Request]:

@@ -28,6 +28,7 @@ from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Node
 from kvstrata.configtools import doc
 from kvstrata.engine.build import (
+    Built,
     CacheParts,
     assemble,
     build_speculator,
@@ -177,6 +178,7 @@ class RankEngine:
 
         # the rank engine adds only the step agreement and the decision log to what build makes
         self.engine = assemble(engine_cfg, cache_cfg, parts, ns, full.vocab_size, make_engine)
+        self.built = Built(self.engine, self.mover, [self.log.close])  # closed as one rank's
         self.cache = self.engine.cache
         self.consensus: StepConsensus | None = None
         if self.cache is not None:
@@ -254,11 +256,8 @@ class RankEngine:
         return self.log.end_step(step)
 
     def drain(self) -> None:
-        """Apply every pending op, agreed (all ranks loop the same number of times)."""
-        cache = self.cache
-        while cache is not None and len(cache.queues):
-            cache.apply(self.agree(cache.local_progress()))
-            time.sleep(0.0005)
+        """Apply every pending op, agreed (the engine's drain: every rank loops alike)."""
+        self.engine.drain()
 
     def demote_all(self) -> None:
         """Push every cached page out of device memory (to host memory where there is room),
@@ -273,13 +272,7 @@ class RankEngine:
         cache.free_device(held)
 
     def close(self, drain: bool = True) -> None:
-        if drain:
-            self.drain()
-        self.log.close()
-        if self.mover is not None:
-            self.mover.close()
-            if self.mover.storage is not None:
-                self.mover.storage.close()
+        self.built.close(drain)
 
 
 class AgreedFeed:
