@@ -31,6 +31,7 @@ from kvstrata.engine.step_io import Abort, NewRequest
 from kvstrata.listeners import Listeners
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
+from kvstrata.pd.metrics import RankCounts
 from kvstrata.pd.pull import Puller, PullGate
 from kvstrata.pd.sink import Sink
 from kvstrata.pd.transport import Listener
@@ -62,7 +63,9 @@ class PrefillSide(KVConnector):
     Only the listener thread touches flight/peers/queued; the engine thread hands it sinks and
     frames through `outbox` (FIFO: a sink before its frames)."""
 
-    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any, rank: int = 0) -> None:
+    def __init__(
+        self, cfg: PDConfig, listener: Listener, metrics: RankCounts, rank: int = 0
+    ) -> None:
         self.cfg, self.listener, self.metrics, self.rank = cfg, listener, metrics, rank
         self.inbox: Any = None  # the step loop's inbox (rank 0's under ranks; set by attach)
         self.view: EngineView = None  # type: ignore[assignment]  # set by register_kv_caches

@@ -6,7 +6,8 @@ takes its inputs straight from its inbox (`next_inputs`); under several ranks ra
 and broadcasts them, so every rank applies the same inputs with the same clock. What happens
 goes out as TokenOut, Admitted, Finished, Failed, StatsOut and CallDone messages: on one rank
 to the HTTP side's handler in this thread, under ranks (rank 0 only) to the HTTP process's
-queue. `side`: a P/D worker's side on this rank, told of hand-offs, tokens and endings.
+queue. `hooks`: a P/D worker's side on this rank (RequestHooks), told of hand-offs, tokens and
+endings.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
@@ -46,6 +47,28 @@ Gather = Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]
 """This rank's (ok, result) of a call -> every rank's, on the rank that reports (else None)."""
 
 
+class RequestHooks(Protocol):
+    """What a rank's P/D side hears of each request (kvstrata.pd.ranks.RankPD)."""
+
+    def submitted(self, req: Request) -> None:
+        """Before the engine has it (every rank, the same step)."""
+
+    def on_token(self, req: Request, token: int) -> None: ...
+
+    def ended(self, req: Request, error: str | None = None) -> None:
+        """It ended (error: the engine refused it at submit)."""
+
+
+Share = Callable[[StepInputs | None], StepInputs]
+"""Rank 0's step inputs -> this rank's (one rank: its own; several: rank 0's broadcast)."""
+
+
+def own_inputs(msg: StepInputs | None) -> StepInputs:
+    """One rank's Share: the inputs it took are every rank's."""
+    assert msg is not None
+    return msg
+
+
 def busy(eng: Engine) -> bool:
     """Requests in flight, or cache ops whose results are still to apply."""
     return eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
@@ -73,6 +96,23 @@ def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
     )
 
 
+def run_steps(
+    steps: StepLoop,
+    inbox: Any | None,
+    share: Share = own_inputs,
+    on_clock: Callable[[float], None] | None = None,
+) -> None:
+    """The loop of every rank, one or many, until the inputs say stop: rank 0 (the one with an
+    `inbox`) takes the inputs, `share` gives every rank the same ones, each applies them.
+    on_clock: this rank's agreed clock (rank 0's time) before each apply."""
+    while True:
+        msg = share(next_inputs(steps.engine, inbox) if inbox is not None else None)
+        if on_clock is not None:
+            on_clock(msg.clock)
+        if not steps.apply(msg):
+            return
+
+
 class StepLoop:
     """Applies step inputs to one engine and reports what happened (see the module doc)."""
 
@@ -81,7 +121,7 @@ class StepLoop:
         engine: Engine,
         out: Out | None,
         gather: Gather,
-        side: Any = None,
+        hooks: RequestHooks | None = None,
         events: KVEventPublisher | None = None,
         stats_every_s: float = 0.0,
         survive_errors: bool = False,
@@ -89,8 +129,8 @@ class StepLoop:
         """out: where this rank reports (None: a rank that does not); survive_errors: an
         exception in a step fails the requests in flight and the loop goes on (one rank; under
         ranks it ends the run, as the ranks may be in different collectives)."""
-        self.engine, self.out, self.gather, self.side, self.events = (
-            engine, out, gather, side, events,
+        self.engine, self.out, self.gather, self.hooks, self.events = (
+            engine, out, gather, hooks, events,
         )  # fmt: skip
         self.stats_every_s, self.survive_errors = stats_every_s, survive_errors
         self.agree_s: list[float] = []  # durations of the step agreements (rank 0 reports them)
@@ -123,15 +163,15 @@ class StepLoop:
         return True
 
     def _submit(self, new: NewRequest | Request) -> None:
-        """Every rank builds the same request (a P/D hand-off's side hears of it first)."""
+        """Every rank builds the same request (a P/D hand-off's hooks hear of it first)."""
         req = new if isinstance(new, Request) else new.build()
-        if self.side is not None:
-            self.side.submitted(req)
+        if self.hooks is not None:
+            self.hooks.submitted(req)
         try:
             self.engine.submit(req)  # the same inputs on every rank: the same outcome
         except (ValueError, TypeError) as exc:
-            if self.side is not None:
-                self.side.ended(req, str(exc))
+            if self.hooks is not None:
+                self.hooks.ended(req, str(exc))
             self._report(Failed(req.rid, str(exc)))
 
     def _call(self, call: Call) -> None:
@@ -162,15 +202,15 @@ class StepLoop:
             self._ended(req)
 
     def _on_token(self, req: Request, tok: int) -> None:
-        if self.side is not None:
-            self.side.on_token(req, tok)  # a P/D prefill sends its pages at the first token
+        if self.hooks is not None:
+            self.hooks.on_token(req, tok)  # a P/D prefill sends its pages at the first token
         self._report(TokenOut(req.rid, tok))
 
     def _ended(self, req: Request) -> None:
-        """A request ended on this rank: its P/D side and the KV events hear it; it is reported."""
+        """A request ended on this rank: its P/D hooks and the KV events hear it; it is reported."""
         self._admitted.discard(req.rid)
-        if self.side is not None:
-            self.side.ended(req)
+        if self.hooks is not None:
+            self.hooks.ended(req)
         if self.events is not None:
             self.events.record(req)
         if req.failure is not None:  # a P/D hand-off failed: (status, message)
