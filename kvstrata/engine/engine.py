@@ -103,6 +103,22 @@ class Engine:
 
     # ---- API ----------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        """Queue a request; ValueError / TypeError naming what is wrong with it (its connector
+        hears of it first, and of its refusal: request_finished with req.failure)."""
+        conn = self.connector
+        if conn is not None:
+            conn.add_request(req)
+        try:
+            self._check(req)
+        except (ValueError, TypeError) as exc:
+            if conn is not None:
+                req.failure = (400, str(exc))
+                conn.request_finished(req)
+            raise
+        req.arrival_s = time.monotonic()  # metrics use this rank's wall time
+        self.scheduler.add(req)
+
+    def _check(self, req: Request) -> None:
         if not req.tokens:
             raise ValueError(f"request {req.rid}: empty prompt")
         as_token_array(req.tokens, self.model.vocab_size)  # ids in range, integers
@@ -120,8 +136,6 @@ class Engine:
                 f"request {req.rid} needs {req.pages_needed(self.page)} pages; "
                 f"the device pool holds {self.pool.capacity}"
             )
-        req.arrival_s = time.monotonic()  # metrics use this rank's wall time
-        self.scheduler.add(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

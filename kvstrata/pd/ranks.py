@@ -29,7 +29,6 @@ from typing import Any
 import torch.distributed as dist
 
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.request import Request
 from kvstrata.listeners import Listeners, exit_process
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.connectors import pd_side
@@ -143,7 +142,7 @@ class RankPD:
         cp: tuple[int, Any] = (0, None),
         gather: Callable[[str], list[str]] = lambda mine: [mine],
     ) -> None:
-        """Every rank, once its engine is built: hooks, and the HTTP side hears the layout and
+        """Every rank, once its engine is built: its connector, and the HTTP side hears the layout and
         every rank's endpoint (`gather`: this rank's endpoint -> every rank's, on every rank;
         one all_gather at start under ranks). cp: (cp rank, cp group) of this rank."""
         if self.decode is not None and self.gate is not None and eng.cache is None:
@@ -166,18 +165,6 @@ class RankPD:
         endpoints = gather(mine)
         if self.metrics.report is not None:
             self.metrics.report(SideUp({**layout.as_dict(), "rank": 0}, endpoints))
-
-    def submitted(self, req: Request) -> None:
-        if self.prefill is not None:
-            self.prefill.submitted(req)
-
-    def on_token(self, req: Request, token: int) -> None:
-        if self.prefill is not None:
-            self.prefill.on_token(req, token)
-
-    def ended(self, req: Request, error: str | None = None) -> None:
-        if self.prefill is not None:
-            self.prefill.ended(req, error)
 
     def close(self) -> None:
         if self.prefill is not None:

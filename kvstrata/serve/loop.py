@@ -26,7 +26,7 @@ from kvstrata.engine.build import Built
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.serve.events import KVEventPublisher
-from kvstrata.serve.step_loop import RequestHooks, StepLoop, run_steps
+from kvstrata.serve.step_loop import StepLoop, run_steps
 from kvstrata.serve.stream import LoopObserver, QueueFull, Stream
 
 
@@ -160,7 +160,6 @@ class LoopParts:
     """What one rank's step loop runs with, made on its engine thread."""
 
     built: Built
-    hooks: RequestHooks | None = None  # this rank's P/D side
     events: KVEventPublisher | None = None  # KV events publisher (--kv-events-endpoint)
 
 
@@ -203,9 +202,7 @@ class EngineLoop(LoopFront):
             return
         self.built, events = parts.built, parts.events
         eng = self.engine
-        steps = StepLoop(
-            eng, self.handle, lambda mine: [mine], parts.hooks, events, survive_errors=True
-        )
+        steps = StepLoop(eng, self.handle, lambda mine: [mine], events, survive_errors=True)
         self.ready.set()
         try:
             run_steps(steps, self.inbox)  # one rank: its own inputs, identity agreement

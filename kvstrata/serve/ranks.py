@@ -79,7 +79,7 @@ def serve_rank_loop(
             c = ctx.config
             layout = layout_of(eng, c.tp, c.cp, c.pp, shape=re.part.full, rank=ctx.rank)
             pd.attach(eng, layout, (ctx.cp_rank, ctx.cp_group), _all_endpoints)
-        _serve_steps(re, inbox, out, events, pd)
+        _serve_steps(re, inbox, out, events)
     finally:
         if events is not None:
             events.close()
@@ -107,11 +107,10 @@ def _serve_steps(
     inbox: Any,
     out: Any | None,
     events: KVEventPublisher | None,
-    pd: RankPD | None = None,
 ) -> None:
     """Every rank: the same step loop over the inputs rank 0 broadcasts."""
     eng, rank0 = re.engine, out is not None
-    steps = StepLoop(eng, out.put if out else None, _gather(rank0), pd, events, STATS_EVERY_S)
+    steps = StepLoop(eng, out.put if out else None, _gather(rank0), events, STATS_EVERY_S)
     if out is not None:
         eng.agree = steps.timed(eng.agree)
         out.put(Ready())

@@ -146,7 +146,6 @@ def _build(
         except BaseException:
             built.close()
             raise
-        parts.hooks = side
     if cfg.kv_events_endpoint and built.engine.cache is not None:
         from kvstrata.serve.events import KVEventPublisher
 

@@ -6,8 +6,8 @@ takes its inputs straight from its inbox (`next_inputs`); under several ranks ra
 and broadcasts them, so every rank applies the same inputs with the same clock. What happens
 goes out as TokenOut, Admitted, Finished, Failed, StatsOut and CallDone messages: on one rank
 to the HTTP side's handler in this thread, under ranks (rank 0 only) to the HTTP process's
-queue. `hooks`: a P/D worker's side on this rank (RequestHooks), told of hand-offs, tokens and
-endings.
+queue. The loop knows no P/D side: a worker's side is the engine's connector, driven by the
+engine itself.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
@@ -45,18 +45,6 @@ IDLE_WAIT_S = 0.05  # no work: wait this long at most for an input
 Out = Callable[[Any], None]
 Gather = Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]
 """This rank's (ok, result) of a call -> every rank's, on the rank that reports (else None)."""
-
-
-class RequestHooks(Protocol):
-    """What a rank's P/D side hears of each request (kvstrata.pd.ranks.RankPD)."""
-
-    def submitted(self, req: Request) -> None:
-        """Before the engine has it (every rank, the same step)."""
-
-    def on_token(self, req: Request, token: int) -> None: ...
-
-    def ended(self, req: Request, error: str | None = None) -> None:
-        """It ended (error: the engine refused it at submit)."""
 
 
 Share = Callable[[StepInputs | None], StepInputs]
@@ -121,7 +109,6 @@ class StepLoop:
         engine: Engine,
         out: Out | None,
         gather: Gather,
-        hooks: RequestHooks | None = None,
         events: KVEventPublisher | None = None,
         stats_every_s: float = 0.0,
         survive_errors: bool = False,
@@ -129,9 +116,7 @@ class StepLoop:
         """out: where this rank reports (None: a rank that does not); survive_errors: an
         exception in a step fails the requests in flight and the loop goes on (one rank; under
         ranks it ends the run, as the ranks may be in different collectives)."""
-        self.engine, self.out, self.gather, self.hooks, self.events = (
-            engine, out, gather, hooks, events,
-        )  # fmt: skip
+        self.engine, self.out, self.gather, self.events = engine, out, gather, events
         self.stats_every_s, self.survive_errors = stats_every_s, survive_errors
         self.agree_s: list[float] = []  # durations of the step agreements (rank 0 reports them)
         self._admitted: set[str] = set()
@@ -163,15 +148,11 @@ class StepLoop:
         return True
 
     def _submit(self, new: NewRequest | Request) -> None:
-        """Every rank builds the same request (a P/D hand-off's hooks hear of it first)."""
+        """Every rank builds the same request and submits it."""
         req = new if isinstance(new, Request) else new.build()
-        if self.hooks is not None:
-            self.hooks.submitted(req)
         try:
             self.engine.submit(req)  # the same inputs on every rank: the same outcome
         except (ValueError, TypeError) as exc:
-            if self.hooks is not None:
-                self.hooks.ended(req, str(exc))
             self._report(Failed(req.rid, str(exc)))
 
     def _call(self, call: Call) -> None:
@@ -202,15 +183,11 @@ class StepLoop:
             self._ended(req)
 
     def _on_token(self, req: Request, tok: int) -> None:
-        if self.hooks is not None:
-            self.hooks.on_token(req, tok)  # a P/D prefill sends its pages at the first token
         self._report(TokenOut(req.rid, tok))
 
     def _ended(self, req: Request) -> None:
-        """A request ended on this rank: its P/D hooks and the KV events hear it; it is reported."""
+        """A request ended on this rank: the KV events hear it; it is reported."""
         self._admitted.discard(req.rid)
-        if self.hooks is not None:
-            self.hooks.ended(req)
         if self.events is not None:
             self.events.record(req)
         if req.failure is not None:  # a P/D hand-off failed: (status, message)
