@@ -185,11 +185,12 @@ class Scheduler:
 
     # ---- endings --------------------------------------------------------------------------------
     def finish(self, req: Request, reason: str) -> Request:
-        """A running request ends: its full pages stay cached, the rest goes back."""
-        self.kv.cache_pages(req, final=True)
-        self.running.remove(req)
+        """A running request ends: its full pages stay cached, the rest goes back (after its
+        connector heard of it: it may copy them out first)."""
         if self.connector is not None:
             self.connector.request_finished(req)
+        self.kv.cache_pages(req, final=True)
+        self.running.remove(req)
         return ended(req, reason)
 
     def fail(self, req: Request, status: int, message: str) -> Request:
@@ -199,6 +200,8 @@ class Scheduler:
         req.failure = (status, message)
         if req in self.waiting:  # failed while waiting (its lease's match or probe)
             self.waiting.remove(req)
+            if self.connector is not None:
+                self.connector.request_finished(req)
             self.kv.abort(req)
             return ended(req, "error")
         if req not in self.running:  # it had ended already (it raised after its finish)
@@ -221,9 +224,9 @@ class Scheduler:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                self.kv.abort(req)
                 if self.connector is not None:
                     self.connector.request_finished(req)
+                self.kv.abort(req)
                 return ended(req, "abort")
         for req in self.running:
             if req.rid == rid:
@@ -242,12 +245,13 @@ class Scheduler:
         return n
 
     def reset_prefix_cache(
-        self, reset_running: bool, drop_host: bool, settle: Callable[[], bool]
+        self, reset_running: bool, drop_host: bool, agree: Callable[[list[int]], list[int]]
     ) -> bool:
         """Forget every cached device page (drop_host: host too; never storage). False, changing
         nothing, while requests run and reset_running is off, or while remote work is in flight (its
-        pages are being written by another worker: it cannot be preempted). `settle` applies
-        the agreed finished copies (the same call on every rank); True when some landed."""
+        pages are being written by another worker: it cannot be preempted). Copies in flight land
+        first through the cache's one drain loop (`agree`: the step agreement, so every rank
+        applies the same ones)."""
         cache = self.kv.cache
         if cache is None:
             return True
@@ -257,15 +261,7 @@ class Scheduler:
         self.preempt_running()
         for req in self.waiting:  # waiting leases let go of their locks; they match again later
             self.kv.release(req)
-        deadline = time.monotonic() + RESET_DRAIN_S
-        while len(cache.queues):  # every copy lands (agreed: the same loop on every rank)
-            if not settle():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"prefix-cache reset: {len(cache.queues)} cache copies still pending "
-                        f"after {RESET_DRAIN_S:g} s"
-                    )
-                time.sleep(0.0005)
+        cache.drain(agree, RESET_DRAIN_S, "prefix-cache reset")
         return cache.reset_prefix(drop_host)
 
 

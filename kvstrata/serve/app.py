@@ -65,8 +65,6 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.stopping = True
         await asyncio.to_thread(state.loop.stop, state.cfg.stop_timeout_s + 60.0)
-        if state.pd is not None:
-            state.pd.close()
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
 
