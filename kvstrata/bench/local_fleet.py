@@ -133,7 +133,7 @@ class LocalFleet:
         ]
         for name, proc in procs:
             if proc is not None:
-                codes[name] = _terminate(proc, timeout_s)
+                codes[name] = proc.end(timeout_s)
         self.router, self.replicas = None, []
         for part in (self.holder, self.master):
             if part is not None:
@@ -148,14 +148,3 @@ class LocalFleet:
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def _terminate(proc: ServerProcess, timeout_s: float) -> int:
-    if proc.proc.poll() is not None:  # already gone: its code, its log closed
-        proc.stop()
-        return int(proc.proc.returncode)
-    try:
-        return proc.terminate(timeout_s)
-    except TimeoutError:
-        proc.stop()
-        return -9

@@ -134,17 +134,8 @@ class LocalPD:
             *self.workers.items(),
         ]
         for name, proc in procs:
-            if proc is None:
-                continue
-            if proc.proc.poll() is not None:  # already gone: its code, its log closed
-                proc.stop()
-                codes[name] = proc.proc.returncode
-                continue
-            try:
-                codes[name] = proc.terminate(timeout_s)
-            except TimeoutError:
-                proc.stop()
-                codes[name] = -9
+            if proc is not None:
+                codes[name] = proc.end(timeout_s)
         self.router, self.workers = None, {}
         return codes
 

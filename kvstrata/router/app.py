@@ -322,6 +322,16 @@ async def _handoff_failed(state: RouterState, resp: httpx.Response) -> bool:
         return False
 
 
+async def _read_whole(state: RouterState, resp: httpx.Response, role: str, url: str) -> bytes:
+    """A worker's whole (non-streamed) answer; the connection closed in any case."""
+    try:
+        return await resp.aread()
+    except httpx.HTTPError as exc:
+        raise _failure(role, url, exc, state) from None
+    finally:
+        await resp.aclose()
+
+
 async def _generate(state: RouterState, request: Request, path: str) -> Response:
     if state.fleet is not None:
         return await _generate_fleet(state, state.fleet, request, path)
@@ -336,12 +346,7 @@ async def _generate(state: RouterState, request: Request, path: str) -> Response
         if resp.status_code == 200 and streaming:
             relay = _relay(resp, decode_url, state, t0)
             return StreamingResponse(relay, media_type="text/event-stream")
-        try:
-            data = await resp.aread()
-        except httpx.HTTPError as exc:
-            raise _failure("decode", decode_url, exc, state) from None
-        finally:
-            await resp.aclose()
+        data = await _read_whole(state, resp, "decode", decode_url)
         state.metrics.observe_whole(resp.status_code, time.perf_counter() - t0)
         kind = resp.headers.get("content-type")
         return Response(data, status_code=resp.status_code, media_type=kind)
@@ -418,11 +423,8 @@ async def _generate_fleet(
                 _after(relay, lambda: fleet.finished(url)), media_type="text/event-stream"
             )
         try:
-            data = await resp.aread()
-        except httpx.HTTPError as exc:
-            raise _failure("replica", url, exc, state) from None
+            data = await _read_whole(state, resp, "replica", url)
         finally:
-            await resp.aclose()
             fleet.finished(url)
         fleet.observe_body(route, url, data)
         state.metrics.observe_whole(resp.status_code, time.perf_counter() - t0)

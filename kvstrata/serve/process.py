@@ -111,6 +111,18 @@ class ServerProcess:
         finally:
             self.out.close()
 
+    def end(self, timeout_s: float) -> int:
+        """Stop it for good: its exit code after SIGTERM, or -9 when it had to be killed after
+        timeout_s (a server already gone: its code, its log closed)."""
+        if self.proc.poll() is not None:
+            self.stop()
+            return int(self.proc.returncode)
+        try:
+            return self.terminate(timeout_s)
+        except TimeoutError:
+            self.stop()
+            return -9
+
     def stop(self) -> None:
         """Kill the server, every process of its group and every process below it: torchrun
         starts its ranks in sessions of their own, which a SIGKILL of the group misses and
