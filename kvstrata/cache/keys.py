@@ -8,6 +8,7 @@ across processes, machines and runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -51,6 +52,13 @@ class Namespace:
     def seed(self) -> int:
         """The 128-bit root key that every chain starts from."""
         return self._seed
+
+    def salted(self, cache_salt: str | None) -> Namespace:
+        """A request's namespace: its cache_salt joins the tenant salt, so requests with other
+        salts (or none) share no page. The one spelling of a salted namespace."""
+        if not cache_salt:
+            return self
+        return dataclasses.replace(self, tenant_salt=f"{self.tenant_salt}\x00{cache_salt}")
 
 
 _UNSIGNED = {4: np.uint32, 8: np.uint64}
