@@ -54,12 +54,12 @@ def test_ready_requests_pass_one_waiting_on_storage(
     for req in (head, *behind):
         eng.submit(req)
     # step 1: the head starts its storage probe; one-token requests admitted now also finish now
-    finished = [r.rid for r in eng.step()]
+    finished = [r.rid for r in eng.step().ended]
     done_while_head_waits = list(finished)
     assert head.state is State.WAITING and head.lease is not None
     assert head.lease.waiting_on_storage
     while eng.has_work():
-        finished += [r.rid for r in eng.step()]
+        finished += [r.rid for r in eng.step().ended]
         eng.check_integrity()
     eng.drain()
     eng.check_integrity()
@@ -91,7 +91,7 @@ def test_the_first_prefill_takes_the_whole_step_budget_unless_capped(
     finished_at: dict[str, int] = {}
     steps: list[list[int]] = []
     while eng.has_work():
-        done = eng.step()
+        done = eng.step().ended
         steps.append([r.computed for r in reqs])
         finished_at.update({r.rid: len(steps) for r in done})
         eng.check_integrity()

@@ -138,7 +138,7 @@ def test_a_request_that_raises_in_a_step_fails_alone(tmp_path: Path) -> None:
     for req in requests():
         eng.submit(req)
     while eng.has_work():
-        for req in eng.step():
+        for req in eng.step().ended:
             done[req.rid] = req
         eng.check_integrity()
     assert done["m1"].finish_reason == "error"
