@@ -26,7 +26,9 @@ from fastapi import Request
 
 from kvstrata.http.errors import ApiError
 
-JSON_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+JSON_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/kv/prefetch"}
+)
 """The routes whose body is one JSON object (every other route reads no body)."""
 _STATE_KEY = "kvstrata_json_body"  # where the middleware leaves the parsed object (scope state)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \ud800-\udfff, paired or lone

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,7 +34,7 @@ from kvstrata.serve.state import ServerState
 PROBE_ANSWER_S = 2.0  # the answer waits this long at most for storage to say what it holds
 CALL_TIMEOUT_S = 30.0  # a call waits at most this long for the engine thread
 
-Parse = Callable[[Request, type[BaseModel], int], Awaitable[Any]]
+Parse = Callable[[Request, type[BaseModel]], Any]
 
 
 class PrefetchBody(BaseModel):
@@ -50,7 +50,7 @@ class PrefetchBody(BaseModel):
 def add_kv_hint_routes(app: FastAPI, state: ServerState, parse: Parse) -> None:
     @app.post("/v1/kv/prefetch")
     async def prefetch(request: Request) -> dict[str, Any]:
-        body = await parse(request, PrefetchBody, state.cfg.max_request_bytes)
+        body = parse(request, PrefetchBody)  # size and deadline: kvstrata/http/body.py
         state.check_ready()
         state.check_model(body.model)
         tokens = _tokens(state, body)
