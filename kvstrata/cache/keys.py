@@ -53,12 +53,13 @@ class Namespace:
         """The 128-bit root key that every chain starts from."""
         return self._seed
 
-    def salted(self, cache_salt: str | None) -> Namespace:
-        """A request's namespace: its cache_salt joins the tenant salt, so requests with other
-        salts (or none) share no page. The one spelling of a salted namespace."""
-        if not cache_salt:
-            return self
-        return dataclasses.replace(self, tenant_salt=f"{self.tenant_salt}\x00{cache_salt}")
+
+def salted(namespace: Namespace, cache_salt: str) -> Namespace:
+    """A request's namespace: its cache_salt joins the tenant salt, so two salts share no page
+    (the one rule the engine, the vLLM connector and the fleet router all key by)."""
+    if not cache_salt:
+        return namespace
+    return dataclasses.replace(namespace, tenant_salt=f"{namespace.tenant_salt}\x00{cache_salt}")
 
 
 _UNSIGNED = {4: np.uint32, 8: np.uint64}

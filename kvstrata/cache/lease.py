@@ -121,7 +121,7 @@ class Lease:
         allocator: Allocator | None = None,
     ) -> Lease:
         """The lease of a request that prefills `tokens` under `namespace` (a salted one:
-        `Namespace.salted`): their full pages' token bytes (validated against `vocab_size`
+        `keys.salted`): their full pages' token bytes (validated against `vocab_size`
         when given), hashed only once a key is needed, and the client pins it enters with."""
         chain = PageChain.from_tokens(tokens, namespace, vocab_size)
         lease = cls(cache, chain, len(tokens), pages_needed, namespace.page_size, allocator)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstrata.cache.keys import Namespace, page_keys
+from kvstrata.cache.keys import Namespace, page_keys, salted
 from kvstrata.cache.lease import Hits, Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.prefetch_hints import HintAnswer, PrefetchHints
@@ -130,14 +130,14 @@ class KVManager:
 
     def _ns(self, req: Request) -> Namespace:
         """The request's key namespace (its cache_salt's)."""
-        return self.ns.salted(req.cache_salt)
+        return salted(self.ns, req.cache_salt)
 
     # ---- prefetch hints (engine/prefetch_hints.py) ----------------------------------------------
     def hint(self, tokens: list[int], cache_salt: str, now_s: float) -> HintAnswer | None:
         """Start bringing these tokens' pages up the tiers (None: no cache)."""
         if self.hints is None:
             return None
-        return self.hints.start(tokens, self.ns.salted(cache_salt), now_s)
+        return self.hints.start(tokens, salted(self.ns, cache_salt), now_s)
 
     # ---- loads (host -> device, layer by layer) -------------------------------------------------
     def layer_wait(self, reqs: list[Request]) -> Callable[[int], None] | None:

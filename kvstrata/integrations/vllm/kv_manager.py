@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.cache.config import CacheConfig
-from kvstrata.cache.keys import Namespace
+from kvstrata.cache.keys import Namespace, salted
 from kvstrata.cache.lease import Lease, LeaseState
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Match, Node
@@ -133,14 +133,14 @@ class VllmKVManager:
 
     def _open(self, request: Any) -> Lease:
         """The request's lease over its prompt, under its salted namespace (kvstrata's own
-        engine opens its requests' leases the same way: Lease.for_prompt, Namespace.salted)."""
+        engine opens its requests' leases the same way: Lease.for_prompt, keys.salted)."""
         prompt = list(request.prompt_token_ids)
         max_tokens = int(getattr(request, "max_tokens", 0) or 0)
         params = getattr(request, "kv_transfer_params", None)
         return Lease.for_prompt(
             self.cache,
             prompt,
-            self.ns.salted(getattr(request, "cache_salt", None)),
+            salted(self.ns, getattr(request, "cache_salt", None) or ""),
             -(-(len(prompt) + max_tokens) // self.page),
             pins_from_params(params, len(prompt), request.request_id),
         )
