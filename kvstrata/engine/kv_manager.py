@@ -129,7 +129,7 @@ class KVManager:
         return req.lease is not None
 
     def _ns(self, req: Request) -> Namespace:
-        """The request's key namespace (its cache_salt's)."""
+        """The request's key namespace: its cache_salt joins the tenant salt (no shared pages)."""
         return salted(self.ns, req.cache_salt)
 
     # ---- prefetch hints (engine/prefetch_hints.py) ----------------------------------------------
