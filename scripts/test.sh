@@ -7,6 +7,9 @@ bash scripts/setup_sglang.sh  # the sglang package for the HiCache integration t
 bash scripts/apt_need.sh /usr/bin/redis-server redis-server
 # vLLM's CPU build in its own venv (its pins clash with ours): the connector tests run it
 bash scripts/setup_vllm.sh
+# Dynamo's standalone KV indexer in its own venv: the fleet router's tests drive it (they skip, saying
+# why, only where it cannot install)
+bash scripts/setup_dynamo.sh
 # the house checks over every file (no folder skipped), before the tests
 .venv/bin/ruff check --no-cache .
 .venv/bin/ruff format --check --no-cache .

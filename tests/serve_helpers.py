@@ -13,6 +13,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvstrata.cache.event_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from kvstrata.local_ports import free_port, refused_port, reserved_port
 from kvstrata.serve.process import ServerProcess
 
@@ -46,22 +47,22 @@ class Server(ServerProcess):
 
 
 def apply_events(batch: bytes, held: dict[str, set[int]], page: int = 8) -> None:
-    """Apply one KV event batch (vLLM wire format) to per-medium block sets, checking its shape."""
-    ts, events, dp_rank = msgpack.unpackb(batch)
-    assert isinstance(ts, float) and dp_rank == 0
-    for ev in events:
-        if ev[0] == "BlockStored":
-            _, hashes, parent, tokens, block_size, lora, medium = ev
-            assert block_size == page and lora is None
-            assert parent is None or isinstance(parent, int)
-            assert len(tokens) in (0, page * len(hashes))
-            held[medium].update(hashes)
-        elif ev[0] == "BlockRemoved":
-            _, hashes, medium = ev
-            assert set(hashes) <= held[medium]  # only what was stored is removed
-            held[medium].difference_update(hashes)
+    """Apply one KV event batch (either wire format) to per-medium block sets, checking its
+    shape."""
+    assert isinstance(msgpack.unpackb(batch)[0], float)
+    decoded = decode_batch(batch)
+    assert decoded.data_parallel_rank == 0
+    for ev in decoded.events:
+        if isinstance(ev, BlockStored):
+            assert ev.block_size == page and ev.lora_name is None
+            assert ev.parent_block_hash is None or isinstance(ev.parent_block_hash, int)
+            assert len(ev.token_ids) in (0, page * len(ev.block_hashes))
+            held[ev.medium].update(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            assert set(ev.block_hashes) <= held[ev.medium]  # only what was stored is removed
+            held[ev.medium].difference_update(ev.block_hashes)
         else:
-            assert ev == ["AllBlocksCleared"]
+            assert isinstance(ev, AllBlocksCleared)
             for s in held.values():
                 s.clear()
 

@@ -142,6 +142,7 @@ COVERED_ELSEWHERE = {
     "spec": "tests/test_bench_spec.py",
     "parallel": "tests/test_parallel_kv.py",
     "pd": "tests/test_bench_pd.py",
+    "fleet": "tests/test_bench_fleet.py",
     "sglang": "tests/test_sglang_storage.py",
     "vllm": "tests/test_bench_vllm.py",
     "decode": "tests/test_bench_serve.py",

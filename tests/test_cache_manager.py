@@ -163,3 +163,28 @@ def test_unbounded_capacity_hits_everything_seen() -> None:
         seen.update(keys)
         cache.step()
         cache.check_integrity()
+
+
+def test_drain_applies_only_what_the_agreement_allows() -> None:
+    """The one drain loop: ops land through the agreement it is given; one that never agrees
+    ends in a TimeoutError naming what waited and how many copies are still pending."""
+    cache, mover = make_cache(device=8, host=8, storage=False, max_delay=0)
+    serve(cache, mover, seq(0, 4, 0, 0))  # a store is pending
+    calls: list[list[int]] = []
+
+    def never(local: list[int]) -> list[int]:
+        calls.append(local)
+        return [-1] * len(local)  # another rank has not finished
+
+    try:
+        cache.drain(never, timeout_s=0.05, what="test drain")
+    except TimeoutError as exc:
+        assert str(exc) == "test drain: 1 cache copies still pending after 0.05 s"
+    else:
+        raise AssertionError("a drain that never agrees must time out")
+    assert calls and len(cache.queues) == 1
+    seen: list[list[int]] = []
+    cache.drain(lambda local: seen.append(local) or local)  # agreed: it lands
+    assert len(cache.queues) == 0 and len(seen) >= 1
+    assert cache.match(seq(0, 4, 0, 0)).last_node.host is not None
+    cache.check_integrity()

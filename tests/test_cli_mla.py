@@ -3,7 +3,9 @@ MoE) checkpoint: latent pages through every tier set, exact cached-token counts 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +14,13 @@ import pytest
 import torch
 
 from kvstrata.cli.main import main
+from kvstrata.cli.run_cmd import QUICK
+from kvstrata.model.tokenizer import Tokenizer
+from kvstrata.serve.codec import HFCodec
+from kvstrata.workloads.agent import build_workload
+from tests.conftest import TinyCheckpoints
 from tests.serve_helpers import TINY_ENGINE, Server
+from tests.tiny_models import save_plain_tokenizer
 
 torch.set_num_threads(1)
 MLA_CKPT = {"seed": 4, "max_position_embeddings": 512}
@@ -53,3 +61,28 @@ def test_run_an_mla_checkpoint_through_every_tier(mla_ckpt: Path, tmp_path: Path
     second = report["configs"]["device"]["requests"][1]
     assert second["hits"]["device"] > 0  # turn 2 reuses turn 1's latent pages
     assert any((out / "store").iterdir())  # latent units written by the device_host_storage run
+
+
+@pytest.mark.slow
+def test_run_a_base_checkpoint_whose_tokenizer_has_no_chat_template(
+    tiny_checkpoints: TinyCheckpoints, tmp_path: Path
+) -> None:
+    # Character-level prompts are long: the quick workload's text needs ~1.5k positions.
+    src = tiny_checkpoints.deepseek(seed=4, max_position_embeddings=2048)
+    model = tmp_path / "tiny"
+    shutil.copytree(src, model)
+    tok = Tokenizer(save_plain_tokenizer(model))
+    assert not tok.has_chat_template
+    out = tmp_path / "out"
+    args = ["run", "--quick", "--no-pd", "--model", str(model), "--out", str(out)]
+    tiny = ["--page-size", "16", "--chunk-tokens", "256", "--sessions", "1", "--turns", "2"]
+    assert main([*args, *tiny]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["outputs_identical"] is True
+    prompts = build_workload(dataclasses.replace(QUICK, sessions=1, turns=2), 97, tok.encode_chat)
+    ran = [r["prompt_tokens"] for r in report["configs"]["device"]["requests"]]
+    assert ran == [len(p) for p in prompts[0]]  # the workload's plain text turns, as rendered
+    text = tok.decode(prompts[0][1])
+    assert text.startswith("system: ") and "\nuser: " in text and text.endswith("\nassistant: ")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert HFCodec(model).encode_chat(msgs) == tok.encode("user: hi\nassistant: ")  # serve's chat

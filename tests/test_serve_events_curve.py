@@ -1,17 +1,20 @@
 """KV events under ZMQ CURVE (a real `kvstrata serve`): a subscriber whose public key the server
 allows gets the events, over PUB and the replay ROUTER; one with another key pair, or with no
-CURVE at all, gets nothing."""
+CURVE at all, gets nothing; a fleet router holding the allowed key pair indexes the pages."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-import msgpack
+import httpx2 as httpx
 import openai
 import zmq
 import zmq.auth
 
+from kvstrata.cache.event_wire import BlockStored, decode_batch
 from kvstrata.cli.keys_cmd import write_curve_pair
+from kvstrata.serve.process import ServerProcess
 from tests.serve_helpers import TINY_ENGINE, Server, reserved_ports, subscribed
 from tests.tiny_models import make_llama
 
@@ -41,7 +44,7 @@ def test_only_allowed_subscribers_get_events(tmp_path: Path) -> None:
             "--kv-events-endpoint", f"tcp://127.0.0.1:{pub_port}",
             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
             "--kv-events-curve-secret-file", str(server_secret),
-            "--kv-events-curve-clients-dir", str(tmp_path / "clients"),
+            "--kv-events-curve-clients-dir", str(tmp_path / "clients"), "--debug-endpoints",
         ]  # fmt: skip
         srv = Server(args, tmp_path / "srv.log")
     server_key = zmq.auth.load_certificate(str(server_pub))[0]
@@ -62,7 +65,7 @@ def test_only_allowed_subscribers_get_events(tmp_path: Path) -> None:
         assert subs["allowed"].poll(10_000), "the allowed subscriber got no event in 10 s"
         topic, seq, payload = subs["allowed"].recv_multipart()
         assert int.from_bytes(seq, "big") == 0
-        assert msgpack.unpackb(payload)[1][0][0] == "BlockStored"
+        assert isinstance(decode_batch(payload).events[0], BlockStored)
         # the others: their handshakes failed, so nothing was (or will be) delivered to them
         assert not subs["stranger"].poll(1000) and not subs["plain"].poll(0)
         replies = {}
@@ -75,6 +78,22 @@ def test_only_allowed_subscribers_get_events(tmp_path: Path) -> None:
                 assert dealer.recv_multipart()[1] == seq  # batch 0 replayed
             dealer.close()
         assert replies == {"allowed": zmq.POLLIN, "stranger": 0}
+        # a fleet router with the allowed key pair, trusting the server's key, indexes its pages
+        router = ServerProcess(
+            ["--role", "router", "--replicas", srv.url, "--debug-endpoints",
+             "--router-kv-events-curve-secret-file", str(allowed_secret),
+             "--router-kv-events-curve-peers-dir", str(tmp_path / "server")],
+            tmp_path / "router.log", 60,
+        )  # fmt: skip
+        try:
+            own = httpx.get(f"{srv.url}/debug/blocks", timeout=10).json()
+            deadline = time.monotonic() + 20
+            while httpx.get(f"{router.url}/debug/fleet/blocks").json() != {srv.url: own}:
+                assert time.monotonic() < deadline, "the router's index never matched the server's"
+                time.sleep(0.1)
+            assert own["GPU"]
+        finally:
+            assert router.terminate() == 0, router.log.read_text()
     finally:
         for s in subs.values():
             s.close()

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
-import msgpack
 import openai
 import pytest
 import zmq
 
+from kvstrata.cache.event_wire import BlockRemoved, decode_batch
 from tests.serve_helpers import (
     TINY_ENGINE,
     Server,
@@ -129,7 +129,7 @@ def test_kv_events_rebuild_the_cache(ckpt: Path, tmp_path: Path) -> None:
                 assert topic == b"kv" and len(seq) == 8
                 seqs.append(int.from_bytes(seq, "big"))
                 payloads.append(payload)
-                removed += sum(ev[0] == "BlockRemoved" for ev in msgpack.unpackb(payload)[1])
+                removed += sum(isinstance(ev, BlockRemoved) for ev in decode_batch(payload).events)
                 apply_events(payload, held)
         assert held == own
         assert seqs == list(range(len(seqs)))  # gap-free from 0

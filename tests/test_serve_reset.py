@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
-import msgpack
 import openai
 import pytest
 import zmq
 
+from kvstrata.cache.event_wire import AllBlocksCleared, decode_batch
 from tests.serve_helpers import TINY_ENGINE, Server, apply_events, reserved_ports, subscribed
 
 PROMPTS = [[(5 * i + 2 + k) % 97 for i in range(41)] for k in range(2)]  # 5 hittable pages each
@@ -45,8 +45,8 @@ class Subscriber:
         while self.held != own and time.monotonic() < deadline:
             if self.sub.poll(200):
                 payload = self.sub.recv_multipart()[2]
-                events = msgpack.unpackb(payload)[1]
-                self.cleared += sum(ev == ["AllBlocksCleared"] for ev in events)
+                events = decode_batch(payload).events
+                self.cleared += sum(isinstance(ev, AllBlocksCleared) for ev in events)
                 apply_events(payload, self.held)
         assert self.held == own
         return own

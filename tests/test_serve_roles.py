@@ -17,6 +17,9 @@ ROUTER_OPTIONS = {
     "--router-read-timeout-s", "--router-down-s", "--router-health-interval-s",
     "--router-require-info", "--prefill", "--decode", "--api-key", "--api-key-file",
     "--router-worker-api-key-file", "--max-request-bytes", "--client-timeout-s",
+    "--replicas", "--routing", "--kv-indexer-url",
+    "--router-load-weight", "--router-kv-events-curve-secret-file",
+    "--router-kv-events-curve-peers-dir", "--debug-endpoints",
 }  # fmt: skip
 DEBUG_OPTIONS = ("--parent-pid", "--debug-endpoints", "--inject-divergence",
                  "--storage-emulate-read-s-per-page")  # fmt: skip

@@ -238,3 +238,20 @@ def _add_nextn_layer(path: Path, model: Any, seed: int) -> None:
     state = load_file(str(file))
     state.update({f"model.layers.{n}.{k}": v.contiguous() for k, v in layer.items()})
     save_file(state, str(file), metadata={"format": "pt"})
+
+
+def save_plain_tokenizer(path: str | Path) -> Path:
+    """Save a character-level tokenizer with no chat template into checkpoint `path` (a base
+    checkpoint's tokenizer): 97 ids, <unk> then newline then printable ASCII, fitting the tiny
+    models' vocabulary."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>", "\n", *(chr(c) for c in range(32, 127))]
+    core = Tokenizer(
+        models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<unk>")
+    )
+    core.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    fast.save_pretrained(str(path))
+    return Path(path)

@@ -3,7 +3,8 @@ real vLLM requests and scheduler outputs, real KV tensors, a file store; prints 
 
 The driver plays vLLM's engine loop for one worker: schedule, build the connector metadata, run
 the worker's jobs around a (skipped) forward, hand the worker's results back, drain the events.
-Output: one JSON line per take_events batch, each event as [type, hashes, parent, n_tokens, medium].
+Output: one JSON line per take_events batch, each event as [type, hashes, parent, n_tokens, medium]
+(a stored one also with its extra_keys and block_size). Request b carries a cache_salt.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class Engine:
 
 def encode(event: object) -> list[object]:
     if isinstance(event, BlockStored):
+        extra = [list(k) if k else None for k in event.extra_keys or []]
         return ["stored", event.block_hashes, event.parent_block_hash, len(event.token_ids),
-                event.medium]  # fmt: skip
+                event.medium, extra, event.block_size]  # fmt: skip
     return ["removed", event.block_hashes, None, 0, event.medium]  # type: ignore[attr-defined]
 
 
@@ -72,7 +74,9 @@ def main() -> None:
     engine = Engine(sys.argv[1])
     for rid, first in (("a", 100), ("b", 200)):  # b's 2 pages push a's out of 2 host pages
         prompt = list(range(first, first + 10))
-        engine.serve(Request(rid, prompt, SamplingParams(max_tokens=1), None), [0, 1, 2])
+        salt = "tenant-b" if rid == "b" else None
+        request = Request(rid, prompt, SamplingParams(max_tokens=1), None, cache_salt=salt)
+        engine.serve(request, [0, 1, 2])
     engine.sched.close()
     engine.worker.close()
 

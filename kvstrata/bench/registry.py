@@ -31,6 +31,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "kvstrata.bench.decode",
     "kvstrata.bench.mla",
     "kvstrata.bench.pd",
+    "kvstrata.bench.fleet_bench",
     "kvstrata.bench.sglang_hicache",
     "kvstrata.bench.vllm_bench",
     "kvstrata.bench.vllm_copies",

@@ -201,15 +201,18 @@ class ReplayResult:
 class Replayer:
     """Owns one cache and serves requests through it one by one, each through its lease."""
 
-    def __init__(self, cfg: ReplayConfig) -> None:
+    def __init__(self, cfg: ReplayConfig, shared: StorageBackend | None = None) -> None:
+        """`shared`: a store other replayers use too (a fleet's), used in place of opening
+        `cfg.cache.storage_url` and left open by close()."""
         for mod in MODEL_MODULES:
             importlib.import_module(mod)
         self.cfg = cfg
         self.model = REPLAY_MODELS.create(cfg.model, cfg)
         cc = cfg.cache
-        self.storage = (
-            open_storage(cc.storage_url, self.model.page_nbytes) if cc.storage_url else None
-        )
+        self._owns_storage = shared is None
+        self.storage = shared
+        if shared is None and cc.storage_url:
+            self.storage = open_storage(cc.storage_url, self.model.page_nbytes)
         host = PageAllocator(cc.host_pages) if cc.host_pages else None
         self.now = 0.0  # the step clock of a virtual-time model (seconds)
         self.cache = HiCache(
@@ -295,7 +298,7 @@ class Replayer:
 
     def close(self) -> None:
         self.model.close()
-        if self.storage is not None:
+        if self.storage is not None and self._owns_storage:
             self.storage.close()
 
 

@@ -89,3 +89,20 @@ def decomposition_table(rep: dict[str, Any]) -> Table:
     for k in TERMS:
         table.add_row(f"  mean {k}", f"{rep['decomposition'][k]:.4f}")
     return table
+
+
+def fleet_table(rep: dict[str, Any]) -> Table:
+    """`simulate --replicas`: one row per (N, arm)."""
+    table = Table(title=f"fleet on paper: {rep['trace']}")
+    for col in ("replicas", "routing", "hit rate", "device", "host", "storage", "ceiling"):
+        table.add_column(col, justify="right")
+    for col in ("hit/ceiling", "TTFT p50", "TTFT p90", "busiest/mean"):
+        table.add_column(col, justify="right")
+    for r in rep["rows"]:
+        tiers = [f"{r['hit_rate_by_tier'][t]:.1%}" for t in ("device", "host", "storage")]
+        table.add_row(
+            str(r["replicas"]), r["routing"], f"{r['hit_rate']:.1%}", *tiers,
+            f"{r['ceiling']:.1%}", f"{r['hit_over_ceiling']:.3f}", f"{r['ttft_p50_s']:.3f}s",
+            f"{r['ttft_p90_s']:.3f}s", f"{r['busiest_over_mean']:.2f}",
+        )  # fmt: skip
+    return table

@@ -62,20 +62,22 @@ class Timing:
     pd_bytes: float = 0.0  # KV bytes prefill sent decode (P/D topologies)
 
 
-def fifo(outcomes: Sequence[Outcome], cost: CostModel, time_scale: float = 1.0) -> list[Timing]:
-    """Run the single-instance FIFO; `time_scale` stretches arrival times (2.0 = half the rate)."""
-    if time_scale <= 0:
-        raise ValueError(f"time_scale must be > 0, got {time_scale}")
-    pp = cost.topo.pp
-    free_at = 0.0
-    out: list[Timing] = []
-    for o in sorted(outcomes, key=lambda o: (o.arrival_s, o.rid)):
-        c = cost.costs(o.prompt, o.device, o.host, o.storage)
-        arrival = o.arrival_s * time_scale
-        start = max(
-            free_at, arrival + c.prefetch_s
-        )  # FIFO: waits for the instance and its prefetch
-        queue = min(max(0.0, free_at - arrival), start - arrival)
+class FifoServer:
+    """One instance serving prefills first in, first out, fed requests in arrival order (`fifo`
+    feeds a whole trace; the fleet simulator feeds each replica the requests routed to it)."""
+
+    def __init__(self, cost: CostModel, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        self.cost, self.time_scale = cost, time_scale
+        self.free_at = 0.0  # when the instance (its first PP stage) takes the next prompt
+
+    def serve(self, o: Outcome) -> Timing:
+        """The request's TTFT and its terms; it must not arrive before the one served last."""
+        c = self.cost.costs(o.prompt, o.device, o.host, o.storage)
+        arrival = o.arrival_s * self.time_scale
+        start = max(self.free_at, arrival + c.prefetch_s)  # waits for the instance and prefetch
+        queue = min(max(0.0, self.free_at - arrival), start - arrival)
         first_token = start + c.load_s + c.compute_s + c.gather_s + c.pd_transfer_s
         terms = {
             "queue_s": queue,
@@ -85,10 +87,15 @@ def fifo(outcomes: Sequence[Outcome], cost: CostModel, time_scale: float = 1.0) 
             "gather_s": c.gather_s,
             "pd_transfer_s": c.pd_transfer_s,
         }
-        out.append(Timing(o.rid, first_token - arrival, terms, c.pd_bytes))
         # PP: the next prompt enters stage 0 once this one left it (about 1/pp of the busy time).
-        free_at = start + c.busy_s / pp
-    return out
+        self.free_at = start + c.busy_s / self.cost.topo.pp
+        return Timing(o.rid, first_token - arrival, terms, c.pd_bytes)
+
+
+def fifo(outcomes: Sequence[Outcome], cost: CostModel, time_scale: float = 1.0) -> list[Timing]:
+    """Run the single-instance FIFO; `time_scale` stretches arrival times (2.0 = half the rate)."""
+    server = FifoServer(cost, time_scale)
+    return [server.serve(o) for o in sorted(outcomes, key=lambda o: (o.arrival_s, o.rid))]
 
 
 def summarize(timings: Sequence[Timing]) -> dict[str, object]:

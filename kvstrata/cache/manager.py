@@ -9,6 +9,7 @@ object that strings them together for a request; nothing else should. The driver
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvstrata.cache import integrity
@@ -80,6 +81,11 @@ class HiCache:
     def match(self, keys: list[int]) -> Match:
         """Longest cached prefix; backs up hot pages under write_through_selective."""
         return self._matched(self.tree.match(keys))
+
+    def peek(self, keys: list[int]) -> Match:
+        """`match` that changes no recency, hit count or backup: what a router looking at this
+        cache sees (a partially matched edge may still be split, holding the same pages)."""
+        return self.tree.match(keys, touch=False)
 
     def match_chain(self, chain: PageChain, n_pages: int) -> Match:
         """`match` of a chain's first n_pages, by token bytes: only pages the tree does not
@@ -266,13 +272,27 @@ class HiCache:
         """One rank alone: its local progress is the agreed progress."""
         return self.apply(self.local_progress())
 
-    def drain(self, timeout_s: float = 600.0) -> None:
-        """Step until no op is pending (tests, shutdown); pauses briefly while copies run."""
+    def drain(
+        self,
+        agree: Callable[[list[int]], list[int]] | None = None,
+        timeout_s: float = 600.0,
+        what: str = "cache ops",
+    ) -> None:
+        """Apply every pending op: the one drain loop (shutdown, a prefix-cache reset, tests).
+
+        agree: the step agreement (None: one rank alone, its local progress is the agreed
+        one); under several ranks every rank runs this same loop, one agreement per turn, so
+        they apply the same ops in the same turn. Pauses briefly while copies run; TimeoutError
+        (naming `what`) when ops are still pending after timeout_s."""
         deadline = time.monotonic() + timeout_s
         while len(self.queues):
-            if not self.step():
+            progress = self.local_progress()
+            if not self.apply(agree(progress) if agree is not None else progress):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"cache ops did not finish within {timeout_s} s")
+                    raise TimeoutError(
+                        f"{what}: {len(self.queues)} cache copies still pending after "
+                        f"{timeout_s:g} s"
+                    )
                 time.sleep(0.0002)
 
     # ---- op plumbing --------------------------------------------------------------------------

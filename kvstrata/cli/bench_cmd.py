@@ -16,6 +16,7 @@ from kvstrata.cli import validate
 
 BENCH_OPTIONS = (
     "url", "sessions", "concurrency", "model", "out", "vllm_url", "vllm_bf16_url", "trace",
+    "replicas", "storage_url", "rate",
 )  # fmt: skip
 
 
@@ -45,6 +46,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="bench decode: a vLLM server of the same checkpoint with --dtype bfloat16, "
         "for the bf16 rows (--vllm-url then serves the fp32 rows)",
     )
+    fleet = p.add_argument_group("bench fleet", "options of the fleet benchmark only")
+    fleet.add_argument("--replicas", type=int, default=None, help="replicas behind the router")
+    fleet.add_argument(
+        "--storage-url",
+        default=None,
+        help="the shared store: a file directory by default; 'mooncake' starts a local master "
+        "and holder; a mooncake:// URL is used as given",
+    )
+    fleet.add_argument("--rate", type=float, default=None, help="requests per second")
     agent = p.add_argument_group("bench agent", "options of the agent benchmark only")
     agent.add_argument(
         "--trace",
@@ -71,10 +81,12 @@ def _bench_options(fn: Any, args: argparse.Namespace) -> dict[str, Any]:
     takes = inspect.signature(fn).parameters
     wrong = [k for k in given if k not in takes]
     if wrong:
-        raise ValueError(f"--{wrong[0]} is not an option of bench {args.name}")
-    for k in ("sessions", "concurrency"):
+        raise ValueError(f"--{wrong[0].replace('_', '-')} is not an option of bench {args.name}")
+    for k in ("sessions", "concurrency", "replicas"):
         if k in given and given[k] < 1:
             raise ValueError(f"--{k} must be >= 1, got {given[k]}")
+    if "rate" in given and not given["rate"] > 0:
+        raise ValueError(f"--rate must be > 0, got {given['rate']}")
     return given
 
 

@@ -92,7 +92,7 @@ def _prompts(args: argparse.Namespace, spec: WorkloadSpec, path: Path, model: De
         return build_workload(spec, model.vocab_size, tok.encode_chat if tok else None)
     if tok is None:  # tokenizer-less test checkpoints: UTF-8 bytes folded into the vocabulary
         return [[[b % model.vocab_size for b in args.prompt.encode()]]]
-    if getattr(tok.hf, "chat_template", None):
+    if tok.has_chat_template:  # a base checkpoint continues --prompt as is
         return [[tok.encode_chat(args.prompt)]]
     return [[tok.encode(args.prompt)]]
 

@@ -34,7 +34,7 @@ class ConfigArgs:
 
 ROUTER_SERVE_FIELDS = (
     "host", "port", "served_model_name", "stop_timeout_s", "log_level", "parent_pid", "role",
-    "api_key", "api_key_file", "max_request_bytes", "client_timeout_s",
+    "api_key", "api_key_file", "max_request_bytes", "client_timeout_s", "debug_endpoints",
 )  # fmt: skip
 """What the router reads of ServeConfig (it loads no model and queues nothing itself)."""
 CURVE_FIELDS = ("pd_curve_secret_file", "pd_curve_peers_dir", "pd_keys_dir", "pd_insecure")

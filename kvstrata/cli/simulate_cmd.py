@@ -1,4 +1,6 @@
-"""`kvstrata simulate TRACE --hardware PROFILE [--tp --cp --pp --pd] [--json PATH]`."""
+"""`kvstrata simulate TRACE --hardware PROFILE [--tp --cp --pp --pd] [--json PATH]`, and with
+`--replicas N[,N...] [--routing round_robin,kv_aware]` a fleet of replicas behind the router's
+rule (kvstrata/bench/fleet_sim.py) in place of the what-if table."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvstrata.bench.costmodel import Topology
+from kvstrata.bench.fleet_sim import MAX_REPLICAS, ROUTINGS, fleet_study
 from kvstrata.bench.hardware import MODELS, PROFILES, get_model, get_profile
 from kvstrata.bench.replay import ReplayConfig
-from kvstrata.bench.report import ablation_table, decomposition_table, write_json
+from kvstrata.bench.report import ablation_table, decomposition_table, fleet_table, write_json
 from kvstrata.bench.whatif import CostModel, whatif, with_capacities
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
@@ -31,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _add_topology_args(p)
     _add_cache_args(p)
+    _add_fleet_args(p)
     p.add_argument("--json", type=Path, default=None, help="write the JSON report here")
     p.set_defaults(func=run)
 
@@ -51,6 +55,41 @@ def _add_topology_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="topologies of the ablation columns, ';'-separated, e.g. 'tp1;tp4;tp4-cp2;tp4-pd'",
     )
+
+
+def _add_fleet_args(p: argparse.ArgumentParser) -> None:
+    """A fleet of replicas (each the topology above, with its own device and host memory)."""
+    p.add_argument(
+        "--replicas",
+        default=None,
+        help=f"simulate a fleet of N replicas sharing the store (comma list, each 1..{MAX_REPLICAS}, "
+        "e.g. 1,4,16,64): hit rate and TTFT per routing arm and N, in place of the what-if table",
+    )
+    p.add_argument(
+        "--routing",
+        default=",".join(ROUTINGS),
+        help=f"with --replicas: the arms, comma list of {', '.join(ROUTINGS)}",
+    )
+
+
+def _fleet_sizes(args: argparse.Namespace) -> list[int]:
+    """--replicas as a list (one-line errors naming the option)."""
+    try:
+        sizes = [int(x) for x in args.replicas.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--replicas must be comma-separated integers, got {args.replicas!r}"
+        ) from None
+    for n in sizes:
+        if not 1 <= n <= MAX_REPLICAS:
+            raise ValueError(f"--replicas: each N must be in 1..{MAX_REPLICAS}, got {n}")
+    routings = args.routing.split(",")
+    for r in routings:
+        if r not in ROUTINGS:
+            raise ValueError(f"--routing: unknown arm {r!r}; known: {', '.join(ROUTINGS)}")
+    if args.ablate:
+        raise ValueError("--ablate is the what-if table's; leave it out with --replicas")
+    return sizes
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +142,8 @@ def check_simulate(args: argparse.Namespace) -> None:
     if args.storage_url != "mem":
         validate.check_storage_url(args.storage_url, "--storage-url")
     validate.check_out_file(args.json, "--json")
+    if args.replicas is not None:
+        _fleet_sizes(args)
 
 
 def _cache(args: argparse.Namespace) -> CacheConfig:
@@ -136,6 +177,12 @@ def run(args: argparse.Namespace) -> int:
                 tasks[row] = bar.add_task(f"replay {row}", total=len(trace))
             bar.update(tasks[row], completed=n)
 
+        if args.replicas is not None:
+            arms = args.routing.split(",")
+            rep = fleet_study(
+                trace, base, cost, _fleet_sizes(args), arms, args.time_scale, progress
+            )
+            return _report_fleet(rep, args.json)
         report, _ = whatif(trace, model, hw, main, base, tops, args.time_scale, progress)
     out = Console()
     out.print(decomposition_table(report))
@@ -147,4 +194,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report, args.json)
         print(f"report: {args.json}")
+    return 0
+
+
+def _report_fleet(rep: dict, json_path: Path | None) -> int:
+    Console().print(fleet_table(rep))
+    if json_path:
+        write_json(rep, json_path)
+        print(f"report: {json_path}")
     return 0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -17,6 +19,7 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Agree, DecisionSink, Engine
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.mtp_speculator import MTPSpeculator
+from kvstrata.engine.scheduler import BatchLimit
 from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
@@ -33,13 +36,20 @@ from kvstrata.storage.units import PagePart, open_unit_storage
 
 @dataclass
 class Built:
-    """An engine and the parts it owns (closed together)."""
+    """An engine and the parts it owns (closed together), on one rank or on each of many."""
 
     engine: Engine
     mover: TensorMover | None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    """Closed after the drain, before the mover (a rank's decision log)."""
 
-    def close(self) -> None:
-        self.engine.drain()
+    def close(self, drain: bool = True) -> None:
+        """drain: every pending op lands first (agreed under ranks; off when the ranks may be
+        in different collectives, as after a failure)."""
+        if drain:
+            self.engine.drain()
+        for close in self.closers:
+            close()
         if self.mover is not None:
             self.mover.close()
             if self.mover.storage is not None:
@@ -66,6 +76,62 @@ def tiers_of(cache: CacheConfig, tiers: str) -> CacheConfig:
     return cache
 
 
+class Placement(Protocol):
+    """Where one rank's part of the model and of every page lives, and what its cache is made
+    of: OneRank holds all of both; each of tp x cp x pp ranks holds its part
+    (kvstrata.parallel.ranks.RankEngine)."""
+
+    def place(
+        self, model: DecoderLM, shape: KVShape, spec: Speculator | None, pages: int
+    ) -> tuple[Any, DevicePool]:
+        """The model this rank runs (forward-compatible with the whole one) and its device pool
+        of `pages` pages, each holding this rank's part of a page (`shape`: the whole page)."""
+        ...
+
+    def cache_parts(
+        self, pool: DevicePool, cache_cfg: CacheConfig, storage_cfg: StorageConfig | None
+    ) -> CacheParts:
+        """The pools and mover of this rank's cache over `pool` (a tiered cache)."""
+        ...
+
+    def clock(self) -> float:
+        """The decision clock (under ranks the agreed one)."""
+        ...
+
+    def limit(self, pool: DevicePool) -> BatchLimit | None:
+        """A batch budget term beyond the token count (CP: the gather's scratch bytes)."""
+        ...
+
+
+class OneRank:
+    """The N=1 placement: the whole model and every whole page on this rank."""
+
+    def place(
+        self, model: DecoderLM, shape: KVShape, spec: Speculator | None, pages: int
+    ) -> tuple[Any, DevicePool]:
+        return model, DevicePool(shape, pages)
+
+    def cache_parts(
+        self, pool: DevicePool, cache_cfg: CacheConfig, storage_cfg: StorageConfig | None
+    ) -> CacheParts:
+        """The device pool with its host pool (if any) and storage backend (if any), and their
+        mover."""
+        shape = pool.shape
+        host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
+        storage = None
+        if cache_cfg.storage_url:
+            # the topology-free unit layout that every parallel layout reads and writes too
+            part = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
+            storage = open_unit_storage(cache_cfg.storage_url, part, storage_cfg or StorageConfig())
+        return CacheParts(pool, host, TensorMover(pool, host, storage), storage is not None)
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def limit(self, pool: DevicePool) -> BatchLimit | None:
+        return None
+
+
 def build_engine(
     config: EngineConfig,
     cache_cfg: CacheConfig,
@@ -74,10 +140,13 @@ def build_engine(
     agree: Agree | None = None,
     tenant: str = "",
     decisions: DecisionSink | None = None,
+    placement: Placement | None = None,
 ) -> Built:
-    """Everything one rank needs to serve; a loaded `model` may be shared between builds."""
-    if config.threads:
+    """Everything a rank needs to serve, on one rank (placement None: OneRank) or on each of
+    many; a loaded `model` (the whole one) may be shared between builds."""
+    if config.threads and placement is None:  # a rank keeps the threads its launcher set
         torch.set_num_threads(config.threads)
+    place = placement or OneRank()
     if model is None:
         model = load_model(
             resolve_model_path(config), dtype=config.dtype, prepack=config.prepack_weights
@@ -87,7 +156,7 @@ def build_engine(
     spec, fingerprint = None, model.fingerprint
     if config.spec_draft:
         spec, shape, fingerprint = build_speculator(config, model, shape)
-    pool = DevicePool(shape, cache_cfg.device_pages)
+    runs, pool = place.place(model, shape, spec, cache_cfg.device_pages)
     ns = Namespace(
         fingerprint,
         shape.dtype,
@@ -97,33 +166,15 @@ def build_engine(
     )
     parts = CacheParts(pool)
     if config.tiers != "none":
-        parts = _tiered_parts(pool, cache_cfg, storage_cfg or StorageConfig())
-    engine = assemble(
-        config,
-        cache_cfg,
-        parts,
-        ns,
-        model.vocab_size,
-        lambda cache, kv: Engine(
-            model, pool, cache, kv, config, agree, decisions=decisions, speculator=spec
-        ),
-    )
+        parts = place.cache_parts(pool, cache_cfg, storage_cfg)
+    limit = place.limit(pool)
+
+    def make_engine(cache: HiCache | None, kv: KVManager) -> Engine:
+        args = (runs, pool, cache, kv, config, agree, place.clock)
+        return Engine(*args, decisions=decisions, speculator=spec, limit=limit)
+
+    engine = assemble(config, cache_cfg, parts, ns, model.vocab_size, make_engine)
     return Built(engine, parts.mover)  # type: ignore[arg-type]
-
-
-def _tiered_parts(
-    pool: DevicePool, cache_cfg: CacheConfig, storage_cfg: StorageConfig
-) -> CacheParts:
-    """A single rank's device pool with its host pool (if any) and storage backend (if any), and
-    their mover."""
-    shape = pool.shape
-    host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
-    storage = None
-    if cache_cfg.storage_url:
-        # the topology-free unit layout that every parallel layout reads and writes too
-        part = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
-        storage = open_unit_storage(cache_cfg.storage_url, part, storage_cfg)
-    return CacheParts(pool, host, TensorMover(pool, host, storage), storage is not None)
 
 
 @dataclass(frozen=True)

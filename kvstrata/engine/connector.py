@@ -1,7 +1,10 @@
 """The connector seam: how KV computed elsewhere comes in and KV computed here goes out.
 
-Shaped like vLLM's KV connector (KVConnectorBase_V1). The scheduler calls it at fixed points of
-each step:
+Shaped like vLLM's KV connector (KVConnectorBase_V1). The engine and its scheduler call it at
+fixed points:
+0. `add_request`: a request entered the engine (every rank alike, at the step it arrived),
+   before its checks; one the engine refuses is then ended at once (`request_finished`, with
+   `req.failure` set).
 1. admission: after the KV manager matched a request over the local tiers (and allocated its
    pages), `get_num_new_matched_tokens` says how many further prompt tokens another worker
    provides; `update_state_after_alloc` hands over the request's device pages (a connector with
@@ -12,10 +15,11 @@ each step:
 3. `build_connector_meta`: the per-step metadata of the planned batch, which the engine binds
    before the forward; the runner then calls `wait_for_layer_load` before and `save_kv_layer`
    after each layer (P/D prefill sends a layer's pages as soon as it is computed).
-4. `request_finished`: a request the connector may track ended (finished, failed or aborted).
+4. `request_finished`: a request ended (finished, failed, aborted or refused), called before its
+   pages are released: a connector that sends its KV copies it out here (P/D prefill's whole
+   pages), so the pages are held until their bytes are taken.
 Everything a connector may use of its engine comes through `register_kv_caches` (an EngineView).
-Connector kinds are chosen by name through CONNECTORS (kvstrata/pd/connectors.py registers
-"pd-prefill" and "pd-decode").
+Connector kinds are chosen by name through CONNECTORS ("pd-prefill", "pd-decode").
 An engine without a connector computes everything itself.
 """
 
@@ -108,6 +112,9 @@ class KVConnector:
         """Once, when the engine takes the connector."""
 
     # ---- scheduler side -------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """A request entered the engine (before its checks; every rank at the same step)."""
+
     def get_num_new_matched_tokens(self, req: Request, local_tokens: int) -> int:
         """Prompt tokens beyond the `local_tokens` the local tiers hold that another worker
         provides (0: the engine computes the rest itself)."""
@@ -127,7 +134,8 @@ class KVConnector:
         return []
 
     def request_finished(self, req: Request) -> None:
-        """A request ended (finished, failed or aborted): its pages go back now."""
+        """A request ended (finished, failed, aborted, or refused at submit: req.failure); its
+        pages are still its own during this call and go back right after."""
 
     # ---- runner side ----------------------------------------------------------------------------
     def bind_connector_metadata(self, meta: ConnectorMeta) -> None:

@@ -109,6 +109,22 @@ class Engine:
 
     # ---- API ----------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        """Queue a request; ValueError / TypeError naming what is wrong with it (its connector
+        hears of it first, and of its refusal: request_finished with req.failure)."""
+        conn = self.connector
+        if conn is not None:
+            conn.add_request(req)
+        try:
+            self._check(req)
+        except (ValueError, TypeError) as exc:
+            if conn is not None:
+                req.failure = (400, str(exc))
+                conn.request_finished(req)
+            raise
+        req.arrival_s = time.monotonic()  # metrics use this rank's wall time
+        self.scheduler.add(req)
+
+    def _check(self, req: Request) -> None:
         if not req.tokens:
             raise ValueError(f"request {req.rid}: empty prompt")
         as_token_array(req.tokens, self.model.vocab_size)  # ids in range, integers
@@ -126,8 +142,6 @@ class Engine:
                 f"request {req.rid} needs {req.pages_needed(self.page)} pages; "
                 f"the device pool holds {self.pool.capacity}"
             )
-        req.arrival_s = time.monotonic()  # metrics use this rank's wall time
-        self.scheduler.add(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -206,8 +220,9 @@ class Engine:
         return self.spec.stats.as_dict() if self.spec is not None else None
 
     def drain(self) -> None:
+        """Apply every pending cache op (shutdown, tests), agreed: the cache's one drain loop."""
         if self.cache is not None:
-            self.cache.drain()
+            self.cache.drain(self.agree)
 
     # ---- remote KV (the connector's landed / failed requests) --------------------------------
     def _land_remote(self, done: list[RemoteDone]) -> list[Request]:
@@ -249,27 +264,14 @@ class Engine:
     def reset_prefix_cache(self, reset_running: bool = False, drop_host: bool = False) -> bool:
         """Forget every cached device page (drop_host: host too; never storage). False,
         changing nothing, while requests run and reset_running is off, or while remote KV is
-        in flight (Scheduler.clear_for_reset); else every pending copy lands first (agreed:
-        the same loop on every rank)."""
+        in flight (Scheduler.clear_for_reset); else every pending copy lands first, through the
+        cache's one drain loop under the step agreement (the same turns on every rank)."""
         if self.cache is None:
             return True
         if not self.scheduler.clear_for_reset(reset_running):
             return False
-        deadline = time.monotonic() + RESET_DRAIN_S
-        while self.kv.copies_pending():
-            if not self._drain_step():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"prefix-cache reset: {len(self.cache.queues)} cache copies still "
-                        f"pending after {RESET_DRAIN_S:g} s"
-                    )
-                time.sleep(0.0005)
+        self.cache.drain(self.agree, RESET_DRAIN_S, "prefix-cache reset")
         return self.kv.reset_prefix(drop_host)
-
-    def _drain_step(self) -> bool:
-        """One agreed application of finished copies (a reset's drain; no decision log)."""
-        assert self.cache is not None
-        return bool(self.cache.apply(self.agree(self.cache.local_progress())))
 
     # ---- after the forward --------------------------------------------------------------------
     def postprocess(self, work: Work, fwd: Forward) -> list[Request]:

@@ -244,11 +244,12 @@ class Scheduler:
 
     # ---- endings --------------------------------------------------------------------------------
     def finish(self, req: Request, reason: str) -> Request:
-        """A running request ends: its full pages stay cached, the rest goes back."""
-        self.kv.cache_pages(req, final=True)
-        self.running.remove(req)
+        """A running request ends: its full pages stay cached, the rest goes back (after its
+        connector heard of it: it may copy them out first)."""
         if self.connector is not None:
             self.connector.request_finished(req)
+        self.kv.cache_pages(req, final=True)
+        self.running.remove(req)
         return ended(req, reason)
 
     def fail(self, req: Request, status: int, message: str) -> Request:
@@ -258,6 +259,8 @@ class Scheduler:
         req.failure = (status, message)
         if req in self.waiting:  # failed while waiting (its lease's match or probe)
             self.waiting.remove(req)
+            if self.connector is not None:
+                self.connector.request_finished(req)
             self.kv.abort(req)
             return ended(req, "error")
         if req not in self.running:  # it had ended already (it raised after its finish)
@@ -280,9 +283,9 @@ class Scheduler:
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                self.kv.abort(req)
                 if self.connector is not None:
                     self.connector.request_finished(req)
+                self.kv.abort(req)
                 return ended(req, "abort")
         for req in self.running:
             if req.rid == rid:

@@ -123,19 +123,3 @@ class StatsOut:
 class CallDone:
     call_id: int
     results: list[tuple[bool, Any]]  # per rank: (ok, result or error message)
-
-
-@dataclass(frozen=True)
-class SideCount:
-    """A counter of the worker's P/D side, forwarded to the HTTP process's metrics."""
-
-    name: str
-    args: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class SideReady:
-    """The P/D side is up: its layout and every rank's transfer endpoint."""
-
-    layout: dict[str, Any]
-    endpoints: list[str]

@@ -22,6 +22,11 @@ class Tokenizer:
             raise ValueError(f"{root} holds no loadable tokenizer: {e}") from e
 
     @property
+    def has_chat_template(self) -> bool:
+        """Whether the checkpoint ships a chat template (base checkpoints often do not)."""
+        return bool(getattr(self.hf, "chat_template", None))
+
+    @property
     def eos_token_ids(self) -> list[int]:
         """Ids that end generation (the tokenizer's eos token)."""
         eos = self.hf.eos_token_id
@@ -35,7 +40,7 @@ class Tokenizer:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def encode_chat(self, messages: str | Sequence[dict[str, str]]) -> list[int]:
-        """Ids of a conversation rendered by the chat template, ending in the assistant prompt.
+        """Ids of a conversation as `render_chat` writes it, ending in the assistant prompt.
 
         A plain string is one user message.
         """
@@ -45,14 +50,22 @@ class Tokenizer:
 
     def render_chat(self, messages: str | Sequence[dict[str, str]]) -> str:
         """The conversation as the chat template writes it, ending in the assistant prompt (the
-        text a completions client sends as is). A plain string is one user message."""
+        text a completions client sends as is); plain text turns (`plain_turns`) when the
+        tokenizer has no template (a base checkpoint). A plain string is one user message."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        if not getattr(self.hf, "chat_template", None):
-            raise ValueError("this tokenizer has no chat template; use encode()")
+        if not self.has_chat_template:
+            return plain_turns(messages)
         return str(
             self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         )
+
+
+def plain_turns(messages: Sequence[dict[str, str]]) -> str:
+    """A conversation as plain text: one `role: content` line per message, then the assistant's
+    cue. The one rendering for a tokenizer with no chat template, so `run`, the workloads and the
+    serve chat endpoint give a base checkpoint the same prompt for the same conversation."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
 def chat_encoder(model_path: Path) -> Tokenizer | None:

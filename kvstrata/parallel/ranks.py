@@ -23,24 +23,22 @@ import torch.distributed as dist
 import xxhash
 
 from kvstrata.cache.config import CacheConfig
-from kvstrata.cache.keys import Namespace
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Node
 from kvstrata.configtools import doc
 from kvstrata.engine.build import (
     CacheParts,
-    assemble,
-    build_speculator,
+    build_engine,
     resolve_model_path,
     tiers_of,
 )
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.engine import Engine
-from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request
+from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.model.checkpoint import load_model
+from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.consensus import StepConsensus
 from kvstrata.parallel.cp import CPModel, ScratchBudget
@@ -156,31 +154,20 @@ class RankEngine:
         for local_only in ("model", "model_cache_dir", "threads"):
             check.pop(local_only)
         verify_same("config", {**check, "fingerprint": full.fingerprint})
-        shape, spec, fp = full.kv_shape(cache_cfg.page_size), None, full.fingerprint
-        if engine_cfg.spec_draft:  # the same draft and namespace as one rank's (engine.build)
-            spec, shape, fp = build_speculator(engine_cfg, full, shape)
-        rp = model_part(ctx, full, shape)
-        if spec is not None:
-            place_speculator(spec, ctx, rp.stage, rp.target_layers)
-        self.part = rp.part
-        shape = rp.part.shape
-        cp = ctx.config.cp
-        self.pool = DevicePool(shape, cache_cfg.device_pages, n_shards=cp, rank=ctx.cp_rank)
-        ns = Namespace(fp, shape.dtype, page_size=cache_cfg.page_size, kv_layout=shape.layout)
-        parts = self._parts(engine_cfg, cache_cfg, storage_cfg, rp.part)
-        self.mover: DistMover | None = parts.mover  # type: ignore[assignment]
         self.log = DecisionLog.from_config(ctx.config, ctx.rank, ctx.run_id, config_digest(check))
         self.calls = 0
         self.digests: list[int] = []
+        self.part: PagePart  # this rank's part of every page, and its pool of them (`place`)
+        self.pool: DevicePool
+        # the same builder as one rank's; this rank adds its placement, the step agreement and
+        # the decision log (closed with the engine)
+        self.built = build_engine(
+            engine_cfg, cache_cfg, storage_cfg, full, self.agree, decisions=self, placement=self
+        )
+        self.built.closers.append(self.log.close)
+        self.engine = self.built.engine
+        self.mover: DistMover | None = self.built.mover  # type: ignore[assignment]
         self.pages = PageWatch(self.pool) if options.report_pages else None
-
-        def make_engine(cache: HiCache | None, kv: KVManager) -> Engine:
-            scratch = ScratchBudget(self.pool, options.cp_scratch_bytes) if cp > 1 else None
-            args = (rp.model, self.pool, cache, kv, engine_cfg, self.agree, self.clock)
-            return Engine(*args, decisions=self, speculator=spec, limit=scratch)  # type: ignore[arg-type]
-
-        # the rank engine adds only the step agreement and the decision log to what build makes
-        self.engine = assemble(engine_cfg, cache_cfg, parts, ns, full.vocab_size, make_engine)
         self.cache = self.engine.cache
         self.consensus: StepConsensus | None = None
         if self.cache is not None:
@@ -195,11 +182,31 @@ class RankEngine:
         """The agreed clock: rank 0's time, broadcast with each step's inputs."""
         return self.now
 
-    def _parts(
-        self, ecfg: EngineConfig, ccfg: CacheConfig, scfg: StorageConfig | None, part: PagePart
+    def set_clock(self, now: float) -> None:
+        self.now = now
+
+    # ---- Placement for build_engine: this rank's part of the model and of every page ----------
+    def place(
+        self, model: DecoderLM, shape: KVShape, spec: Speculator | None, pages: int
+    ) -> tuple[Any, DevicePool]:
+        """This rank's slice of the model (the draft's layers on the last stage) and its pool
+        of its part of every page; device pages sharded over cp."""
+        ctx = self.ctx
+        rp = model_part(ctx, model, shape)
+        if spec is not None:
+            place_speculator(spec, ctx, rp.stage, rp.target_layers)
+        self.part = rp.part
+        self.pool = DevicePool(rp.part.shape, pages, n_shards=ctx.config.cp, rank=ctx.cp_rank)
+        return rp.model, self.pool
+
+    def limit(self, pool: DevicePool) -> ScratchBudget | None:
+        cp = self.ctx.config.cp
+        return ScratchBudget(pool, self.options.cp_scratch_bytes) if cp > 1 else None
+
+    def cache_parts(
+        self, pool: DevicePool, ccfg: CacheConfig, scfg: StorageConfig | None
     ) -> CacheParts:
-        if ecfg.tiers == "none":
-            return CacheParts(self.pool)
+        part = self.part
         cp, ctx, o = self.ctx.config.cp, self.ctx, self.options
         # host pages sharded like device pages: this rank stores only the host ids it owns (id % cp
         # == cp_rank)
@@ -218,8 +225,8 @@ class RankEngine:
         writer = ctx.tp_rank == 0 and ctx.pp_rank == 0  # commits its cp rank's pages
         # tp ranks holding the same latent units: only tp rank 0 writes them, all read them
         units = part.shape.layout != "mla" or ctx.tp_rank == 0
-        mover = DistMover(self.pool, host, storage, writer, delay, unit_writer=units)
-        return CacheParts(self.pool, host, mover, storage is not None)
+        mover = DistMover(pool, host, storage, writer, delay, unit_writer=units)
+        return CacheParts(pool, host, mover, storage is not None)
 
     # ---- the step agreement --------------------------------------------------------------------
     def agree(self, local: list[int]) -> list[int]:
@@ -258,11 +265,8 @@ class RankEngine:
         return self.log.end_step(step)
 
     def drain(self) -> None:
-        """Apply every pending op, agreed (all ranks loop the same number of times)."""
-        cache = self.cache
-        while cache is not None and len(cache.queues):
-            cache.apply(self.agree(cache.local_progress()))
-            time.sleep(0.0005)
+        """Apply every pending op, agreed (the engine's drain: every rank loops alike)."""
+        self.engine.drain()
 
     def demote_all(self) -> None:
         """Push every cached page out of device memory (to host memory where there is room),
@@ -277,13 +281,7 @@ class RankEngine:
         cache.free_device(held)
 
     def close(self, drain: bool = True) -> None:
-        if drain:
-            self.drain()
-        self.log.close()
-        if self.mover is not None:
-            self.mover.close()
-            if self.mover.storage is not None:
-                self.mover.storage.close()
+        self.built.close(drain)
 
 
 class AgreedFeed:

@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvstrata.engine.connector import CONNECTORS, KVConnector
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.decode import DecodeSide
+from kvstrata.pd.metrics import RankCounts
 from kvstrata.pd.prefill import PrefillSide
 from kvstrata.pd.transport import Transport
 
@@ -23,16 +22,24 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
 
 
 @CONNECTORS.register("pd-prefill")
-def prefill_side(cfg: PDConfig, transport: Transport, metrics: Any, rank: int = 0) -> KVConnector:
+def prefill_side(
+    cfg: PDConfig, transport: Transport, metrics: RankCounts, rank: int = 0
+) -> KVConnector:
     listener = transport.listen(rank_endpoint(cfg.pd_transfer_endpoint, rank))
     return PrefillSide(cfg, listener, metrics, rank)
 
 
 @CONNECTORS.register("pd-decode")
-def decode_side(cfg: PDConfig, transport: Transport, metrics: Any, rank: int = 0) -> KVConnector:
-    return DecodeSide(cfg, transport, metrics)
+def decode_side(
+    cfg: PDConfig, transport: Transport, metrics: RankCounts, rank: int = 0
+) -> KVConnector:
+    return DecodeSide(cfg, transport, metrics, rank)
 
 
-def pd_side(role: str, cfg: PDConfig, transport: Transport, metrics: Any, rank: int = 0) -> Any:
+def pd_side(
+    role: str, cfg: PDConfig, transport: Transport, metrics: RankCounts, rank: int = 0
+) -> PrefillSide | DecodeSide:
     """The side of a P/D worker's `role` ("prefill" or "decode") on `rank`."""
-    return CONNECTORS.create(f"pd-{role}", cfg, transport, metrics, rank)
+    side = CONNECTORS.create(f"pd-{role}", cfg, transport, metrics, rank)
+    assert isinstance(side, PrefillSide | DecodeSide)
+    return side

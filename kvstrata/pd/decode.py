@@ -30,8 +30,8 @@ from kvstrata.engine.request import Request
 from kvstrata.keyfile import read_key_file
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import mine, owners_of, received_pages
+from kvstrata.pd.metrics import RankCounts
 from kvstrata.pd.pages import host_pages, write_pages
-from kvstrata.pd.prefill_set import PrefillSet
 from kvstrata.pd.transport import Transport
 from kvstrata.pd.wire import (
     Layout,
@@ -265,10 +265,11 @@ class DecodeSide(KVConnector):
     hand-offs every rank has (land them) or any rank failed (fail them), so every rank lands the
     same hand-offs at the same step, whatever the arrival times."""
 
-    def __init__(self, cfg: PDConfig, transport: Transport | None, metrics: Any) -> None:
-        self.cfg, self.transport, self.metrics = cfg, transport, metrics
+    def __init__(
+        self, cfg: PDConfig, transport: Transport, metrics: RankCounts, rank: int = 0
+    ) -> None:
+        self.cfg, self.transport, self.metrics, self.rank = cfg, transport, metrics, rank
         self.resolver = Resolver(cfg.pd_timeout_s, prefill_auth(cfg))
-        self.allowed = PrefillSet(cfg.prefill_urls, self.resolver, cfg.pd_trust_request_prefill)
         self.layout: Layout = None  # type: ignore[assignment]  # set by attach()
         self.view: EngineView = None  # type: ignore[assignment]  # set by register_kv_caches
         self.wants_state = False  # an MTP head: replies must carry prefill's hidden state
@@ -280,8 +281,6 @@ class DecodeSide(KVConnector):
         self.pulls: queue.SimpleQueue[tuple[str, int, int, Any]] = queue.SimpleQueue()
         self.active: dict[str, Handoff] = {}  # in admission order (the same on every rank)
         self.ready: dict[str, Outcome] = {}  # arrived here, not landed yet
-        self._next = 0
-        self._lock = threading.Lock()
 
     def attach(self, engine: Engine, layout: Layout, gate: Any = None) -> None:
         self.layout, self.gate = layout, gate
@@ -291,19 +290,6 @@ class DecodeSide(KVConnector):
         self.view = view
         self.part = (view.pool.shape.num_layers, view.pool.shape.page_nbytes)
         self.wants_state = view.spec is not None and view.spec.wants_hidden
-
-    def choose(self, wanted: str | None) -> str:
-        """The prefill worker of a new request: the configured one the router named (else
-        NotAllowed), or the next in turn. Blocking (may read a configured worker's
-        /v1/pd/info): the HTTP side calls it off its event loop."""
-        if wanted:
-            return self.allowed.pick(wanted)
-        urls = self.cfg.prefill_urls
-        if not urls:
-            raise ValueError("this decode worker has no --pd-prefill: it has no prefill worker")
-        with self._lock:
-            self._next += 1
-            return urls[(self._next - 1) % len(urls)]
 
     # ---- the connector (engine thread) -----------------------------------------------------------
     def get_num_new_matched_tokens(self, req: Request, local_tokens: int) -> int:

@@ -1,14 +1,81 @@
-"""The `kvstrata:pd_*` Prometheus counters of a P/D worker (pages, bytes and hand-offs)."""
+"""P/D counters: each rank's own counts (RankCounts, what its sides call) and the HTTP side's
+`kvstrata:pd_*` Prometheus counters (PDMetrics), fed by the typed reports of kvstrata/pd/reports.py.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from kvstrata.pd.reports import (
+    HandoffFailed,
+    HandoffReceived,
+    HandoffRetried,
+    PagesPulled,
+    PagesSent,
+    PDCount,
+    PDReport,
+)
+
+Report = Callable[[PDReport], None]
+"""Where a rank's reports go: the HTTP side itself (one rank), rank 0's outbox (several)."""
+
+
+class RankCounts:
+    """This rank's own P/D counters, measured on its part of every page (/v1/pd/ranks), and
+    the same events as whole pages to `report` (None: a rank that does not report). The one
+    metrics type of a side, on one rank and on many. Bumped on the engine and listener
+    threads."""
+
+    NAMES = ("pages_sent", "bytes_sent", "pages_received", "bytes_received", "ok", "failed")
+
+    def __init__(self, report: Report | None) -> None:
+        self.report = report
+        self.page_bytes = self.part_bytes = 0  # a whole page / this rank's part (set on attach)
+        pulls = [f"{x}_pull_{d}" for d in ("sent", "received") for x in ("pages", "bytes")]
+        self.counts = dict.fromkeys((*self.NAMES, "retried", *pulls), 0)
+
+    def _report(self, event: PDCount) -> None:
+        if self.report is not None:
+            self.report(event)
+
+    def sent(self, pages: int, nbytes: int) -> None:
+        """A hand-off's pages are queued (its bytes are counted as they go: `wire`)."""
+        self.counts["ok"] += 1
+        self.counts["pages_sent"] += pages
+        self._report(PagesSent(pages, pages * self.page_bytes))
+
+    def wire(self, nbytes: int) -> None:
+        """Bytes this rank put on the wire (its part; the HTTP side counts whole pages)."""
+        self.counts["bytes_sent"] += nbytes
+
+    def received(self, usage: dict[str, Any], part_bytes: int) -> None:
+        """usage: the request's usage.pd (whole pages); part_bytes: this rank's bytes."""
+        self.counts["ok"] += 1
+        self.counts["pages_received"] += part_bytes // self.part_bytes  # this rank's pages
+        self.counts["bytes_received"] += part_bytes
+        self._report(HandoffReceived(usage))
+
+    def pulled(self, direction: str, pages: int, nbytes: int) -> None:
+        """Held pages pulled (pull_sent on decode, pull_received on prefill): this rank's part
+        bytes here, whole pages reported (as usage.pd counts them)."""
+        self.counts[f"pages_{direction}"] += pages
+        self.counts[f"bytes_{direction}"] += nbytes
+        self._report(PagesPulled(direction, pages, pages * self.page_bytes))
+
+    def failed(self) -> None:
+        self.counts["failed"] += 1
+        self._report(HandoffFailed())
+
+    def retried(self) -> None:
+        self.counts["retried"] += 1
+        self._report(HandoffRetried())
+
 
 class PDMetrics:
-    """Counters of hand-offs (thread-safe: bumped on the engine and listener threads)."""
+    """The worker's hand-off counters (thread-safe), from its ranks' reports."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         lbl, self.name = ["model_name"], model_name
@@ -23,32 +90,23 @@ class PDMetrics:
         self.computed = counter("pd_prefill_computed_tokens", "prompt tokens prefill computed")
         self.handoffs = counter("pd_handoffs", "hand-offs by outcome", ("outcome",))
 
-    def sent(self, pages: int, nbytes: int) -> None:
-        self.pages.labels(self.name, "sent").inc(pages)
-        self.bytes.labels(self.name, "sent").inc(nbytes)
-        self.handoffs.labels(self.name, "ok").inc()
-
-    def received(self, usage: dict[str, Any], part_bytes: int = 0) -> None:
-        """usage: the request's usage.pd (whole pages); part_bytes: this rank's bytes (unused)."""
-        self.pages.labels(self.name, "received").inc(usage["pages_received"])
-        self.bytes.labels(self.name, "received").inc(usage["bytes_received"])
-        self.skipped.labels(self.name).inc(usage["pages_skipped"])
-        self.storage.labels(self.name).inc(usage["pages_from_storage"])
-        self.computed.labels(self.name).inc(usage["prefill_computed_tokens"])
-        self.handoffs.labels(self.name, "ok").inc()
-
-    def pulled(self, direction: str, pages: int, nbytes: int) -> None:
-        """Held pages prefill pulled from decode: "pull_sent" on decode (every page it sent),
-        "pull_received" on prefill (the pages that passed their checksums and were used)."""
-        self.pages.labels(self.name, direction).inc(pages)
-        self.bytes.labels(self.name, direction).inc(nbytes)
-
-    def wire(self, nbytes: int) -> None:
-        """Bytes on the wire: counted when the pages are queued (`sent`), whole pages."""
-
-    def failed(self) -> None:
-        self.handoffs.labels(self.name, "failed").inc()
-
-    def retried(self) -> None:
-        """A reply failed its checks (e.g. a page checksum) and the hand-off was asked again."""
-        self.handoffs.labels(self.name, "retried").inc()
+    def record(self, event: PDCount) -> None:
+        """One counter event of a rank (whole pages)."""
+        if isinstance(event, PagesSent | PagesPulled):
+            direction = "sent" if isinstance(event, PagesSent) else event.direction
+            self.pages.labels(self.name, direction).inc(event.pages)
+            self.bytes.labels(self.name, direction).inc(event.nbytes)
+            if isinstance(event, PagesSent):
+                self.handoffs.labels(self.name, "ok").inc()
+        elif isinstance(event, HandoffReceived):
+            usage = event.usage
+            self.pages.labels(self.name, "received").inc(usage["pages_received"])
+            self.bytes.labels(self.name, "received").inc(usage["bytes_received"])
+            self.skipped.labels(self.name).inc(usage["pages_skipped"])
+            self.storage.labels(self.name).inc(usage["pages_from_storage"])
+            self.computed.labels(self.name).inc(usage["prefill_computed_tokens"])
+            self.handoffs.labels(self.name, "ok").inc()
+        elif isinstance(event, HandoffFailed):
+            self.handoffs.labels(self.name, "failed").inc()
+        elif isinstance(event, HandoffRetried):
+            self.handoffs.labels(self.name, "retried").inc()

@@ -5,9 +5,11 @@ One thread per rank owns the transport's listener. A `handoff` from decode is ch
 then the rule that the page of the last prompt token is never held); a bad one is refused with
 the reason. A good one runs as an ordinary engine request (max 1 token, logits kept), submitted
 through the step loop's inbox, so its own Lease serves what prefill's device/host/storage hold and
-only the rest is computed. At its first token each rank's sink (kvstrata/pd/sink.py) queues the
-pages decode lacks; the listener thread sends them with the logits row, and heartbeats each hand-off
-that is still computing every pd_heartbeat_s. Held pages that prefill's own tiers lack are
+only the rest is computed. The engine drives this side through its connector calls only: when
+the request ends with its first token (request_finished, before its pages go back) each rank's
+sink (kvstrata/pd/sink.py) copies out and queues the pages decode lacks; the listener thread
+sends them with the logits row, and heartbeats each hand-off that is still waiting or computing
+every pd_heartbeat_s. Held pages that prefill's own tiers lack are
 pulled from decode first (kvstrata/pd/pull.py); under several ranks see kvstrata/pd/ranks.py.
 """
 
@@ -31,6 +33,7 @@ from kvstrata.engine.step_io import Abort, NewRequest
 from kvstrata.listeners import Listeners
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
+from kvstrata.pd.metrics import RankCounts
 from kvstrata.pd.pull import Puller, PullGate
 from kvstrata.pd.sink import Sink
 from kvstrata.pd.transport import Listener
@@ -56,13 +59,17 @@ class PrefillSide(KVConnector):
     The listener thread takes decode's messages: rank 0 checks a hand-off (layout, key chain)
     and submits it through the step loop's inbox (under ranks rank 0's, broadcast, so every rank
     gets it at the same step, with the held page count); the other ranks only check their
-    peer's layout and remember it. On the engine thread the step loop tells this side of each
-    hand-off (`submitted`), its first token (`on_token`: the sink queues the pages decode lacks)
-    and its end (`ended`); the listener thread sends what was queued once the peer has asked.
+    peer's layout and remember it. On the engine thread the engine tells this side of each
+    hand-off through the connector's calls only: `add_request` (its sink starts),
+    `save_kv_layer` (layer by layer), `request_finished` (before its pages go back: the sink
+    queues the pages decode lacks, then the end); the listener thread sends what was queued
+    once the peer has asked.
     Only the listener thread touches flight/peers/queued; the engine thread hands it sinks and
     frames through `outbox` (FIFO: a sink before its frames)."""
 
-    def __init__(self, cfg: PDConfig, listener: Listener, metrics: Any, rank: int = 0) -> None:
+    def __init__(
+        self, cfg: PDConfig, listener: Listener, metrics: RankCounts, rank: int = 0
+    ) -> None:
         self.cfg, self.listener, self.metrics, self.rank = cfg, listener, metrics, rank
         self.inbox: Any = None  # the step loop's inbox (rank 0's under ranks; set by attach)
         self.view: EngineView = None  # type: ignore[assignment]  # set by register_kv_caches
@@ -99,9 +106,13 @@ class PrefillSide(KVConnector):
             self.thread.join(5.0)
         self.listener.close()
 
-    # ---- the step loop's side (engine thread) ---------------------------------------------------
-    def submitted(self, req: Request) -> None:
-        """Every rank, at the same step: a hand-off's request, before the engine has it."""
+    # ---- the engine's connector (engine thread) --------------------------------------------------
+    def register_kv_caches(self, view: EngineView) -> None:
+        self.view = self.puller.view = view
+
+    def add_request(self, req: Request) -> None:
+        """Every rank, at the same step: a hand-off's request entered the engine; its sink
+        starts (the listener thread heartbeats its peer while it waits and computes)."""
         if not (req.kv_params and "pd_held" in req.kv_params):
             return  # not a hand-off
         sink = rank_sink(self, req, req.kv_params)
@@ -109,23 +120,6 @@ class PrefillSide(KVConnector):
         self.outbox.put((sink, "new"))
         if sink.held and self.pulls and not isinstance(sink, CPSink):
             self.puller.add(sink)  # it may pull held pages its tiers lack (every rank alike)
-
-    def on_token(self, req: Request, token: int) -> None:
-        sink = self.sinks.get(req.rid)
-        if sink is not None:
-            sink.push("token", token)
-
-    def ended(self, req: Request, error: str | None = None) -> None:
-        """Its peer hears why a failed hand-off failed (a pull's wait ran out: req.failure)."""
-        self.puller.forget(req)  # also one the engine refused at submit
-        sink = self.sinks.pop(req.rid, None)
-        why = error or req.failure
-        if sink is not None:
-            sink.push("error", why) if why else sink.push("done", req)
-
-    # ---- the engine's connector (engine thread) --------------------------------------------------
-    def register_kv_caches(self, view: EngineView) -> None:
-        self.view = self.puller.view = view
 
     def sink_of(self, rid: str) -> Sink | None:
         """The hand-off sink of an engine request (None: not a hand-off)."""
@@ -145,7 +139,19 @@ class PrefillSide(KVConnector):
         return self.puller.finished(idle_wait_s) if self.pulls else []
 
     def request_finished(self, req: Request) -> None:
+        """A hand-off's request ended, its pages still its own: with its first token, the pages
+        decode lacks are copied out and queued now (those that went layer by layer are not
+        again); its peer then hears it is done, or why it failed (req.failure: a pull's wait
+        ran out, the engine refused it)."""
         self.puller.forget(req)
+        sink = self.sinks.get(req.rid)
+        if sink is None:
+            return
+        if req.failure is None and req.output:
+            # may raise: the request then fails alone and is ended again, with req.failure
+            sink.push("token", req.output[0])
+        del self.sinks[req.rid]
+        sink.push("error", req.failure) if req.failure else sink.push("done", req)
 
     def build_connector_meta(self, work: list[tuple[Request, list[int]]]) -> ConnectorMeta:
         """Layer by layer (not while speculating): the hand-offs whose prompt this forward

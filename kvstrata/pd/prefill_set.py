@@ -11,6 +11,7 @@ make decode fetch a URL of its choice (server-side request forgery). Only config
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import httpx2 as httpx
@@ -91,3 +92,25 @@ class PrefillSet:
             except (OSError, httpx.HTTPError, ValueError):
                 down.append(entry)  # down now: it may be the one named (on a new port later)
         return None
+
+
+class PrefillPicker:
+    """The prefill worker of each new request on a decode worker (its HTTP side)."""
+
+    def __init__(self, allowed: PrefillSet, urls: list[str]) -> None:
+        """urls: the configured entries, in turn (as given)."""
+        self.allowed, self.urls = allowed, urls
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def choose(self, wanted: str | None) -> str:
+        """The configured one the router named (else NotAllowed), or the next in turn.
+        Blocking (may read a configured worker's /v1/pd/info): call off the event loop."""
+        if wanted:
+            return self.allowed.pick(wanted)
+        urls = self.urls
+        if not urls:
+            raise ValueError("this decode worker has no --pd-prefill: it has no prefill worker")
+        with self._lock:
+            self._next += 1
+            return urls[(self._next - 1) % len(urls)]

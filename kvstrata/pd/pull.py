@@ -57,7 +57,7 @@ class Puller:
         self.arrived = threading.Event()  # a pull's reply came (wakes an idle engine thread)
 
     def add(self, sink: Any) -> None:
-        """Listener (one rank) or engine thread (ranks), before the request is submitted."""
+        """Engine thread (the connector's add_request), before the scheduler has the request."""
         self.new.put(sink)
 
     def receive(self, sink: Any, head: dict[str, Any], frames: Frames, page_bytes: int) -> None:

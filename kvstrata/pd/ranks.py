@@ -1,6 +1,7 @@
-"""P/D workers on several ranks (tp x pp): rank r of a prefill worker pairs with rank r of a
-decode worker of the same layout, each pair over its own channel, each rank sending or
-receiving only its own part of every page (its heads under TP, its stage's layers under PP).
+"""A P/D worker's side on each of its ranks (RankPD; one rank is the N=1 case of many, with no
+gate): under tp x pp, rank r of a prefill worker pairs with rank r of a decode worker of the same
+layout, each pair over its own channel, each rank sending or receiving only its own part of every
+page (its heads under TP, its stage's layers under PP).
 
 Prefill: every rank listens on its own endpoint. Rank 0 checks decode rank 0's hand-off (layout,
 key chain) and submits it through the rank-0 inbox, so every rank gets the request at the same
@@ -22,69 +23,22 @@ MIN, a silent peer by MAX), so every rank lands the same pages at the same step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-from kvstrata.engine.request import Request
-from kvstrata.engine.step_io import SideCount, SideReady
-from kvstrata.listeners import exit_process
+from kvstrata.engine.engine import Engine
+from kvstrata.listeners import Listeners, exit_process
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.connectors import pd_side
 from kvstrata.pd.decode import DecodeSide
-from kvstrata.pd.layout import layout_of
+from kvstrata.pd.metrics import RankCounts, Report
 from kvstrata.pd.prefill import PrefillSide
 from kvstrata.pd.pull import PullGate
+from kvstrata.pd.reports import SideUp
 from kvstrata.pd.transport import transport_of
-
-_SIDES: dict[int, RankPD] = {}  # id(engine) -> its rank's P/D side (one rank per process)
-
-
-class RankMetrics:
-    """This rank's own P/D counters, measured; rank 0 forwards them (whole pages) to the HTTP
-    process's PDMetrics (`out`: rank 0's outbox, None on the other ranks)."""
-
-    NAMES = ("pages_sent", "bytes_sent", "pages_received", "bytes_received", "ok", "failed")
-
-    def __init__(self, out: Any) -> None:
-        self.out = out
-        self.page_bytes = self.part_bytes = 0  # a whole page / this rank's part (attach)
-        pulls = [f"{x}_pull_{d}" for d in ("sent", "received") for x in ("pages", "bytes")]
-        self.counts = dict.fromkeys((*self.NAMES, "retried", *pulls), 0)
-
-    def _forward(self, name: str, *args: Any) -> None:
-        if self.out is not None:
-            self.out.put(SideCount(name, args))
-
-    def sent(self, pages: int, nbytes: int) -> None:
-        """A hand-off's pages are queued (its bytes are counted as they go: `wire`)."""
-        self.counts["ok"] += 1
-        self.counts["pages_sent"] += pages
-        self._forward("sent", pages, pages * self.page_bytes)
-
-    def wire(self, nbytes: int) -> None:
-        self.counts["bytes_sent"] += nbytes
-
-    def received(self, usage: dict[str, Any], part_bytes: int) -> None:
-        self.counts["ok"] += 1
-        self.counts["pages_received"] += part_bytes // self.part_bytes  # this rank's pages
-        self.counts["bytes_received"] += part_bytes
-        self._forward("received", usage)
-
-    def pulled(self, direction: str, pages: int, nbytes: int) -> None:
-        """Held pages pulled (pull_sent on decode, pull_received on prefill): this rank's part
-        bytes here, whole pages forwarded (as usage.pd counts them)."""
-        self.counts[f"pages_{direction}"] += pages
-        self.counts[f"bytes_{direction}"] += nbytes
-        self._forward("pulled", direction, pages, pages * self.page_bytes)
-
-    def failed(self) -> None:
-        self.counts["failed"] += 1
-        self._forward("failed")
-
-    def retried(self) -> None:
-        self.counts["retried"] += 1
-        self._forward("retried")
+from kvstrata.pd.wire import Layout
 
 
 class HandoffGate:
@@ -143,90 +97,91 @@ class HandoffGate:
 
 
 class RankPD:
-    """One rank's P/D side inside serve/ranks.py's rank loop (prefill or decode)."""
+    """One rank's P/D side (prefill or decode), on one rank and on each of many: its connector,
+    its counters (RankCounts, reporting to the HTTP side through `report`) and, under several
+    ranks, the fields it adds to the step's one collective (`gate`)."""
 
     def __init__(
-        self, role: str, cfg: PDConfig | None, rank: int, slots: int, inbox: Any, out: Any
+        self,
+        role: str,
+        cfg: PDConfig,
+        rank: int,
+        report: Report | None,
+        inbox: Any,
+        gate_slots: int = 0,
+        listeners: Listeners | None = None,
     ) -> None:
-        cfg = cfg or PDConfig()
-        self.role, self.cfg, self.rank, self.out = role, cfg, rank, out
-        self.metrics = RankMetrics(out)
-        transport = transport_of(cfg)
-        side = pd_side(role, cfg, transport, self.metrics, rank)
-        # fields of the step's one collective: decode's landings, or prefill's pulls
-        self.gate: HandoffGate | PullGate = (
-            HandoffGate(slots, rank)
-            if role == "decode"
-            else PullGate(slots, rank, cfg.pd_timeout_s)
-        )
+        """inbox: the step loop's (rank 0's under ranks): checked hand-offs go in there.
+        gate_slots: several ranks: max_running (a slot per request in flight); 0: one rank.
+        listeners: the process's listener threads (one rank: a death stops the server); None:
+        a rank's own, whose death ends its process (the server follows)."""
+        self.role, self.cfg, self.rank, self.inbox = role, cfg, rank, inbox
+        self.metrics = RankCounts(report)
+        side = pd_side(role, cfg, transport_of(cfg), self.metrics, rank)
         self.decode = side if isinstance(side, DecodeSide) else None
         self.prefill = side if isinstance(side, PrefillSide) else None
-        if self.prefill is not None:  # a rank whose listener died leaves; its server follows
-            self.prefill.listeners.on_death.append(exit_process)
-        self.inbox = inbox
-        self.engine: Any = None
+        # fields of the step's one collective: decode's landings, or prefill's pulls
+        self.gate: HandoffGate | PullGate | None = None
+        if gate_slots:
+            self.gate = (
+                HandoffGate(gate_slots, rank)
+                if role == "decode"
+                else PullGate(gate_slots, rank, cfg.pd_timeout_s)
+            )
+        if self.prefill is not None:
+            if listeners is not None:
+                self.prefill.listeners = listeners
+            else:  # a rank whose listener died leaves; its server follows
+                self.prefill.listeners.on_death.append(exit_process)
+        self.side: PrefillSide | DecodeSide = side
 
-    def attach(self, re: Any) -> None:
-        """Every rank, once its engine is built: hooks, and rank 0 tells the HTTP process the
-        layout and every rank's endpoint (one all_gather, at start, on every rank)."""
-        eng, ctx = re.engine, re.ctx
-        if self.decode is not None and eng.cache is None:
+    def attach(
+        self,
+        eng: Engine,
+        layout: Layout,
+        cp: tuple[int, Any] = (0, None),
+        gather: Callable[[str], list[str]] = lambda mine: [mine],
+    ) -> None:
+        """Every rank, once its engine is built: its connector, and the HTTP side hears the layout and
+        every rank's endpoint (`gather`: this rank's endpoint -> every rank's, on every rank;
+        one all_gather at start under ranks). cp: (cp rank, cp group) of this rank."""
+        if self.decode is not None and self.gate is not None and eng.cache is None:
             raise ValueError(
                 "a P/D decode worker on several ranks needs a cache (not --tiers none)"
             )
-        c = ctx.config
-        layout = layout_of(eng, c.tp, c.cp, c.pp, shape=re.part.full, rank=ctx.rank)
         self.metrics.page_bytes = layout.page_bytes
-        self.engine = eng
-        _SIDES[id(eng)] = self
-        if self.decode is not None and isinstance(self.gate, HandoffGate):
-            self.decode.attach(eng, layout, self.gate)
-            self.decode.cp_rank = ctx.cp_rank
-            self.gate.side = self.decode
-        if self.prefill is not None and isinstance(self.gate, PullGate):
-            self.prefill.cp = (ctx.cp_rank, ctx.cp_group)
-            self.prefill.attach(eng, layout, self.inbox, self.gate)
-        side = self.decode if self.decode is not None else self.prefill
-        assert side is not None
-        self.metrics.part_bytes = side.view.pool.shape.page_nbytes
+        if self.decode is not None:
+            gate = self.gate if isinstance(self.gate, HandoffGate) else None
+            self.decode.attach(eng, layout, gate)
+            self.decode.cp_rank = cp[0]
+            if gate is not None:
+                gate.side = self.decode
+        if self.prefill is not None:
+            self.prefill.cp = cp
+            pulls = self.gate if isinstance(self.gate, PullGate) else None
+            self.prefill.attach(eng, layout, self.inbox, pulls)
+        self.metrics.part_bytes = self.side.view.pool.shape.page_nbytes
         mine = self.prefill.listener.endpoint if self.prefill is not None else ""
-        endpoints: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(endpoints, mine)
-        if self.out is not None:
-            self.out.put(SideReady({**layout.as_dict(), "rank": 0}, endpoints))
-
-    def submitted(self, req: Request) -> None:
-        if self.prefill is not None:
-            self.prefill.submitted(req)
-
-    def on_token(self, req: Request, token: int) -> None:
-        if self.prefill is not None:
-            self.prefill.on_token(req, token)
-
-    def ended(self, req: Request, error: str | None = None) -> None:
-        if self.prefill is not None:
-            self.prefill.ended(req, error)
-
-    def stats(self, prompt_tokens: int) -> dict[str, Any]:
-        """prompt_tokens: what this rank's forwards computed."""
-        side = self.decode if self.decode is not None else self.prefill
-        assert side is not None
-        shape = side.view.pool.shape
-        part = {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads}
-        return {
-            "rank": self.rank,
-            **part,
-            "part_page_bytes": shape.page_nbytes,
-            "prompt_tokens_computed": prompt_tokens,
-            **self.metrics.counts,
-        }
+        endpoints = gather(mine)
+        if self.metrics.report is not None:
+            self.metrics.report(SideUp({**layout.as_dict(), "rank": 0}, endpoints))
 
     def close(self) -> None:
-        _SIDES.pop(id(self.engine), None)
         if self.prefill is not None:
             self.prefill.close()
 
 
-def rank_stats(engine: Any) -> dict[str, Any]:
-    """A RankedLoop call (every rank): this rank's P/D part and counters."""
-    return _SIDES[id(engine)].stats(engine.prompt_tokens)
+def rank_stats(engine: Engine) -> dict[str, Any]:
+    """A call on every rank of a P/D worker: this rank's part of a page and its own counters
+    (its connector's)."""
+    side = engine.connector
+    assert isinstance(side, PrefillSide | DecodeSide), "not a P/D worker's engine"
+    shape = side.view.pool.shape
+    return {
+        "rank": side.rank,
+        "layers": shape.num_layers,
+        "kv_heads": shape.num_kv_heads,
+        "part_page_bytes": shape.page_nbytes,
+        "prompt_tokens_computed": engine.prompt_tokens,
+        **side.metrics.counts,
+    }

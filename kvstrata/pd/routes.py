@@ -19,7 +19,7 @@ def add_routes(app: FastAPI, state: Any) -> None:
         state.check_ready()
         if state.pd is not None:
             return state.pd.info()
-        engine = state.loop.engine if hasattr(state.loop, "built") and state.loop.built else None
+        engine = state.loop.local_engine()  # None under ranks: the engine is in rank processes
         return {
             "role": "single",
             "transport": "",
@@ -34,7 +34,7 @@ def add_routes(app: FastAPI, state: Any) -> None:
         """A P/D worker on several ranks: each rank's part of a page and its own counters
         (measured on that rank: pages and bytes it sent or received). [] on one rank."""
         state.check_ready()
-        if state.pd is None or not state.pd.ranked:
+        if state.pd is None or state.pd.ranks <= 1:
             return {"ranks": []}
         fut = state.loop.call(rank_stats, every_rank=True)
         return {"ranks": await asyncio.wait_for(asyncio.wrap_future(fut), 60.0)}

@@ -1,7 +1,7 @@
 """A hand-off's sink on a prefill rank: the pages decode lacks, whole or layer by layer.
 
-When the hand-off's first token is produced (on the engine thread, before the request's pages
-are released) the pages decode lacks are copied out to host memory and queued for the listener
+When the hand-off's request ends with its first token (the connector's request_finished, on the
+engine thread, before the request's pages are released) the pages decode lacks are copied out to host memory and queued for the listener
 thread, with the first-token logits row; with layer-by-layer sending each layer's pages are
 queued as the forward computes them.
 """
@@ -21,8 +21,8 @@ from kvstrata.pd.wire import Frames, header, layer_message, pages_message
 class Sink:
     """One hand-off's request on a prefill rank: what it sends decode, when.
 
-    `push` runs on the engine thread (the prefill side hears the step loop's events): on the
-    first token the request still owns its pages."""
+    `push` runs on the engine thread (the prefill side's connector calls): at "token" the
+    request still owns its pages."""
 
     def __init__(self, side: Any, peer: bytes, req: Request, held: int, hid: str) -> None:
         self.side, self.peer, self.req, self.held, self.hid = side, peer, req, held, hid

@@ -10,6 +10,10 @@ worker that fails it is skipped until it passes again. With no worker of a role 
 a 502, one silent past read_timeout_s a 504, each naming the worker; the client never sees a
 traceback. /tokenize, /detokenize and /v1/models are answered by
 a decode worker (every worker serves the same model).
+
+With --replicas the router fronts a fleet of data-parallel `kvstrata serve` replicas instead
+(kvstrata/router/fleet.py picks each request's replica, replicas.py keeps the routing set and its
+index fed): a replica that refuses the connection is left for the next in the rule's order.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +39,11 @@ from kvstrata.http.rules import add_http_rules, server_options
 from kvstrata.http.sse import sse
 from kvstrata.keyfile import read_key_file
 from kvstrata.router.config import RouterConfig
+from kvstrata.router.fleet import Fleet, Route
+from kvstrata.router.fleet_start import make_fleet, start_fleet, use_client
 from kvstrata.router.metrics import RouterMetrics
 from kvstrata.router.upstream import INFO_PATH, Upstreams
+from kvstrata.router.usage_watch import UsageWatch
 from kvstrata.serve.config import ServeConfig
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
@@ -51,6 +58,7 @@ class RouterState:
     client: httpx.AsyncClient | None = None
     stopping: bool = False
     api_key: str | None = None  # what clients must send (None: an open router)
+    fleet: Fleet | None = None  # with --replicas: the data-parallel fleet (no P/D workers)
 
     def http(self) -> httpx.AsyncClient:
         if self.client is None:
@@ -68,19 +76,36 @@ def create_router_app(state: RouterState) -> FastAPI:
         headers = state.up.headers  # every worker request carries the workers' API key
         async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
             state.client = client
+            if state.fleet is not None:
+                use_client(state.fleet, client)
             watch = asyncio.ensure_future(_watch_health(state))
             try:
                 yield
             finally:
                 state.stopping = True
                 watch.cancel()
+                if state.fleet is not None:
+                    state.fleet.pool.close()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
     add_http_rules(app, state.api_key, state.cfg.max_request_bytes, state.cfg.client_timeout_s)
 
     _info_routes(app, state)
     _generate_routes(app, state)
+    if state.fleet is not None and state.cfg.debug_endpoints:
+        _fleet_debug_routes(app, state.fleet)
     return app
+
+
+def _fleet_debug_routes(app: FastAPI, fleet: Fleet) -> None:
+    @app.get("/debug/fleet/blocks")
+    async def blocks() -> dict[str, dict[str, list[int]]]:
+        """Per replica in the routing set, the block hashes the index holds per medium (what the
+        replica's own /debug/blocks lists once its events are applied)."""
+        return {
+            r.url: {m: sorted(hs) for m, hs in fleet.index.blocks(r.url).items()}
+            for r in fleet.pool.live()
+        }
 
 
 def _info_routes(app: FastAPI, state: RouterState) -> None:
@@ -90,6 +115,8 @@ def _info_routes(app: FastAPI, state: RouterState) -> None:
         naming the workers that are not healthy."""
         if state.stopping:
             return JSONResponse(ApiError(503, "router is stopping").body(), status_code=503)
+        if state.fleet is not None:
+            return _fleet_health(state.fleet)
         bad = await _probe(state)
         roles_left = {role for role, url in state.up.all() if url not in bad}
         if roles_left != {"prefill", "decode"}:
@@ -183,7 +210,20 @@ async def _watch_health(state: RouterState) -> None:
     """Probe every health_interval_s until the router stops (cancelled by the lifespan)."""
     while not state.stopping:
         await asyncio.sleep(state.up.cfg.health_interval_s)
-        await _probe(state)
+        if state.fleet is not None:
+            await state.fleet.pool.refresh(state.http())
+        else:
+            await _probe(state)
+
+
+def _fleet_health(fleet: Fleet) -> Response:
+    """200 while a replica is in the routing set (the body lists those that are not); else 503."""
+    down = [url for url, r in fleet.pool.replicas.items() if not r.up]
+    if len(down) == len(fleet.pool.replicas):
+        why = "; ".join(f"{r.url}: {r.why}" for r in fleet.pool.replicas.values())
+        err = ApiError(503, "no replica is up: " + why)
+        return JSONResponse(err.body(), status_code=503)
+    return JSONResponse({"status": "ok", "down": down})
 
 
 def _failure(role: str, url: str, exc: httpx.HTTPError, state: RouterState) -> ApiError:
@@ -216,8 +256,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
 
 
 async def _forward(state: RouterState, request: Request, method: str, path: str) -> Response:
-    """A plain request to the next decode worker; its answer (status and body) as it is."""
-    url = state.up.decode.pick()
+    """A plain request to the next decode worker (a fleet: a live replica); its answer (status
+    and body) as it is."""
+    url = state.fleet.live()[0].url if state.fleet is not None else state.up.decode.pick()
     body = await request.body() if method == "POST" else None
     try:
         r = await state.http().request(method, f"{url}{path}", content=body, headers=JSON)
@@ -282,6 +323,8 @@ async def _handoff_failed(state: RouterState, resp: httpx.Response) -> bool:
 
 
 async def _generate(state: RouterState, request: Request, path: str) -> Response:
+    if state.fleet is not None:
+        return await _generate_fleet(state, state.fleet, request, path)
     prefill_url, raw, t0 = state.up.prefill.pick(), await request.body(), time.perf_counter()
 
     async def open_and_answer() -> Response:
@@ -307,16 +350,23 @@ async def _generate(state: RouterState, request: Request, path: str) -> Response
 
 
 async def _relay(
-    resp: httpx.Response, url: str, state: RouterState, t0: float
+    resp: httpx.Response,
+    url: str,
+    state: RouterState,
+    t0: float,
+    watch: Callable[[bytes], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The worker's SSE bytes as they arrive. A cut stream ends with an error event (the
-    OpenAI clients raise it) instead of a silent end; closing here aborts the worker's request."""
+    """The worker's SSE bytes as they arrive (each also shown to `watch`). A cut stream ends
+    with an error event (the OpenAI clients raise it) instead of a silent end; closing here
+    aborts the worker's request."""
     first = True
     try:
         async for chunk in resp.aiter_raw():
             if first:
                 state.metrics.ttft.observe(time.perf_counter() - t0)
                 first = False
+            if watch is not None:
+                watch(chunk)
             yield chunk
         state.metrics.e2e.observe(time.perf_counter() - t0)
     except httpx.HTTPError as exc:
@@ -325,6 +375,70 @@ async def _relay(
     finally:
         with anyio.CancelScope(shield=True):  # also on a client disconnect (cancellation)
             await resp.aclose()
+
+
+async def _open_replica(
+    state: RouterState, fleet: Fleet, path: str, raw: bytes, route: Route
+) -> tuple[httpx.Response, str]:
+    """(the replica's answer, opened as a stream; that replica). One that refuses the connection
+    got nothing, so the next in the route's order is tried (each at most once)."""
+    client, refused = state.http(), []
+    for url in route.order:
+        send = client.build_request("POST", f"{url}{path}", content=raw, headers=JSON)
+        try:
+            resp = await client.send(send, stream=True)
+        except httpx.ConnectError as exc:
+            refused.append(_failure("replica", url, exc, state))
+            fleet.refused(url)
+            continue
+        except httpx.HTTPError as exc:
+            raise _failure("replica", url, exc, state) from None
+        state.metrics.requests.labels(role="replica", worker=url).inc()
+        fleet.started(url, route)
+        return resp, url
+    if len(refused) == 1:
+        raise refused[0]
+    raise ApiError(502, "every replica refused: " + "; ".join(e.message for e in refused))
+
+
+async def _generate_fleet(
+    state: RouterState, fleet: Fleet, request: Request, path: str
+) -> Response:
+    raw, t0 = await request.body(), time.perf_counter()
+
+    async def open_and_answer() -> Response:
+        route = await fleet.route(state.http(), raw, request.headers)
+        resp, url = await _open_replica(state, fleet, path, raw, route)
+        if resp.status_code == 200 and resp.headers.get("content-type", "").startswith(
+            "text/event-stream"
+        ):
+            watch = UsageWatch(lambda usage: fleet.observe(route, url, usage))
+            relay = _relay(resp, url, state, t0, watch)
+            return StreamingResponse(
+                _after(relay, lambda: fleet.finished(url)), media_type="text/event-stream"
+            )
+        try:
+            data = await resp.aread()
+        except httpx.HTTPError as exc:
+            raise _failure("replica", url, exc, state) from None
+        finally:
+            await resp.aclose()
+            fleet.finished(url)
+        fleet.observe_body(route, url, data)
+        state.metrics.observe_whole(resp.status_code, time.perf_counter() - t0)
+        return Response(
+            data, status_code=resp.status_code, media_type=resp.headers.get("content-type")
+        )
+
+    return await _unless_disconnected(request, open_and_answer())
+
+
+async def _after(chunks: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        done()
 
 
 class _Server(uvicorn.Server):
@@ -349,8 +463,13 @@ def serve_router(cfg: ServeConfig, rcfg: RouterConfig) -> int:
         else api_key
     )
     up = Upstreams(rcfg, ApiKeyGuard.header(worker_key) if worker_key else {})
-    up.check_roles()
-    state = RouterState(cfg, up, RouterMetrics(cfg.served_model_name or "router"), api_key=api_key)
+    metrics = RouterMetrics(cfg.served_model_name or "router")
+    fleet = make_fleet(rcfg, metrics.registry, cfg.served_model_name) if rcfg.fleet else None
+    if fleet is None:
+        up.check_roles()
+    else:
+        start_fleet(fleet, up.headers)
+    state = RouterState(cfg, up, metrics, api_key=api_key, fleet=fleet)
     config = uvicorn.Config(
         create_router_app(state),
         host=cfg.host,
@@ -360,7 +479,9 @@ def serve_router(cfg: ServeConfig, rcfg: RouterConfig) -> int:
         lifespan="on",
         **server_options(cfg.client_timeout_s),
     )
-    workers = ", ".join(f"{r} {u}" for r, u in up.all())
+    workers = ", ".join(f"{r} {u}" for r, u in up.all()) or f"{rcfg.routing}: " + ", ".join(
+        rcfg.replicas
+    )
     print(f"kvstrata serve: router on http://{cfg.host}:{cfg.port} ({workers})", flush=True)
     _Server(config, state).run()
     return 0

@@ -79,8 +79,9 @@ class Upstreams:
 
     def __post_init__(self) -> None:
         self.cfg.check_complete()
-        self.prefill = RoundRobin("prefill", self.cfg.prefill)
-        self.decode = RoundRobin("decode", self.cfg.decode)
+        # a fleet has no P/D workers (all() lists none): its pools stand unused over the replicas
+        self.prefill = RoundRobin("prefill", self.cfg.prefill or self.cfg.replicas)
+        self.decode = RoundRobin("decode", self.cfg.decode or self.cfg.replicas)
 
     def all(self) -> list[tuple[str, str]]:
         """(role, url) of every worker."""

@@ -23,6 +23,7 @@ from kvstrata.http.rules import add_http_rules
 from kvstrata.pd.routes import add_routes as pd_routes
 from kvstrata.serve.generate import Generation, choose_prefill, complete, stream
 from kvstrata.serve.kv_hint_routes import add_kv_hint_routes
+from kvstrata.serve.kv_info import add_routes as kv_info_routes
 from kvstrata.serve.protocol import (
     ChatMessage,
     ChatRequest,
@@ -64,8 +65,6 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         state.stopping = True
         await asyncio.to_thread(state.loop.stop, state.cfg.stop_timeout_s + 60.0)
-        if state.pd is not None:
-            state.pd.close()
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
 
@@ -79,6 +78,7 @@ def create_app(state: ServerState) -> FastAPI:
     _cache_routes(app, state)
     add_kv_hint_routes(app, state, parse)
     pd_routes(app, state)
+    kv_info_routes(app, state)
     if state.cfg.debug_endpoints:
         _debug_routes(app, state)
     return app

@@ -41,7 +41,7 @@ class ByteCodec:
 
 
 class HFCodec:
-    """The checkpoint's Hugging Face tokenizer (chat template when it has one)."""
+    """The checkpoint's Hugging Face tokenizer (its chat template, or plain text turns)."""
 
     def __init__(self, path: Path) -> None:
         from kvstrata.model.tokenizer import Tokenizer
@@ -56,10 +56,7 @@ class HFCodec:
         return self.tok.decode(ids)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        if not getattr(self.tok.hf, "chat_template", None):
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-            return self.tok.encode(text)
-        return self.tok.encode_chat(messages)
+        return self.tok.encode_chat(messages)  # plain text turns when there is no template
 
 
 def open_codec(model_path: Path, vocab_size: int) -> Codec:

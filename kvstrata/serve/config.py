@@ -29,6 +29,11 @@ class ServeConfig:
         "replay requests a subscriber may make per second (a burst of as many); more are "
         "dropped unanswered",
     )
+    kv_events_format: str = doc(
+        "vllm",
+        "KV events' schema: vllm (vLLM 0.32's tagged maps, cache_salt in extra_keys) | array "
+        "(the older tagged arrays, no salt)",
+    )
     kv_events_curve_secret_file: str = doc(
         "",
         "KV events: the server's CURVE secret key file (`kvstrata keys curve DIR NAME`: "
@@ -89,6 +94,10 @@ class ServeConfig:
         if bool(self.kv_events_curve_secret_file) != bool(self.kv_events_curve_clients_dir):
             raise ValueError(
                 "kv_events_curve_secret_file and kv_events_curve_clients_dir go together"
+            )
+        if self.kv_events_format not in ("vllm", "array"):
+            raise ValueError(
+                f"kv_events_format must be vllm or array, got {self.kv_events_format!r}"
             )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")

@@ -1,12 +1,9 @@
 """KV cache events for routers, in vLLM's wire format over ZMQ.
 
 PUB socket, one multipart message per event batch: (topic, sequence number as 8 bytes big-endian,
-msgpack payload). The payload is vLLM's `EventBatch` as a msgpack array
-`[ts, [event, ...], data_parallel_rank]`; each event is a tagged array whose first item names its
-type, fields in vLLM's order:
-  ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-  ["BlockRemoved", block_hashes, medium]
-  ["AllBlocksCleared"]
+msgpack payload). The payload's schema is kv_events_format's (kvstrata/cache/event_wire.py: "vllm",
+vLLM 0.32's tagged maps with each block's cache_salt in extra_keys, or "array", the older tagged
+arrays); events are BlockStored, BlockRemoved and AllBlocksCleared.
 After a prefix-cache reset the batch starts with AllBlocksCleared (a subscriber forgets every
 medium), followed by BlockStored for what the reset kept (host copies; storage where the tree still
 knows it), so the sets a subscriber rebuilds always equal the cache's own.
@@ -29,11 +26,16 @@ on the same context).
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import msgpack
 import zmq
 
+from kvstrata.cache.event_wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    encode_batch,
+)
 from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker, block_hash
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
@@ -43,12 +45,15 @@ from kvstrata.serve.event_replay import ReplayBuffer, ReplayServer
 from kvstrata.zmq_curve import CurveKeys, authenticator
 
 
-def encode_change(change: BlockChange, tokens: list[int], page_size: int) -> list[Any]:
+def encode_change(
+    change: BlockChange, tokens: list[int], page_size: int, salts: list[str]
+) -> KVEvent:
+    """One tree change as a typed event (salts: each page's cache_salt, stored changes only)."""
     hashes = [block_hash(k) for k in change.keys]
     if not change.stored:
-        return ["BlockRemoved", hashes, change.medium]
+        return BlockRemoved(hashes, change.medium)
     parent = None if change.parent is None else block_hash(change.parent)
-    return ["BlockStored", hashes, parent, tokens, page_size, None, change.medium]
+    return BlockStored(hashes, parent, tokens, page_size, change.medium, salts)
 
 
 class KVEventPublisher:
@@ -58,6 +63,7 @@ class KVEventPublisher:
         self, cfg: ServeConfig, page_size: int, listeners: Listeners | None = None
     ) -> None:
         self.page = page_size
+        self.format = cfg.kv_events_format
         self.topic = cfg.kv_events_topic.encode()
         self.ctx = zmq.Context()
         keys = curve_keys(cfg)
@@ -81,6 +87,7 @@ class KVEventPublisher:
         self.seq = 0
         self.tracker = BlockTracker()
         self.tokens: dict[int, list[int]] = {}  # page key -> its tokens (for BlockStored)
+        self.salts: dict[int, str] = {}  # page key -> its request's cache_salt (salted only)
         self.recorded: dict[str, int] = {}  # rid -> how many of its keys are in self.tokens
         self.resets = 0  # the cache's reset count last announced
 
@@ -94,17 +101,18 @@ class KVEventPublisher:
         for req in [*engine.waiting, *engine.running]:
             self._record(req)
         assert engine.cache is not None
-        head: list[list[Any]] = []
+        head: list[KVEvent] = []
         if engine.cache.resets != self.resets:  # the cache was reset: say so, then what is left
             self.resets = engine.cache.resets
             self.tracker = BlockTracker()
-            head = [["AllBlocksCleared"]]
+            head = [AllBlocksCleared()]
         changes = self.tracker.diff(engine.cache.tree)
         if changes or head:
             self._publish(head + [self._encode(c) for c in changes])
             held = set().union(*self.tracker.held.values())
             for key in [k for k in self.tokens if k not in held]:
                 del self.tokens[key]
+                self.salts.pop(key, None)
 
     def close(self) -> None:
         if self.replay is not None:
@@ -123,14 +131,19 @@ class KVEventPublisher:
         toks = req.all_tokens
         for i in range(done, len(keys)):
             self.tokens.setdefault(keys[i], toks[i * self.page : (i + 1) * self.page])
+            if req.cache_salt:  # a salted key is the salt's alone (the salt is in its chain)
+                self.salts[keys[i]] = req.cache_salt
         self.recorded[req.rid] = len(keys)
 
-    def _encode(self, change: BlockChange) -> list[Any]:
-        toks = [t for k in change.keys for t in self.tokens.get(k, [])] if change.stored else []
-        return encode_change(change, toks, self.page)
+    def _encode(self, change: BlockChange) -> KVEvent:
+        if not change.stored:
+            return encode_change(change, [], self.page, [])
+        toks = [t for k in change.keys for t in self.tokens.get(k, [])]
+        salts = [self.salts.get(k, "") for k in change.keys]
+        return encode_change(change, toks, self.page, salts)
 
-    def _publish(self, events: list[list[Any]]) -> None:
-        payload = msgpack.packb([time.time(), events, 0])
+    def _publish(self, events: list[KVEvent]) -> None:
+        payload = encode_batch(events, self.format, time.time())
         seq = self.seq
         self.seq += 1
         self.buffer.append(seq, payload)

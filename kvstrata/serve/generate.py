@@ -50,10 +50,10 @@ async def choose_prefill(state: ServerState, body: CompletionRequest | ChatReque
     """P/D decode: the prefill worker of this request ("" on other roles). A name outside the
     configured set is refused (403) before anything enters the engine; the check may read a
     configured worker's /v1/pd/info, so it runs off the event loop."""
-    if state.pd is None or state.pd.decode is None:
+    if state.pd is None or state.pd.role != "decode":
         return ""
     try:
-        return await asyncio.to_thread(state.pd.decode.choose, body.pd_prefill)
+        return await asyncio.to_thread(state.pd.choose, body.pd_prefill)
     except ValueError as exc:
         raise ApiError(getattr(exc, "status", 400), str(exc), "pd_prefill") from None
 

@@ -50,7 +50,7 @@ class PrefetchBody(BaseModel):
 def add_kv_hint_routes(app: FastAPI, state: ServerState, parse: Parse) -> None:
     @app.post("/v1/kv/prefetch")
     async def prefetch(request: Request) -> dict[str, Any]:
-        body = parse(request, PrefetchBody)  # size and deadline: kvstrata/http/body.py
+        body = parse(request, PrefetchBody)
         state.check_ready()
         state.check_model(body.model)
         tokens = _tokens(state, body)

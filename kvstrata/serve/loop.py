@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.engine import step_io as io
@@ -25,7 +26,7 @@ from kvstrata.engine.build import Built
 from kvstrata.engine.engine import Engine
 from kvstrata.serve.events import KVEventPublisher
 from kvstrata.serve.request_record import RequestRecord
-from kvstrata.serve.step_loop import StepLoop, next_inputs
+from kvstrata.serve.step_loop import StepLoop, run_steps
 from kvstrata.serve.stream import LoopObserver, QueueFull, Stream
 
 
@@ -44,6 +45,11 @@ class LoopFront:
         self.pending = 0
         self._calls = 0
         self._futures: dict[int, tuple[concurrent.futures.Future[Any], bool]] = {}
+
+    def local_engine(self) -> Engine | None:
+        """The engine when it runs in this process's thread and is built (None under ranks:
+        it runs in the rank processes)."""
+        return None
 
     def submit(self, req: RequestRecord, stream: Stream) -> None:
         """Send a new request to the engine (it builds its own Request from req.new(), on
@@ -146,15 +152,23 @@ class LoopFront:
             fut.set_exception(RuntimeError(message))
 
 
-class EngineLoop(LoopFront):
-    """Builds the engine in its own thread, then runs the step loop on it until stopped."""
+@dataclass
+class LoopParts:
+    """What one rank's step loop runs with, made on its engine thread."""
 
-    def __init__(self, build: Callable[[], Built], max_pending: int) -> None:
+    built: Built
+    events: KVEventPublisher | None = None  # KV events publisher (--kv-events-endpoint)
+
+
+class EngineLoop(LoopFront):
+    """Builds the engine in its own thread, then runs the step loop on it until stopped.
+
+    build(inbox): the loop's parts (the inbox: where a P/D prefill side submits hand-offs)."""
+
+    def __init__(self, build: Callable[[Any], LoopParts], max_pending: int) -> None:
         super().__init__(max_pending, queue.SimpleQueue())
         self._build = build
         self.built: Built | None = None
-        self.events: KVEventPublisher | None = None  # set by `build`, on the engine thread
-        self.side: Any = None  # a P/D worker's side (set by `build`): told of each request
         self.thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)
 
     def start(self) -> None:
@@ -165,6 +179,9 @@ class EngineLoop(LoopFront):
         assert self.built is not None
         return self.built.engine
 
+    def local_engine(self) -> Engine | None:
+        return self.built.engine if self.built is not None else None
+
     def stop(self, timeout_s: float) -> bool:
         """Abort what is left, drain pending cache ops, close; False when the thread is late."""
         self.inbox.put(io.Stop())
@@ -174,29 +191,22 @@ class EngineLoop(LoopFront):
 
     def _main(self) -> None:
         try:
-            self.built = self._build()
+            parts = self._build(self.inbox)
         except Exception as exc:  # noqa: BLE001 - reported by /health and on stderr
             self.failed = f"{type(exc).__name__}: {exc}"
             print(f"kvstrata serve: engine failed to start: {self.failed}", file=sys.stderr)
             self.ready.set()
             return
+        self.built, events = parts.built, parts.events
         eng = self.engine
-        steps = StepLoop(
-            eng,
-            self.handle,
-            lambda mine: [mine],
-            side=self.side,
-            events=self.events,
-            survive_errors=True,
-        )
+        steps = StepLoop(eng, self.handle, lambda mine: [mine], events, survive_errors=True)
         self.ready.set()
         try:
-            while steps.apply(next_inputs(eng, self.inbox)):
-                pass
+            run_steps(steps, self.inbox)  # one rank: its own inputs, identity agreement
         finally:
             self._fail_calls("server is stopping")
             self._fail_all("server is stopping")  # requests that raced the stop
             self.built.close()  # engine.drain(): every pending backup reaches storage
-            if self.events is not None:
-                self.events.after_step(eng)  # the drained state (new storage copies) is reported
-                self.events.close()
+            if events is not None:
+                events.after_step(eng)  # the drained state (new storage copies) is reported
+                events.close()

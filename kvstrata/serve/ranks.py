@@ -21,13 +21,19 @@ import torch.distributed as dist
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.step_io import Ready, SideCount, SideReady, StepInputs, Stop
+from kvstrata.engine.step_io import Ready, StepInputs, Stop
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext
+from kvstrata.parallel.ranks import RankEngine, RankOptions
+from kvstrata.pd.config import PDConfig
+from kvstrata.pd.layout import layout_of
+from kvstrata.pd.ranks import RankPD
+from kvstrata.pd.reports import REPORTS
+from kvstrata.pd.worker import PDWorker
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.events import KVEventPublisher, rank0_events
 from kvstrata.serve.loop import LoopFront
-from kvstrata.serve.step_loop import IDLE_WAIT_S, StepLoop, next_inputs
+from kvstrata.serve.step_loop import IDLE_WAIT_S, StepLoop, run_steps
 from kvstrata.storage.base import StorageConfig
 
 STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies this often
@@ -53,26 +59,26 @@ def serve_rank_loop(
     inbox: Any,
     outbox: Any,
     serve_cfg: ServeConfig | None = None,
-    pd_cfg: Any = None,
+    pd_cfg: PDConfig | None = None,
 ) -> dict[str, Any]:
-    from kvstrata.parallel.ranks import RankEngine, RankOptions
-
     if threading.current_thread() is threading.main_thread():  # (torchrun's rank 0: a thread)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process decides when ranks stop
     out = outbox if ctx.rank == 0 else None
     pd = None
     if serve_cfg is not None and serve_cfg.role in ("prefill", "decode"):
-        from kvstrata.pd.ranks import RankPD  # this rank's side of a P/D worker
-
-        pd = RankPD(serve_cfg.role, pd_cfg, ctx.rank, engine_cfg.max_running, inbox, out)
+        report = out.put if out is not None else None  # rank 0 reports the worker's counters
+        slots = engine_cfg.max_running  # a slot of the step collective per request in flight
+        pd = RankPD(serve_cfg.role, pd_cfg or PDConfig(), ctx.rank, report, inbox, slots)
     gate = pd.gate if pd is not None else None
     re = RankEngine(ctx, engine_cfg, cache_cfg, storage_cfg, RankOptions(), extra=gate)
     eng = re.engine
     events = rank0_events(serve_cfg, cache_cfg.page_size, eng) if out is not None else None
     try:
         if pd is not None:
-            pd.attach(re)
-        _serve_steps(re, inbox, out, events, pd)
+            c = ctx.config
+            layout = layout_of(eng, c.tp, c.cp, c.pp, shape=re.part.full, rank=ctx.rank)
+            pd.attach(eng, layout, (ctx.cp_rank, ctx.cp_group), _all_endpoints)
+        _serve_steps(re, inbox, out, events)
     finally:
         if events is not None:
             events.close()
@@ -81,22 +87,33 @@ def serve_rank_loop(
     return {"rank": ctx.rank, "steps": eng.steps}
 
 
+def _broadcast(msg: StepInputs | None) -> StepInputs:
+    """Rank 0's step inputs, on every rank (one broadcast per step)."""
+    box: list[Any] = [msg]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_endpoints(mine: str) -> list[str]:
+    """Every rank's transfer endpoint, rank order (one all_gather, every rank)."""
+    endpoints: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(endpoints, mine)
+    return endpoints
+
+
 def _serve_steps(
-    re: Any, inbox: Any, out: Any | None, events: KVEventPublisher | None, pd: Any = None
+    re: RankEngine,
+    inbox: Any,
+    out: Any | None,
+    events: KVEventPublisher | None,
 ) -> None:
     """Every rank: the same step loop over the inputs rank 0 broadcasts."""
     eng, rank0 = re.engine, out is not None
-    steps = StepLoop(eng, out.put if out else None, _gather(rank0), pd, events, STATS_EVERY_S)
+    steps = StepLoop(eng, out.put if out else None, _gather(rank0), events, STATS_EVERY_S)
     if out is not None:
         eng.agree = steps.timed(eng.agree)
         out.put(Ready())
-    while True:
-        box: list[Any] = [next_inputs(eng, inbox) if rank0 else None]
-        dist.broadcast_object_list(box, src=0)
-        msg: StepInputs = box[0]
-        re.now = msg.clock
-        if not steps.apply(msg):
-            break
+    run_steps(steps, inbox if rank0 else None, _broadcast, re.set_clock)
     eng.check_integrity()
     re.close()  # drains pending cache ops (storage backups), agreed
     eng.check_integrity()
@@ -115,10 +132,10 @@ class RankedLoop(LoopFront):
         max_pending: int,
         serve_cfg: ServeConfig | None = None,
         torchrun: bool = False,
-        pd: Any = None,
+        pd: PDWorker | None = None,
     ) -> None:
-        """pd: the HTTP side of a P/D worker (kvstrata.pd.worker.PDWorker, ranked), which rank 0
-        tells its layout and endpoints and forwards its hand-off counters to."""
+        """pd: the HTTP side of a P/D worker, which rank 0 tells its layout and endpoints and
+        forwards its hand-off counters to (typed reports, kvstrata/pd/reports.py)."""
         import torch.multiprocessing as tmp
 
         self.torchrun = torchrun
@@ -181,9 +198,8 @@ class RankedLoop(LoopFront):
                 continue
             if isinstance(msg, Ready):
                 self.ready.set()
-            elif isinstance(msg, SideCount):  # a P/D worker's counters
-                getattr(self.pd.metrics, msg.name)(*msg.args)
-            elif isinstance(msg, SideReady):  # a P/D worker's layout, once up
-                self.pd.ranked_ready(msg.layout, msg.endpoints)
+            elif isinstance(msg, REPORTS):  # a P/D worker's counters, or its layout once up
+                assert self.pd is not None
+                self.pd.report(msg)
             else:
                 self.handle(msg)

@@ -20,17 +20,22 @@ from typing import Any
 import uvicorn
 
 from kvstrata.cache.config import CacheConfig
-from kvstrata.engine.build import Built, build_engine
+from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.http.rules import server_options
 from kvstrata.listeners import Listeners
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.spec import check_spec_layout
+from kvstrata.pd.config import PDConfig
+from kvstrata.pd.layout import layout_of
+from kvstrata.pd.metrics import PDMetrics
+from kvstrata.pd.ranks import RankPD
+from kvstrata.pd.worker import PDWorker
 from kvstrata.serve.app import create_app
 from kvstrata.serve.codec import open_codec
 from kvstrata.serve.config import ServeConfig
-from kvstrata.serve.loop import EngineLoop
+from kvstrata.serve.loop import EngineLoop, LoopParts
 from kvstrata.serve.metrics import ServeMetrics, engine_stats
 from kvstrata.serve.protocol import Limits
 from kvstrata.serve.ranks import RankedLoop
@@ -71,7 +76,7 @@ def make_state(
     model_path: Path,
     configs: tuple[EngineConfig, CacheConfig, StorageConfig],
     dist_cfg: DistConfig | None = None,
-    pd_cfg: Any = None,
+    pd_cfg: PDConfig | None = None,
 ) -> ServerState:
     """The server's state; the engine (one rank, or tp x cp x pp ranks) is built by loop.start()."""
     engine_cfg, cache_cfg, storage_cfg = configs
@@ -79,7 +84,7 @@ def make_state(
     metrics = ServeMetrics(name)
     listeners = Listeners(metrics.registry)
     ranked = dist_cfg is not None and dist_cfg.world_size > 1
-    pd = _pd_worker(cfg, pd_cfg, metrics, name, ranked, listeners)
+    pd = _pd_worker(cfg, pd_cfg, metrics, name)
     loop: EngineLoop | RankedLoop
     if ranked:
         assert dist_cfg is not None
@@ -89,12 +94,13 @@ def make_state(
         loop = RankedLoop(
             (engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg, under_torchrun, pd
         )
-        loop.observers.append(metrics)
         metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
     else:
         loop = EngineLoop(
-            lambda: _build(loop, cfg, metrics, model, configs, pd, listeners), cfg.max_pending
+            lambda inbox: _build(inbox, cfg, metrics, model, configs, pd, listeners),
+            cfg.max_pending,
         )
+    loop.observers.append(metrics)  # tokens, endings and pool stats of the loop
     limits = Limits(
         model.vocab_size,
         model.spec.max_position_embeddings,
@@ -104,51 +110,57 @@ def make_state(
     codec = open_codec(model_path, model.vocab_size)
     spec = bool(engine_cfg.spec_draft)
     return ServerState(
-        cfg, loop, name, str(model_path), codec, limits, metrics, spec, pd=pd, listeners=listeners
+        cfg,
+        loop,
+        name,
+        str(model_path),
+        codec,
+        limits,
+        metrics,
+        spec,
+        pd=pd,
+        storage_url=cache_cfg.storage_url,
+        listeners=listeners,
     )
 
 
 def _pd_worker(
-    cfg: ServeConfig,
-    pd_cfg: Any,
-    metrics: ServeMetrics,
-    name: str,
-    ranked: bool,
-    listeners: Listeners,
-) -> Any:
-    """The P/D side of a prefill or decode worker (None for single and router); ranked: its
-    ranks hold their own sides (kvstrata/pd/ranks.py), this one is the HTTP process's."""
+    cfg: ServeConfig, pd_cfg: PDConfig | None, metrics: ServeMetrics, name: str
+) -> PDWorker | None:
+    """The HTTP side of a prefill or decode worker (None for single and router); its ranks hold
+    their own sides (kvstrata/pd/ranks.py: RankPD, also on one rank)."""
     if cfg.role not in ("prefill", "decode"):
         return None
-    from kvstrata.pd.config import PDConfig
-    from kvstrata.pd.metrics import PDMetrics
-    from kvstrata.pd.worker import PDWorker
-
-    pd_metrics = PDMetrics(metrics.registry, name)
-    return PDWorker(cfg.role, pd_cfg or PDConfig(), pd_metrics, ranked, listeners)
+    return PDWorker(cfg.role, pd_cfg or PDConfig(), PDMetrics(metrics.registry, name))
 
 
 def _build(
-    loop: EngineLoop | RankedLoop,
+    inbox: Any,
     cfg: ServeConfig,
     metrics: ServeMetrics,
     model: DecoderLM,
-    configs: Any,
-    pd: Any,
+    configs: tuple[EngineConfig, CacheConfig, StorageConfig],
+    pd: PDWorker | None,
     listeners: Listeners,
-) -> Built:
-    """On the engine thread: pools, storage, cache; the observers that watch the loop."""
+) -> LoopParts:
+    """On the engine thread: pools, storage, cache; the observers that watch the loop; a P/D
+    worker's side on this one rank, wired as each rank's is under several (serve/ranks.py)."""
     built = build_engine(*configs, model=model)
     metrics.attach(lambda: engine_stats(built.engine), built.engine.page)
-    loop.observers.append(metrics)
+    parts = LoopParts(built)
     if pd is not None:
-        pd.attach(loop, built.engine)
+        side = RankPD(pd.role, pd.cfg, 0, pd.report, inbox, listeners=listeners)
+        built.closers.append(side.close)
+        try:
+            side.attach(built.engine, layout_of(built.engine))
+        except BaseException:
+            built.close()
+            raise
     if cfg.kv_events_endpoint and built.engine.cache is not None:
         from kvstrata.serve.events import KVEventPublisher
 
-        assert isinstance(loop, EngineLoop)
-        loop.events = KVEventPublisher(cfg, configs[1].page_size, listeners)  # the step loop
-    return built
+        parts.events = KVEventPublisher(cfg, configs[1].page_size, listeners)
+    return parts
 
 
 def _exit_when_ranks_stop(server: _Server, state: ServerState) -> None:

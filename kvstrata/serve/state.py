@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvstrata.http.errors import ApiError
 from kvstrata.listeners import Listeners
+from kvstrata.pd.worker import PDWorker
 from kvstrata.serve.codec import Codec
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.loop import EngineLoop
@@ -27,8 +27,9 @@ class ServerState:
     metrics: ServeMetrics
     speculative: bool = False  # --spec-draft set: usage carries each request's `spec`
     stopping: bool = False
-    pd: Any = None  # kvstrata.pd.worker.PDWorker on a prefill or decode worker
+    pd: PDWorker | None = None  # the HTTP side of a prefill or decode worker
     listeners: Listeners = field(default_factory=Listeners)  # the process's listener threads
+    storage_url: str = ""  # the cache's shared store ("" without one): named in KV events' info
     aloop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
 
     def check_ready(self) -> None:

@@ -6,7 +6,8 @@ takes its inputs straight from its inbox (`next_inputs`); under several ranks ra
 and broadcasts them, so every rank applies the same inputs with the same clock. What happens
 goes out as TokenOut, Admitted, Finished, Failed, StatsOut and CallDone messages: on one rank
 to the HTTP side's handler in this thread, under ranks (rank 0 only) to the HTTP process's
-queue. `side`: a P/D worker's side on this rank, told of hand-offs, tokens and endings.
+queue. The loop knows no P/D side: a worker's side is the engine's connector, driven by the
+engine itself.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ Gather = Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]
 """This rank's (ok, result) of a call -> every rank's, on the rank that reports (else None)."""
 
 
+Share = Callable[[StepInputs | None], StepInputs]
+"""Rank 0's step inputs -> this rank's (one rank: its own; several: rank 0's broadcast)."""
+
+
+def own_inputs(msg: StepInputs | None) -> StepInputs:
+    """One rank's Share: the inputs it took are every rank's."""
+    assert msg is not None
+    return msg
+
+
 def busy(eng: Engine) -> bool:
     """Requests in flight, or cache ops whose results are still to apply."""
     return eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
@@ -72,6 +83,23 @@ def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
     )
 
 
+def run_steps(
+    steps: StepLoop,
+    inbox: Any | None,
+    share: Share = own_inputs,
+    on_clock: Callable[[float], None] | None = None,
+) -> None:
+    """The loop of every rank, one or many, until the inputs say stop: rank 0 (the one with an
+    `inbox`) takes the inputs, `share` gives every rank the same ones, each applies them.
+    on_clock: this rank's agreed clock (rank 0's time) before each apply."""
+    while True:
+        msg = share(next_inputs(steps.engine, inbox) if inbox is not None else None)
+        if on_clock is not None:
+            on_clock(msg.clock)
+        if not steps.apply(msg):
+            return
+
+
 class StepLoop:
     """Applies step inputs to one engine and reports what happened (see the module doc)."""
 
@@ -80,7 +108,6 @@ class StepLoop:
         engine: Engine,
         out: Out | None,
         gather: Gather,
-        side: Any = None,
         events: KVEventPublisher | None = None,
         stats_every_s: float = 0.0,
         survive_errors: bool = False,
@@ -88,9 +115,7 @@ class StepLoop:
         """out: where this rank reports (None: a rank that does not); survive_errors: an
         exception in a step fails the requests in flight and the loop goes on (one rank; under
         ranks it ends the run, as the ranks may be in different collectives)."""
-        self.engine, self.out, self.gather, self.side, self.events = (
-            engine, out, gather, side, events,
-        )  # fmt: skip
+        self.engine, self.out, self.gather, self.events = engine, out, gather, events
         self.stats_every_s, self.survive_errors = stats_every_s, survive_errors
         self.agree_s: list[float] = []  # durations of the step agreements (rank 0 reports them)
         self._admitted: set[str] = set()
@@ -122,15 +147,11 @@ class StepLoop:
         return True
 
     def _submit(self, new: NewRequest) -> None:
-        """Every rank builds the same request (a P/D hand-off's side hears of it first)."""
+        """Every rank builds the same request and submits it."""
         req = new.build()
-        if self.side is not None:
-            self.side.submitted(req)
         try:
             self.engine.submit(req)  # the same inputs on every rank: the same outcome
         except (ValueError, TypeError) as exc:
-            if self.side is not None:
-                self.side.ended(req, str(exc))
             self._report(Failed(req.rid, str(exc)))
 
     def _call(self, call: Call) -> None:
@@ -162,15 +183,11 @@ class StepLoop:
             self._ended(req)
 
     def _on_token(self, req: Request, tok: int) -> None:
-        if self.side is not None:
-            self.side.on_token(req, tok)  # a P/D prefill sends its pages at the first token
         self._report(TokenOut(req.rid, tok))
 
     def _ended(self, req: Request) -> None:
-        """A request ended on this rank: its P/D side and the KV events hear it; it is reported."""
+        """A request ended on this rank: the KV events hear it; it is reported."""
         self._admitted.discard(req.rid)
-        if self.side is not None:
-            self.side.ended(req)
         if self.events is not None:
             self.events.record(req)
         if req.failure is not None:  # a P/D hand-off failed: (status, message)

@@ -41,6 +41,7 @@ from kvstrata.storage.mooncake_url import MooncakeTarget
 
 T = TypeVar("T")
 RPC_FAIL = -900  # the wheel's ErrorCode for a failed master RPC
+NO_SPACE = -200  # the wheel's NO_AVAILABLE_HANDLE: no mounted segment had room for the value
 _COUNTERS = ("connection_errors", "timeouts", "calls_skipped_down", "reconnects", "setups")
 
 
@@ -100,6 +101,7 @@ class MooncakeClient:
         self._ready = False
         self._failed = False
         self._warned = False
+        self._warned_no_space = False
         self._down_until = 0.0
         self._backoff = config.reconnect_backoff_s
         self._regions: list[tuple[int, int, np.ndarray]] = []  # (start, end, array kept alive)
@@ -197,6 +199,22 @@ class MooncakeClient:
             print(
                 f"kvstrata: warning: mooncake master {self.target.master} failed ({why}); storage "
                 "reads are misses and backups skipped until it answers again (counted in stats)",
+                file=sys.stderr,
+            )
+
+    def warn_no_space(self) -> None:
+        """A put the master could place nowhere: one stderr line saying who must contribute memory
+        (serving processes contribute none by default; holders do)."""
+        with self._lock:
+            first, self._warned_no_space = not self._warned_no_space, True
+        if first:
+            t = self.target
+            print(
+                f"kvstrata: warning: mooncake master {t.master} had no room for a put "
+                "(NO_AVAILABLE_HANDLE): no segment is mounted or all are full. Start a holder "
+                f"(mooncake_client --global_segment_size=4GB --master_server_address={t.master} "
+                f"--metadata_server={t.metadata}) or give this process segment=BYTES in its URL; "
+                "such puts are skipped and counted (put_no_space)",
                 file=sys.stderr,
             )
 

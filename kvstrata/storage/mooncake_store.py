@@ -1,7 +1,9 @@
 """Mooncake Store backend (`mooncake://`): pages in the memory segments of a fleet's clients.
 
-A master places objects across the segments every client contributes (this process's client
-contributes `segment` bytes too) and bytes move over TCP (or RDMA). Each value is the stored page
+A master places objects across the segments its clients contribute: standalone holders
+(`mooncake_client`, a node's long-lived memory) in a fleet, so what a serving process wrote
+outlives it; a serving process contributes `segment` bytes only when its URL asks (default 0).
+Bytes move over TCP (or RDMA). Each value is the stored page
 format of `kvstrata.storage.base` (header with length, key and xxh3-64 checksum + payload), under
 `prefix` + 32 hex digits, so a corrupt or truncated value is a miss (and is removed).
 
@@ -16,7 +18,9 @@ client's worker thread, which alone owns the staging area.
 Failure model (see mooncake_client): every call is bounded; a dead or unreachable master makes
 reads misses and writes counted skips, with one line on stderr, and the client reconnects when
 it returns. A value whose segment is gone (its client left) or that Mooncake evicted under memory
-pressure is a miss: nothing here assumes a put is durable.
+pressure is a miss: nothing here assumes a put is durable. A put the master can place nowhere
+(no segment mounted, or all full) is a skip counted in `put_no_space`, with one stderr line
+saying to start a holder.
 """
 
 from __future__ import annotations
@@ -41,7 +45,13 @@ from kvstrata.storage.base import (
     header_ok,
     page_view,
 )
-from kvstrata.storage.mooncake_client import RPC_FAIL, MooncakeClient, acquire, release
+from kvstrata.storage.mooncake_client import (
+    NO_SPACE,
+    RPC_FAIL,
+    MooncakeClient,
+    acquire,
+    release,
+)
 from kvstrata.storage.mooncake_pieces import ValueMove, plan_moves
 from kvstrata.storage.mooncake_url import parse_mooncake_url
 
@@ -49,7 +59,7 @@ _KEY_LIMIT = 1 << 128
 _COUNTERS = (
     "puts", "put_skipped", "gets", "get_hits", "get_misses", "corrupt", "exists_queries",
     "deleted", "server_errors", "bytes_written", "bytes_read", "zero_copy_pages",
-    "staged_pages", "staged_bytes",
+    "staged_pages", "staged_bytes", "put_no_space",
 )  # fmt: skip
 
 
@@ -67,6 +77,8 @@ class BatchOutcome:
     corrupt: list[int] = field(default_factory=list)
     """Keys whose values failed their header or checksum (removed by the caller)."""
     server_errors: int = 0
+    no_space: int = 0
+    """Values the master had no segment room for (NO_SPACE)."""
     error: str = ""
     """A caller's mistake found on the worker (raised by the caller as ValueError)."""
 
@@ -297,12 +309,15 @@ class MooncakeStore:
                 if code == 0:
                     sent.count(move)
             sent.server_errors = sum(1 for c in codes if c not in (0, RPC_FAIL))
+            sent.no_space = sum(1 for c in codes if c == NO_SPACE)
             return codes
 
         codes = self._call("batch_put_from", send)
         if sent.error:
             raise ValueError(sent.error)
-        self._count(**sent.counts(), server_errors=sent.server_errors)
+        self._count(**sent.counts(), server_errors=sent.server_errors, put_no_space=sent.no_space)
+        if sent.no_space:
+            self.client.warn_no_space()
         return None if codes is None else sent.values
 
     def delete(self, keys: Sequence[int]) -> int:

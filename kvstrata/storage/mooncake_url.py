@@ -5,8 +5,10 @@
 
 HOST:RPC_PORT is the master's RPC address. `metadata` is the transfer engine's metadata server
 (default `http://HOST:8080/metadata`, the master's own HTTP metadata server); `segment` is the
-memory this client contributes to the shared store and `buffer` its local transfer buffer (bytes,
-with an optional k/m/g binary suffix); `protocol` is `tcp` (default) or `rdma` (then `device`
+memory this client contributes to the shared store (default 0: a fleet's memory comes from
+standalone holders, `mooncake_client --global_segment_size=...`, so objects outlive the serving
+processes that wrote them; a segment given here leaves with its process) and `buffer` its local
+transfer buffer (bytes, with an optional k/m/g binary suffix); `protocol` is `tcp` (default) or `rdma` (then `device`
 names the RDMA devices); `local` is the address other clients reach this one on (default
 127.0.0.1); `prefix` starts every object key (default `kvstrata:`; 32 hex digits follow).
 """
@@ -81,7 +83,7 @@ def parse_mooncake_url(url: str) -> MooncakeTarget:
     return MooncakeTarget(
         master=f"{host}:{port}",
         metadata=opt("metadata", f"http://{host}:8080/metadata"),
-        segment_bytes=parse_size(opt("segment", "256m"), "segment"),
+        segment_bytes=parse_size(opt("segment", "0"), "segment"),
         buffer_bytes=buffer_bytes,
         protocol=protocol,
         device=opt("device", ""),

@@ -3,7 +3,8 @@
 Several sessions; in each, turn k's prompt is turn k-1's prompt plus the agent's (fixed) action,
 the tool output it got back and a new question, so the history grows and every turn shares a
 long prefix with the one before. Text is drawn from a fixed vocabulary of code-like lines with a
-seeded RNG (kvstrata.agent_text) and rendered through the model's chat template; the whole workload is a pure function
+seeded RNG (kvstrata.agent_text) and rendered through the model's chat template (plain text turns
+for a base checkpoint that has none: Tokenizer.render_chat); the whole workload is a pure function
 of (WorkloadSpec, tokenizer). A checkpoint without a tokenizer (the tiny test models) gets token
 ids drawn directly from its vocabulary instead, with the same growth pattern.
 """

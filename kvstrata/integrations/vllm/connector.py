@@ -224,7 +224,8 @@ def vllm_event(tc: TierChange, page_size: int) -> KVCacheEvent:
     c = tc.change
     hashes = [block_hash(k) for k in c.keys]
     if not c.stored:
-        return BlockRemoved(block_hashes=hashes, medium=c.medium)
+        return BlockRemoved(block_hashes=hashes, medium=c.medium, group_idx=0)
+    extra = [(s,) if s else None for s in tc.salts]  # each page's cache_salt, untagged
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=None if c.parent is None else block_hash(c.parent),
@@ -233,4 +234,6 @@ def vllm_event(tc: TierChange, page_size: int) -> KVCacheEvent:
         lora_id=None,
         medium=c.medium,
         lora_name=None,
+        extra_keys=extra or None,
+        group_idx=0,
     )

@@ -215,7 +215,11 @@ class VllmKVManager:
         self._drop_transit()
         if self.events is not None:  # the token ids of every page a live lease knows
             for st in self.requests.values():
-                self.events.record(st.lease.keys, st.request.all_token_ids)
+                self.events.record(
+                    st.lease.keys,
+                    st.request.all_token_ids,
+                    salt=getattr(st.request, "cache_salt", None) or "",
+                )
         jobs = self.mover.take_jobs()
         jobs.failed_blocks = sorted(self.load_errors)
         self.load_errors.clear()

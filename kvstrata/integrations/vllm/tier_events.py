@@ -29,6 +29,7 @@ class TierChange:
 
     change: BlockChange
     tokens: list[int]  # stored: every page's tokens in order; removed: empty
+    salts: list[str]  # stored: each page's cache_salt ("" unsalted); removed: empty
 
 
 class TierEvents:
@@ -38,17 +39,22 @@ class TierEvents:
         self.page = page_size
         self.tracker = BlockTracker()
         self.tokens: dict[int, list[int]] = {}  # page key -> its page_size token ids
+        self.salts: dict[int, str] = {}  # page key -> its request's cache_salt (salted only)
 
-    def record(self, keys: Sequence[int], token_ids: Sequence[int], start: int = 0) -> None:
+    def record(
+        self, keys: Sequence[int], token_ids: Sequence[int], start: int = 0, salt: str = ""
+    ) -> None:
         """Pages [start, len(keys)) of one request: keys[i] holds token_ids[i*page:(i+1)*page]."""
         p = self.page
         for i in range(start, len(keys)):
             if keys[i] not in self.tokens:
                 self.tokens[keys[i]] = list(token_ids[i * p : (i + 1) * p])
+            if salt:
+                self.salts[keys[i]] = salt
 
     def take(self, tree: RadixTree) -> list[TierChange]:
         out = [
-            TierChange(c, self._tokens(c) if c.stored else [])
+            TierChange(c, *self._pages(c))
             for c in self.tracker.diff(tree)
             if c.medium == HOST or (c.medium == STORAGE and c.stored)
         ]
@@ -56,7 +62,12 @@ class TierEvents:
             held = set().union(*self.tracker.held.values())
             for key in [k for k in self.tokens if k not in held]:
                 del self.tokens[key]
+                self.salts.pop(key, None)
         return out
 
-    def _tokens(self, change: BlockChange) -> list[int]:
-        return [t for k in change.keys for t in self.tokens.get(k, [])]
+    def _pages(self, change: BlockChange) -> tuple[list[int], list[str]]:
+        """A stored change's tokens and per-page salts (a removal carries neither)."""
+        if not change.stored:
+            return [], []
+        toks = [t for k in change.keys for t in self.tokens.get(k, [])]
+        return toks, [self.salts.get(k, "") for k in change.keys]
