@@ -54,13 +54,20 @@ def test_ready_requests_pass_one_waiting_on_storage(
     for req in (head, *behind):
         eng.submit(req)
     # step 1: the head starts its storage probe; one-token requests admitted now also finish now
-    finished = [r.rid for r in eng.step()]
+    first = eng.step()
+    finished = [r.rid for r in first.ended]
+    admitted = [r.rid for r in first.admitted]
     done_while_head_waits = list(finished)
     assert head.state is State.WAITING and head.lease is not None
     assert head.lease.waiting_on_storage
     while eng.has_work():
-        finished += [r.rid for r in eng.step()]
+        result = eng.step()
+        admitted += [r.rid for r in result.admitted]
+        finished += [r.rid for r in result.ended]
+        assert result.failed == [] and result.finished == result.ended
         eng.check_integrity()
+    assert sorted(admitted) == ["again0", "again1", "again2", "long"]  # each reported once
+    assert [r.rid for r in first.admitted] == done_while_head_waits
     eng.drain()
     eng.check_integrity()
     built.close()  # type: ignore[attr-defined]
@@ -91,7 +98,7 @@ def test_the_first_prefill_takes_the_whole_step_budget_unless_capped(
     finished_at: dict[str, int] = {}
     steps: list[list[int]] = []
     while eng.has_work():
-        done = eng.step()
+        done = eng.step().ended
         steps.append([r.computed for r in reqs])
         finished_at.update({r.rid: len(steps) for r in done})
         eng.check_integrity()

@@ -64,7 +64,7 @@ def serve_one_rank(
             eng.cache.free_device(held)
         for req in new or []:
             eng.submit(req)
-        just = eng.step()
+        just = eng.step().ended
         eng.check_integrity()
         done.update((r.rid, r) for r in just)
     built.close()

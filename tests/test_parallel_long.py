@@ -51,7 +51,7 @@ def _serve(ckpt: Path, tiers: str, url: str, reqs: list[Request]) -> dict[str, R
     for r in reqs:
         eng.submit(r)
     while eng.has_work():
-        done.update((r.rid, r) for r in eng.step())
+        done.update((r.rid, r) for r in eng.step().ended)
     built.close()
     return done
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from kvstrata.cache.keys import Namespace, key_hex, page_keys
+from kvstrata.cache.keys import Namespace, key_hex, page_keys, salted
 from kvstrata.memory.layout import KVShape
 from kvstrata.serve.codec import ByteCodec
 from kvstrata.storage.units import UnitLayout
@@ -172,9 +172,7 @@ def test_a_page_decode_fails_to_read_from_shared_storage_is_sent_by_prefill(
 
 
 def _keys(layout: dict, tokens: list[int], salt: str = "") -> list[int]:
-    ns = Namespace(layout["model"], layout["dtype"], page_size=layout["page_size"])
-    if salt:
-        ns = Namespace(layout["model"], layout["dtype"], tenant_salt=f"\x00{salt}", page_size=8)
+    ns = salted(Namespace(layout["model"], layout["dtype"], page_size=layout["page_size"]), salt)
     return page_keys(tokens[: len(tokens) // PAGE * PAGE], ns, 97)
 
 

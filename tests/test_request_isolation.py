@@ -134,13 +134,16 @@ def test_a_request_that_raises_in_a_step_fails_alone(tmp_path: Path) -> None:
             raise RuntimeError("hand-off hook broke")
 
     eng.on_token = hook
-    done = {}
+    done, failed = {}, []
     for req in requests():
         eng.submit(req)
     while eng.has_work():
-        for req in eng.step():
+        result = eng.step()
+        for req in result.ended:
             done[req.rid] = req
+        failed += [req.rid for req in result.failed]
         eng.check_integrity()
+    assert failed == ["m1"]  # the step that failed it says so
     assert done["m1"].finish_reason == "error"
     assert done["m1"].failure is not None and done["m1"].failure[0] == 500
     assert "hand-off hook broke" in done["m1"].failure[1]

@@ -20,7 +20,7 @@ from vllm.v1.request import Request
 
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.connector import vllm_event
-from kvstrata.integrations.vllm.scheduler import SchedulerSide
+from kvstrata.integrations.vllm.kv_manager import VllmKVManager
 from kvstrata.integrations.vllm.spec import KVSpec
 from kvstrata.integrations.vllm.worker import WorkerSide
 
@@ -30,7 +30,7 @@ SPEC = KVSpec(4, 4, 2, 1, 1, 8, "float32", "events-test")  # block = page = 4 to
 class Engine:
     def __init__(self, storage_url: str) -> None:
         config = VllmConnectorConfig(host_pages=2, storage_url=storage_url, check_integrity=True)
-        self.sched = SchedulerSide(config, SPEC, kv_events=True)
+        self.sched = VllmKVManager(config, SPEC, kv_events=True)
         self.worker = WorkerSide(config, SPEC, tp_rank=0)
         self.worker.register({f"layer.{i}": torch.randn(8, 1, 4, 16) for i in range(2)})
 

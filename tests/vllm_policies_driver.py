@@ -21,8 +21,8 @@ from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
+from kvstrata.integrations.vllm.kv_manager import VllmKVManager
 from kvstrata.integrations.vllm.metadata import BlockCopy
-from kvstrata.integrations.vllm.scheduler import SchedulerSide
 from kvstrata.integrations.vllm.spec import KVSpec
 from kvstrata.integrations.vllm.worker import WorkerSide
 
@@ -36,7 +36,7 @@ class Engine:
         config = VllmConnectorConfig(
             host_pages=8, write_policy=policy, write_through_threshold=1, check_integrity=True
         )
-        self.sched = SchedulerSide(config, SPEC)
+        self.sched = VllmKVManager(config, SPEC)
         self.worker = WorkerSide(config, SPEC, tp_rank=0)
         self.kv = {f"layer.{i}": torch.randn(16, 1, 4, 16) for i in range(2)}
         self.worker.register(self.kv)

@@ -49,7 +49,7 @@ def run_direct(eng: Engine, codec: Codec, spec: LoadSpec, tick: Callable[[], Non
             s = todo.pop()
             req = _submit(eng, codec, spec, s)
             live[req.rid] = (s, req)
-        for req in eng.step():
+        for req in eng.step().ended:
             s, _ = live.pop(req.rid)
             out.turns.append(_stat(s, req))
             tick()

@@ -29,6 +29,7 @@ import enum
 from dataclasses import dataclass
 
 from kvstrata.cache.chain import PageChain
+from kvstrata.cache.keys import Namespace
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import TransferOp
 from kvstrata.cache.pins import PinSpec
@@ -107,6 +108,25 @@ class Lease:
         self.fetch_cap: int | None = None  # a prefetch hint's bound on pages read from storage
         self.pin_specs: list[PinSpec] = []  # pins still to take hold (their pages not cached yet)
         self.pinned_pages = 0  # the longest prefix this lease pinned
+
+    @classmethod
+    def for_prompt(
+        cls,
+        cache: HiCache | None,
+        tokens: list[int],
+        namespace: Namespace,
+        pages_needed: int,
+        pins: list[PinSpec] | tuple[PinSpec, ...] = (),
+        vocab_size: int | None = None,
+        allocator: Allocator | None = None,
+    ) -> Lease:
+        """The lease of a request that prefills `tokens` under `namespace` (a salted one:
+        `keys.salted`): their full pages' token bytes (validated against `vocab_size`
+        when given), hashed only once a key is needed, and the client pins it enters with."""
+        chain = PageChain.from_tokens(tokens, namespace, vocab_size)
+        lease = cls(cache, chain, len(tokens), pages_needed, namespace.page_size, allocator)
+        lease.want_pins(pins)
+        return lease
 
     def want_pins(self, specs: list[PinSpec] | tuple[PinSpec, ...]) -> None:
         """Pin these prefixes as soon as their pages belong to the tree (shortest first)."""

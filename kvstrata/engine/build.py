@@ -207,7 +207,7 @@ def assemble(
             has_storage=parts.has_storage,
             page_nbytes=parts.pool.shape.page_nbytes,
         )
-    kv = KVManager(cache, parts.pool.allocator, ns, vocab_size, config.admission_lookahead)
+    kv = KVManager(cache, parts.pool.allocator, ns, vocab_size)
     return make_engine(cache, kv)
 
 

@@ -1,9 +1,12 @@
 """The reference serving engine: continuous batching with chunked prefill over the tiered cache.
 
 One `step()` reads like nano-vllm's: agree on and apply finished cache moves, then
-`scheduler.schedule()` (admit waiting requests through the KV manager, plan decodes and prefill
-chunks under the budget), `runner.run()` (one forward: logits rows), `postprocess()` (sample,
-verify drafts, cache finished pages, end what is complete).
+`scheduler.admit()` (waiting requests whose pages the KV manager can give), apply what the
+connector says landed or failed, `scheduler.plan()` (decodes and prefill chunks under the
+budget), `runner.run()` (one forward: logits rows), `postprocess()` (sample, verify drafts, cache
+finished pages, end what is complete). It returns a StepResult: who was admitted and who ended.
+The scheduler makes every change of a request's state; the engine tells it what the forward and
+the connector produced.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from kvstrata.engine.request import Request, State
 from kvstrata.engine.runner import Forward, ModelRunner
 from kvstrata.engine.scheduler import BatchLimit, Scheduler, Work
 from kvstrata.engine.speculative import Speculator
+from kvstrata.engine.step_result import StepResult
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.decoder import DecoderLM
+
+RESET_DRAIN_S = 120.0  # a prefix-cache reset waits this long at most for copies in flight
 
 Agree = Callable[[list[int]], list[int]]
 """Turns this rank's cache progress vector into the agreed one (identity on one rank)."""
@@ -140,25 +146,32 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def in_flight(self) -> list[str]:
+        """Ids of every request not ended yet, waiting ones first (the same order on every
+        rank: a stop aborts them in it)."""
+        return [r.rid for r in [*self.scheduler.waiting, *self.scheduler.running]]
+
     def run(self, requests: list[Request]) -> list[Request]:
-        """Submit and run to completion; returns the requests in finishing order."""
+        """Submit and run to completion; returns the requests in the order they ended."""
         for req in requests:
             self.submit(req)
         done: list[Request] = []
         while self.has_work():
-            done += self.step()
+            done += self.step().ended
         return done
 
-    def step(self) -> list[Request]:
-        """One scheduler step; returns the requests that finished in it."""
+    def step(self) -> StepResult:
+        """One scheduler step: who was admitted in it and who ended (finished or failed)."""
         self.steps += 1
         log = self.decisions
         if log is not None:
             log.begin_step(self.steps)
         self._settle()
-        batch = self.scheduler.schedule(self.clock(), self._land_remote)
+        now = self.clock()
+        batch = self.scheduler.admit(now)
         self._admitted(batch.admitted)
-        finished = batch.ended
+        finished = batch.ended + self._land_remote(batch.remote)
+        self.scheduler.plan(now, batch)
         if batch.work:
             conn = self.connector
             if conn is not None:
@@ -173,7 +186,7 @@ class Engine:
             log.end_step(self.steps)
         if not batch.work:
             time.sleep(0.0005)  # only waiting on copies or storage: don't spin hot
-        return finished
+        return StepResult(batch.admitted, finished)
 
     def _settle(self) -> bool:
         """Apply the finished cache moves every rank agrees on; True when some were applied."""
@@ -230,7 +243,7 @@ class Engine:
         from the prefill worker's state); else the landed tokens count as computed and the
         engine computes the rest. True when the request is complete."""
         req = landed.req
-        req.state = State.PREFILL
+        self.scheduler.resume_remote(req)
         if landed.logits is not None:
             req.computed = len(req.tokens)
             if self.spec is not None:
@@ -249,9 +262,16 @@ class Engine:
         return self.scheduler.preempt_running()
 
     def reset_prefix_cache(self, reset_running: bool = False, drop_host: bool = False) -> bool:
-        """Forget every cached device page (drop_host: host too; never storage); False while
-        requests run and reset_running is off (see Scheduler.reset_prefix_cache)."""
-        return self.scheduler.reset_prefix_cache(reset_running, drop_host, self.agree)
+        """Forget every cached device page (drop_host: host too; never storage). False,
+        changing nothing, while requests run and reset_running is off, or while remote KV is
+        in flight (Scheduler.clear_for_reset); else every pending copy lands first, through the
+        cache's one drain loop under the step agreement (the same turns on every rank)."""
+        if self.cache is None:
+            return True
+        if not self.scheduler.clear_for_reset(reset_running):
+            return False
+        self.cache.drain(self.agree, RESET_DRAIN_S, "prefix-cache reset")
+        return self.kv.reset_prefix(drop_host)
 
     # ---- after the forward --------------------------------------------------------------------
     def postprocess(self, work: Work, fwd: Forward) -> list[Request]:
@@ -285,7 +305,7 @@ class Engine:
         req.computed += len(toks)
         if req.state is State.PREFILL and (req.output or req.computed < len(req.tokens)):
             if req.output and req.computed == len(req.prefill_tokens):  # preempted, caught up
-                req.state = State.DECODE  # its next step feeds its last token, as before
+                self.scheduler.caught_up(req)
             self.kv.cache_pages(req, final=False)  # finished pages: shared at once
             return False  # more prompt chunks to go
         return self._emit(req, row[-1])
@@ -318,8 +338,7 @@ class Engine:
         if req.keep_logits:
             req.logits.append(row.clone())
         if req.state is State.PREFILL:
-            req.first_token_s = time.monotonic()
-            req.state = State.DECODE
+            self.scheduler.first_token(req)
             self.kv.cache_pages(req, final=False)  # share the prompt with later requests
         if self.on_token is not None:
             self.on_token(req, tok)

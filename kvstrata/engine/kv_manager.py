@@ -1,36 +1,40 @@
 """The KV manager: the one owner of every request's cache lease (kvstrata.cache.lease).
 
-It opens a request's lease, advances it to admission, commits its computed pages, waits for its
-host -> device loads and gives everything back; nothing else sets or clears `req.lease`. The
-scheduler asks it to admit, preempt, reset and abort; the model runner asks it which loads to wait
-for.
+It answers the scheduler's questions about pages: is a request's lease ready (matched, its
+storage answer and prefetch done), can its device pages be had (`allocate`: all or nothing,
+handing back an `Allocation` with what the tiers serve), and it commits computed pages, waits
+for host -> device loads and gives everything back; nothing else sets or clears `req.lease`.
+It changes no request's state: the scheduler decides who is admitted, preempted or ended, and
+in what order (kvstrata/engine/scheduler.py holds the admission policy). The model runner asks
+it which loads to wait for.
 
-Every decision here depends only on agreed state (the tree, agreed op results, the agreed step
+Every answer here depends only on agreed state (the tree, agreed op results, the agreed step
 clock), so all ranks admit the same requests with the same pages in the same order.
-
-No head-of-line blocking: the first `lookahead` waiting requests advance their leases (match,
-storage probe, prefetch) at once; a request still waiting on storage is passed over, and the ready
-ones behind it are admitted in arrival order while slots and pages last. Among ready requests
-admission stays first come first served: a ready request that does not fit stops the scan, so a
-large request is not starved by small ones behind it, and the leases behind it let go of their
-locks so they cannot keep it out for ever.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from kvstrata.cache.chain import PageChain
 from kvstrata.cache.keys import Namespace, page_keys, salted
 from kvstrata.cache.lease import Hits, Lease
 from kvstrata.cache.manager import HiCache
 from kvstrata.engine.prefetch_hints import HintAnswer, PrefetchHints
-from kvstrata.engine.request import Request, State
+from kvstrata.engine.request import Request
 from kvstrata.memory.allocator import PageAllocator
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """What `allocate` hands back for an admitted request (its pages stay the lease's)."""
+
+    hit_tokens: int  # leading prompt tokens the tiers serve: computed from the start
+    pinned_pages: int  # the longest prefix its client pins kept at admission
+
+
 class KVManager:
-    """Moves requests from waiting to prefill and owns their leases until they end."""
+    """Owns every request's lease, from its first match until it ends."""
 
     def __init__(
         self,
@@ -38,83 +42,55 @@ class KVManager:
         allocator: PageAllocator,
         namespace: Namespace,
         vocab_size: int,
-        lookahead: int = 4,
     ) -> None:
-        if lookahead < 1:
-            raise ValueError(f"lookahead must be >= 1, got {lookahead}")
         self.cache = cache
         self.allocator = allocator  # the lease allocates from it directly when the cache is off
         self.ns = namespace
         self.page = namespace.page_size
         self.vocab_size = vocab_size
-        self.lookahead = lookahead
         self.hints = (
             PrefetchHints(cache, vocab_size, cache.config.max_prefetch_pages)
             if cache is not None
             else None
         )
 
-    # ---- admission ------------------------------------------------------------------------------
-    def advance(
-        self,
-        waiting: list[Request],
-        now_s: float,
-        slots: int,
-        failed: dict[str, str] | None = None,
-    ) -> list[Request]:
-        """Admit up to `slots` ready requests that fit, in arrival order (see module doc).
-        failed: rid -> why, for requests whose own lease work raised (the caller ends them)."""
+    # ---- admission (the scheduler's questions) --------------------------------------------------
+    def begin_step(self, now_s: float) -> None:
+        """The agreed step clock moves on: expired pins let go, prefetch hints advance."""
         if self.cache is not None:
-            self.cache.tick(now_s)  # the agreed step clock: expired pins let go
+            self.cache.tick(now_s)
         if self.hints is not None:
             self.hints.advance(now_s)
-        admitted: list[Request] = []
-        window = waiting[: self.lookahead]
-        for i, req in enumerate(window):
-            try:
-                lease = req.lease if req.lease is not None else self._open(req)
-                ready = lease.advance(now_s, can_schedule=slots > 0)
-            except Exception as exc:  # noqa: BLE001 - one request's lease fails alone
-                if failed is None:
-                    raise
-                failed[req.rid] = f"{type(exc).__name__}: {exc}"
-                continue
-            if not ready:
-                continue  # waiting on storage: the ready requests behind it go first
-            if slots <= 0:
-                break
-            if not lease.admit():
-                self._step_back(window[i + 1 :])
-                break
-            req.computed = lease.hit_tokens
-            req.pinned_pages = max(req.pinned_pages, lease.pinned_pages)
-            req.state = State.PREFILL
-            admitted.append(req)
-            slots -= 1
-        return admitted
 
-    def _step_back(self, behind: list[Request]) -> None:
-        """The first ready request does not fit: the leases behind it give back their locks
-        (and stop their prefetches), so the pages they pinned can make room for it. They match
-        again from scratch at a later step; without this, waiting leases that lock each other's
-        room would wait for ever."""
-        for req in behind:
-            self.release(req)
+    def ready(self, req: Request, now_s: float, can_schedule: bool) -> bool:
+        """Advance the waiting request's lease (opened on first ask): match, storage probe,
+        prefetch under the policy; True once its pages may be allocated. may raise: the
+        request's own lease work failed (it alone ends)."""
+        lease = req.lease if req.lease is not None else self._open(req)
+        return lease.advance(now_s, can_schedule=can_schedule)
+
+    def allocate(self, req: Request) -> Allocation | None:
+        """Every device page a ready request needs, with the host -> device load of its host
+        hits, or nothing at all (None: they cannot be had now)."""
+        lease = req.lease
+        assert lease is not None, f"request {req.rid} was never asked ready"
+        if not lease.admit():
+            return None
+        return Allocation(lease.hit_tokens, lease.pinned_pages)
 
     def _open(self, req: Request) -> Lease:
-        """The request's lease over the full pages of what it prefills (its prompt): their
-        token bytes, validated here; a page is hashed only once its key is needed (the lease's
-        storage probe, its commit), so the pages the tree already holds never are."""
-        seq = req.prefill_tokens
-        req.lease = Lease(
+        """The request's lease over the full pages of what it prefills (its prompt; after a
+        preemption its output too), under its salted namespace, with the pins it entered with
+        (the same on every rank)."""
+        req.lease = Lease.for_prompt(
             self.cache,
-            PageChain.from_tokens(seq, self._ns(req), self.vocab_size),
-            len(seq),
+            req.prefill_tokens,
+            self._ns(req),
             req.pages_needed(self.page),
-            self.page,
-            allocator=self.allocator,
+            req.pins,
+            self.vocab_size,
+            self.allocator,
         )
-        req.lease.want_pins(req.pins)  # they enter with the request: the same on every rank
         return req.lease
 
     # ---- keys -----------------------------------------------------------------------------------
@@ -207,11 +183,10 @@ class KVManager:
             lease.release()
 
     def preempt(self, req: Request) -> None:
-        """Back to waiting, its pages given back (the full ones stay cached): readmitted, it
-        recomputes its prompt and the tokens it made so far (vLLM's recompute preemption)."""
+        """Give the request's pages back (its full computed ones stay cached) and forget its
+        lease: readmitted, it matches afresh (vLLM's recompute preemption)."""
         self.cache_pages(req, final=True)
-        req.lease, req.computed, req.draft_computed = None, 0, None
-        req.state = State.WAITING
+        req.lease = None
 
     def release(self, req: Request) -> None:
         """A waiting request lets go of its locks and prefetches; it matches again later."""
@@ -220,10 +195,15 @@ class KVManager:
             req.lease = None
 
     def abort(self, req: Request) -> None:
-        """Drop a request in any state: its lease gives back every page and lock at once."""
+        """Give back every page and lock of a request in any state at once."""
         if req.lease is not None:
             req.lease.release()
-        req.state = State.DONE
+
+    # ---- prefix-cache reset ---------------------------------------------------------------------
+    def reset_prefix(self, drop_host: bool) -> bool:
+        """Forget every cached device page (drop_host: host too; never storage). The caller
+        preempted or released every lease and applied every pending copy first."""
+        return self.cache.reset_prefix(drop_host) if self.cache is not None else True
 
 
 def _pending_load(req: Request) -> bool:

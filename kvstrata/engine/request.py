@@ -13,6 +13,16 @@ from kvstrata.cache.pins import PinSpec
 from kvstrata.engine.sampling import Sampler
 
 
+def acceptance_rate(accepts: list[int], proposed: int) -> float:
+    """Accepted / proposed drafts (0.0 before any verify step)."""
+    return sum(accepts) / proposed if proposed else 0.0
+
+
+def accept_length(accepts: list[int]) -> float:
+    """Mean tokens emitted per verify step: accepted drafts + the target's own token."""
+    return (sum(accepts) + len(accepts)) / len(accepts) if accepts else 0.0
+
+
 class State(enum.Enum):
     WAITING = "waiting"  # its lease matches, probes storage, prefetches, or waits for device room
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
@@ -53,9 +63,6 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None  # "length", "stop" (a stop token) or "abort"
     failure: tuple[int, str] | None = None  # (HTTP status, message) of a failed remote prefill
-    reported_hits: dict[str, int] | None = None
-    """Hits as the rank that served it reported them (a copy of the request on another process,
-    e.g. the HTTP side of a multi-rank server, has no lease of its own)."""
     # --- speculative decoding (kvstrata.engine.speculative); None/empty when off ---------------
     draft_computed: int | None = None  # tokens whose draft KV (the pages' tail layers) is final
     spec_proposed: int = 0  # drafted tokens the target verified
@@ -73,14 +80,11 @@ class Request:
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted / proposed drafts (0.0 before any verify step)."""
-        return sum(self.spec_accepts) / self.spec_proposed if self.spec_proposed else 0.0
+        return acceptance_rate(self.spec_accepts, self.spec_proposed)
 
     @property
     def accept_length(self) -> float:
-        """Mean tokens emitted per verify step: accepted drafts + the target's own token."""
-        steps = self.spec_accepts
-        return (sum(steps) + len(steps)) / len(steps) if steps else 0.0
+        return accept_length(self.spec_accepts)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -99,15 +103,9 @@ class Request:
 
     @property
     def hits(self) -> dict[str, int]:
-        """Prompt pages served by each tier: device, host, storage."""
-        if self.reported_hits is not None:
-            return dict(self.reported_hits)
+        """Prompt pages served by each tier of its lease: device, host, storage."""
         h = self.lease.hits if self.lease is not None else Hits()
         return {"device": h.device, "host": h.host, "storage": h.storage}
-
-    @hits.setter
-    def hits(self, value: dict[str, int]) -> None:
-        self.reported_hits = dict(value)
 
     @property
     def ttft_s(self) -> float:

@@ -1,12 +1,20 @@
 """The scheduler: who waits, who runs, and what each running request feeds the next forward.
 
-It owns the waiting and running lists. Admission goes through the KV manager (the one owner of
-every lease); the batch is planned under the token budget (decodes first, then prefill chunks;
-a smaller one while requests decode: `EngineConfig.decode_step_tokens` in tokens, and
+It owns the waiting and running lists, every change of a request's state (waiting -> prefill
+or waiting for remote KV -> decode -> done, back to waiting on preemption) and the admission
+policy; the KV manager only answers whether a request's pages are ready and can be had (the one
+owner of every lease). The batch is planned under the token budget (decodes first, then prefill
+chunks; a smaller one while requests decode: `EngineConfig.decode_step_tokens` in tokens, and
 `EngineConfig.tpot_target_ms` in time, from step costs learnt online) and any further budget
 term (`BatchLimit`: CP's gather scratch bytes), with requests dropped from the end of the plan
-until it fits. Preemption, prefix-cache reset and abort change these
-lists too, so they live here. Every decision reads agreed state only: all ranks plan alike.
+until it fits. Every decision reads agreed state only: all ranks plan alike.
+
+Admission without head-of-line blocking: the first `admission_lookahead` waiting requests advance
+their leases (match, storage probe, prefetch) at once; a request still waiting on storage is
+passed over, and the ready ones behind it are admitted in arrival order while slots and pages
+last. Among ready requests admission stays first come first served: a ready request that does
+not fit stops the scan, so a large request is not starved by small ones behind it, and the
+leases behind it let go of their locks so they cannot keep it out for ever.
 """
 
 from __future__ import annotations
@@ -14,7 +22,6 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,7 +31,6 @@ from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.step_costs import StepCosts
 
-RESET_DRAIN_S = 120.0  # a prefix-cache reset waits this long at most for copies in flight
 IDLE_REMOTE_WAIT_S = 0.005  # only remote KV to wait for: the connector may block this long
 
 Work = list[tuple[Request, list[int]]]
@@ -45,17 +51,15 @@ class BatchLimit(Protocol):
 
 @dataclass
 class Scheduled:
-    """One step's schedule: who was admitted, who the connector ended, what the forward runs
-    and the connector's metadata for it."""
+    """One step's schedule. `admit` fills who was admitted, who ended in admission and what
+    the connector says landed or failed (the engine applies those); `plan` fills what the
+    forward runs and the connector's metadata for it."""
 
     admitted: list[Request] = field(default_factory=list)
     ended: list[Request] = field(default_factory=list)
+    remote: list[RemoteDone] = field(default_factory=list)
     work: Work = field(default_factory=list)
     meta: ConnectorMeta = field(default_factory=ConnectorMeta)
-
-
-Land = Callable[[list[RemoteDone]], list[Request]]
-"""Applies the connector's landed / failed requests; returns those that ended (the engine)."""
 
 
 class Scheduler:
@@ -82,23 +86,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---- one step -------------------------------------------------------------------------------
-    def schedule(self, now_s: float, land: Land | None = None) -> Scheduled:
-        """Admit what is ready and fits (asking the connector for remote tokens), let `land`
-        apply what the connector says landed or failed, then plan the forward and build the
-        connector's metadata for it. A request whose own admission work raised ends alone."""
+    # ---- one step: admit, (the engine applies the remote results), plan ------------------------
+    def admit(self, now_s: float) -> Scheduled:
+        """Admit what is ready and fits (asking the connector for remote tokens) and take what
+        the connector says landed or failed. A request whose own admission work raised ends
+        alone."""
         self._observe(now_s)
         failed: dict[str, str] = {}
         out = Scheduled(admitted=self._admit(now_s, failed))
         out.ended = [self._fail_waiting(rid, why) for rid, why in failed.items()]
         conn = self.connector
         if conn is not None:
-            done = conn.get_finished(IDLE_REMOTE_WAIT_S if self._only_remote() else 0.0)
-            out.ended += land(done) if land is not None and done else []
+            out.remote = conn.get_finished(IDLE_REMOTE_WAIT_S if self._only_remote() else 0.0)
+        return out
+
+    def plan(self, now_s: float, out: Scheduled) -> Scheduled:
+        """Plan the forward (after the remote results were applied) and build the connector's
+        metadata for it."""
         out.work = self._plan()
         self._planned(now_s, out.work)
-        if conn is not None:
-            out.meta = conn.build_connector_meta(out.work)
+        if self.connector is not None:
+            out.meta = self.connector.build_connector_meta(out.work)
         return out
 
     def _fail_waiting(self, rid: str, why: str) -> Request:
@@ -107,20 +115,55 @@ class Scheduler:
         return self.fail(req, 500, f"request {rid} failed in admission: {why}")
 
     def _admit(self, now_s: float, failed: dict[str, str]) -> list[Request]:
+        """Up to the free slots of ready requests that fit, in arrival order (module doc).
+        failed: rid -> why, for requests whose own lease work raised."""
+        self.kv.begin_step(now_s)
         slots = self.config.max_running - len(self.running)
-        admitted = self.kv.advance(self.waiting, now_s, slots, failed)
-        for req in admitted:
-            self.waiting.remove(req)
-            self.running.append(req)
-            if self.speculating:
-                req.draft_computed = req.computed
-            if self.connector is not None:
-                self._match_remote(self.connector, req)
+        admitted: list[Request] = []
+        window = self.waiting[: self.config.admission_lookahead]
+        for i, req in enumerate(window):
+            try:
+                ready = self.kv.ready(req, now_s, can_schedule=slots > 0)
+            except Exception as exc:  # noqa: BLE001 - one request's lease fails alone
+                failed[req.rid] = f"{type(exc).__name__}: {exc}"
+                continue
+            if not ready:
+                continue  # waiting on storage: the ready requests behind it go first
+            if slots <= 0:
+                break
+            got = self.kv.allocate(req)
+            if got is None:
+                self._step_back(window[i + 1 :])
+                break
+            req.computed = got.hit_tokens  # its hits count as computed
+            req.pinned_pages = max(req.pinned_pages, got.pinned_pages)
+            req.state = State.PREFILL
+            admitted.append(req)
+            slots -= 1
+        for req in admitted:  # after the scan: the connector hears of them in arrival order
+            self._run(req)
         return admitted
 
+    def _step_back(self, behind: list[Request]) -> None:
+        """The first ready request does not fit: the leases behind it give back their locks
+        (and stop their prefetches), so the pages they pinned can make room for it. They match
+        again from scratch at a later step; without this, waiting leases that lock each other's
+        room would wait for ever."""
+        for req in behind:
+            self.kv.release(req)
+
+    def _run(self, req: Request) -> None:
+        """An admitted request runs; tokens another worker provides, if any, make it wait for
+        them (its pages stay allocated)."""
+        self.waiting.remove(req)
+        self.running.append(req)
+        if self.speculating:
+            req.draft_computed = req.computed
+        if self.connector is not None:
+            self._match_remote(self.connector, req)
+
     def _match_remote(self, conn: KVConnector, req: Request) -> None:
-        """After the local match and allocation: tokens another worker provides, if any, make
-        the request wait for them (its pages stay allocated)."""
+        """After the local match and allocation: tokens another worker provides, if any."""
         remote = conn.get_num_new_matched_tokens(req, req.computed)
         conn.update_state_after_alloc(req, self.kv.page_table(req), remote)
         if remote:
@@ -183,6 +226,22 @@ class Scheduler:
                 limit.planned(work)
         return work
 
+    # ---- transitions the engine's results call for ------------------------------------------
+    def resume_remote(self, req: Request) -> None:
+        """The request's remote KV landed (or nothing came): it prefills from here on."""
+        assert req.state is State.WAITING_FOR_REMOTE_KV, f"{req.rid} waits for no remote KV"
+        req.state = State.PREFILL
+
+    def first_token(self, req: Request) -> None:
+        """A prefilling request produced a token: it decodes from now on."""
+        req.first_token_s = time.monotonic()
+        req.state = State.DECODE
+
+    def caught_up(self, req: Request) -> None:
+        """A preempted request recomputed its prompt and output: its next step feeds its
+        last token, as before the preemption."""
+        req.state = State.DECODE
+
     # ---- endings --------------------------------------------------------------------------------
     def finish(self, req: Request, reason: str) -> Request:
         """A running request ends: its full pages stay cached, the rest goes back (after its
@@ -235,34 +294,29 @@ class Scheduler:
 
     # ---- preemption and prefix-cache reset ------------------------------------------------------
     def preempt_running(self) -> int:
-        """Every running request back to the head of the queue (vLLM's recompute preemption);
-        `req.hits` is kept, so its usage keeps its first admission's hits. Returns how many."""
+        """Every running request back to the head of the queue (vLLM's recompute preemption):
+        readmitted, it recomputes its prompt and the tokens it made so far. Returns how many."""
         n = len(self.running)
         for req in reversed(self.running):
             self.kv.preempt(req)
+            req.computed, req.draft_computed = 0, None
+            req.state = State.WAITING
             self.waiting.insert(0, req)
         self.running.clear()
         return n
 
-    def reset_prefix_cache(
-        self, reset_running: bool, drop_host: bool, agree: Callable[[list[int]], list[int]]
-    ) -> bool:
-        """Forget every cached device page (drop_host: host too; never storage). False, changing
-        nothing, while requests run and reset_running is off, or while remote work is in flight (its
-        pages are being written by another worker: it cannot be preempted). Copies in flight land
-        first through the cache's one drain loop (`agree`: the step agreement, so every rank
-        applies the same ones)."""
-        cache = self.kv.cache
-        if cache is None:
-            return True
+    def clear_for_reset(self, reset_running: bool) -> bool:
+        """Before a prefix-cache reset: running requests back to waiting, waiting leases let go
+        of their locks (they match again later). False, changing nothing, while requests run
+        and reset_running is off, or while remote work is in flight (its pages are being
+        written by another worker: it cannot be preempted)."""
         remote = any(r.state is State.WAITING_FOR_REMOTE_KV for r in self.running)
         if self.running and (not reset_running or remote):
             return False
         self.preempt_running()
-        for req in self.waiting:  # waiting leases let go of their locks; they match again later
+        for req in self.waiting:
             self.kv.release(req)
-        cache.drain(agree, RESET_DRAIN_S, "prefix-cache reset")
-        return cache.reset_prefix(drop_host)
+        return True
 
 
 def ended(req: Request, reason: str) -> Request:

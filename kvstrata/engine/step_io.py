@@ -14,6 +14,7 @@ from kvstrata.engine.request import Request
 from kvstrata.engine.sampling import Sampler, SamplingParams
 
 # ---- inputs: the HTTP side (or a P/D listener) -> rank 0's inbox -> every rank ---------------
+# (one rank: the same messages, through an in-process queue; the engine's Request is built here)
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,7 @@ class Stop:
 class StepInputs:
     """What every rank applies before its next step, as rank 0 decided it."""
 
-    new: list[NewRequest | Request] = field(default_factory=list)
-    """One rank: the HTTP side's own Request objects (nothing crosses a process)."""
+    new: list[NewRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     clock: float = 0.0  # rank 0's time: the agreed clock of prefetch budgets
     stop: bool = False

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvstrata.cache.events import MEDIA, snapshot
-from kvstrata.engine.scheduler import RESET_DRAIN_S
+from kvstrata.engine.engine import RESET_DRAIN_S
 from kvstrata.http.auth import resolve_api_key
 from kvstrata.http.body import json_body
 from kvstrata.http.errors import ApiError

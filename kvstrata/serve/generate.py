@@ -8,8 +8,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from kvstrata.engine.request import Request
-from kvstrata.engine.sampling import Sampler
 from kvstrata.http.errors import ApiError
 from kvstrata.http.sse import DONE, sse
 from kvstrata.serve import responses as R
@@ -21,6 +19,7 @@ from kvstrata.serve.protocol import (
     prepare,
     single_prompt,
 )
+from kvstrata.serve.request_record import RequestRecord
 from kvstrata.serve.state import ServerState
 from kvstrata.serve.stream import QueueFull, Stream
 
@@ -71,16 +70,15 @@ class Generation:
         prep = prepared(state, body)
         self.state, self.chat = state, isinstance(body, ChatRequest)
         self.rid = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.req = Request(
+        self.req = RequestRecord(
             self.rid,
             prep.tokens,
             prep.max_new,
-            sampler=Sampler(prep.sampling, self.rid),
-            cache_salt=prep.cache_salt,
+            prep.sampling,
+            prep.cache_salt,
+            {"prefill": remote} if remote else None,  # P/D decode: it computes the prompt
+            request_pins(body, prep.tokens, state.codec.encode_chat),
         )
-        self.req.pins = request_pins(body, prep.tokens, state.codec.encode_chat)
-        if remote:  # P/D decode: this prefill worker computes the prompt
-            self.req.kv_params = {"prefill": remote}
         self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)
         assert state.aloop is not None
         self.stream = Stream(state.aloop, time.monotonic())

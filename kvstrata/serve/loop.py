@@ -24,8 +24,8 @@ from typing import Any
 from kvstrata.engine import step_io as io
 from kvstrata.engine.build import Built
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.request import Request
 from kvstrata.serve.events import KVEventPublisher
+from kvstrata.serve.request_record import RequestRecord
 from kvstrata.serve.step_loop import StepLoop, run_steps
 from kvstrata.serve.stream import LoopObserver, QueueFull, Stream
 
@@ -40,7 +40,7 @@ class LoopFront:
         self.failed: str | None = None  # why the engine could not be built or the ranks stopped
         self.ready = threading.Event()
         self.stats: Any = None  # the latest StatsOut's PoolStats
-        self._streams: dict[str, tuple[Request, Stream]] = {}
+        self._streams: dict[str, tuple[RequestRecord, Stream]] = {}
         self._lock = threading.Lock()
         self.pending = 0
         self._calls = 0
@@ -51,17 +51,15 @@ class LoopFront:
         it runs in the rank processes)."""
         return None
 
-    def _new_request(self, req: Request) -> Any:
-        """What the inbox carries for a new request."""
-        return req
-
-    def submit(self, req: Request, stream: Stream) -> None:
+    def submit(self, req: RequestRecord, stream: Stream) -> None:
+        """Send a new request to the engine (it builds its own Request from req.new(), on
+        every rank alike); its outputs go to `stream` and update `req`."""
         with self._lock:
             if self.pending >= self.max_pending:
                 raise QueueFull(f"{self.pending} requests in flight (max_pending)")
             self.pending += 1
             self._streams[req.rid] = (req, stream)
-        self.inbox.put(self._new_request(req))
+        self.inbox.put(req.new())
 
     def abort(self, rid: str) -> None:
         self.inbox.put(io.Abort(rid))
@@ -99,10 +97,10 @@ class LoopFront:
             if entry is not None:
                 self._to_stream(msg, *entry)
 
-    def _to_stream(self, msg: Any, req: Request, stream: Stream) -> None:
+    def _to_stream(self, msg: Any, req: RequestRecord, stream: Stream) -> None:
         now = time.monotonic()
         if isinstance(msg, io.Admitted):
-            req.hits = msg.hits
+            req.admitted(msg)
             for obs in self.observers:
                 obs.on_admitted(req, stream, msg.at_s)
             return
@@ -116,9 +114,7 @@ class LoopFront:
         if isinstance(msg, io.Failed):
             stream.push("error", msg.error)
             return
-        req.finish_reason, req.hits, req.transfer = msg.reason, msg.hits, msg.transfer
-        req.spec_accepts, req.spec_proposed = msg.spec_accepts, msg.spec_proposed
-        req.pinned_pages = msg.pinned_pages
+        req.finished(msg)
         for obs in self.observers:
             obs.on_finished(req, stream, now)
         stream.push("done", req)

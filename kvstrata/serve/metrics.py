@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector
 
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.request import Request
 from kvstrata.engine.speculative import SpecStats
+from kvstrata.serve.request_record import RequestRecord
 from kvstrata.serve.stream import LoopObserver, Stream
 from kvstrata.storage.base import StorageBackend
 
@@ -130,14 +130,14 @@ class ServeMetrics(LoopObserver):
         self.registry.register(_PoolCollector(source, self.name))
 
     # ---- LoopObserver ---------------------------------------------------------------------------
-    def on_token(self, req: Request, stream: Stream, now_s: float) -> None:
+    def on_token(self, req: RequestRecord, stream: Stream, now_s: float) -> None:
         if stream.last_token_s is None:
             self.ttft.labels(self.name).observe(now_s - stream.received_s)
         else:
             self.itl.labels(self.name).observe(now_s - stream.last_token_s)
         self.generated.labels(self.name).inc()
 
-    def on_admitted(self, req: Request, stream: Stream, now_s: float) -> None:
+    def on_admitted(self, req: RequestRecord, stream: Stream, now_s: float) -> None:
         self.queue.labels(self.name).observe(now_s - stream.received_s)
         cached = {t: n * self.page for t, n in req.hits.items()}
         self.queries.labels(self.name).inc(len(req.tokens))
@@ -146,7 +146,7 @@ class ServeMetrics(LoopObserver):
             self.by_source.labels(self.name, source).inc(cached[tier])
         self.by_source.labels(self.name, "computed").inc(len(req.tokens) - sum(cached.values()))
 
-    def on_finished(self, req: Request, stream: Stream, now_s: float) -> None:
+    def on_finished(self, req: RequestRecord, stream: Stream, now_s: float) -> None:
         self.e2e.labels(self.name).observe(now_s - stream.received_s)
         self.finished.labels(self.name, req.finish_reason or "abort").inc()
 

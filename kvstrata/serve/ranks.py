@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.request import Request
-from kvstrata.engine.step_io import NewRequest, Ready, StepInputs, Stop
+from kvstrata.engine.step_io import Ready, StepInputs, Stop
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext
 from kvstrata.parallel.ranks import RankEngine, RankOptions
@@ -158,15 +157,6 @@ class RankedLoop(LoopFront):
     def start(self) -> None:
         self.thread.start()
         self._dispatch.start()
-
-    def _new_request(self, req: Request) -> NewRequest:
-        """Every rank rebuilds the request (its sampler from the params and rid)."""
-        assert req.sampler is not None
-        params = req.sampler.params
-        return NewRequest(
-            req.rid, req.tokens, req.max_new_tokens, params, req.cache_salt, req.kv_params,
-            pins=req.pins,
-        )  # fmt: skip
 
     def stop(self, timeout_s: float) -> bool:
         self.inbox.put(Stop())

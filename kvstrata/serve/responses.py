@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvstrata.engine.request import Request
 from kvstrata.http.sse import sse
 from kvstrata.serve.codec import Codec
+from kvstrata.serve.request_record import RequestRecord
 
 
 class TextState:
@@ -55,7 +55,7 @@ class TextState:
 
 
 def usage(
-    req: Request, page_size: int, completion_tokens: int, speculative: bool = False
+    req: RequestRecord, page_size: int, completion_tokens: int, speculative: bool = False
 ) -> dict[str, Any]:
     """OpenAI's usage; with speculative decoding on, also `spec` (spec_usage)."""
     by_tier = {t: n * page_size for t, n in req.hits.items()}
@@ -77,7 +77,7 @@ def usage(
     return out
 
 
-def spec_usage(req: Request) -> dict[str, Any]:
+def spec_usage(req: RequestRecord) -> dict[str, Any]:
     """One request's speculation: verify steps, drafted and accepted tokens, acceptance rate
     (accepted / proposed) and mean accepted length (tokens per verify step, the target's own
     included: 1 + accepted / verify_steps; 0.0 before any verify step), and `accepts`: the
@@ -93,7 +93,7 @@ def spec_usage(req: Request) -> dict[str, Any]:
     }
 
 
-def finish_reason(req: Request | None, state: TextState) -> str:
+def finish_reason(req: RequestRecord | None, state: TextState) -> str:
     if state.stopped:
         return "stop"
     if req is None or req.finish_reason is None:

@@ -64,8 +64,7 @@ def busy(eng: Engine) -> bool:
 
 def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
     """What waits in the inbox (blocks up to IDLE_WAIT_S when idle), the clock now, and whether
-    to step. The inbox holds NewRequest (or, on one rank, the HTTP side's own Request), Abort,
-    Call and Stop."""
+    to step. The inbox holds NewRequest, Abort, Call and Stop."""
     items: list[Any] = []
     try:
         items.append(inbox.get(timeout=IDLE_WAIT_S) if not busy(eng) else inbox.get_nowait())
@@ -73,7 +72,7 @@ def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
             items.append(inbox.get_nowait())
     except queue.Empty:
         pass
-    new = [x for x in items if isinstance(x, NewRequest | Request)]
+    new = [x for x in items if isinstance(x, NewRequest)]
     return StepInputs(
         new=new,
         aborts=[x.rid for x in items if isinstance(x, Abort)],
@@ -130,7 +129,7 @@ class StepLoop:
             self._submit(new)
         for call in msg.calls:
             self._call(call)
-        aborts = [r.rid for r in [*eng.waiting, *eng.running]] if msg.stop else msg.aborts
+        aborts = eng.in_flight() if msg.stop else msg.aborts
         for rid in aborts:
             req = eng.abort(rid)
             if req is not None:
@@ -147,9 +146,9 @@ class StepLoop:
             self.agree_s.clear()
         return True
 
-    def _submit(self, new: NewRequest | Request) -> None:
+    def _submit(self, new: NewRequest) -> None:
         """Every rank builds the same request and submits it."""
-        req = new if isinstance(new, Request) else new.build()
+        req = new.build()
         try:
             self.engine.submit(req)  # the same inputs on every rank: the same outcome
         except (ValueError, TypeError) as exc:
@@ -168,18 +167,19 @@ class StepLoop:
     def _step(self) -> None:
         eng, start = self.engine, time.monotonic()
         try:
-            finished = eng.step()
+            result = eng.step()
         except Exception:  # noqa: BLE001 - one rank: fail the requests in flight, keep serving
             if not self.survive_errors:
                 raise
             traceback.print_exc(file=sys.stderr)
             self._fail_all("internal error in an engine step")
             return
-        for req in [*eng.running, *finished]:  # admitted in this step: queue time ends
+        # queue time ends once, at the first admission (also for one that ended in admission)
+        for req in [*result.admitted, *result.ended]:
             if req.rid not in self._admitted:
                 self._admitted.add(req.rid)
                 self._report(Admitted(req.rid, dict(req.hits), start))
-        for req in finished:
+        for req in result.ended:
             self._ended(req)
 
     def _on_token(self, req: Request, tok: int) -> None:
@@ -201,13 +201,13 @@ class StepLoop:
             self._report(done)
 
     def _fail_all(self, message: str) -> None:
-        for req in [*self.engine.waiting, *self.engine.running]:
+        for rid in self.engine.in_flight():
             try:
-                self.engine.abort(req.rid)
+                self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - already failing; the client still gets its error
                 traceback.print_exc(file=sys.stderr)
-            self._admitted.discard(req.rid)
-            self._report(Failed(req.rid, message))
+            self._admitted.discard(rid)
+            self._report(Failed(rid, message))
 
     def _report(self, msg: Any) -> None:
         if self.out is not None:

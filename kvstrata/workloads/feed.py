@@ -35,7 +35,7 @@ def drive(
             before_step()
         for req in new or []:
             engine.submit(req)
-        finished = engine.step()
+        finished = engine.step().ended
         yield finished
 
 

@@ -1,6 +1,6 @@
 """KvstrataConnector: the class vLLM loads by module path (`kv_connector_module_path`).
 
-It only routes vLLM's calls: the scheduler role to SchedulerSide (kvstrata's cache manager),
+It only routes vLLM's calls: the scheduler role to VllmKVManager (kvstrata's cache manager),
 the worker role to WorkerSide (host pool, storage, copies). Jobs go down in StepMeta; each op's
 pages-moved count comes back in StepResults, which vLLM aggregates over the tensor-parallel
 workers with `aggregate` (the minimum: an op counts only as far as every worker got).
@@ -24,8 +24,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstrata.cache.events import block_hash
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
+from kvstrata.integrations.vllm.kv_manager import VllmKVManager
 from kvstrata.integrations.vllm.metadata import StepJobs
-from kvstrata.integrations.vllm.scheduler import SchedulerSide
 from kvstrata.integrations.vllm.spec import kv_spec
 from kvstrata.integrations.vllm.stats import (
     BYTES_PREFIX,
@@ -88,11 +88,11 @@ class KvstrataConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         config = VllmConnectorConfig.from_extra(extra)
         spec = kv_spec(vllm_config, config)
-        self.scheduler_side: SchedulerSide | None = None
+        self.kv_manager: VllmKVManager | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             events = vllm_config.kv_events_config
-            self.scheduler_side = SchedulerSide(
+            self.kv_manager = VllmKVManager(
                 config, spec, kv_events=events is not None and events.enable_kv_cache_events
             )
         else:
@@ -102,8 +102,8 @@ class KvstrataConnector(KVConnectorBase_V1):
 
     # ---- stats (either role) ------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KvstrataStats | None:
-        if self.scheduler_side is not None:
-            data = {HIT_PREFIX + t: n for t, n in self.scheduler_side.take_hit_tokens().items()}
+        if self.kv_manager is not None:
+            data = {HIT_PREFIX + t: n for t, n in self.kv_manager.take_hit_tokens().items()}
         else:
             moved = self._worker().take_moved_bytes().items()
             data = {BYTES_PREFIX + k: n for k, n in moved}
@@ -171,24 +171,24 @@ class KvstrataConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.close()
-        if self.scheduler_side is not None:
-            self.scheduler_side.close()
+        if self.kv_manager is not None:
+            self.kv_manager.close()
 
     # ---- scheduler role -----------------------------------------------------------------------
-    def _sched(self) -> SchedulerSide:
-        assert self.scheduler_side is not None, "a scheduler call on a worker's connector"
-        return self.scheduler_side
+    def _kv(self) -> VllmKVManager:
+        assert self.kv_manager is not None, "a scheduler call on a worker's connector"
+        return self.kv_manager
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().num_new_matched_tokens(request, num_computed_tokens)
+        return self._kv().num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
         """vLLM's per-source hit counter: host pages as HOST, storage as DISK."""
-        split = self._sched().hit_sources(request.request_id)
+        split = self._kv().hit_sources(request.request_id)
         if sum(split.values()) != num_external_tokens:
             return {}  # not admitted as planned: vLLM counts it as external_unspecified
         return {_HIT_SOURCE[tier]: n for tier, n in split.items()}
@@ -197,26 +197,26 @@ class KvstrataConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         block_ids = blocks.get_block_ids()[0]
-        self._sched().update_state_after_alloc(request, list(block_ids), num_external_tokens)
+        self._kv().update_state_after_alloc(request, list(block_ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return StepMeta(self._sched().build_connector_meta(scheduler_output))
+        return StepMeta(self._kv().build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         results = connector_output.kv_connector_worker_meta
         if isinstance(results, StepResults):
-            self._sched().report(results.moved)
+            self._kv().report(results.moved)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        page = self._sched().page
-        return [vllm_event(c, page) for c in self._sched().take_tier_changes()]
+        page = self._kv().page
+        return [vllm_event(c, page) for c in self._kv().take_tier_changes()]
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """delay_free while a store of an evicted page still reads the request's blocks (the
         write policy copies on eviction, e.g. write_back): freed once get_finished reports it."""
-        return self._sched().request_finished(request), None
+        return self._kv().request_finished(request), None
 
 
 def vllm_event(tc: TierChange, page_size: int) -> KVCacheEvent:

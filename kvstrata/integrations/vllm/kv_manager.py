@@ -1,5 +1,5 @@
-"""The connector's scheduler side: vLLM's prefix hit is the device tier; kvstrata's cache manager
-adds host/storage.
+"""The connector's KV manager (it runs in vLLM's scheduler process): vLLM's prefix hit is the
+device tier; kvstrata's cache manager adds host/storage.
 
 One HiCache over three tiers decides everything: its device tier holds *transit* pages (a
 transit id names the vLLM blocks of one page of a running request, bound in JobMover), its host
@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstrata.cache.chain import PageChain
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import Namespace, salted
 from kvstrata.cache.lease import Lease, LeaseState
@@ -69,7 +68,7 @@ class RequestState:
     sources: dict[str, int] = field(default_factory=dict)  # external tokens by tier (admitted)
 
 
-class SchedulerSide:
+class VllmKVManager:
     """Drives one HiCache for every request vLLM schedules (see module doc)."""
 
     def __init__(self, config: VllmConnectorConfig, spec: KVSpec, kv_events: bool = False) -> None:
@@ -133,23 +132,18 @@ class SchedulerSide:
         return st.external, False
 
     def _open(self, request: Any) -> Lease:
+        """The request's lease over its prompt, under its salted namespace (kvstrata's own
+        engine opens its requests' leases the same way: Lease.for_prompt, keys.salted)."""
         prompt = list(request.prompt_token_ids)
         max_tokens = int(getattr(request, "max_tokens", 0) or 0)
-        pages_needed = -(-(len(prompt) + max_tokens) // self.page)
-        lease = Lease(
-            self.cache,
-            PageChain.from_tokens(prompt, self._namespace(request)),
-            len(prompt),
-            pages_needed,
-            self.page,
-        )
         params = getattr(request, "kv_transfer_params", None)
-        lease.want_pins(pins_from_params(params, len(prompt), request.request_id))
-        return lease
-
-    def _namespace(self, request: Any) -> Namespace:
-        """The request's cache_salt joins the tenant salt: two salts never share a page."""
-        return salted(self.ns, getattr(request, "cache_salt", None) or "")
+        return Lease.for_prompt(
+            self.cache,
+            prompt,
+            salted(self.ns, getattr(request, "cache_salt", None) or ""),
+            -(-(len(prompt) + max_tokens) // self.page),
+            pins_from_params(params, len(prompt), request.request_id),
+        )
 
     def _loadable(self, m: Match, num_computed: int) -> int:
         """Tokens past vLLM's hit that host memory provides: the match, unless a page past vLLM's
