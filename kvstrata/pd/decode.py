@@ -112,6 +112,16 @@ class Resolver:
             self._keys[target] = str(body.get("curve_public_key") or "").encode()
         return eps
 
+    def expect(self, target: str, endpoints: list[str] | None) -> None:
+        """The HTTP side checked that `target` now listens on `endpoints` (a prefill worker
+        restarted on a new port, which the router already knows): a cache that differs is
+        forgotten, so the hand-off reads the worker's info anew instead of dialling its old
+        endpoint (this cache is the rank's own, apart from the HTTP side's)."""
+        with self._lock:
+            stale = endpoints is not None and self._known.get(target, endpoints) != endpoints
+        if stale:
+            self.forget(target)
+
     def forget(self, target: str) -> None:
         """After a failure: the worker may come back on another port."""
         with self._lock:
@@ -129,13 +139,19 @@ class Handoff(threading.Thread):
         request's device pages (logical page -> device page)."""
         super().__init__(name=f"pd-handoff-{req.rid}", daemon=True)
         self.side, self.req, self.rid, self.target = side, req, req.rid, target
+        # the endpoints the HTTP side checked `target` listens on (None: it named none)
+        checked = (req.kv_params or {}).get("prefill_endpoints")
+        self.checked_endpoints = [str(e) for e in checked] if isinstance(checked, list) else None
         self.hid = req.rid  # the hand-off id on the wire: a new one per attempt
         self.tokens, self.salt, self.held = req.tokens, req.cache_salt, held
         self.pages = pages
         self.n_pages = -(-len(req.tokens) // side.view.page_size)
         self.hits = dict(req.hits)  # what decode's own tiers served (usage.pd)
         self.cancelled = threading.Event()
-        self.endpoint = target
+        # named in a failure before the endpoint is resolved: the one the HTTP side checked
+        rank = side.layout.rank
+        eps = self.checked_endpoints or []
+        self.endpoint = eps[rank] if rank < len(eps) else target
         self.layers: dict[int, list[memoryview]] = {}  # a layered hand-off's slices so far
         self.ch: Any = None  # this try's channel (the thread's own)
         self.pulled = 0  # held pages sent to prefill on its `pull`, every try
@@ -150,6 +166,7 @@ class Handoff(threading.Thread):
             # a retry is a new hand-off: prefill may still be working on the first one
             self.layers, self.hid = {}, self.rid if not attempt else f"{self.rid}~{attempt}"
             try:
+                side.resolver.expect(self.target, self.checked_endpoints)
                 self.endpoint = side.resolver.endpoint(self.target, side.layout.rank)
                 key = side.resolver.server_key(self.target)
                 if not (key or side.cfg.pd_insecure or self.target.startswith("tcp://")):

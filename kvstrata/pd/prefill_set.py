@@ -54,8 +54,10 @@ class PrefillSet:
         Blocking (may read configured workers' /v1/pd/info): call off the event loop."""
         if not wanted.startswith(SCHEMES):
             raise ValueError(f"pd_prefill {wanted!r} is not an http(s):// or tcp:// address")
-        if self.trust_requests or wanted.rstrip("/") in self.entries:
-            return wanted if self.trust_requests else wanted.rstrip("/")
+        if self.trust_requests:
+            return wanted
+        if wanted.rstrip("/") in self.entries:
+            return self._known(wanted.rstrip("/"))
         down: list[str] = []
         if wanted.startswith("tcp://"):
             asked = wanted.split(",")
@@ -75,6 +77,17 @@ class PrefillSet:
             f"pd_prefill {wanted!r} is not one of this decode worker's prefill workers "
             f"(--pd-prefill: {listed})"
         )
+
+    def _known(self, entry: str) -> str:
+        """`entry`, its endpoints read now if this side has not read them yet: a later request
+        that names them (the router sends endpoints) is then checked without asking a worker
+        that may have stopped answering since. A worker down now is the hand-off's to report."""
+        if not entry.startswith("tcp://"):
+            try:
+                self.source.endpoints_of(entry)
+            except (OSError, httpx.HTTPError, ValueError):
+                pass
+        return entry
 
     def _entry_listening_on(self, asked: list[str], fresh: bool, down: list[str]) -> str | None:
         """The configured entry whose endpoints are `asked`; entries that could not be read go

@@ -58,6 +58,16 @@ async def choose_prefill(state: ServerState, body: CompletionRequest | ChatReque
         raise ApiError(getattr(exc, "status", 400), str(exc), "pd_prefill") from None
 
 
+def _remote_params(remote: str, named: str | None) -> dict[str, Any] | None:
+    """P/D decode's KV params: the prefill worker (a configured entry), and the transfer
+    endpoints the request named when choose_prefill checked that entry listens on them."""
+    if not remote:
+        return None
+    if named and named.startswith("tcp://") and named != remote:
+        return {"prefill": remote, "prefill_endpoints": named.split(",")}
+    return {"prefill": remote}
+
+
 class Generation:
     """A submitted request and the text it has produced so far."""
 
@@ -76,7 +86,7 @@ class Generation:
             prep.max_new,
             prep.sampling,
             prep.cache_salt,
-            {"prefill": remote} if remote else None,  # P/D decode: it computes the prompt
+            _remote_params(remote, body.pd_prefill),  # P/D decode: who computes the prompt
             request_pins(body, prep.tokens, state.codec.encode_chat),
         )
         self.text = R.TextState(state.codec, prep.stop, prep.sampling.stop_token_ids)
