@@ -127,9 +127,10 @@ class StorageConfig:
     )
     seal_check_thread: bool = backend_doc(
         FILE,
-        True,
+        False,
         "with key_file: check each unit's seal on a second thread while the next unit is read "
-        "(on machines with >= 2 cores); off: read then check on one thread",
+        "(on machines with >= 2 cores); off (default: measured faster on a quiet 2-core VAES "
+        "machine, `bench storage`'s *_serial sides): read then check on one thread",
     )
     group_access: bool = backend_doc(
         FILE,
