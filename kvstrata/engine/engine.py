@@ -92,7 +92,8 @@ class Engine:
         self.on_token: Callable[[Request, int], None] | None = None
         """Called with each token as it is produced (the server streams from it)."""
         self.connector: KVConnector | None = None
-        """Remote KV in and out at fixed points of the step (P/D; kvstrata/engine/kv_connector.py)."""
+        """Remote KV in and out at fixed points of the step (P/D;
+        kvstrata/engine/kv_connector.py)."""
 
     def use_connector(self, conn: KVConnector) -> None:
         """Remote KV through `conn` from now on (the scheduler and runner call it)."""
