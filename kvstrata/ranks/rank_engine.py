@@ -36,7 +36,7 @@ from kvstrata.engine.build import (
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.engine.speculative import Speculator
-from kvstrata.memory.dist_mover import DistMover, PagePart
+from kvstrata.memory.dist_mover import DistMover
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.model.checkpoint import load_model
@@ -58,7 +58,7 @@ from kvstrata.ranks.scratch_budget import ScratchBudget
 from kvstrata.ranks.spec import place_speculator
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.mooncake_client import used_in_this_process
-from kvstrata.storage.units import open_unit_storage
+from kvstrata.storage.units import PagePart, open_unit_storage
 from kvstrata.workloads.feed import StaticWorkload, Workload, drive
 
 
