@@ -12,8 +12,8 @@ import numpy as np
 
 from kvstrata.cache.chain import PageChain
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.lease import Lease
-from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
 from kvstrata.memory.allocator import PageAllocator
 

@@ -3,7 +3,7 @@
 `master()` starts one; `held_store()` is a master plus a standalone mooncake_client holding a
 segment, yielding the URL for clients that contribute none (what they write outlives them); (a missing binary fails the test with a clear message, never a skip:
 scripts/setup_env.sh installs the mooncake extra); `FAST` bounds every client call tightly so
-fault tests stay short. The process helper itself lives in kvstrata.storage.mooncake_master
+fault tests stay short. The process helper itself lives in kvstrata.bench.local_mooncake
 (the storage bench starts masters too).
 """
 
@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import pytest
 
+from kvstrata.bench.local_mooncake import MooncakeHolder, MooncakeMaster
 from kvstrata.storage.base import StorageConfig
-from kvstrata.storage.mooncake_master import MooncakeHolder, MooncakeMaster
 
 FAST = StorageConfig(
     mooncake_timeout_s=1.0,

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace, page_keys
-from kvstrata.cache.manager import HiCache
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import TensorMover

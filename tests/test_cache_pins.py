@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.lease import Lease
-from kvstrata.cache.manager import HiCache
 from kvstrata.cache.pins import PinSpec
 from tests.cache_harness import ArrayMover, content, make_cache, serve
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.model.attn_meta import build_meta
-from kvstrata.parallel.cp_attn import attend_owned, chunk_bias
+from kvstrata.model_parallel.cp_attn import attend_owned, chunk_bias
 
 
 def _case(prefix: int, n: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvstrata.cli import check_consensus_cmd
-from kvstrata.parallel.checker import LogError, check_logs, split_majority
-from kvstrata.parallel.config import DistConfig, parse_injection
-from kvstrata.parallel.decision_log import DecisionLog, chain_digest, key_prefix
+from kvstrata.ranks.checker import LogError, check_logs, split_majority
+from kvstrata.ranks.config import DistConfig, parse_injection
+from kvstrata.ranks.decision_log import DecisionLog, chain_digest, key_prefix
 
 
 def _cli(directory: Path, *extra: str) -> int:

@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kvstrata.parallel.checker import check_logs
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.consensus import ConsensusDivergence, StepConsensus, StepMisalignment
-from kvstrata.parallel.decision_log import DecisionLog
-from kvstrata.parallel.group import RankContext, RankFailure, run_ranks, verify_same
+from kvstrata.ranks.checker import check_logs
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.consensus import ConsensusDivergence, StepConsensus, StepMisalignment
+from kvstrata.ranks.decision_log import DecisionLog
+from kvstrata.ranks.group import RankContext, RankFailure, run_ranks, verify_same
 
 torch.set_num_threads(1)
 

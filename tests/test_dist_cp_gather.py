@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
-from kvstrata.parallel.group import RankContext, run_ranks
+from kvstrata.memory.cp_ownership import CPOwnership
+from kvstrata.model_parallel.cp_gather import CPGather, make_plan, scratch_nbytes
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.group import RankContext, run_ranks
 
 torch.set_num_threads(1)
 

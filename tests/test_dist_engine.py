@@ -15,10 +15,10 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
-from kvstrata.parallel.checker import check_logs
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.group import RankFailure
-from kvstrata.parallel.ranks import RankOptions, run_distributed
+from kvstrata.ranks.checker import check_logs
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.group import RankFailure
+from kvstrata.ranks.rank_engine import RankOptions, run_distributed
 from kvstrata.workloads.feed import MultiTurn, Workload
 from tests.tiny_models import rel_err
 

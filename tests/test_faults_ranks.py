@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvstrata.cli.main import main
-from kvstrata.parallel.decision_log import DecisionLog
-from kvstrata.parallel.group import RankContext
+from kvstrata.ranks.decision_log import DecisionLog
+from kvstrata.ranks.group import RankContext
 from kvstrata.storage.file_store import FileStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,8 +229,8 @@ def _raise_on_rank_1(ctx: RankContext) -> int:
 
 
 def test_a_rank_that_raises_keeps_its_traceback_others_one_line() -> None:
-    from kvstrata.parallel.config import DistConfig
-    from kvstrata.parallel.group import RankFailure, run_ranks
+    from kvstrata.ranks.config import DistConfig
+    from kvstrata.ranks.group import RankFailure, run_ranks
 
     with pytest.raises(RankFailure) as info:
         run_ranks(_raise_on_rank_1, DistConfig(tp=2, backend="gloo", timeout_s=10.0), timeout_s=60)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstrata.bench.local_mooncake import MooncakeMaster
+from kvstrata.bench.local_redis import RedisServer, ping
 from kvstrata.local_ports import (
     PortTaken,
     held_by,
@@ -21,8 +23,6 @@ from kvstrata.local_ports import (
     refused_port,
     reserved_port,
 )
-from kvstrata.storage.mooncake_master import MooncakeMaster
-from kvstrata.storage.redis_server import RedisServer, ping
 from tests.pd_helpers import complete, start_all, worker_args
 
 CKPT = {"seed": 4, "max_position_embeddings": 256}

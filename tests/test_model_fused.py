@@ -21,9 +21,9 @@ from kvstrata.model import small_matmul
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM, SeqBatch
 from kvstrata.model.page_runs import MAX_RUNS, MIN_RUN_TOKENS, page_runs
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.group import RankContext, run_ranks
-from kvstrata.parallel.tp import shard_tp
+from kvstrata.model_parallel.tp import shard_tp
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.group import RankContext, run_ranks
 from tests.tiny_models import hf_logits, load_hf, make_llama, make_qwen2, rel_err
 
 torch.set_num_threads(1)

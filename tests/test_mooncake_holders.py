@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstrata.bench.local_mooncake import MooncakeHolder, MooncakeMaster
 from kvstrata.storage.base import open_storage
-from kvstrata.storage.mooncake_master import MooncakeHolder, MooncakeMaster
 from tests.mooncake_server import FAST, held_store, master
 from tests.test_run_cmd import PAGE, run_args, tier_hits
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from kvstrata.bench.local_mooncake import MooncakeMaster
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
-from kvstrata.storage.mooncake_master import MooncakeMaster
 from tests.mooncake_server import FAST, held_store
 from tests.test_engine_cache import CKPT, PAGE, assert_same, conversation, model, run_turns
 

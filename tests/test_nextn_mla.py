@@ -31,8 +31,8 @@ from kvstrata.model.decoder import SeqBatch
 from kvstrata.model.deepseek_nextn import DeepSeekNextN
 from kvstrata.model.moe import MoE
 from kvstrata.model.nextn import load_nextn
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.spec import check_spec_layout
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.spec import check_spec_layout
 from kvstrata.storage.units import PagePart, open_unit_storage
 from tests.test_speculative_restore import PAGE, assert_same_acceptance, conversation, run_turns
 from tests.tiny_models import load_hf, rel_err

@@ -19,9 +19,9 @@ from kvstrata.cache.keys import key_hex
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.group import RankFailure
-from kvstrata.parallel.ranks import RankOptions, run_distributed
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.group import RankFailure
+from kvstrata.ranks.rank_engine import RankOptions, run_distributed
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.unit_sweep import pending_key
 from kvstrata.storage.units import CRASH_EXIT_CODE, PagePart, UnitLayout, open_unit_storage

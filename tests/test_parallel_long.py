@@ -21,8 +21,8 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.ranks import RankOptions, run_distributed
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.rank_engine import RankOptions, run_distributed
 from tests.tiny_models import make_llama, rel_err
 
 torch.set_num_threads(1)

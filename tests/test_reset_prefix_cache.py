@@ -16,7 +16,7 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
-from kvstrata.parallel.ranks import tree_digest
+from kvstrata.ranks.rank_engine import tree_digest
 from tests.tiny_models import make_llama, rel_err
 
 torch.set_num_threads(1)

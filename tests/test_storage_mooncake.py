@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvstrata.bench.local_mooncake import MooncakeMaster
 from kvstrata.cache.keys import key_hex
 from kvstrata.local_ports import refused_port
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import encode_header, open_storage
 from kvstrata.storage.mooncake_client import used_in_this_process
-from kvstrata.storage.mooncake_master import MooncakeMaster
 from kvstrata.storage.mooncake_store import MooncakeStore
 from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer
 from kvstrata.storage.units import PagePart, UnitLayout, open_unit_storage

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from kvstrata.bench.registry import BENCHES
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.consensus import StepConsensus
-from kvstrata.parallel.decision_log import DecisionLog
-from kvstrata.parallel.group import RankContext, run_ranks
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.consensus import StepConsensus
+from kvstrata.ranks.decision_log import DecisionLog
+from kvstrata.ranks.group import RankContext, run_ranks
 
 FIELDS = (
     "loads_done",

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from kvstrata.bench.local_mooncake import MooncakeHolder, MooncakeMaster
 from kvstrata.configtools import doc
 from kvstrata.local_ports import free_port
 from kvstrata.serve.process import ServerProcess
-from kvstrata.storage.mooncake_master import MooncakeHolder, MooncakeMaster
 
 MOONCAKE = "mooncake"
 """`store` value: a local Mooncake master + holder started with the fleet."""

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstrata.cache.manager import HiCache
+from kvstrata.cache.hicache import HiCache
 
 
 class CacheCollector(Collector):

@@ -24,19 +24,19 @@ import torch.distributed as dist
 
 from kvstrata.bench.registry import BENCHES
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace, page_keys
-from kvstrata.cache.manager import HiCache
 from kvstrata.cache.movers import KeySetMover
 from kvstrata.cache.ops import BACKUP, TransferOp
 from kvstrata.memory.allocator import PageAllocator
+from kvstrata.memory.dist_mover import DistMover
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.consensus import StepConsensus
-from kvstrata.parallel.decision_log import DecisionLog
-from kvstrata.parallel.group import RankContext, run_ranks
-from kvstrata.parallel.parts import DistMover
-from kvstrata.parallel.tp import head_range
+from kvstrata.model_parallel.tp import head_range
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.consensus import StepConsensus
+from kvstrata.ranks.decision_log import DecisionLog
+from kvstrata.ranks.group import RankContext, run_ranks
 from kvstrata.storage.units import PagePart, open_unit_storage
 
 # A small model-shaped page: 4 layers, 4 K/V heads, head_dim 64, 16 tokens, fp32 = 128 KiB.

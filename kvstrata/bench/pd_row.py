@@ -26,7 +26,7 @@ from kvstrata.bench.pd_load import Turn, drive
 from kvstrata.bench.run_report import TurnResult, config_report
 from kvstrata.cache.counters import DIRECTIONS, TIERS
 from kvstrata.configtools import config_to_args
-from kvstrata.parallel.config import DistConfig
+from kvstrata.ranks.config import DistConfig
 
 PD = "pd"
 ENGINE_SKIP = ("model", "model_cache_dir", "tiers", "spec_draft", "spec_tokens")

@@ -26,9 +26,9 @@ from kvstrata.bench.reference import ceiling
 from kvstrata.bench.simulate import Outcome
 from kvstrata.bench.synthetic import StorageLatency, SyntheticMover
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace
 from kvstrata.cache.lease import Lease, LeaseState
-from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import PageMover, TransferOp
 from kvstrata.configtools import doc
 from kvstrata.memory.allocator import PageAllocator

@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from kvstrata.bench.local_mooncake import MooncakeMaster
+from kvstrata.bench.local_redis import RedisServer
 from kvstrata.bench.storage_sealed import sealed_rows_over
 from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage
-from kvstrata.storage.mooncake_master import MooncakeMaster
-from kvstrata.storage.redis_server import RedisServer
 
 PAGE = 2 * 1024 * 1024
 PROBE_KEYS = 1000

@@ -12,7 +12,7 @@ from kvstrata.cache.ops import LOAD, PREFETCH, STORE
 from kvstrata.cache.tiers import Allocator
 
 if TYPE_CHECKING:
-    from kvstrata.cache.manager import HiCache
+    from kvstrata.cache.hicache import HiCache
 
 
 def accounting(cache: HiCache) -> dict[str, dict[str, int]]:

@@ -29,8 +29,8 @@ import enum
 from dataclasses import dataclass
 
 from kvstrata.cache.chain import PageChain
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace
-from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import TransferOp
 from kvstrata.cache.pins import PinSpec
 from kvstrata.cache.radix import Match, Node

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from kvstrata.cli import validate
-from kvstrata.parallel.checker import LogError, check_logs
+from kvstrata.ranks.checker import LogError, check_logs
 
 
 def register(sub: argparse._SubParsersAction) -> None:

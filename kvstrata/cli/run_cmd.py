@@ -30,11 +30,11 @@ from kvstrata.engine.config import TIER_SETS, EngineConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.tokenizer import chat_encoder
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.decision_log import DecisionLog, config_digest, new_run_id
-from kvstrata.parallel.group import RankFailure
-from kvstrata.parallel.spec import check_spec_layout
-from kvstrata.parallel.tp import check_layout
+from kvstrata.model_parallel.tp import check_layout
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.decision_log import DecisionLog, config_digest, new_run_id
+from kvstrata.ranks.group import RankFailure
+from kvstrata.ranks.spec import check_spec_layout
 from kvstrata.serve.codec import open_codec
 from kvstrata.storage.base import StorageConfig, open_storage
 from kvstrata.workloads.agent import (
@@ -183,7 +183,9 @@ def run_config_ranks(
     max_new: int,
 ) -> tuple[list[TurnResult], dict[str, Any] | None]:
     """The same workload on tp x cp x pp local ranks: every rank's tokens and accepts agree."""
-    from kvstrata.parallel.ranks import run_distributed  # spawns processes: import only when used
+    from kvstrata.ranks.rank_engine import (
+        run_distributed,  # spawns processes: import only when used
+    )
 
     engine_cfg, cache_cfg, storage_cfg = cfgs
     ecfg = dataclasses.replace(engine_cfg, tiers=tiers)

@@ -13,11 +13,11 @@ from kvstrata.configtools import config_from_args
 from kvstrata.engine.build import resolve_model_path
 from kvstrata.engine.config import EngineConfig
 from kvstrata.model.checkpoint import load_model
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.spec import check_spec_layout
-from kvstrata.parallel.tp import check_layout
+from kvstrata.model_parallel.tp import check_layout
 from kvstrata.parent_watch import exit_with_parent
 from kvstrata.pd.config import PDConfig
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.spec import check_spec_layout
 from kvstrata.router.config import router_config_from_args
 from kvstrata.serve.config import ServeConfig
 from kvstrata.storage.base import StorageConfig

@@ -15,8 +15,8 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
 from kvstrata.configtools import add_config_args
 from kvstrata.engine.config import EngineConfig
-from kvstrata.parallel.config import DistConfig
 from kvstrata.pd.config import PDConfig
+from kvstrata.ranks.config import DistConfig
 from kvstrata.router.config import PREFIX as ROUTER_PREFIX
 from kvstrata.router.config import RouterConfig, add_router_urls
 from kvstrata.serve.config import ROLES, ServeConfig

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import torch
 
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace
-from kvstrata.cache.manager import HiCache
 from kvstrata.cache.ops import PageMover
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Agree, DecisionSink, Engine
@@ -79,7 +79,7 @@ def tiers_of(cache: CacheConfig, tiers: str) -> CacheConfig:
 class Placement(Protocol):
     """Where one rank's part of the model and of every page lives, and what its cache is made
     of: OneRank holds all of both; each of tp x cp x pp ranks holds its part
-    (kvstrata.parallel.ranks.RankEngine)."""
+    (kvstrata.ranks.rank_engine.RankEngine)."""
 
     def place(
         self, model: DecoderLM, shape: KVShape, spec: Speculator | None, pages: int

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import as_token_array
-from kvstrata.cache.manager import HiCache
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
+from kvstrata.engine.kv_connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.runner import Forward, ModelRunner
@@ -39,7 +39,7 @@ Agree = Callable[[list[int]], list[int]]
 
 
 class DecisionSink(Protocol):
-    """Where a rank logs its cache decisions per step (kvstrata.parallel.decision_log.DecisionLog)."""
+    """Where a rank logs its cache decisions per step (kvstrata.ranks.decision_log.DecisionLog)."""
 
     def begin_step(self, step: int) -> None: ...
 
@@ -92,7 +92,8 @@ class Engine:
         self.on_token: Callable[[Request, int], None] | None = None
         """Called with each token as it is produced (the server streams from it)."""
         self.connector: KVConnector | None = None
-        """Remote KV in and out at fixed points of the step (P/D; kvstrata/engine/connector.py)."""
+        """Remote KV in and out at fixed points of the step (P/D;
+        kvstrata/engine/kv_connector.py)."""
 
     def use_connector(self, conn: KVConnector) -> None:
         """Remote KV through `conn` from now on (the scheduler and runner call it)."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace, page_keys, salted
 from kvstrata.cache.lease import Hits, Lease
-from kvstrata.cache.manager import HiCache
 from kvstrata.engine.prefetch_hints import HintAnswer, PrefetchHints
 from kvstrata.engine.request import Request
 from kvstrata.memory.allocator import PageAllocator

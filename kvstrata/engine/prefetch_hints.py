@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstrata.cache.chain import PageChain
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace
 from kvstrata.cache.lease import Lease
-from kvstrata.cache.manager import HiCache
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from kvstrata.model.decoder import DecoderLM, SeqBatch
 
 
 class LayerHooks(Protocol):
-    """Called around each target layer of a forward (kvstrata.engine.connector.KVConnector,
+    """Called around each target layer of a forward (kvstrata.engine.kv_connector.KVConnector,
     its step's metadata bound)."""
 
     def wait_for_layer_load(self, layer: int) -> None: ...

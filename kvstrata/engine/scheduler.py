@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.connector import ConnectorMeta, KVConnector, RemoteDone
+from kvstrata.engine.kv_connector import ConnectorMeta, KVConnector, RemoteDone
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.step_costs import StepCosts
@@ -38,7 +38,7 @@ Work = list[tuple[Request, list[int]]]
 
 
 class BatchLimit(Protocol):
-    """A budget term beyond the token count (kvstrata.parallel.cp.ScratchBudget)."""
+    """A budget term beyond the token count (kvstrata.ranks.scratch_budget.ScratchBudget)."""
 
     def fits(self, work: Work) -> bool:
         """Whether this batch stays within the term."""

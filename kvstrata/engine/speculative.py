@@ -72,7 +72,7 @@ class Speculator:
     def __init__(self, draft: DecoderLM, layer_offset: int, spec_tokens: int) -> None:
         self.draft, self.offset, self.n = draft, layer_offset, spec_tokens
         # kept apart from self.draft, which a parallel rank swaps for a wrapper of it
-        # (kvstrata.parallel.spec.place_speculator) that has no fingerprint of its own
+        # (kvstrata.ranks.spec.place_speculator) that has no fingerprint of its own
         self.draft_fingerprint: str = draft.fingerprint
         self.stats = SpecStats(accepted_per_pos=[0] * spec_tokens)
         self.draft_probs: dict[str, list[torch.Tensor]] = {}

@@ -32,8 +32,8 @@ SELF_PREFIX = "self:"
 class DraftKV:
     """The draft's layers of a pool: layer i of the draft is layer `offset + i` of the pool.
 
-    Also a DevicePool look-alike over those layers (shape, data, shards), so the
-    context-parallel forward (kvstrata.parallel.cp.CPModel) runs a draft over them unchanged."""
+    Also a DevicePool look-alike over those layers (shape, data, shards), so the context-parallel
+    forward (kvstrata.model_parallel.cp.CPModel) runs a draft over them unchanged."""
 
     def __init__(self, pool: Any, offset: int) -> None:
         self.pool, self.offset = pool, offset

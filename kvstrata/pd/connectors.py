@@ -1,4 +1,4 @@
-"""The P/D roles as KV connector kinds, chosen by name (kvstrata.engine.connector.CONNECTORS).
+"""The P/D roles as KV connector kinds, chosen by name (kvstrata.engine.kv_connector.CONNECTORS).
 
 "pd-prefill": a prefill rank's side (listens on its own endpoint: rank r binds port + r);
 "pd-decode": a decode rank's side (asks prefill workers). One factory signature for both:
@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from kvstrata.engine.connector import CONNECTORS, KVConnector
+from kvstrata.engine.kv_connector import CONNECTORS, KVConnector
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.decode import DecodeSide
 from kvstrata.pd.metrics import RankCounts

@@ -1,7 +1,7 @@
 """P/D workers on `--cp` ranks: which rank moves which page.
 
 Under context parallelism a rank owns whole pages (owner = logical page id % cp,
-kvstrata/parallel/cp_gather.py), not a part of every page, and the two workers' page ids differ:
+kvstrata/memory/cp_ownership.py), not a part of every page, and the two workers' page ids differ:
 prefill's page i may sit on its rank 0 while decode's page i sits on its rank 1. Decode's page
 tables are the same on every decode rank (one logical cache), so decode rank 0's hand-off says
 who owns each page decode lacks (`owners`: decode's page id % cp of pages [held, n)). Rank 0 of
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kvstrata.engine.request import Request
-from kvstrata.parallel.cp_gather import CPOwnership
+from kvstrata.memory.cp_ownership import CPOwnership
 from kvstrata.pd.sink import Sink
 from kvstrata.pd.wire import Layout, WireError
 

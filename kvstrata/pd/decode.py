@@ -24,8 +24,8 @@ import httpx2 as httpx
 import torch
 import zmq
 
-from kvstrata.engine.connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.engine import Engine
+from kvstrata.engine.kv_connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.request import Request
 from kvstrata.keyfile import read_key_file
 from kvstrata.pd.config import PDConfig

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from kvstrata.cache.lease import hittable_pages
-from kvstrata.engine.connector import (
+from kvstrata.engine.kv_connector import (
     ConnectorMeta,
     EngineView,
     KVConnector,

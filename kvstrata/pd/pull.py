@@ -29,7 +29,7 @@ import sys
 import threading
 from typing import Any
 
-from kvstrata.engine.connector import EngineView, Landed, RemoteDone, RemoteFailed
+from kvstrata.engine.kv_connector import EngineView, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.request import Request
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.pages import write_pages
@@ -157,8 +157,8 @@ def silent(sink: Any, now: float, timeout_s: float) -> bool:
 
 
 class PullGate:
-    """The prefill ranks' decision on each pull, as fields of the step consensus (parallel/
-    ranks.py: RankEngine adds them to its one all_reduce). Slot i is the i-th request waiting
+    """The prefill ranks' decision on each pull, as fields of the step consensus (ranks/
+    rank_engine.py: RankEngine adds them to its one all_reduce). Slot i is the i-th request waiting
     for its pull, in asking order (the same list on every rank: every rank asks at the same
     step, and it changes only by agreed steps); slots: max_running."""
 

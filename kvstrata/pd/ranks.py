@@ -42,7 +42,7 @@ from kvstrata.pd.wire import Layout
 
 
 class HandoffGate:
-    """The decode ranks' landing decision, as fields of the step consensus (parallel/ranks.py:
+    """The decode ranks' landing decision, as fields of the step consensus (ranks/rank_engine.py:
     RankEngine adds them to its one all_reduce). Slot i is the i-th hand-off in flight, in
     admission order (DecodeSide.window: the same list on every rank, it changes only by agreed
     steps); slots: max_running, so every such request has one."""

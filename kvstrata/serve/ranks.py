@@ -1,6 +1,6 @@
 """Serving on tp x cp x pp local ranks: rank 0 takes the requests, every rank runs the same steps.
 
-The HTTP process is no rank: it spawns the ranks (kvstrata.parallel.group.run_ranks, fork) from a
+The HTTP process is no rank: it spawns the ranks (kvstrata.ranks.group.run_ranks, fork) from a
 thread and talks to rank 0 through two multiprocessing queues. Each step rank 0 drains its inbox
 (typed step inputs: new requests, aborts, calls, stop) and broadcasts them with its clock and
 whether to step, so every rank runs the same step loop (kvstrata/serve/step_loop.py) alike; samplers are rebuilt on each rank from the request's
@@ -22,14 +22,14 @@ import torch.distributed as dist
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.step_io import Ready, StepInputs, Stop
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.group import RankContext
-from kvstrata.parallel.ranks import RankEngine, RankOptions
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.ranks import RankPD
 from kvstrata.pd.reports import REPORTS
 from kvstrata.pd.worker import PDWorker
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.group import RankContext
+from kvstrata.ranks.rank_engine import RankEngine, RankOptions
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.events import KVEventPublisher, rank0_events
 from kvstrata.serve.loop import LoopFront
@@ -167,7 +167,7 @@ class RankedLoop(LoopFront):
 
     # ---- threads of the HTTP process -------------------------------------------------------------
     def _run(self) -> None:
-        from kvstrata.parallel.group import init_ranks, run_ranks, teardown
+        from kvstrata.ranks.group import init_ranks, run_ranks, teardown
 
         pd_cfg = self.pd.cfg if self.pd is not None else None
         args = (*self.configs, self.inbox, self.outbox, self.serve_cfg, pd_cfg)

@@ -25,13 +25,13 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.http.rules import server_options
 from kvstrata.listeners import Listeners
 from kvstrata.model.decoder import DecoderLM
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.spec import check_spec_layout
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.metrics import PDMetrics
 from kvstrata.pd.ranks import RankPD
 from kvstrata.pd.worker import PDWorker
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.spec import check_spec_layout
 from kvstrata.serve.app import create_app
 from kvstrata.serve.codec import open_codec
 from kvstrata.serve.config import ServeConfig

@@ -7,7 +7,7 @@ import signal
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
-from kvstrata.parallel.config import DistConfig
+from kvstrata.ranks.config import DistConfig
 from kvstrata.serve.config import ServeConfig
 from kvstrata.storage.base import StorageConfig
 
@@ -36,7 +36,7 @@ def serve_follower(
 
     Signals are ignored (torchrun passes SIGTERM to every rank; rank 0 stops them all, in step);
     a rank 0 that died is noticed by the next collective, within dist_cfg.timeout_s."""
-    from kvstrata.parallel.group import init_ranks, teardown
+    from kvstrata.ranks.group import init_ranks, teardown
     from kvstrata.serve.ranks import serve_rank_loop  # (the rank loop imports the engine)
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

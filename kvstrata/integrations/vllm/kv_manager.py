@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace, salted
 from kvstrata.cache.lease import Lease, LeaseState
-from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Match, Node
 from kvstrata.integrations.vllm.config import VllmConnectorConfig
 from kvstrata.integrations.vllm.metadata import StepJobs

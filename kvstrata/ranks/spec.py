@@ -36,11 +36,11 @@ from kvstrata.model.checkpoint import parse_spec, read_config
 from kvstrata.model.decoder import ModelSpec, SeqBatch
 from kvstrata.model.deepseek import MLASpec
 from kvstrata.model.mtp import MTPHead, is_head_draft
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.cp import CPModel, CPPlan
-from kvstrata.parallel.group import RankContext
-from kvstrata.parallel.pp import PipelineStage
-from kvstrata.parallel.tp import shard_tp
+from kvstrata.model_parallel.cp import CPModel, CPPlan
+from kvstrata.model_parallel.pp import PipelineStage
+from kvstrata.model_parallel.tp import shard_tp
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.group import RankContext
 
 MTP_TP = (
     "--spec-draft mtp:... / nextn is not supported with --tp > 1 on a per-head (GQA) target (the "

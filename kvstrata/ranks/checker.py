@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstrata.parallel.decision_log import canonical_bytes, chain_digest
+from kvstrata.ranks.decision_log import canonical_bytes, chain_digest
 
 _MISSING = "<no decision>"
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvstrata.parallel.checker import Divergence, describe_divergence
-from kvstrata.parallel.decision_log import MASK63, DecisionLog
+from kvstrata.ranks.checker import Divergence, describe_divergence
+from kvstrata.ranks.decision_log import MASK63, DecisionLog
 
 
 class ConsensusDivergence(RuntimeError):

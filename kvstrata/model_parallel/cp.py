@@ -1,6 +1,6 @@
 """Context parallel over a page-sharded device pool: a rank computes the tokens of its pages.
 
-Ownership is a fixed rule of the page id (kvstrata.parallel.cp_gather.CPOwnership): owner =
+Ownership is a fixed rule of the page id (kvstrata.memory.cp_ownership.CPOwnership): owner =
 id % cp, local slot = id // cp; the DevicePool(n_shards=cp, rank=r) of rank r holds only its
 pages, and rank r computes exactly the new tokens whose page it owns (its KV is written locally;
 no KV moves on write). Per layer l:
@@ -11,7 +11,7 @@ no KV moves on write). Per layer l:
   new      # [cp, 2, m, kv_heads, head_dim]: every rank's new-token K/V of layer l, one
              synchronous all_gather (m = most new tokens any rank computes; padded)
 The new K/V overlay the scratch (whatever the early gather packed for those slots is stale),
-each rank attends for its own tokens over the whole context (kvstrata.parallel.cp_attn: prefix
+each rank attends for its own tokens over the whole context (kvstrata.model_parallel.cp_attn: prefix
 unmasked + chunk under a [t, n] bias), and the owner keeps its new K/V in its pool. The logits
 of a token are computed by its owner only; one all_reduce(SUM) of [rows, vocab] with zeros
 elsewhere gives every rank the same bits (x + 0 == x).
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvstrata.engine.request import Request
+from kvstrata.memory.cp_ownership import CPOwnership
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool
 from kvstrata.model.attn_meta import AttnMeta, build_meta
 from kvstrata.model.decoder import DecoderLayer, DecoderLM, ForwardArgs, ModelPart, SeqBatch
 from kvstrata.model.mla_attention import MLAttention
-from kvstrata.parallel.cp_attn import attend_owned
-from kvstrata.parallel.cp_gather import CPGather, CPOwnership, make_plan, scratch_nbytes
-from kvstrata.parallel.pp import PipelineStage
+from kvstrata.model_parallel.cp_attn import attend_owned
+from kvstrata.model_parallel.cp_gather import CPGather, make_plan
+from kvstrata.model_parallel.pp import PipelineStage
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -287,37 +287,3 @@ class CPModel(ModelPart):
         m = self.model
         weight = m.model.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
         return nn.functional.linear(self.norm(x), weight).float()
-
-
-class ScratchBudget:
-    """The CP budget term of the scheduler (kvstrata.engine.scheduler.BatchLimit): both
-    (recv, scratch) buffer pairs of the per-layer gather (kvstrata.parallel.cp_gather.
-    scratch_nbytes) stay within `scratch_bytes` (0: no limit).
-
-    The scheduler drops requests from the end of the planned batch until it fits (the first
-    always runs); they wait for a later step. The plan depends only on agreed state, so every
-    rank trims alike.
-    """
-
-    def __init__(self, pool: DevicePool, scratch_bytes: int) -> None:
-        if scratch_bytes < 0:
-            raise ValueError(f"scratch_bytes must be >= 0 (0 = no limit), got {scratch_bytes}")
-        self.pool, self.scratch_bytes = pool, scratch_bytes
-        self.page = pool.shape.page_size
-        self.peak = 0  # largest planned scratch of any forward (bytes)
-
-    def batch_scratch(self, work: list[tuple[Request, list[int]]]) -> int:
-        """Bytes of both gather buffer pairs for this batch."""
-        shape, cp = self.pool.shape, self.pool.n_shards
-        pages: dict[int, None] = {}
-        for req, toks in work:
-            ctx = req.computed + len(toks)
-            pages.update(dict.fromkeys(req.page_table[: -(-ctx // self.page)]))
-        shares = CPOwnership(cp).shares(list(pages))
-        return scratch_nbytes(shape.layer_page_numel * shape.itemsize, len(pages), max(shares), cp)
-
-    def fits(self, work: list[tuple[Request, list[int]]]) -> bool:
-        return not self.scratch_bytes or self.batch_scratch(work) <= self.scratch_bytes
-
-    def planned(self, work: list[tuple[Request, list[int]]]) -> None:
-        self.peak = max(self.peak, self.batch_scratch(work))

@@ -22,9 +22,9 @@ import random
 from collections.abc import Callable
 
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, STORE, TransferOp
+from kvstrata.memory.cp_ownership import CPOwnership
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.transfer import PREFETCH_CHUNK, TensorMover
-from kvstrata.parallel.cp_gather import CPOwnership
 from kvstrata.storage.units import PagePart, UnitStorage
 
 __all__ = ["DistMover", "PagePart"]

@@ -1,10 +1,11 @@
 """Run the engine on tp x cp x pp local ranks with one logical cache everywhere.
 
-Every rank loads the model, keeps its part (kvstrata.parallel.tp / pp / cp), builds pools holding
-its part of every page (kvstrata.parallel.parts), the same HiCache and the same scheduler. Per step:
+Every rank loads the model, keeps its part (kvstrata.model_parallel.tp / pp / cp), builds pools
+holding its part of every page (kvstrata.memory.dist_mover), the same HiCache and the same
+scheduler. Per step:
   1. rank 0 broadcasts (new requests, its clock, stop) with broadcast_object_list: inputs and
      time are the same on every rank, so admission and prefetch budgets decide alike;
-  2. Engine.step(): its `agree` hook is StepConsensus (kvstrata.parallel.consensus), one
+  2. Engine.step(): its `agree` hook is StepConsensus (kvstrata.ranks.consensus), one
      all_reduce(MIN) over the cache's progress vector (+ step and, in live mode,
      decision-digest checks);
   3. the forward (tp all_reduces / pp sends / cp gathers), identical tokens on every rank.
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import xxhash
 
 from kvstrata.cache.config import CacheConfig
-from kvstrata.cache.manager import HiCache
+from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.radix import Node
 from kvstrata.configtools import doc
 from kvstrata.engine.build import (
@@ -35,28 +36,29 @@ from kvstrata.engine.build import (
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.engine.speculative import Speculator
+from kvstrata.memory.dist_mover import DistMover
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.consensus import StepConsensus
-from kvstrata.parallel.cp import CPModel, ScratchBudget
-from kvstrata.parallel.decision_log import MASK63, DecisionLog, config_digest
-from kvstrata.parallel.group import (
+from kvstrata.model_parallel.cp import CPModel
+from kvstrata.model_parallel.pp import PipelineStage, stage_bounds
+from kvstrata.model_parallel.tp import head_range, shard_tp
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.consensus import StepConsensus
+from kvstrata.ranks.decision_log import MASK63, DecisionLog, config_digest
+from kvstrata.ranks.group import (
     RankContext,
     heartbeat,
     run_ranks,
     verify_same,
 )
-from kvstrata.parallel.parts import DistMover, PagePart
-from kvstrata.parallel.pp import PipelineStage, stage_bounds
-from kvstrata.parallel.rank_report import PageWatch, rank_result
-from kvstrata.parallel.spec import place_speculator
-from kvstrata.parallel.tp import head_range, shard_tp
+from kvstrata.ranks.report import PageWatch, rank_result
+from kvstrata.ranks.scratch_budget import ScratchBudget
+from kvstrata.ranks.spec import place_speculator
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.mooncake_client import used_in_this_process
-from kvstrata.storage.units import open_unit_storage
+from kvstrata.storage.units import PagePart, open_unit_storage
 from kvstrata.workloads.feed import StaticWorkload, Workload, drive
 
 

@@ -1,5 +1,5 @@
 """torch.distributed process groups: rank layout (tp x cp x pp), init/teardown, local spawning
-(what a failed rank reports, and how the parent watches them: parallel/rank_failures.py).
+(what a failed rank reports, and how the parent watches them: ranks/failures.py).
 
 Rank order puts tensor parallel fastest, then context parallel, then pipeline stage:
 rank = (pp_idx * cp + cp_idx) * tp + tp_idx. The tp group of a rank is the ranks that share its
@@ -23,16 +23,16 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from kvstrata.local_ports import reserved_port
-from kvstrata.parallel.config import DistConfig
-from kvstrata.parallel.decision_log import new_run_id
-from kvstrata.parallel.rank_failures import (
+from kvstrata.parent_watch import exit_with_parent
+from kvstrata.ranks.config import DistConfig
+from kvstrata.ranks.decision_log import new_run_id
+from kvstrata.ranks.failures import (
     RankFailure,
     collect_reports,
     describe_exception,
     first_failure,
     reap,
 )
-from kvstrata.parent_watch import exit_with_parent
 
 __all__ = ["RankFailure"]  # raised by run_ranks; importers take it from here
 

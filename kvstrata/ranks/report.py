@@ -1,4 +1,4 @@
-"""What one rank reports back at the end of a distributed run (kvstrata.parallel.ranks), and
+"""What one rank reports back at the end of a distributed run (kvstrata.ranks.rank_engine), and
 the testing watch over the bytes of the pages it restored and cached (RankOptions.report_pages)."""
 
 from __future__ import annotations

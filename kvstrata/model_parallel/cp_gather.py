@@ -1,6 +1,7 @@
-"""Context-parallel page ownership and the double-buffered per-layer gather of a batch's KV.
+"""The double-buffered per-layer context-parallel gather of a batch's KV.
 
-Ownership is a fixed rule on the logical page id, with no lookup table:
+Ownership is a fixed rule on the logical page id, with no lookup table
+(kvstrata.memory.cp_ownership):
     owner = id % cp, local slot = id // cp
 so each rank's device pool holds only its own pages, layer-first:
     local_kv  # [num_layers, 2, capacity_local, page_size, kv_heads, head_dim]
@@ -25,41 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvstrata.memory.cp_ownership import CPOwnership
+
 # torch >= 2.12 names it all_gather_single; older releases all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass(frozen=True)
-class CPOwnership:
-    """owner = id % cp, slot = id // cp: which rank holds a page's KV, and where."""
-
-    cp: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.cp, int) or self.cp < 1:
-            raise ValueError(f"cp must be an integer >= 1, got {self.cp!r}")
-
-    def owner(self, page_id: int) -> int:
-        return page_id % self.cp
-
-    def slot(self, page_id: int) -> int:
-        return page_id // self.cp
-
-    def page_id(self, owner: int, slot: int) -> int:
-        return slot * self.cp + owner
-
-    def owned(self, page_ids: Sequence[int], rank: int) -> tuple[list[int], list[int]]:
-        """(positions in page_ids, local slots) of the pages `rank` owns, in logical order.
-        A restore from host/storage writes exactly these pages on `rank` before the gather."""
-        pos = [i for i, p in enumerate(page_ids) if p % self.cp == rank]
-        return pos, [page_ids[i] // self.cp for i in pos]
-
-    def shares(self, page_ids: Sequence[int]) -> list[int]:
-        """How many of `page_ids` each rank owns (balanced when ids come round robin)."""
-        counts = [0] * self.cp
-        for p in page_ids:
-            counts[p % self.cp] += 1
-        return counts
 
 
 @dataclass(frozen=True)
