@@ -14,12 +14,12 @@ import torch
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.feed import MultiTurn, Workload
 from kvstrata.engine.request import Request
 from kvstrata.ranks.checker import check_logs
 from kvstrata.ranks.config import DistConfig
 from kvstrata.ranks.group import RankFailure
 from kvstrata.ranks.rank_engine import RankOptions, run_distributed
-from kvstrata.workloads.feed import MultiTurn, Workload
 from tests.tiny_models import rel_err
 
 torch.set_num_threads(1)

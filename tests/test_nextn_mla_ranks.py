@@ -17,8 +17,8 @@ import torch
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
+from kvstrata.engine.feed import MultiTurn, drive
 from kvstrata.engine.request import Request
-from kvstrata.workloads.feed import MultiTurn, drive
 from tests.test_spec_ranks import (
     CONV,
     NEW,

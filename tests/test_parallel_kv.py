@@ -17,6 +17,7 @@ import torch
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.keys import key_hex
 from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.feed import MultiTurn
 from kvstrata.engine.request import Request
 from kvstrata.memory.layout import KVShape
 from kvstrata.ranks.config import DistConfig
@@ -25,7 +26,6 @@ from kvstrata.ranks.rank_engine import RankOptions, run_distributed
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.unit_sweep import pending_key
 from kvstrata.storage.units import CRASH_EXIT_CODE, PagePart, UnitLayout, open_unit_storage
-from kvstrata.workloads.feed import MultiTurn
 from tests.test_dist_engine import CONV, PAGE, _Once, assert_logits, serve_one_rank
 
 torch.set_num_threads(1)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstrata.engine.feed import MultiTurn
 from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.storage.units import UnitLayout
-from kvstrata.workloads.feed import MultiTurn
 from tests.test_dist_engine import CONV, PAGE, _Once, assert_logits, serve_one_rank
 from tests.test_parallel_kv import run
 

@@ -28,10 +28,10 @@ import torch
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.feed import MultiTurn, drive
 from kvstrata.engine.request import Request
 from kvstrata.ranks.config import DistConfig
 from kvstrata.ranks.rank_engine import RankOptions, run_distributed
-from kvstrata.workloads.feed import MultiTurn, drive
 from tests.tiny_models import make_llama, save_echo_head
 
 torch.set_num_threads(1)

@@ -27,6 +27,7 @@ from kvstrata.cli import validate
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.engine.build import build_engine, build_speculator, resolve_model_path
 from kvstrata.engine.config import TIER_SETS, EngineConfig
+from kvstrata.engine.feed import drive
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.tokenizer import chat_encoder
@@ -44,7 +45,6 @@ from kvstrata.workloads.agent import (
     session_of,
     turn_of,
 )
-from kvstrata.workloads.feed import drive
 
 QUICK = WorkloadSpec(sessions=2, turns=3, first_lines=10, tool_lines=6, max_new_tokens=4)
 FULL = WorkloadSpec(sessions=2, turns=4, first_lines=100, tool_lines=30, max_new_tokens=8)

@@ -34,6 +34,7 @@ from kvstrata.engine.build import (
     tiers_of,
 )
 from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.feed import StaticWorkload, Workload, drive
 from kvstrata.engine.request import Request
 from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.dist_mover import DistMover
@@ -59,7 +60,6 @@ from kvstrata.ranks.spec import place_speculator
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.mooncake_client import used_in_this_process
 from kvstrata.storage.units import PagePart, open_unit_storage
-from kvstrata.workloads.feed import StaticWorkload, Workload, drive
 
 
 @dataclass(frozen=True)
