@@ -28,7 +28,7 @@ from kvstrata.engine.build import Built
 from kvstrata.engine.engine import Engine
 from kvstrata.serve.events import KVEventPublisher
 from kvstrata.serve.request_record import RequestRecord
-from kvstrata.serve.step_loop import StepLoop, run_steps
+from kvstrata.serve.step_loop import ONE_RANK, StepLoop, run_steps
 from kvstrata.serve.stream import LoopObserver, QueueFull, Stream
 
 
@@ -239,10 +239,10 @@ class LocalRank:
             return
         self.built, events = parts.built, parts.events
         eng = parts.built.engine
-        steps = StepLoop(eng, front.handle, lambda mine: [mine], events, survive_errors=True)
+        steps = StepLoop(eng, front.handle, ONE_RANK, events, survive_errors=True)
         front.ready.set()
         try:
-            run_steps(steps, self.inbox)  # one rank: its own inputs, identity agreement
+            run_steps(steps, self.inbox)  # one rank: its own inputs are every rank's
         finally:
             front.fail_calls("server is stopping")
             front.fail_all("server is stopping")  # requests that raced the stop

@@ -35,7 +35,7 @@ from kvstrata.pd.worker import PDWorker
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.events import KVEventPublisher, rank0_events
 from kvstrata.serve.loop import LoopFront
-from kvstrata.serve.step_loop import IDLE_WAIT_S, StepLoop, run_steps
+from kvstrata.serve.step_loop import IDLE_WAIT_S, FanOut, StepLoop, run_steps
 from kvstrata.storage.base import StorageConfig
 
 STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies this often
@@ -111,11 +111,12 @@ def _serve_steps(
 ) -> None:
     """Every rank: the same step loop over the inputs rank 0 broadcasts."""
     eng, rank0 = re.engine, out is not None
-    steps = StepLoop(eng, out.put if out else None, _gather(rank0), events, STATS_EVERY_S)
+    fan = FanOut(_broadcast, _gather(rank0), re.set_clock)
+    steps = StepLoop(eng, out.put if out else None, fan, events, STATS_EVERY_S)
     if out is not None:
         eng.agree = steps.timed(eng.agree)
         out.put(Ready())
-    run_steps(steps, inbox if rank0 else None, _broadcast, re.set_clock)
+    run_steps(steps, inbox if rank0 else None)
     eng.check_integrity()
     re.close()  # drains pending cache ops (storage backups), agreed
     eng.check_integrity()
