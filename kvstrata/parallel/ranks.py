@@ -1,7 +1,8 @@
 """Run the engine on tp x cp x pp local ranks with one logical cache everywhere.
 
 Every rank loads the model, keeps its part (kvstrata.parallel.tp / pp / cp), builds pools holding
-its part of every page (kvstrata.memory.transfer: RankShare), the same HiCache and the same scheduler. Per step:
+its part of every page and the mover of its share (kvstrata.memory.transfer: RankShare), the same
+HiCache and the same scheduler. Per step:
   1. rank 0 broadcasts (new requests, its clock, stop) with broadcast_object_list: inputs and
      time are the same on every rank, so admission and prefetch budgets decide alike;
   2. Engine.step(): its `agree` hook is StepConsensus (kvstrata.parallel.consensus), one
@@ -217,7 +218,9 @@ class RankEngine:
         )
         # host pages sharded like device pages: this rank stores only the host ids it owns
         # (id % cp == cp_rank); a backup becomes visible once every rank wrote it (agreed)
-        return open_cache_parts(pool, self.part, ccfg, scfg, share, False, crash)
+        return open_cache_parts(
+            pool, self.part, ccfg, scfg, share, commit_on_put=False, crash_after_units=crash
+        )
 
     # ---- the step agreement --------------------------------------------------------------------
     def agree(self, local: list[int]) -> list[int]:
