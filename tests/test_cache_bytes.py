@@ -65,6 +65,9 @@ def test_bytes_roundtrip_every_tier(tmp_path: Path) -> None:
     cache.drain()  # write-through to host memory, then backup to storage
     cache.check_integrity()
     assert cache.counters.pages_moved["host->storage"] == 6
+    # one rank's share is every page, whole: all of it written, nothing foreign, committed on put
+    want = {"backup_bytes": 6 * SHAPE.page_nbytes, "foreign_backup_bytes": 0, "commits": 0}
+    assert mover.stats() == want
     mover.close()
 
     fresh, pool2, mover2 = make(tmp_path)  # a new cache sharing the store

@@ -1,6 +1,6 @@
 """`kvstrata bench parallel`: parallel KV placement costs, measured on real local gloo ranks.
 
-- storage backup throughput per rank and in total at tp=1, tp=2 and cp=2: every rank's DistMover
+- storage backup throughput per rank and in total at tp=1, tp=2 and cp=2: every rank's TensorMover
   backs up the same logical pages (its part, its own pages) into one file store of units;
   total = all bytes written / the slowest rank's time. Also the backup bytes rank 0 handled
   that belong to other ranks (goal 0: nothing is gathered).
@@ -29,9 +29,9 @@ from kvstrata.cache.keys import Namespace, page_keys
 from kvstrata.cache.movers import KeySetMover
 from kvstrata.cache.ops import BACKUP, TransferOp
 from kvstrata.memory.allocator import PageAllocator
-from kvstrata.memory.dist_mover import DistMover
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
+from kvstrata.memory.transfer import RankShare, TensorMover
 from kvstrata.model_parallel.tp import head_range
 from kvstrata.ranks.config import DistConfig
 from kvstrata.ranks.consensus import StepConsensus
@@ -44,7 +44,7 @@ SHAPE = KVShape(4, 4, 64, 16)
 
 
 def _backup_rank(ctx: RankContext, url: str, pages: int) -> dict[str, Any]:
-    """Back up `pages` pages through this rank's DistMover; time until its part is written."""
+    """Back up `pages` pages through this rank's TensorMover; time until its part is written."""
     cfg = ctx.config
     part = PagePart(
         SHAPE, (0, SHAPE.num_layers), head_range(SHAPE.num_kv_heads, cfg.tp, ctx.tp_rank)
@@ -53,7 +53,7 @@ def _backup_rank(ctx: RankContext, url: str, pages: int) -> dict[str, Any]:
     host = HostPool(part.shape, pages, pin_memory=False, n_shards=cfg.cp, rank=ctx.cp_rank)
     host.data.copy_(torch.randn(host.data.shape))
     store = open_unit_storage(url, part, commit_on_put=False)
-    mover = DistMover(dev, host, store, ctx.tp_rank == 0)
+    mover = TensorMover(dev, host, store, RankShare(commit_writer=ctx.tp_rank == 0))
     keys = [1_000_003 + i for i in range(pages)]  # the same logical pages on every rank
     op = TransferOp(BACKUP, list(range(pages)), [], keys=keys)
     dist.barrier()

@@ -35,6 +35,7 @@ from kvstrata.model_parallel.tp import check_layout
 from kvstrata.ranks.config import DistConfig
 from kvstrata.ranks.decision_log import DecisionLog, config_digest, new_run_id
 from kvstrata.ranks.group import RankFailure
+from kvstrata.ranks.report import requests_report
 from kvstrata.ranks.spec import check_spec_layout
 from kvstrata.serve.codec import open_codec
 from kvstrata.storage.base import StorageConfig, open_storage
@@ -144,59 +145,29 @@ def run_config(
     tiers: str,
     model: DecoderLM,
     cfgs: tuple[EngineConfig, CacheConfig, StorageConfig],
-    prompts: Prompts,
-    max_new: int,
-    on_done: Callable[[], None] | None = None,
-    log: DecisionLog | None = None,
-) -> tuple[list[TurnResult], dict[str, Any] | None]:
-    """Serve every session turn by turn (turn k+1 is submitted when turn k finished); the
-    sessions interleave, so several requests are in flight and batched together."""
-    engine_cfg, cache_cfg, storage_cfg = cfgs
-    ecfg = dataclasses.replace(engine_cfg, tiers=tiers)
-    built = build_engine(ecfg, cache_cfg, storage_cfg, model=model, decisions=log)
-    eng = built.engine
-    workload = SessionTurns(prompts, max_new)
-    results: list[TurnResult] = []
-    try:
-        for finished in drive(eng, workload):
-            for req in finished:
-                results.append(
-                    TurnResult.of(session_of(req.rid), turn_of(req.rid), req, cache_cfg.page_size)
-                )
-                if on_done is not None:
-                    on_done()
-        eng.drain()
-        eng.check_integrity()
-        counters = eng.cache.counters.as_dict() if eng.cache is not None else None
-    finally:
-        built.close()
-        if log is not None:
-            log.close()
-    return results, counters
-
-
-def run_config_ranks(
-    tiers: str,
-    cfgs: tuple[EngineConfig, CacheConfig, StorageConfig],
     dist_cfg: DistConfig,
     prompts: Prompts,
     max_new: int,
+    on_done: Callable[[], None] | None = None,
+    run_id: str = "",
 ) -> tuple[list[TurnResult], dict[str, Any] | None]:
-    """The same workload on tp x cp x pp local ranks: every rank's tokens and accepts agree."""
-    from kvstrata.ranks.rank_engine import (
-        run_distributed,  # spawns processes: import only when used
-    )
-
+    """Serve every session turn by turn (turn k+1 is submitted when turn k finished) on
+    dist_cfg's ranks: one in this process (N = 1), or tp x cp x pp local rank processes. The
+    sessions interleave, so several requests are in flight and batched together; every rank's
+    tokens and accepts agree. on_done: once per finished request (under rank processes: once
+    they are done)."""
     engine_cfg, cache_cfg, storage_cfg = cfgs
     ecfg = dataclasses.replace(engine_cfg, tiers=tiers)
-    reports = run_distributed(
-        ecfg, cache_cfg, dist_cfg, SessionTurns(prompts, max_new), storage_cfg
-    )
+    dist_cfg = _per_config_log(dist_cfg, tiers)
+    launch = _in_this_process if dist_cfg.world_size == 1 else _on_rank_processes
+    workload = SessionTurns(prompts, max_new)
+    tick = on_done or (lambda: None)
+    reports = launch(ecfg, cache_cfg, storage_cfg, dist_cfg, workload, model, run_id, tick)
     for key in ("outputs", "spec_accepts"):
         if any(r[key] != reports[0][key] for r in reports):
             raise RuntimeError(f"{tiers}: ranks differ in {key}")
     rank0, results = reports[0], []
-    for rid, output in rank0["outputs"].items():
+    for rid, output in rank0["outputs"].items():  # in the order the requests finished
         s, k = session_of(rid), turn_of(rid)
         hits, ttft = rank0["hits"][rid], rank0["ttft"][rid]
         spec = (tuple(rank0["spec_accepts"][rid]), rank0["spec_proposed"][rid])
@@ -205,19 +176,66 @@ def run_config_ranks(
     return results, rank0["counters"]
 
 
+def _in_this_process(
+    ecfg: EngineConfig,
+    cache_cfg: CacheConfig,
+    storage_cfg: StorageConfig,
+    dist_cfg: DistConfig,
+    workload: SessionTurns,
+    model: DecoderLM,
+    run_id: str,
+    on_done: Callable[[], None],
+) -> list[dict[str, Any]]:
+    """The one rank's report: this process runs it on the loaded model, its own inputs being
+    every rank's (identity agreement)."""
+    log = None
+    if dist_cfg.consensus_log:
+        fields = {**dataclasses.asdict(ecfg), **dataclasses.asdict(cache_cfg)}
+        log = DecisionLog.from_config(dist_cfg, 0, run_id, config_digest(fields))
+    built = build_engine(ecfg, cache_cfg, storage_cfg, model=model, decisions=log)
+    eng, done = built.engine, []
+    try:
+        for finished in drive(eng, workload):
+            done += finished
+            for _ in finished:
+                on_done()
+        eng.drain()
+        eng.check_integrity()
+        counters = eng.cache.counters.as_dict() if eng.cache is not None else None
+    finally:
+        built.close()
+        if log is not None:
+            log.close()
+    return [{**requests_report(done), "counters": counters}]
+
+
+def _on_rank_processes(
+    ecfg: EngineConfig,
+    cache_cfg: CacheConfig,
+    storage_cfg: StorageConfig,
+    dist_cfg: DistConfig,
+    workload: SessionTurns,
+    model: DecoderLM,
+    run_id: str,
+    on_done: Callable[[], None],
+) -> list[dict[str, Any]]:
+    """Every rank's report, rank order: tp x cp x pp local rank processes, each loading the
+    model from its path (`model` and `run_id` are this process's: rank 0 draws the ranks')."""
+    from kvstrata.ranks.rank_engine import (
+        run_distributed,  # spawns processes: import only when used
+    )
+
+    reports = run_distributed(ecfg, cache_cfg, dist_cfg, workload, storage_cfg)
+    for _ in reports[0]["outputs"]:
+        on_done()
+    return reports
+
+
 def _per_config_log(dist_cfg: DistConfig, tiers: str) -> DistConfig:
     """Each configuration logs its decisions to its own folder: --consensus-log DIR/<tiers>."""
     if not dist_cfg.consensus_log:
         return dist_cfg
     return dataclasses.replace(dist_cfg, consensus_log=str(Path(dist_cfg.consensus_log) / tiers))
-
-
-def _single_rank_log(dist_cfg: DistConfig, cfgs: Any, tiers: str, run_id: str) -> Any:
-    """The decision log of a one-rank configuration (None without --consensus-log)."""
-    if not dist_cfg.consensus_log:
-        return None
-    fields = {**dataclasses.asdict(cfgs[0]), **dataclasses.asdict(cfgs[1]), "tiers": tiers}
-    return DecisionLog.from_config(dist_cfg, 0, run_id, config_digest(fields))
 
 
 # ---- the job --------------------------------------------------------------------------------------
@@ -343,20 +361,15 @@ def _serve_all(
     with _progress(console) as progress:
         for tiers in TIER_SETS:
             task = progress.add_task(f"{tiers:>9}", total=n_req)
-            dist_cfg = _per_config_log(dist_all, tiers)
-            if dist_cfg.world_size > 1:
-                res = run_config_ranks(tiers, cfgs, dist_cfg, prompts, max_new)
-                progress.advance(task, n_req)
-            else:
-                log = _single_rank_log(dist_cfg, cfgs, tiers, run_id)
-                advance = lambda t=task: progress.advance(t)  # noqa: E731
-                res = run_config(tiers, model, cfgs, prompts, max_new, advance, log)
+            advance = lambda t=task: progress.advance(t)  # noqa: E731
+            res = run_config(tiers, model, cfgs, dist_all, prompts, max_new, advance, run_id)
             results[tiers] = res
         if cfgs[0].spec_draft:  # the reference for the identical-outputs check: no speculation
             task = progress.add_task(f"{PLAIN:>9}", total=n_req)
             plain = (dataclasses.replace(cfgs[0], spec_draft=""), *cfgs[1:])
             advance = lambda t=task: progress.advance(t)  # noqa: E731
-            results[PLAIN] = run_config("none", model, plain, prompts, max_new, advance)
+            one_rank = DistConfig()  # the reference: one rank, nothing logged
+            results[PLAIN] = run_config("none", model, plain, one_rank, prompts, max_new, advance)
     return results
 
 

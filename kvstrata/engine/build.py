@@ -23,7 +23,7 @@ from kvstrata.engine.scheduler import BatchLimit
 from kvstrata.engine.speculative import Speculator
 from kvstrata.memory.layout import KVShape
 from kvstrata.memory.pool import DevicePool, HostPool
-from kvstrata.memory.transfer import TensorMover
+from kvstrata.memory.transfer import WHOLE, RankShare, TensorMover
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.draft import load_draft
@@ -115,15 +115,10 @@ class OneRank:
         self, pool: DevicePool, cache_cfg: CacheConfig, storage_cfg: StorageConfig | None
     ) -> CacheParts:
         """The device pool with its host pool (if any) and storage backend (if any), and their
-        mover."""
+        mover: the whole of every page."""
         shape = pool.shape
-        host = HostPool(shape, cache_cfg.host_pages) if cache_cfg.host_pages else None
-        storage = None
-        if cache_cfg.storage_url:
-            # the topology-free unit layout that every parallel layout reads and writes too
-            part = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
-            storage = open_unit_storage(cache_cfg.storage_url, part, storage_cfg or StorageConfig())
-        return CacheParts(pool, host, TensorMover(pool, host, storage), storage is not None)
+        whole = PagePart(shape, (0, shape.num_layers), (0, shape.num_kv_heads))
+        return open_cache_parts(pool, whole, cache_cfg, storage_cfg)
 
     def clock(self) -> float:
         return time.monotonic()
@@ -186,6 +181,34 @@ class CacheParts:
     host: HostPool | None = None
     mover: PageMover | None = None
     has_storage: bool = False
+
+
+def open_cache_parts(
+    pool: DevicePool,
+    part: PagePart,
+    cache_cfg: CacheConfig,
+    storage_cfg: StorageConfig | None,
+    share: RankShare = WHOLE,
+    commit_on_put: bool = True,
+    crash_after_units: int = 0,
+) -> CacheParts:
+    """One rank's cache parts over its device `pool` of `part` of every page (one rank: the
+    whole page): a host pool sharded like the device pool, the storage in the topology-free unit
+    layout every parallel layout reads and writes too, and the mover of this rank's `share`.
+    commit_on_put: False where the ranks agree a backup before its pages become visible."""
+    host = None
+    if cache_cfg.host_pages:
+        host = HostPool(part.shape, cache_cfg.host_pages, n_shards=pool.n_shards, rank=pool.rank)
+    storage = None
+    if cache_cfg.storage_url:
+        storage = open_unit_storage(
+            cache_cfg.storage_url,
+            part,
+            storage_cfg,
+            commit_on_put,
+            crash_after_units=crash_after_units,
+        )
+    return CacheParts(pool, host, TensorMover(pool, host, storage, share), storage is not None)
 
 
 def assemble(

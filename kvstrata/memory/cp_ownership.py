@@ -1,8 +1,8 @@
 """Which context-parallel rank holds a page: a fixed rule on the logical page id, no lookup table.
 
 The device pool of rank r (DevicePool(n_shards=cp, rank=r)) holds only the pages it owns; the
-per-layer gather (kvstrata.model_parallel.cp_gather) and each rank's mover
-(kvstrata.memory.dist_mover) read the same rule.
+per-layer gather (kvstrata.model_parallel.cp_gather) and each rank's mover share
+(kvstrata.memory.transfer.RankShare) read the same rule.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Run the engine on tp x cp x pp local ranks with one logical cache everywhere.
 
-Every rank loads the model, keeps its part (kvstrata.model_parallel.tp / pp / cp), builds pools
-holding its part of every page (kvstrata.memory.dist_mover), the same HiCache and the same
-scheduler. Per step:
+Every rank loads the model, keeps its part (kvstrata.model_parallel.tp / pp / cp), builds pools holding
+its part of every page and the mover of its share (kvstrata.memory.transfer: RankShare), the same
+HiCache and the same scheduler. Per step:
   1. rank 0 broadcasts (new requests, its clock, stop) with broadcast_object_list: inputs and
      time are the same on every rank, so admission and prefetch budgets decide alike;
   2. Engine.step(): its `agree` hook is StepConsensus (kvstrata.ranks.consensus), one
@@ -30,6 +30,7 @@ from kvstrata.configtools import doc
 from kvstrata.engine.build import (
     CacheParts,
     build_engine,
+    open_cache_parts,
     resolve_model_path,
     tiers_of,
 )
@@ -37,9 +38,9 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.feed import StaticWorkload, Workload, drive
 from kvstrata.engine.request import Request
 from kvstrata.engine.speculative import Speculator
-from kvstrata.memory.dist_mover import DistMover
 from kvstrata.memory.layout import KVShape
-from kvstrata.memory.pool import DevicePool, HostPool
+from kvstrata.memory.pool import DevicePool
+from kvstrata.memory.transfer import RankShare, TensorMover
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model_parallel.cp import CPModel
@@ -59,7 +60,7 @@ from kvstrata.ranks.scratch_budget import ScratchBudget
 from kvstrata.ranks.spec import place_speculator
 from kvstrata.storage.base import StorageConfig
 from kvstrata.storage.mooncake_client import used_in_this_process
-from kvstrata.storage.units import PagePart, open_unit_storage
+from kvstrata.storage.units import PagePart
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class RankEngine:
         )
         self.built.closers.append(self.log.close)
         self.engine = self.built.engine
-        self.mover: DistMover | None = self.built.mover  # type: ignore[assignment]
+        self.mover: TensorMover | None = self.built.mover
         self.pages = PageWatch(self.pool) if options.report_pages else None
         self.cache = self.engine.cache
         self.consensus: StepConsensus | None = None
@@ -208,27 +209,19 @@ class RankEngine:
     def cache_parts(
         self, pool: DevicePool, ccfg: CacheConfig, scfg: StorageConfig | None
     ) -> CacheParts:
-        part = self.part
-        cp, ctx, o = self.ctx.config.cp, self.ctx, self.options
-        # host pages sharded like device pages: this rank stores only the host ids it owns (id % cp
-        # == cp_rank)
-        host = (
-            HostPool(part.shape, ccfg.host_pages, n_shards=cp, rank=ctx.cp_rank)
-            if ccfg.host_pages
-            else None
+        ctx, o = self.ctx, self.options
+        crash = o.crash_after_units if ctx.rank == o.crash_rank else 0
+        share = RankShare(
+            # tp ranks holding the same latent units: only tp rank 0 writes them, all read them
+            unit_writer=self.part.shape.layout != "mla" or ctx.tp_rank == 0,
+            commit_writer=ctx.tp_rank == 0 and ctx.pp_rank == 0,  # commits its cp rank's pages
+            delay=(o.delay, o.seed * 1000 + ctx.rank) if o.delay else None,
         )
-        storage = None
-        if ccfg.storage_url:
-            crash = o.crash_after_units if ctx.rank == o.crash_rank else 0
-            storage = open_unit_storage(
-                ccfg.storage_url, part, scfg, commit_on_put=False, crash_after_units=crash
-            )
-        delay = (o.delay, o.seed * 1000 + ctx.rank) if o.delay else None
-        writer = ctx.tp_rank == 0 and ctx.pp_rank == 0  # commits its cp rank's pages
-        # tp ranks holding the same latent units: only tp rank 0 writes them, all read them
-        units = part.shape.layout != "mla" or ctx.tp_rank == 0
-        mover = DistMover(pool, host, storage, writer, delay, unit_writer=units)
-        return CacheParts(pool, host, mover, storage is not None)
+        # host pages sharded like device pages: this rank stores only the host ids it owns
+        # (id % cp == cp_rank); a backup becomes visible once every rank wrote it (agreed)
+        return open_cache_parts(
+            pool, self.part, ccfg, scfg, share, commit_on_put=False, crash_after_units=crash
+        )
 
     # ---- the step agreement --------------------------------------------------------------------
     def agree(self, local: list[int]) -> list[int]:

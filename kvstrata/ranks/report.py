@@ -51,6 +51,19 @@ class PageWatch:
         return {"restored_pages": self.restored, "cached_pages": self.cached}
 
 
+def requests_report(done: list[Request]) -> dict[str, Any]:
+    """What any rank, one or many, reports of the requests it finished, by request id."""
+    return {
+        "outputs": {r.rid: list(r.output) for r in done},
+        # numpy, not tensors: torch's queue would pass tensors as shared memory of a dying process
+        "logits": {r.rid: [x.numpy().copy() for x in r.logits] for r in done if r.keep_logits},
+        "hits": {r.rid: dict(r.hits) for r in done},
+        "ttft": {r.rid: r.ttft_s for r in done},
+        "spec_accepts": {r.rid: list(r.spec_accepts) for r in done},
+        "spec_proposed": {r.rid: r.spec_proposed for r in done},
+    }
+
+
 def rank_result(re: Any, done: list[Request]) -> dict[str, Any]:
     """What a rank reports back: outputs, logits, hits, digests, its share of the cached pages."""
     cache, ctx = re.cache, re.ctx
@@ -62,11 +75,7 @@ def rank_result(re: Any, done: list[Request]) -> dict[str, Any]:
         host = _host_report(re)
     return {
         "rank": ctx.rank,
-        "outputs": {r.rid: list(r.output) for r in done},
-        # numpy, not tensors: torch's queue would pass tensors as shared memory of a dying process
-        "logits": {r.rid: [x.numpy().copy() for x in r.logits] for r in done if r.keep_logits},
-        "hits": {r.rid: dict(r.hits) for r in done},
-        "ttft": {r.rid: r.ttft_s for r in done},
+        **requests_report(done),
         "counters": re.cache.counters.as_dict() if re.cache is not None else None,
         "digests": list(re.digests),
         "cached_device_pages": total,
@@ -76,8 +85,6 @@ def rank_result(re: Any, done: list[Request]) -> dict[str, Any]:
         "tokens_computed": getattr(re.engine.model, "tokens_computed", None),
         "peak_scratch": getattr(re.engine.scheduler.limit, "peak", None),
         "collectives_per_step": re.consensus.collectives_per_step if re.consensus else 0.0,
-        "spec_accepts": {r.rid: list(r.spec_accepts) for r in done},
-        "spec_proposed": {r.rid: r.spec_proposed for r in done},
         "spec": re.engine.spec_stats(),
         "spec_fingerprint": re.engine.spec.fingerprint if re.engine.spec is not None else "",
         "part": (re.part.layers, re.part.heads),
@@ -93,8 +100,8 @@ def _host_report(re: Any) -> dict[str, Any]:
     pool = re.mover.host
     ids = [h for n in re.cache.tree.nodes() if n.host is not None for h in n.host]
     out: dict[str, Any] = {"mover": re.mover.stats(), "cached_host_pages": len(ids)}
-    if re.mover.units is not None:
-        out["storage"] = re.mover.units.stats()
+    if re.mover.storage is not None:  # this rank's UnitStorage
+        out["storage"] = re.mover.storage.stats()
     if pool is not None:
         out["owned_host_pages"] = sum(1 for h in ids if pool.owns(h))
         out["host_slots"] = pool.capacity_local

@@ -1,13 +1,15 @@
-"""The HTTP side of the engine loop, and the loop of one rank in a thread of the server.
+"""The HTTP side of the engine loop, for one rank or many: one `LoopFront` over its `Ranks`.
 
 Requests, aborts and calls go into an inbox; the step loop (kvstrata/serve/step_loop.py) takes
-them between steps, on the engine thread of this process (one rank, `EngineLoop`) or in rank 0
-of several (kvstrata/serve/ranks.py, `RankedLoop`), and reports typed outputs that `LoopFront`
-hands to each request's stream: tokens go back to each request's asyncio queue through
-`call_soon_threadsafe`, so the event loop never waits on a step and a step never waits on a
-client. Every wait here has a bound. On one rank an exception inside a step fails the requests
-in flight (their clients get an error) and the loop goes on: the thread never dies while the
-server is up.
+them between steps and reports typed outputs that `LoopFront` hands to each request's stream:
+tokens go back to each request's asyncio queue through `call_soon_threadsafe`, so the event loop
+never waits on a step and a step never waits on a client. Where the step loop runs is the front's
+composed `Ranks`: one rank on an engine thread of this process (`LocalRank`: its own inputs are
+every rank's, its outputs reach the front in that thread), or tp x cp x pp ranks whose rank 0
+broadcasts the inputs and sends the outputs back over a queue (kvstrata/serve/ranks.py,
+`DistRanks`). Every wait here has a bound. On one rank an exception inside a step fails the
+requests in flight (their clients get an error) and the loop goes on: the thread never dies while
+the server is up.
 """
 
 from __future__ import annotations
@@ -19,23 +21,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvstrata.engine import step_io as io
 from kvstrata.engine.build import Built
 from kvstrata.engine.engine import Engine
 from kvstrata.serve.events import KVEventPublisher
 from kvstrata.serve.request_record import RequestRecord
-from kvstrata.serve.step_loop import StepLoop, run_steps
+from kvstrata.serve.step_loop import ONE_RANK, StepLoop, run_steps
 from kvstrata.serve.stream import LoopObserver, QueueFull, Stream
 
 
 class LoopFront:
     """The HTTP side of a step loop: its inbox, the streams in flight and their outputs."""
 
-    def __init__(self, max_pending: int, inbox: Any) -> None:
+    def __init__(self, max_pending: int, ranks: Ranks) -> None:
         self.max_pending = max_pending
-        self.inbox = inbox
+        self.ranks = ranks
+        self.inbox = ranks.inbox
         self.observers: list[LoopObserver] = []
         self.failed: str | None = None  # why the engine could not be built or the ranks stopped
         self.ready = threading.Event()
@@ -46,10 +49,25 @@ class LoopFront:
         self._calls = 0
         self._futures: dict[int, tuple[concurrent.futures.Future[Any], bool]] = {}
 
+    def start(self) -> None:
+        """Build the engine (one rank) or start the ranks; `ready` is set once they serve."""
+        self.ranks.start(self)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Abort what is left, drain pending cache ops, close; False when the ranks are late."""
+        self.inbox.put(io.Stop())
+        self.ranks.join(timeout_s)
+        return not self.thread.is_alive()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The thread that ends when the step loop ended (a stop, or a failure)."""
+        return self.ranks.thread
+
     def local_engine(self) -> Engine | None:
         """The engine when it runs in this process's thread and is built (None under ranks:
         it runs in the rank processes)."""
-        return None
+        return self.ranks.local_engine()
 
     def submit(self, req: RequestRecord, stream: Stream) -> None:
         """Send a new request to the engine (it builds its own Request from req.new(), on
@@ -137,14 +155,15 @@ class LoopFront:
             if self._streams.pop(rid, None) is not None:
                 self.pending -= 1
 
-    def _fail_all(self, message: str) -> None:
+    def fail_all(self, message: str) -> None:
+        """Every request in flight ends with an error naming `message`."""
         for rid in list(self._streams):
             entry = self._streams.get(rid)
             self._end(rid)
             if entry is not None:
                 entry[1].push("error", message)
 
-    def _fail_calls(self, message: str) -> None:
+    def fail_calls(self, message: str) -> None:
         """Calls still waiting get an answer, not a hang."""
         with self._lock:
             futures, self._futures = list(self._futures.values()), {}
@@ -160,53 +179,74 @@ class LoopParts:
     events: KVEventPublisher | None = None  # KV events publisher (--kv-events-endpoint)
 
 
-class EngineLoop(LoopFront):
-    """Builds the engine in its own thread, then runs the step loop on it until stopped.
+class Ranks(Protocol):
+    """Where a LoopFront's step loop runs, and how its inputs and outputs cross to it."""
+
+    inbox: Any  # the step inputs' queue: NewRequest, Abort, Call, Stop
+    thread: threading.Thread  # ends when the step loop ended: a stop or a failure
+    fatal_stop: bool  # ranks that stop by themselves (died, hung, diverged) never come back
+
+    def start(self, front: LoopFront) -> None:
+        """Run the step loop; its outputs go to front.handle, front.ready is set once it
+        serves, front.failed names why it could not start or stopped."""
+        ...
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (bounded) for the step loop to end once told to stop."""
+        ...
+
+    def local_engine(self) -> Engine | None:
+        """The engine when it runs in this process's thread and is built."""
+        ...
+
+
+class LocalRank:
+    """N = 1: builds the engine in its own thread, then runs the step loop on it until stopped;
+    its inputs are every rank's (identity agreement) and its outputs reach the front in that
+    thread. A step that raises fails the requests in flight and the loop goes on.
 
     build(inbox): the loop's parts (the inbox: where a P/D prefill side submits hand-offs)."""
 
-    def __init__(self, build: Callable[[Any], LoopParts], max_pending: int) -> None:
-        super().__init__(max_pending, queue.SimpleQueue())
+    fatal_stop = False  # a build failure is reported by /health; the thread ends only then
+
+    def __init__(self, build: Callable[[Any], LoopParts]) -> None:
+        self.inbox: Any = queue.SimpleQueue()
         self._build = build
         self.built: Built | None = None
         self.thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)
+        self._front: LoopFront | None = None
 
-    def start(self) -> None:
+    def start(self, front: LoopFront) -> None:
+        self._front = front
         self.thread.start()
 
-    @property
-    def engine(self) -> Engine:
-        assert self.built is not None
-        return self.built.engine
+    def join(self, timeout_s: float) -> None:
+        if self.thread.is_alive():
+            self.thread.join(timeout_s)
 
     def local_engine(self) -> Engine | None:
         return self.built.engine if self.built is not None else None
 
-    def stop(self, timeout_s: float) -> bool:
-        """Abort what is left, drain pending cache ops, close; False when the thread is late."""
-        self.inbox.put(io.Stop())
-        if self.thread.is_alive():
-            self.thread.join(timeout_s)
-        return not self.thread.is_alive()
-
     def _main(self) -> None:
+        front = self._front
+        assert front is not None
         try:
             parts = self._build(self.inbox)
         except Exception as exc:  # noqa: BLE001 - reported by /health and on stderr
-            self.failed = f"{type(exc).__name__}: {exc}"
-            print(f"kvstrata serve: engine failed to start: {self.failed}", file=sys.stderr)
-            self.ready.set()
+            front.failed = f"{type(exc).__name__}: {exc}"
+            print(f"kvstrata serve: engine failed to start: {front.failed}", file=sys.stderr)
+            front.ready.set()
             return
         self.built, events = parts.built, parts.events
-        eng = self.engine
-        steps = StepLoop(eng, self.handle, lambda mine: [mine], events, survive_errors=True)
-        self.ready.set()
+        eng = parts.built.engine
+        steps = StepLoop(eng, front.handle, ONE_RANK, events, survive_errors=True)
+        front.ready.set()
         try:
-            run_steps(steps, self.inbox)  # one rank: its own inputs, identity agreement
+            run_steps(steps, self.inbox)  # one rank: its own inputs are every rank's
         finally:
-            self._fail_calls("server is stopping")
-            self._fail_all("server is stopping")  # requests that raced the stop
-            self.built.close()  # engine.drain(): every pending backup reaches storage
+            front.fail_calls("server is stopping")
+            front.fail_all("server is stopping")  # requests that raced the stop
+            parts.built.close()  # engine.drain(): every pending backup reaches storage
             if events is not None:
                 events.after_step(eng)  # the drained state (new storage copies) is reported
                 events.close()

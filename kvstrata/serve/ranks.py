@@ -1,4 +1,5 @@
-"""Serving on tp x cp x pp local ranks: rank 0 takes the requests, every rank runs the same steps.
+"""Serving on tp x cp x pp local ranks (`DistRanks`, the N > 1 ranks of a LoopFront): rank 0 takes
+the requests, every rank runs the same steps.
 
 The HTTP process is no rank: it spawns the ranks (kvstrata.ranks.group.run_ranks, fork) from a
 thread and talks to rank 0 through two multiprocessing queues. Each step rank 0 drains its inbox
@@ -21,7 +22,8 @@ import torch.distributed as dist
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.step_io import Ready, StepInputs, Stop
+from kvstrata.engine.engine import Engine
+from kvstrata.engine.step_io import Ready, StepInputs
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.ranks import RankPD
@@ -33,7 +35,7 @@ from kvstrata.ranks.rank_engine import RankEngine, RankOptions
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.events import KVEventPublisher, rank0_events
 from kvstrata.serve.loop import LoopFront
-from kvstrata.serve.step_loop import IDLE_WAIT_S, StepLoop, run_steps
+from kvstrata.serve.step_loop import IDLE_WAIT_S, FanOut, StepLoop, run_steps
 from kvstrata.storage.base import StorageConfig
 
 STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies this often
@@ -109,11 +111,12 @@ def _serve_steps(
 ) -> None:
     """Every rank: the same step loop over the inputs rank 0 broadcasts."""
     eng, rank0 = re.engine, out is not None
-    steps = StepLoop(eng, out.put if out else None, _gather(rank0), events, STATS_EVERY_S)
+    fan = FanOut(_broadcast, _gather(rank0), re.set_clock)
+    steps = StepLoop(eng, out.put if out else None, fan, events, STATS_EVERY_S)
     if out is not None:
         eng.agree = steps.timed(eng.agree)
         out.put(Ready())
-    run_steps(steps, inbox if rank0 else None, _broadcast, re.set_clock)
+    run_steps(steps, inbox if rank0 else None)
     eng.check_integrity()
     re.close()  # drains pending cache ops (storage backups), agreed
     eng.check_integrity()
@@ -121,15 +124,18 @@ def _serve_steps(
         events.after_step(eng)  # the drained state (new storage copies) is reported too
 
 
-class RankedLoop(LoopFront):
-    """The step loop over ranks in child processes (see the module docstring), or, under
-    torchrun (torchrun=True), over this process as rank 0, stepping in a thread of it."""
+class DistRanks:
+    """N > 1: the step loop over ranks in child processes (see the module docstring), or, under
+    torchrun (torchrun=True), over this process as rank 0, stepping in a thread of it. Rank 0
+    broadcasts the inputs and gathers the calls' results; its outputs come back over a queue,
+    which a dispatcher thread hands to the front."""
+
+    fatal_stop = True  # a rank that died, hung or diverged stops them all, for good
 
     def __init__(
         self,
         configs: tuple[EngineConfig, CacheConfig, StorageConfig],
         dist_cfg: DistConfig,
-        max_pending: int,
         serve_cfg: ServeConfig | None = None,
         torchrun: bool = False,
         pd: PDWorker | None = None,
@@ -140,35 +146,39 @@ class RankedLoop(LoopFront):
 
         self.torchrun = torchrun
         if torchrun:  # rank 0 is a thread of this process: plain thread-safe queues
-            inbox: Any = queue.Queue()
+            self.inbox: Any = queue.Queue()
             self.outbox: Any = queue.Queue()
         else:
             mp = tmp.get_context("fork")
-            inbox, self.outbox = mp.Queue(), mp.Queue()
-        super().__init__(max_pending, inbox)
+            self.inbox, self.outbox = mp.Queue(), mp.Queue()
         self.configs, self.dist_cfg = configs, dist_cfg
         self.serve_cfg, self.pd = serve_cfg, pd
+        self._front: LoopFront | None = None
         self._done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kvstrata-ranks", daemon=True)
         self._dispatch = threading.Thread(
             target=self._dispatcher, name="kvstrata-dispatch", daemon=True
         )
 
-    def start(self) -> None:
+    def start(self, front: LoopFront) -> None:
+        self._front = front
         self.thread.start()
         self._dispatch.start()
 
-    def stop(self, timeout_s: float) -> bool:
-        self.inbox.put(Stop())
+    def join(self, timeout_s: float) -> None:
         self.thread.join(timeout_s)
         self._done.set()
         self._dispatch.join(5.0)
-        return not self.thread.is_alive()
+
+    def local_engine(self) -> Engine | None:
+        return None  # it runs in the rank processes
 
     # ---- threads of the HTTP process -------------------------------------------------------------
     def _run(self) -> None:
         from kvstrata.ranks.group import init_ranks, run_ranks, teardown
 
+        front = self._front
+        assert front is not None
         pd_cfg = self.pd.cfg if self.pd is not None else None
         args = (*self.configs, self.inbox, self.outbox, self.serve_cfg, pd_cfg)
         try:
@@ -183,23 +193,25 @@ class RankedLoop(LoopFront):
                     serve_rank_loop, self.dist_cfg, args, start_method="fork", timeout_s=FOREVER_S
                 )
         except Exception as exc:  # noqa: BLE001 - reported by /health and on stderr
-            self.failed = f"{type(exc).__name__}: {exc}"
-            print(f"kvstrata serve: ranks stopped: {self.failed}", file=sys.stderr)
+            front.failed = f"{type(exc).__name__}: {exc}"
+            print(f"kvstrata serve: ranks stopped: {front.failed}", file=sys.stderr)
         finally:
-            self.ready.set()
-            if self.failed:
-                self._fail_all(f"the ranks stopped: {self.failed}")
+            front.ready.set()
+            if front.failed:
+                front.fail_all(f"the ranks stopped: {front.failed}")
 
     def _dispatcher(self) -> None:
+        front = self._front
+        assert front is not None
         while not self._done.is_set():
             try:
                 msg = self.outbox.get(timeout=IDLE_WAIT_S)
             except queue.Empty:
                 continue
             if isinstance(msg, Ready):
-                self.ready.set()
+                front.ready.set()
             elif isinstance(msg, REPORTS):  # a P/D worker's counters, or its layout once up
                 assert self.pd is not None
                 self.pd.report(msg)
             else:
-                self.handle(msg)
+                front.handle(msg)

@@ -35,10 +35,10 @@ from kvstrata.ranks.spec import check_spec_layout
 from kvstrata.serve.app import create_app
 from kvstrata.serve.codec import open_codec
 from kvstrata.serve.config import ServeConfig
-from kvstrata.serve.loop import EngineLoop, LoopParts
+from kvstrata.serve.loop import LocalRank, LoopFront, LoopParts, Ranks
 from kvstrata.serve.metrics import ServeMetrics, engine_stats
 from kvstrata.serve.protocol import Limits
-from kvstrata.serve.ranks import RankedLoop
+from kvstrata.serve.ranks import DistRanks
 from kvstrata.serve.state import ServerState
 from kvstrata.serve.torchrun import torchrun_rank
 from kvstrata.storage.base import StorageConfig
@@ -83,23 +83,18 @@ def make_state(
     name = cfg.served_model_name or model_path.name
     metrics = ServeMetrics(name)
     listeners = Listeners(metrics.registry)
-    ranked = dist_cfg is not None and dist_cfg.world_size > 1
     pd = _pd_worker(cfg, pd_cfg, metrics, name)
-    loop: EngineLoop | RankedLoop
-    if ranked:
-        assert dist_cfg is not None
+    ranks: Ranks
+    if dist_cfg is not None and dist_cfg.world_size > 1:
         check_spec_layout(engine_cfg, dist_cfg)  # before any rank starts
         engine_cfg = dataclasses.replace(engine_cfg, model=str(model_path))
         under_torchrun = torchrun_rank() is not None  # this process is rank 0 of torchrun's
-        loop = RankedLoop(
-            (engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg.max_pending, cfg, under_torchrun, pd
-        )
-        metrics.attach(lambda: loop.stats, cache_cfg.page_size)  # rank 0's latest report
+        ranks = DistRanks((engine_cfg, cache_cfg, storage_cfg), dist_cfg, cfg, under_torchrun, pd)
+        # rank 0's latest report (one rank: its engine, read when asked: _build)
+        metrics.attach(lambda: loop.stats, cache_cfg.page_size)
     else:
-        loop = EngineLoop(
-            lambda inbox: _build(inbox, cfg, metrics, model, configs, pd, listeners),
-            cfg.max_pending,
-        )
+        ranks = LocalRank(lambda inbox: _build(inbox, cfg, metrics, model, configs, pd, listeners))
+    loop = LoopFront(cfg.max_pending, ranks)
     loop.observers.append(metrics)  # tokens, endings and pool stats of the loop
     limits = Limits(
         model.vocab_size,
@@ -209,7 +204,7 @@ def serve(state: ServerState) -> int:
         **server_options(cfg.client_timeout_s),
     )
     server = _Server(config, state)
-    if isinstance(state.loop, RankedLoop):
+    if state.loop.ranks.fatal_stop:
         _exit_when_ranks_stop(server, state)
     _exit_when_a_listener_dies(server, state)
     where = f"http://{cfg.host}:{cfg.port}"

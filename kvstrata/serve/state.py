@@ -10,16 +10,15 @@ from kvstrata.listeners import Listeners
 from kvstrata.pd.worker import PDWorker
 from kvstrata.serve.codec import Codec
 from kvstrata.serve.config import ServeConfig
-from kvstrata.serve.loop import EngineLoop
+from kvstrata.serve.loop import LoopFront
 from kvstrata.serve.metrics import ServeMetrics
 from kvstrata.serve.protocol import Limits
-from kvstrata.serve.ranks import RankedLoop
 
 
 @dataclass
 class ServerState:
     cfg: ServeConfig
-    loop: EngineLoop | RankedLoop
+    loop: LoopFront
     model_name: str
     model_root: str
     codec: Codec

@@ -1,9 +1,9 @@
 """One step loop for one rank and for many: typed step inputs in, typed outputs out.
 
 Each iteration applies one StepInputs (kvstrata.engine.step_io): new requests, calls between
-steps, aborts (a stop aborts everything), then one engine step when there is work. One rank
-takes its inputs straight from its inbox (`next_inputs`); under several ranks rank 0 takes them
-and broadcasts them, so every rank applies the same inputs with the same clock. What happens
+steps, aborts (a stop aborts everything), then one engine step when there is work. Rank 0 takes
+the inputs from its inbox (`next_inputs`) and the loop's `FanOut` gives every rank the same ones
+with the same clock: on one rank the identity, under several a broadcast. What happens
 goes out as TokenOut, Admitted, Finished, Failed, StatsOut and CallDone messages: on one rank
 to the HTTP side's handler in this thread, under ranks (rank 0 only) to the HTTP process's
 queue. The loop knows no P/D side: a worker's side is the engine's connector, driven by the
@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.engine.engine import Engine
@@ -57,6 +58,25 @@ def own_inputs(msg: StepInputs | None) -> StepInputs:
     return msg
 
 
+def own_result(mine: tuple[bool, Any]) -> list[tuple[bool, Any]]:
+    """One rank's Gather: its result is every rank's."""
+    return [mine]
+
+
+@dataclass(frozen=True)
+class FanOut:
+    """How rank 0's step inputs reach every rank and a call's results come back to it: on one
+    rank the identity (ONE_RANK); under several a broadcast and a gather (kvstrata/serve/ranks.py),
+    with each rank's clock set to rank 0's before each apply."""
+
+    share: Share = own_inputs
+    gather: Gather = own_result
+    on_clock: Callable[[float], None] | None = None
+
+
+ONE_RANK = FanOut()
+
+
 def busy(eng: Engine) -> bool:
     """Requests in flight, or cache ops whose results are still to apply."""
     return eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
@@ -83,19 +103,15 @@ def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
     )
 
 
-def run_steps(
-    steps: StepLoop,
-    inbox: Any | None,
-    share: Share = own_inputs,
-    on_clock: Callable[[float], None] | None = None,
-) -> None:
+def run_steps(steps: StepLoop, inbox: Any | None) -> None:
     """The loop of every rank, one or many, until the inputs say stop: rank 0 (the one with an
-    `inbox`) takes the inputs, `share` gives every rank the same ones, each applies them.
-    on_clock: this rank's agreed clock (rank 0's time) before each apply."""
+    `inbox`) takes the inputs, the loop's fan-out gives every rank the same ones (and rank 0's
+    clock), each applies them."""
+    fan = steps.fan
     while True:
-        msg = share(next_inputs(steps.engine, inbox) if inbox is not None else None)
-        if on_clock is not None:
-            on_clock(msg.clock)
+        msg = fan.share(next_inputs(steps.engine, inbox) if inbox is not None else None)
+        if fan.on_clock is not None:
+            fan.on_clock(msg.clock)
         if not steps.apply(msg):
             return
 
@@ -107,15 +123,16 @@ class StepLoop:
         self,
         engine: Engine,
         out: Out | None,
-        gather: Gather,
+        fan: FanOut = ONE_RANK,
         events: KVEventPublisher | None = None,
         stats_every_s: float = 0.0,
         survive_errors: bool = False,
     ) -> None:
-        """out: where this rank reports (None: a rank that does not); survive_errors: an
-        exception in a step fails the requests in flight and the loop goes on (one rank; under
-        ranks it ends the run, as the ranks may be in different collectives)."""
-        self.engine, self.out, self.gather, self.events = engine, out, gather, events
+        """out: where this rank reports (None: a rank that does not); fan: how inputs and call
+        results cross the ranks; survive_errors: an exception in a step fails the requests in
+        flight and the loop goes on (one rank; under ranks it ends the run, as the ranks may be
+        in different collectives)."""
+        self.engine, self.out, self.fan, self.events = engine, out, fan, events
         self.stats_every_s, self.survive_errors = stats_every_s, survive_errors
         self.agree_s: list[float] = []  # durations of the step agreements (rank 0 reports them)
         self._admitted: set[str] = set()
@@ -160,7 +177,7 @@ class StepLoop:
             mine: tuple[bool, Any] = (True, call.fn(self.engine))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, naming the rank
             mine = (False, exc if self.survive_errors else f"{type(exc).__name__}: {exc}")
-        results = self.gather(mine)
+        results = self.fan.gather(mine)
         if results is not None:
             self._report(CallDone(call.call_id, results))
 

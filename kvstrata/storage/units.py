@@ -16,7 +16,7 @@ separate small-value store next to the units (file: DIR/commits, redis and moonc
 prefix + "commit:").
 The marker is written after every unit of the page is in: at once by a single rank
 (commit_on_put), or under several ranks by one rank once the step consensus agreed that every
-rank wrote its units (DistMover.release). A rank killed mid-write leaves units without a marker:
+rank wrote its units (TensorMover.release). A rank killed mid-write leaves units without a marker:
 never visible, overwritten by the next write of the same page, and removed once stale
 (kvstrata.storage.unit_sweep: a pending record per page on file, an expiry on redis; Mooncake
 evicts them under memory pressure like any object).
