@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -183,8 +183,7 @@ class FileStore:
         }  # fmt: skip
         freed = 0
         for i, (key, value) in enumerate(zip(keys, pieces, strict=True)):
-            check = None if verify is None else (lambda i=i: verify(i))
-            ok, gone = self._read_one(key, header, value, counts, check)
+            ok, gone = self._read_one(key, header, value, counts, verify, i)
             freed += gone
             if not ok:
                 counts["get_misses"] += 1
@@ -200,9 +199,11 @@ class FileStore:
         header: bytearray,
         value: Sequence[memoryview],
         counts: dict[str, int],
-        check: Callable[[], bool] | None,
+        check: Verify | None,
+        index: int,
     ) -> tuple[bool, int]:
-        """Read page `key` into `value` (pieces); (ok, bytes of a removed corrupt file)."""
+        """Read page `key` into `value` (pieces), checked by check(index) if a check is given;
+        (ok, bytes of a removed corrupt file)."""
         path = self._path(key)
         try:
             fd = os.open(path, _RD)
@@ -212,7 +213,7 @@ class FileStore:
             counts["read_errors"] += 1
             return False, 0
         try:
-            outcome = self._read_fd(fd, key, header, value, check)
+            outcome = self._read_fd(fd, key, header, value, check, index)
             if outcome in ("corrupt", "foreign"):
                 counts[outcome] += 1
             if outcome == "corrupt":
@@ -232,7 +233,8 @@ class FileStore:
         key: int,
         header: bytearray,
         value: Sequence[memoryview],
-        check: Callable[[], bool] | None,
+        check: Verify | None,
+        index: int,
     ) -> str:
         """One file's outcome: "ok", "corrupt", "foreign" (an intact header of another size or
         format) or "rejected" (the caller's check failed, the checksum holds: left in place).
@@ -246,7 +248,7 @@ class FileStore:
             return "foreign" if header_foreign(header, key, os.fstat(fd).st_size) else "corrupt"
         if check is None:
             return "ok" if actual == digest else "corrupt"
-        if check():
+        if check(index):
             return "ok"
         return "rejected" if checksum_of_pieces(value) == digest else "corrupt"
 
@@ -343,7 +345,7 @@ class FileStore:
         if check is None:
             return "keep"
         header = bytearray(HEADER_NBYTES)
-        ok, freed = self._read_one(key, header, check.pieces, counts, lambda: check.keep(key))
+        ok, freed = self._read_one(key, header, check.pieces, counts, lambda _: check.keep(key), 0)
         self._add({}, -freed)
         return "keep" if ok else "bad"
 
