@@ -29,7 +29,7 @@ from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer
 
 BATCH = 64
 ROUNDS = 5
-GETS_PER_PUT = 3  # reads are cheap and noisier: more tries each
+GETS_PER_PUT = 10  # reads are cheap and noisier: more tries each (min of 50 per batch)
 # a SmolLM2-135M unit (1 layer x 1 K/V head x K,V x 64 tokens x 64 dims x fp32) and a larger one
 UNIT_SIZES = (32 * 1024, 256 * 1024)
 SIDES = ("plain", "mac", "encrypted")
