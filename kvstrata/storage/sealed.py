@@ -33,9 +33,11 @@ check built once per get (Sealer.mac_check / decrypt_check: the label's fixed pa
 views and the writer's key are set up once, so a unit costs one AES-GCM call and a
 constant-time compare). MAC only: the body is read straight into the caller's page and the tail
 beside it; encrypt: the value into one reused scratch (hot in L2), decrypted from there into the
-page. Measured on a 2-core VAES machine, 64 units from the page cache: decrypting in place in
-the page (read cold, then decrypt) and streaming GCM over chunks as they land were both slower
-than the hot scratch (the page is written once either way; a streaming context costs 5-7 us).
+page. Measured on a 2-core VAES machine, 64 units of 256 KiB from the page cache: decrypting in
+place in the page (read into it cold, then decrypt) was no faster than the hot scratch (the page
+is written once either way), streaming GCM over chunks as they land was slower (a streaming
+context costs 5-7 us), and decrypting from a mapping of the file saved ~2 us a unit but a file
+cut by another process while mapped would kill the reader (SIGBUS).
 Opt-in (`overlap`): a file store's units are checked on a second thread, a group at a time,
 while the next group is read (FileStore.get_overlapped); same outcomes as the serial one.
 """
@@ -108,7 +110,7 @@ def seal_tail(buf: memoryview | None = None) -> SealTail:
 
 
 def _ignore(i: int) -> None:
-    """A check's failures counted by its caller."""
+    """For a check whose caller counts its failures itself (an overlapped get, Sealer.open)."""
 
 
 def read_key_file(path: str | Path) -> bytes:
@@ -176,8 +178,9 @@ class Sealer:
         self._last = (salt, aead)
         return aead
 
-    def _label(self, ukey: int, nbytes: int) -> bytes:
-        return self._prefix + ukey.to_bytes(16, "big") + _U64.pack(nbytes)
+    def _label(self, ukey: int, size: bytes) -> bytes:
+        """The label of unit `ukey` whose length is `size` (_U64-packed once per batch)."""
+        return self._prefix + ukey.to_bytes(16, "big") + size
 
     def seal_pieces(self, ukey: int, unit: np.ndarray, scratch: np.ndarray) -> list[memoryview]:
         """The stored value of `unit` (uint8, n bytes) under unit key `ukey` as pieces to store
@@ -185,7 +188,7 @@ class Sealer:
         copied; encrypt [ciphertext|tag in scratch (>= n + 16 bytes, the caller's to reuse
         once stored), salt|nonce]."""
         n, nonce = unit.nbytes, next(self._nonces).to_bytes(NONCE, "little")
-        label = self._label(ukey, n)
+        label = self._label(ukey, _U64.pack(n))
         if self.encrypt:
             body = memoryview(scratch[: n + TAG])
             self.aead.encrypt_into(nonce, memoryview(unit), label, body)
@@ -213,8 +216,8 @@ class Sealer:
         """MAC only: check(i) says whether bodies[i] (unit i's `nbytes` bytes as read, anywhere
         in memory) and tails[i] are a unit sealed under unit key keys[i]; reads only. Built once
         per get: a unit's check is one GMAC call and a constant-time compare."""
-        prefix, size, aead_for, compare = (
-            self._prefix,
+        label, size, aead_for, compare = (
+            self._label,
             _U64.pack(nbytes),
             self._aead_for,
             hmac.compare_digest,
@@ -222,8 +225,8 @@ class Sealer:
 
         def check(i: int) -> bool:
             t = tails[i]
-            label = prefix + keys[i].to_bytes(16, "big") + size
-            if compare(aead_for(t.salt).encrypt(t.nonce, label, bodies[i])[-TAG:], t.tag):
+            want = aead_for(t.salt).encrypt(t.nonce, label(keys[i], size), bodies[i])
+            if compare(want[-TAG:], t.tag):
                 return True
             failed(i)
             return False
@@ -241,14 +244,13 @@ class Sealer:
         """Encrypted: check(i) decrypts stored[i] (unit i's ciphertext | tag, n + 16 bytes) with
         the salt and nonce of tails[i] into outs[i] (n bytes), True if it opens under unit key
         keys[i] (else outs[i] holds no verified bytes: the caller must not use it)."""
-        prefix, aead_for = self._prefix, self._aead_for
+        label, aead_for = self._label, self._aead_for
         size = _U64.pack(outs[0].nbytes) if outs else b""
 
         def check(i: int) -> bool:
             t = tails[i]
-            label = prefix + keys[i].to_bytes(16, "big") + size
             try:
-                aead_for(t.salt).decrypt_into(t.nonce, stored[i], label, outs[i])
+                aead_for(t.salt).decrypt_into(t.nonce, stored[i], label(keys[i], size), outs[i])
             except (InvalidTag, ValueError):
                 failed(i)
                 return False
