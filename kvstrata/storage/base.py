@@ -130,7 +130,8 @@ class StorageConfig:
         False,
         "with key_file: check each unit's seal on a second thread while the next unit is read "
         "(on machines with >= 2 cores); off (default: measured faster on a quiet 2-core VAES "
-        "machine, `bench storage`'s *_serial sides): read then check on one thread",
+        "machine, `bench storage`'s sealed mac/encrypted sides vs *_thread): read then check "
+        "on one thread",
     )
     group_access: bool = backend_doc(
         FILE,

@@ -11,12 +11,9 @@ locks:
   page is not thrown away); a file whose intact header names another page size or format (a
   store of another configuration over the same directory: sealed units read without the key)
   is a miss that stays (counted `foreign`);
-- the LRU clock is the file mtime, set explicitly (ns) on write and on read; the size cap is kept
-  by a running estimate plus an occasional rescan, and the clean-up removes the oldest files;
-- the size cap counts what the store takes on disk (`du`): the blocks allocated to its page files
-  and to its fan-out directories, not the payload (small units take a whole block each, and 256
-  fan-out directories take a block each); a clean-up removes the fan-out directories it emptied.
-Concurrent clean-ups in several processes may remove a little more than needed: that is a miss.
+- the LRU clock is the file mtime, set explicitly (ns) on write and on read; the size cap (what
+  the store takes on disk) is kept by a running estimate plus an occasional rescan that removes
+  the oldest files (kvstrata.storage.file_cleanup).
 
 Temp files are named `.<page file>.<host tag>.<pid>.<thread>.<seq>.tmp`. A writer removes its temp
 on any failure (an exception or a signal unwinding it) and `close()` removes any still open; a
@@ -24,18 +21,18 @@ killed writer's orphans are swept when a store opens and every `rescan_interval_
 (whatever the size cap): a temp of this host is removed once its pid is dead, a temp of another
 host (whose pids we cannot see) once it is older than `stale_tmp_s`. A live writer's temp is never
 touched: its pid is alive (a reused pid only delays the removal until the age limit).
+
+A get whose caller checks values on another thread while the next are read is
+kvstrata.storage.file_overlap's.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -57,12 +54,19 @@ from kvstrata.storage.base import (
     header_ok,
     page_view,
 )
+from kvstrata.storage.file_cleanup import (
+    PAGE_SUFFIX,
+    TMP_SUFFIX,
+    DirCleanup,
+    disk_nbytes,
+    unlink_quiet,
+)
 from kvstrata.storage.file_dirs import resolve_dir
 from kvstrata.storage.file_io import read_hashed, transfer_all
+from kvstrata.storage.file_overlap import PageFiles, get_overlapped
 from kvstrata.storage.tmp_files import TempFiles
 
-PAGE_SUFFIX = ".kvp"
-TMP_SUFFIX = ".tmp"
+__all__ = ["PAGE_SUFFIX", "TMP_SUFFIX", "FileStore", "disk_nbytes", "open_file_store"]
 _KEY_LIMIT = 1 << 128
 _RD = os.O_RDONLY | os.O_CLOEXEC
 _WR = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
@@ -71,34 +75,7 @@ _COUNTERS = (
     "read_errors", "exists_queries", "deleted", "evicted", "rescans", "bytes_written", "bytes_read",
     "tmp_swept", "foreign", "rewrites",
 )  # fmt: skip
-"""verify(i) of get_verified: True if value i, just read into its pieces, is good (must not
-change the pieces)."""
-
-
-@dataclass(slots=True)
-class _Checks:
-    """One group's check task: how many of its values, from `lo` on, passed (read once)."""
-
-    lo: int
-    task: Future[int]
-    passed: int = -1
-
-    def ok(self, i: int) -> bool:
-        if self.passed < 0:
-            self.passed = self.task.result()
-        return i - self.lo < self.passed
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A value of an overlapped get between its read and its settling (see get_overlapped)."""
-
-    index: int  # its place in the batch
-    path: str
-    fd: int | None  # open until settled (its file is touched or judged then)
-    outcome: str  # known at read time ("missing", "corrupt", "foreign", "read_errors"), or ""
-    digest: int = 0  # the header's checksum (a failed check: intact or corrupt)
-    verdict: _Checks | None = None  # its group's check
+_CLEANUP_COUNTERS = ("evicted", "rescans", "tmp_swept")  # kept by the DirCleanup
 
 
 class FileStore:
@@ -117,18 +94,20 @@ class FileStore:
         self.file_disk_nbytes = -(-self.file_nbytes // block) * block  # estimate; rescans measure
         self.dir_disk_nbytes = disk_nbytes(os.stat(self.root))
         self._root_s = os.fspath(self.root)
-        self._lock = threading.Lock()  # guards counters and the size estimate (threads only)
-        self._cleanup_lock = threading.Lock()  # one clean-up at a time per process
-        self._counts = dict.fromkeys(_COUNTERS, 0)
-        self._bytes_estimate = 0
-        self._next_rescan = 0.0
+        self._lock = threading.Lock()  # guards the counters (threads only)
+        self._counts = dict.fromkeys([c for c in _COUNTERS if c not in _CLEANUP_COUNTERS], 0)
         self._closed = False
         self._tmps = TempFiles(TMP_SUFFIX)
+        self.space = DirCleanup(self._root_s, self.config, self._tmps)
+        touch = self._touch if self.config.touch_on_read else None
+        self._files = PageFiles(
+            self.page_nbytes, self.file_nbytes, self._path, touch, self._discard
+        )
         self._warned = False
         if self.config.max_bytes:
-            self._cleanup()
+            self.space.cleanup()
         else:
-            self.sweep_tmp()
+            self.space.sweep_tmp()
 
     # ---- paths -------------------------------------------------------------------------------
     def _path(self, key: int) -> str:
@@ -145,7 +124,8 @@ class FileStore:
         with self._lock:
             for name, v in counts.items():
                 self._counts[name] += v
-            self._bytes_estimate = max(0, self._bytes_estimate + nbytes)
+        if nbytes:
+            self.space.add(nbytes)
 
     # ---- queries -----------------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[int]) -> int:
@@ -189,111 +169,9 @@ class FileStore:
         caller's buffer later)."""
         check_pieces(keys, pieces, self.page_nbytes)
         self._check_open()
-        counts = {
-            "gets": 1, "get_hits": 0, "get_misses": 0, "corrupt": 0, "read_errors": 0, "foreign": 0
-        }  # fmt: skip
-        flight: collections.deque[_InFlight] = collections.deque()
-        group: list[_InFlight] = []  # read, its check not started yet
-        freed, ok = 0, True
-        try:
-            for i, key in enumerate(keys):
-                while ok and len(flight) >= 2 * overlap.group:  # a group's pieces come back
-                    ok, gone = self._settle(flight.popleft(), pieces, overlap, counts)
-                    freed += gone
-                if not ok:
-                    break
-                item = self._read_ahead(i, key, pieces[i])
-                flight.append(item)
-                if item.outcome:
-                    break  # a miss at read time: nothing after it is read
-                group.append(item)
-                if len(group) == overlap.group:
-                    self._start_checks(group, overlap)
-            if ok:
-                self._start_checks(group, overlap)
-            while ok and flight:
-                ok, gone = self._settle(flight.popleft(), pieces, overlap, counts)
-                freed += gone
-        finally:
-            for item in flight:  # past the first miss: wait for its check, then drop it
-                if item.verdict is not None:
-                    item.verdict.task.exception()
-                if item.fd is not None:
-                    os.close(item.fd)
-        counts["get_misses"] = int(counts["get_hits"] < len(keys))
-        counts["bytes_read"] = counts["get_hits"] * self.page_nbytes
+        counts, freed = get_overlapped(self._files, keys, pieces, overlap)
         self._add(counts, -freed)
         return counts["get_hits"]
-
-    @staticmethod
-    def _start_checks(group: list[_InFlight], overlap: Overlap) -> None:
-        """One task checks the group's values in order; its result: how many lead passed."""
-        if not group:
-            return
-        lo, hi = group[0].index, group[-1].index + 1
-
-        def run() -> int:
-            for i in range(lo, hi):
-                if not overlap.check(i):
-                    return i - lo
-            return hi - lo
-
-        verdict = _Checks(lo, overlap.executor.submit(run))
-        for item in group:
-            item.verdict = verdict
-        group.clear()
-
-    def _read_ahead(self, i: int, key: int, value: Sequence[memoryview]) -> _InFlight:
-        """Read value i; an outcome known at read time (missing, header wrong, short) is set."""
-        path = self._path(key)
-        try:
-            fd = os.open(path, _RD)
-        except FileNotFoundError:
-            return _InFlight(i, path, None, "missing")
-        except OSError:
-            return _InFlight(i, path, None, "read_errors")
-        header = bytearray(HEADER_NBYTES)
-        try:
-            n = transfer_all(os.readv, fd, [memoryview(header), *value])
-            digest = header_ok(header, key, self.page_nbytes) if n == self.file_nbytes else None
-            if digest is None:
-                foreign = header_foreign(header, key, os.fstat(fd).st_size)
-                return _InFlight(i, path, fd, "foreign" if foreign else "corrupt")
-        except OSError:
-            os.close(fd)
-            return _InFlight(i, path, None, "read_errors")
-        return _InFlight(i, path, fd, "", digest)
-
-    def _settle(
-        self,
-        item: _InFlight,
-        pieces: Sequence[Sequence[memoryview]],
-        overlap: Overlap,
-        counts: dict[str, int],
-    ) -> tuple[bool, int]:
-        """The oldest value's verdict, acted on as _read_one does; (ok, bytes of a removed file)."""
-        i = item.index
-        outcome = item.outcome
-        if item.verdict is not None:
-            if item.verdict.ok(i):
-                outcome = "ok"
-            else:
-                overlap.failed(i)
-                intact = checksum_of_pieces(pieces[i]) == item.digest
-                outcome = "rejected" if intact else "corrupt"
-        fd, item.fd = item.fd, None
-        try:
-            if outcome in ("corrupt", "foreign", "read_errors"):
-                counts[outcome] += 1
-            if outcome == "ok":
-                counts["get_hits"] += 1
-                if self.config.touch_on_read:
-                    self._touch(fd)  # type: ignore[arg-type]
-            gone = self._discard(item.path, fd) if outcome == "corrupt" and fd is not None else 0
-            return outcome == "ok", gone
-        finally:
-            if fd is not None:
-                os.close(fd)
 
     def _get(
         self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
@@ -305,8 +183,7 @@ class FileStore:
         }  # fmt: skip
         freed = 0
         for i, (key, value) in enumerate(zip(keys, pieces, strict=True)):
-            check = None if verify is None else (lambda i=i: verify(i))
-            ok, gone = self._read_one(key, header, value, counts, check)
+            ok, gone = self._read_one(key, header, value, counts, verify, i)
             freed += gone
             if not ok:
                 counts["get_misses"] += 1
@@ -322,9 +199,11 @@ class FileStore:
         header: bytearray,
         value: Sequence[memoryview],
         counts: dict[str, int],
-        check: Callable[[], bool] | None,
+        check: Verify | None,
+        index: int,
     ) -> tuple[bool, int]:
-        """Read page `key` into `value` (pieces); (ok, bytes of a removed corrupt file)."""
+        """Read page `key` into `value` (pieces), checked by check(index) if a check is given;
+        (ok, bytes of a removed corrupt file)."""
         path = self._path(key)
         try:
             fd = os.open(path, _RD)
@@ -334,7 +213,7 @@ class FileStore:
             counts["read_errors"] += 1
             return False, 0
         try:
-            outcome = self._read_fd(fd, key, header, value, check)
+            outcome = self._read_fd(fd, key, header, value, check, index)
             if outcome in ("corrupt", "foreign"):
                 counts[outcome] += 1
             if outcome == "corrupt":
@@ -354,7 +233,8 @@ class FileStore:
         key: int,
         header: bytearray,
         value: Sequence[memoryview],
-        check: Callable[[], bool] | None,
+        check: Verify | None,
+        index: int,
     ) -> str:
         """One file's outcome: "ok", "corrupt", "foreign" (an intact header of another size or
         format) or "rejected" (the caller's check failed, the checksum holds: left in place).
@@ -368,7 +248,7 @@ class FileStore:
             return "foreign" if header_foreign(header, key, os.fstat(fd).st_size) else "corrupt"
         if check is None:
             return "ok" if actual == digest else "corrupt"
-        if check():
+        if check(index):
             return "ok"
         return "rejected" if checksum_of_pieces(value) == digest else "corrupt"
 
@@ -432,7 +312,7 @@ class FileStore:
         written = counts["puts"] + counts["rewrites"]
         counts["bytes_written"] = written * self.file_nbytes
         self._add(counts, added)
-        self._maybe_cleanup()
+        self.space.maybe_cleanup()
         return PutReport(written + counts["put_existing"], written * self.page_nbytes)
 
     def _write_one(
@@ -465,7 +345,7 @@ class FileStore:
         if check is None:
             return "keep"
         header = bytearray(HEADER_NBYTES)
-        ok, freed = self._read_one(key, header, check.pieces, counts, lambda: check.keep(key))
+        ok, freed = self._read_one(key, header, check.pieces, counts, lambda _: check.keep(key), 0)
         self._add({}, -freed)
         return "keep" if ok else "bad"
 
@@ -492,11 +372,11 @@ class FileStore:
             os.replace(tmp, path)
             return "puts"
         except OSError as exc:
-            self._unlink_quiet(tmp)
+            unlink_quiet(tmp)
             self._warn_once(exc)
             return "put_errors"
         except BaseException:  # a signal unwinding the writer: leave no temp behind
-            self._unlink_quiet(tmp)
+            unlink_quiet(tmp)
             raise
         finally:
             self._tmps.done(tmp)
@@ -525,119 +405,17 @@ class FileStore:
         return removed
 
     # ---- size cap ----------------------------------------------------------------------------
-    def _maybe_cleanup(self) -> None:
-        due = time.monotonic() >= self._next_rescan
-        if self.config.max_bytes and (self._bytes_estimate > self.config.max_bytes or due):
-            self._cleanup()
-        elif due:
-            self.sweep_tmp()
-
     def sweep_tmp(self) -> int:
         """Remove the orphan temp files of dead writers; returns how many were removed."""
-        if not self._cleanup_lock.acquire(blocking=False):
-            return 0
-        try:
-            removed = sum(1 for _ in self._scan(pages=False))
-            with self._lock:
-                self._counts["tmp_swept"] += removed
-            self._next_rescan = time.monotonic() + self.config.rescan_interval_s
-            return removed
-        finally:
-            self._cleanup_lock.release()
-
-    def _subdirs(self) -> list[str]:
-        with os.scandir(self._root_s) as top:
-            return [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-
-    def _scan(self, pages: bool = True) -> Iterator[tuple[int, os.stat_result, str]]:
-        """(mtime_ns, stat, path) of every page file (none if not `pages`); removes orphan temp
-        files on the way, yielding (0, stat, path) for each removed one when not `pages`."""
-        stale_before = time.time_ns() - int(self.config.stale_tmp_s * 1e9)
-        for sub in self._subdirs():
-            try:
-                with os.scandir(sub) as it:
-                    entries = list(it)
-            except OSError:
-                continue
-            for e in entries:
-                is_tmp = e.name.endswith(TMP_SUFFIX)
-                if not is_tmp and not pages:
-                    continue  # a temp sweep stats temp files only
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # removed meanwhile by another process
-                if e.name.endswith(PAGE_SUFFIX):
-                    yield st.st_mtime_ns, st, e.path
-                elif is_tmp and self._tmps.orphan(e.path, e.name, st.st_mtime_ns, stale_before):
-                    if self._unlink_quiet(e.path) and not pages:
-                        yield 0, st, e.path
-
-    @staticmethod
-    def _unlink_quiet(path: str) -> bool:
-        try:
-            os.unlink(path)
-            return True
-        except OSError:
-            return False
-
-    def _cleanup(self) -> None:
-        """Rescan the directory; if over the cap, remove the least recently used pages."""
-        if not self._cleanup_lock.acquire(blocking=False):
-            return  # another thread of this process is cleaning up already
-        try:
-            files = [(mtime, disk_nbytes(st), path) for mtime, st, path in self._scan()]
-            dirs = self._dir_sizes()
-            left = collections.Counter(os.path.dirname(path) for _, _, path in files)
-            total = sum(size for _, size, _ in files) + sum(dirs.values())
-            evicted = 0
-            if total > self.config.max_bytes:
-                target = self.config.max_bytes * self.config.evict_to_fraction
-                for sub in [d for d in dirs if not left[d]]:  # empty already: first to go
-                    total -= dirs[sub] if self._rmdir_quiet(sub) else 0
-                files.sort()
-                for _, size, path in files:
-                    if total <= target:
-                        break
-                    if self._unlink_quiet(path):
-                        evicted += 1
-                    total -= size  # gone either way (by us or by another process)
-                    sub = os.path.dirname(path)
-                    left[sub] -= 1
-                    if not left[sub] and self._rmdir_quiet(sub):  # its last page: the dir goes
-                        total -= dirs.get(sub, 0)
-            with self._lock:
-                self._bytes_estimate = total
-                self._counts["evicted"] += evicted
-                self._counts["rescans"] += 1
-            self._next_rescan = time.monotonic() + self.config.rescan_interval_s
-        finally:
-            self._cleanup_lock.release()
-
-    def _dir_sizes(self) -> dict[str, int]:
-        sizes = {}
-        for sub in self._subdirs():
-            try:
-                sizes[sub] = disk_nbytes(os.stat(sub))
-            except OSError:
-                pass  # removed meanwhile by another process's clean-up
-        return sizes
-
-    @staticmethod
-    def _rmdir_quiet(path: str) -> bool:
-        """Remove a fan-out directory if empty (never a page: rmdir fails on a non-empty one).
-        A writer that finds its directory gone recreates it (see _write_one)."""
-        try:
-            os.rmdir(path)
-            return True
-        except OSError:
-            return False
+        return self.space.sweep_tmp()
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:
         with self._lock:
-            out: dict[str, int | float] = dict(self._counts)
-            out["bytes_estimate"] = self._bytes_estimate
+            counts = dict(self._counts)
+        counts.update(self.space.counts())
+        out: dict[str, int | float] = {name: counts[name] for name in _COUNTERS}
+        out["bytes_estimate"] = self.space.estimate
         out["page_nbytes"] = self.page_nbytes
         out["max_bytes"] = self.config.max_bytes
         return out
@@ -647,17 +425,17 @@ class FileStore:
         that still finishes finds its temp gone: its rename fails and counts as put_errors)."""
         self._closed = True
         for tmp in self._tmps.close():
-            self._unlink_quiet(tmp)
+            unlink_quiet(tmp)
 
     def check_integrity(self) -> None:
         """Counters are sane and every page file has the right name, place and size."""
         assert self.root.is_dir(), f"storage directory {self.root} is gone"
         with self._lock:
             assert all(v >= 0 for v in self._counts.values()), self._counts
-            assert self._bytes_estimate >= 0, self._bytes_estimate
             c = self._counts
             assert c["get_hits"] + c["get_misses"] >= 0 and c["get_misses"] <= c["gets"], c
-        for _, st, path in self._scan():
+        self.space.check_integrity()
+        for _, st, path in self.space.scan():
             size = st.st_size
             sub, name = os.path.split(path)
             stem = name[: -len(PAGE_SUFFIX)]
@@ -674,11 +452,6 @@ class FileStore:
         """A page file of another store configuration (see header_foreign), whole."""
         with open(path, "rb") as f:
             return header_foreign(f.read(HEADER_NBYTES), key, size)
-
-
-def disk_nbytes(st: os.stat_result) -> int:
-    """Bytes a file or directory takes on disk (allocated blocks, as `du` counts them)."""
-    return st.st_blocks * 512
 
 
 @STORAGE_BACKENDS.register("file")
