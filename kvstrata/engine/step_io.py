@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvstrata.cache.pins import PinSpec
 from kvstrata.engine.request import Request
@@ -59,6 +59,13 @@ class Call:
 @dataclass(frozen=True)
 class Stop:
     """Abort what is left, drain pending cache ops, end the loop."""
+
+
+class Inbox(Protocol):
+    """A step loop's inbox (a queue.Queue, or a process queue under ranks): what producers
+    other than the HTTP side put in it (P/D prefill's checked hand-offs and cancels)."""
+
+    def put(self, item: NewRequest | Abort | Call | Stop) -> None: ...
 
 
 @dataclass(frozen=True)
