@@ -61,11 +61,19 @@ class Stop:
     """Abort what is left, drain pending cache ops, end the loop."""
 
 
-class Inbox(Protocol):
-    """A step loop's inbox (a queue.Queue, or a process queue under ranks): what producers
-    other than the HTTP side put in it (P/D prefill's checked hand-offs and cancels)."""
+InboxItem = NewRequest | Abort | Call | Stop
+"""What goes into a step loop's inbox."""
 
-    def put(self, item: NewRequest | Abort | Call | Stop) -> None: ...
+
+class Inbox(Protocol):
+    """A step loop's inbox (a queue.Queue, or a process queue under ranks): the HTTP side and
+    P/D prefill's listener (its checked hand-offs and cancels) put, the step loop takes."""
+
+    def put(self, item: InboxItem) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> InboxItem: ...
+
+    def get_nowait(self) -> InboxItem: ...
 
 
 @dataclass(frozen=True)
@@ -130,3 +138,7 @@ class StatsOut:
 class CallDone:
     call_id: int
     results: list[tuple[bool, Any]]  # per rank: (ok, result or error message)
+
+
+StepOutput = TokenOut | Admitted | Finished | Failed | StatsOut | CallDone
+"""What a step loop reports (rank 0's, or the one rank's)."""

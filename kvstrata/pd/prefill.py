@@ -31,6 +31,7 @@ from kvstrata.engine.connector import (
     SaveMeta,
 )
 from kvstrata.engine.engine import Engine
+from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.step_io import Abort, Inbox, NewRequest
 from kvstrata.listeners import Listeners
@@ -280,7 +281,7 @@ class PrefillSide(KVConnector):
             for frames in self.queued.pop(hid):
                 self._send(hid, frames)
 
-    def _let_go(self, sink: Sink, item: Any) -> None:
+    def _let_go(self, sink: Sink, item: Frames | HeldPages | str | None) -> None:
         """An answer that will not be sent: held pages are read no more."""
         if isinstance(item, HeldPages) and self.holds is not None:
             self.holds.done(sink)
@@ -327,7 +328,7 @@ class PrefillSide(KVConnector):
                 del self.peers[hid]
 
 
-def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Request, int]:
+def check_handoff(layout: Layout, head: dict[str, Any], kv: KVManager) -> tuple[Request, int]:
     """The engine request of a checked hand-off, and how many leading pages decode holds.
 
     Checks, in order: every field's type and range (tokens: ints below the vocabulary), decode's

@@ -33,7 +33,7 @@ from kvstrata.serve.stream import LoopObserver, QueueFull, Stream
 class LoopFront:
     """The HTTP side of a step loop: its inbox, the streams in flight and their outputs."""
 
-    def __init__(self, max_pending: int, inbox: Any) -> None:
+    def __init__(self, max_pending: int, inbox: io.Inbox) -> None:
         self.max_pending = max_pending
         self.inbox = inbox
         self.observers: list[LoopObserver] = []
@@ -165,7 +165,7 @@ class EngineLoop(LoopFront):
 
     build(inbox): the loop's parts (the inbox: where a P/D prefill side submits hand-offs)."""
 
-    def __init__(self, build: Callable[[Any], LoopParts], max_pending: int) -> None:
+    def __init__(self, build: Callable[[io.Inbox], LoopParts], max_pending: int) -> None:
         super().__init__(max_pending, queue.SimpleQueue())
         self._build = build
         self.built: Built | None = None

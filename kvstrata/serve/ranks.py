@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
-from kvstrata.engine.step_io import Ready, StepInputs, Stop
+from kvstrata.engine.step_io import Inbox, Ready, StepInputs, Stop
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.group import RankContext
 from kvstrata.parallel.ranks import RankEngine, RankOptions
@@ -56,7 +56,7 @@ def serve_rank_loop(
     engine_cfg: EngineConfig,
     cache_cfg: CacheConfig,
     storage_cfg: StorageConfig | None,
-    inbox: Any,
+    inbox: Inbox,
     outbox: Any,
     serve_cfg: ServeConfig | None = None,
     pd_cfg: PDConfig | None = None,
@@ -103,7 +103,7 @@ def _all_endpoints(mine: str) -> list[str]:
 
 def _serve_steps(
     re: RankEngine,
-    inbox: Any,
+    inbox: Inbox,
     out: Any | None,
     events: KVEventPublisher | None,
 ) -> None:
@@ -140,7 +140,7 @@ class RankedLoop(LoopFront):
 
         self.torchrun = torchrun
         if torchrun:  # rank 0 is a thread of this process: plain thread-safe queues
-            inbox: Any = queue.Queue()
+            inbox: Inbox = queue.Queue()
             self.outbox: Any = queue.Queue()
         else:
             mp = tmp.get_context("fork")

@@ -28,9 +28,12 @@ from kvstrata.engine.step_io import (
     CallDone,
     Failed,
     Finished,
+    Inbox,
+    InboxItem,
     NewRequest,
     StatsOut,
     StepInputs,
+    StepOutput,
     Stop,
     TokenOut,
 )
@@ -42,7 +45,7 @@ IDLE_WAIT_S = 0.05  # no work: wait this long at most for an input
 # steps, so their results are applied (pages unpinned, events sent) without waiting for the next
 # request.
 
-Out = Callable[[Any], None]
+Out = Callable[[StepOutput], None]
 Gather = Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]
 """This rank's (ok, result) of a call -> every rank's, on the rank that reports (else None)."""
 
@@ -62,10 +65,10 @@ def busy(eng: Engine) -> bool:
     return eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
 
 
-def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
+def next_inputs(eng: Engine, inbox: Inbox) -> StepInputs:
     """What waits in the inbox (blocks up to IDLE_WAIT_S when idle), the clock now, and whether
     to step. The inbox holds NewRequest, Abort, Call and Stop."""
-    items: list[Any] = []
+    items: list[InboxItem] = []
     try:
         items.append(inbox.get(timeout=IDLE_WAIT_S) if not busy(eng) else inbox.get_nowait())
         while True:
@@ -85,7 +88,7 @@ def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
 
 def run_steps(
     steps: StepLoop,
-    inbox: Any | None,
+    inbox: Inbox | None,
     share: Share = own_inputs,
     on_clock: Callable[[float], None] | None = None,
 ) -> None:
@@ -209,7 +212,7 @@ class StepLoop:
             self._admitted.discard(rid)
             self._report(Failed(rid, message))
 
-    def _report(self, msg: Any) -> None:
+    def _report(self, msg: StepOutput) -> None:
         if self.out is not None:
             self.out(msg)
 
