@@ -25,6 +25,7 @@ from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.connectors import pd_side
+from kvstrata.pd.holds import HoldGate, Holds
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.metrics import RankCounts
 from kvstrata.pd.pages import host_pages
@@ -223,3 +224,48 @@ def test_held_pages_are_sent_then_freed(built: Built) -> None:
         assert device(eng) == want
     finally:
         side.close()
+
+
+# ---- several ranks: pages go back on every rank at the same step ---------------------------------
+class StubSink:
+    """What Holds uses of a sink: its request, its hand-off id, `drop`."""
+
+    def __init__(self, rid: str) -> None:
+        self.req, self.hid, self.dropped = Request(rid, [1, 2], 1), rid, False
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
+def agree(ranks: list[Holds]) -> None:
+    """One step's collective over the ranks' HoldGate fields (MIN), as RankEngine runs it."""
+    gates = [h.gate for h in ranks]
+    assert all(g is not None for g in gates)
+    local = [g.local() for g in gates]  # type: ignore[union-attr]
+    values = {f: min(v[f] for v in local) for f in local[0]}
+    for g in gates:
+        g.agreed(values)  # type: ignore[union-attr]
+
+
+def test_ranks_release_a_hold_once_every_rank_sent_its_part() -> None:
+    ranks = [Holds(5.0, RankCounts(None), HoldGate(slots=2)) for _ in range(2)]
+    sinks = [[StubSink(f"pd-{i}") for i in range(3)] for _ in ranks]
+    for holds, mine in zip(ranks, sinks, strict=True):
+        for s in mine:
+            holds.hold(s, 100.0)  # type: ignore[arg-type]
+    ranks[0].done(sinks[0][0])  # type: ignore[arg-type]
+    ranks[0].done(sinks[0][2])  # type: ignore[arg-type]  # outside the 2-slot window
+    agree(ranks)
+    assert [h.finished(101.0) for h in ranks] == [[], []]  # rank 1 has not sent pd-0
+    ranks[1].done(sinks[1][0])  # type: ignore[arg-type]
+    ranks[1].done(sinks[1][2])  # type: ignore[arg-type]
+    agree(ranks)
+    assert [h.finished(102.0) for h in ranks] == [["pd-0"], ["pd-0"]]
+    agree(ranks)  # pd-2 now has a slot, done on both ranks
+    assert [h.finished(103.0) for h in ranks] == [["pd-2"], ["pd-2"]]
+    agree(ranks)  # pd-1: never sent anywhere; given up on the agreed clock, on every rank alike
+    assert [h.finished(105.0) for h in ranks] == [[], []]
+    assert [h.finished(105.5) for h in ranks] == [["pd-1"], ["pd-1"]]
+    assert [s[1].dropped for s in sinks] == [True, True]
+    assert [h.metrics.counts["held_expired"] for h in ranks] == [1, 1]
+    assert all(not h.held and not h.done_here for h in ranks)
