@@ -212,8 +212,9 @@ def test_held_pages_are_sent_then_freed(built: Built) -> None:
         client.join(30)
         head, frames = got[0]
         assert head["type"] == "pages"
-        pages = read_pages(head, frames, layout["page_bytes"]).pages
-        assert [bytes(p) for p in pages] == [bytes(p) for p in sent]
+        got = read_pages(head, frames, layout["page_bytes"])
+        assert [bytes(p) for p in got.pages] == [bytes(p) for p in sent]
+        assert got.logits.tolist() == req.logits[-1].float().tolist()
         for _ in range(2000):  # bounded: the listener reports within a few of its turns
             eng.step()
             eng.check_integrity()
