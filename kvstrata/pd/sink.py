@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstrata.engine.request import Request
@@ -27,9 +28,9 @@ class HeldPages:
     """A `pages` answer whose page frames the listener thread reads from the device pool when
     it sends it (the engine holds device pages `ids` until then)."""
 
-    ids: list[int]  # device pages of prompt pages [held, n)
-    row: Any  # the first-token logits row, host copy
-    state: Any  # the speculator's hand-off state, host copy (None: none)
+    ids: list[int]  # device pages of prompt pages [held, n) (none: they went layer by layer)
+    row: np.ndarray  # the first-token logits row [vocab], host copy
+    state: np.ndarray | None  # the speculator's hand-off state, host copy (None: none)
     stats: dict[str, int]
 
 
