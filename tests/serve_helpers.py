@@ -35,11 +35,13 @@ class Server(ServerProcess):
         return r.json()
 
     def wait_idle(self, timeout_s: float = 30.0) -> dict:
-        """Integrity report once no request runs or waits and no cache op is pending."""
+        """Integrity report once no request runs, waits or holds pages and no cache op is
+        pending."""
         deadline = time.monotonic() + timeout_s
         while True:
             rep = self.integrity()
-            if rep["running"] == rep["waiting"] == rep["pending_ops"] == 0 and not rep["owned"]:
+            quiet = rep["running"] == rep["waiting"] == rep["held"] == rep["pending_ops"] == 0
+            if quiet and not rep["owned"]:
                 return rep
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not idle within {timeout_s} s: {rep}")

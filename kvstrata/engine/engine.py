@@ -21,6 +21,7 @@ import torch
 
 from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import as_token_array
+from kvstrata.cache.lease import LeaseState
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.kv_connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.kv_manager import KVManager
@@ -350,11 +351,29 @@ class Engine:
         return True
 
     # ---- integrity ----------------------------------------------------------------------------
+    def _check_held(self, req: Request) -> None:
+        """A held request (its connector reads its pages): its lease is open, none of its pages
+        is free; those it committed are the tree's (locked by its lease), the rest its own."""
+        lease = req.lease
+        assert lease is not None and lease.state is LeaseState.ADMITTED, (
+            f"{req.rid}: held, no lease"
+        )
+        assert all(not self.pool.allocator.is_free(p) for p in lease.page_table), (
+            f"{req.rid}: a held page is free"
+        )
+        if self.cache is not None:
+            own = lease.page_table[lease.inserted :]
+            assert set(own) <= self.cache.owned, f"{req.rid}: a held page is the tree's and its own"
+            assert lease.inserted == 0 or lease.locked is not None, f"{req.rid}: unlocked"
+
     def check_integrity(self) -> None:
-        """Cache and pool invariants, and every running request's pages are allocated."""
+        """Cache and pool invariants, every running request's pages are allocated, and every
+        held request's pages are its own or locked in the tree, never both."""
         if self.cache is not None:
             self.cache.check_integrity()
         self.pool.check_integrity()
+        for req in self.scheduler.held.values():
+            self._check_held(req)
         for req in self.running:
             assert len(req.page_table) == req.pages_needed(self.page) or req.state is State.DONE
             assert all(not self.pool.allocator.is_free(p) for p in req.page_table), (

@@ -11,13 +11,17 @@ fixed points:
    remote tokens starts fetching them). A request with remote tokens waits in
    State.WAITING_FOR_REMOTE_KV: it holds its pages but the scheduler plans none of its prompt.
 2. `get_finished` (once per step, after admission): what landed (Landed) or failed
-   (RemoteFailed); the engine resumes or ends those requests.
+   (RemoteFailed), which the engine resumes or ends, and which held requests the connector is
+   done with (`Finished.sent`), whose pages the engine then frees.
 3. `build_connector_meta`: the per-step metadata of the planned batch, which the engine binds
    before the forward; the runner then calls `wait_for_layer_load` before and `save_kv_layer`
    after each layer (P/D prefill sends a layer's pages as soon as it is computed).
-4. `request_finished`: a request ended (finished, failed, aborted or refused), called before its
-   pages are released: a connector that sends its KV copies it out here (P/D prefill's whole
-   pages), so the pages are held until their bytes are taken.
+4. `request_finished`: a request ended (finished, failed, aborted or refused), after its full
+   computed pages were cached and before anything is freed. It returns whether the connector
+   still reads the request's pages (vLLM's delay_free): if so the engine holds them (the
+   request's lease stays open: its pages are neither freed, evicted nor reused) until
+   `get_finished` names the request in `Finished.sent`, or until an abort of the request
+   (`drop_held` first, so the connector reads them no more); else they go back at once.
 Everything a connector may use of its engine comes through `register_kv_caches` (an EngineView).
 Connector kinds are chosen by name through CONNECTORS ("pd-prefill", "pd-decode").
 An engine without a connector computes everything itself.
@@ -87,6 +91,18 @@ RemoteDone = Landed | RemoteFailed
 
 
 @dataclass(frozen=True)
+class Finished:
+    """What `get_finished` reports for one step (vLLM's finished_recving / finished_sending).
+
+    remote: requests whose remote KV landed or failed, in the order they are applied.
+    sent: ids of held requests (request_finished returned True) whose pages the connector reads
+    no more (sent, or given up on): the engine frees them now."""
+
+    remote: list[RemoteDone] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class ConnectorMeta:
     """One step's connector metadata (a connector extends it with what its runner side needs).
 
@@ -127,15 +143,22 @@ class KVConnector:
         """The metadata of the step that runs `work` (each request and the tokens it feeds)."""
         return ConnectorMeta()
 
-    def get_finished(self, idle_wait_s: float) -> list[RemoteDone]:
-        """Once per step, after admission: the requests whose remote KV landed or failed, in
-        the order they are to be applied. idle_wait_s: nothing else to do this step; the
-        connector may block that long for an arrival."""
-        return []
+    def get_finished(self, idle_wait_s: float) -> Finished:
+        """Once per step, after admission: the requests whose remote KV landed or failed, and
+        the held requests this connector is done with. idle_wait_s: nothing else to do this
+        step; the connector may block that long for an arrival."""
+        return Finished()
 
-    def request_finished(self, req: Request) -> None:
+    def request_finished(self, req: Request) -> bool:
         """A request ended (finished, failed, aborted, or refused at submit: req.failure); its
-        pages are still its own during this call and go back right after."""
+        pages are still its own during this call. True: the connector reads them after this
+        call, and the engine holds them until `get_finished` reports the request sent; False:
+        they go back at once."""
+        return False
+
+    def drop_held(self, req: Request) -> None:
+        """The engine takes back a held request's pages before the connector reported it sent
+        (an abort): returns once no read of them is under way, and none starts after."""
 
     # ---- runner side ----------------------------------------------------------------------------
     def bind_connector_metadata(self, meta: ConnectorMeta) -> None:

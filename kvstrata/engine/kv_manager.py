@@ -196,6 +196,11 @@ class KVManager:
 
     def abort(self, req: Request) -> None:
         """Give back every page and lock of a request in any state at once."""
+        self.free(req)
+
+    def free(self, req: Request) -> None:
+        """An ended request gives back what it holds: its committed pages stay in the tree,
+        unlocked (evictable); the rest is freed."""
         if req.lease is not None:
             req.lease.release()
 

@@ -15,6 +15,12 @@ passed over, and the ready ones behind it are admitted in arrival order while sl
 last. Among ready requests admission stays first come first served: a ready request that does
 not fit stops the scan, so a large request is not starved by small ones behind it, and the
 leases behind it let go of their locks so they cannot keep it out for ever.
+
+Delayed free (vLLM's shape): an ended request whose connector still reads its pages
+(request_finished returned True) is held: its lease stays open (the pages it committed stay
+locked in the tree, the rest stay its own: none is freed, evicted or reused) until the
+connector reports it in `Finished.sent`, or an abort takes the pages back. A held request is
+no longer running; the scheduler keeps stepping while one is held.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class Scheduler:
         self.speculating = speculating  # hit pages bring their draft part along
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # ended; its connector still reads its pages
         self.connector: KVConnector | None = None  # remote KV at fixed points (connector.py)
         self.costs = StepCosts()  # learnt from the planned steps' durations (tpot_target_ms)
         self._last: tuple[float, int, int] | None = None  # last plan: (start, decodes, prefill)
@@ -84,7 +91,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to step, or held pages whose connector report is still to come."""
+        return bool(self.waiting or self.running or self.held)
 
     # ---- one step: admit, (the engine applies the remote results), plan ------------------------
     def admit(self, now_s: float) -> Scheduled:
@@ -97,8 +105,18 @@ class Scheduler:
         out.ended = [self._fail_waiting(rid, why) for rid, why in failed.items()]
         conn = self.connector
         if conn is not None:
-            out.remote = conn.get_finished(IDLE_REMOTE_WAIT_S if self._only_remote() else 0.0)
+            got = conn.get_finished(IDLE_REMOTE_WAIT_S if self._only_remote() else 0.0)
+            out.remote = got.remote
+            for rid in got.sent:
+                self._free_held(rid)
         return out
+
+    def _free_held(self, rid: str) -> None:
+        """The connector reads a held request's pages no more: they go back now (its
+        committed pages stay cached, unlocked)."""
+        req = self.held.pop(rid, None)
+        assert req is not None, f"the connector reported {rid} sent, which is not held"
+        self.kv.free(req)
 
     def plan(self, now_s: float, out: Scheduled) -> Scheduled:
         """Plan the forward (after the remote results were applied) and build the connector's
@@ -170,7 +188,8 @@ class Scheduler:
             req.state = State.WAITING_FOR_REMOTE_KV
 
     def _only_remote(self) -> bool:
-        """Every request in flight waits for remote KV, and no cache op is pending."""
+        """Every request in flight waits for remote KV (none may run: only held pages wait
+        for their connector), and no cache op is pending."""
         if self.waiting or self.kv.copies_pending():
             return False
         return all(r.state is State.WAITING_FOR_REMOTE_KV for r in self.running)
@@ -244,12 +263,15 @@ class Scheduler:
 
     # ---- endings --------------------------------------------------------------------------------
     def finish(self, req: Request, reason: str) -> Request:
-        """A running request ends: its full pages stay cached, the rest goes back (after its
-        connector heard of it: it may copy them out first)."""
-        if self.connector is not None:
-            self.connector.request_finished(req)
-        self.kv.cache_pages(req, final=True)
+        """A running request ends: its full pages stay cached; the rest goes back, unless its
+        connector still reads them (then the request is held: module doc)."""
+        self.kv.cache_pages(req, final=False)
+        keep = self.connector is not None and self.connector.request_finished(req)
         self.running.remove(req)
+        if keep:
+            self.held[req.rid] = req
+        else:
+            self.kv.free(req)
         return ended(req, reason)
 
     def fail(self, req: Request, status: int, message: str) -> Request:
@@ -259,8 +281,7 @@ class Scheduler:
         req.failure = (status, message)
         if req in self.waiting:  # failed while waiting (its lease's match or probe)
             self.waiting.remove(req)
-            if self.connector is not None:
-                self.connector.request_finished(req)
+            self._tell_gone(req)
             self.kv.abort(req)
             return ended(req, "error")
         if req not in self.running:  # it had ended already (it raised after its finish)
@@ -271,20 +292,32 @@ class Scheduler:
             traceback.print_exc(file=sys.stderr)
             if req in self.running:
                 self.running.remove(req)
+            self._tell_gone(req)  # its remote KV, if any, is no longer awaited
             self.kv.abort(req)
-            if self.connector is not None:  # its remote KV, if any, is no longer awaited
-                self.connector.request_finished(req)
             return ended(req, "error")
+
+    def _tell_gone(self, req: Request) -> None:
+        """The connector hears of a request whose pages go back now whatever it answers (it
+        ended waiting, or its own lease work failed): a request it would keep is dropped."""
+        conn = self.connector
+        if conn is not None and conn.request_finished(req):
+            conn.drop_held(req)
 
     def abort(self, rid: str) -> Request | None:
         """End a waiting or running request now, releasing its pages and locks at once (a
         running one's computed full pages stay cached, like a finished request's); None when no
-        such request is in flight."""
+        such request is in flight. A held request (ended already) gives its pages back at once:
+        its connector stops reading them first; None too."""
+        held = self.held.pop(rid, None)
+        if held is not None:
+            assert self.connector is not None, "only a connector's requests are held"
+            self.connector.drop_held(held)
+            self.kv.free(held)
+            return None
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
-                if self.connector is not None:
-                    self.connector.request_finished(req)
+                self._tell_gone(req)
                 self.kv.abort(req)
                 return ended(req, "abort")
         for req in self.running:
@@ -309,9 +342,11 @@ class Scheduler:
         """Before a prefix-cache reset: running requests back to waiting, waiting leases let go
         of their locks (they match again later). False, changing nothing, while requests run
         and reset_running is off, or while remote work is in flight (its pages are being
-        written by another worker: it cannot be preempted)."""
-        remote = any(r.state is State.WAITING_FOR_REMOTE_KV for r in self.running)
-        if self.running and (not reset_running or remote):
+        written or read by another worker: it cannot be preempted)."""
+        remote = bool(self.held) or any(
+            r.state is State.WAITING_FOR_REMOTE_KV for r in self.running
+        )
+        if remote or (self.running and not reset_running):
             return False
         self.preempt_running()
         for req in self.waiting:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvstrata.cache.pins import PinSpec
 from kvstrata.engine.request import Request
@@ -59,6 +59,21 @@ class Call:
 @dataclass(frozen=True)
 class Stop:
     """Abort what is left, drain pending cache ops, end the loop."""
+
+
+InboxItem = NewRequest | Abort | Call | Stop
+"""What goes into a step loop's inbox."""
+
+
+class Inbox(Protocol):
+    """A step loop's inbox (a queue.Queue, or a process queue under ranks): the HTTP side and
+    P/D prefill's listener (its checked hand-offs and cancels) put, the step loop takes."""
+
+    def put(self, item: InboxItem) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> InboxItem: ...
+
+    def get_nowait(self) -> InboxItem: ...
 
 
 @dataclass(frozen=True)
@@ -123,3 +138,7 @@ class StatsOut:
 class CallDone:
     call_id: int
     results: list[tuple[bool, Any]]  # per rank: (ok, result or error message)
+
+
+StepOutput = TokenOut | Admitted | Finished | Failed | StatsOut | CallDone
+"""What a step loop reports (rank 0's, or the one rank's)."""

@@ -4,6 +4,7 @@ config     PDConfig (CLI options of `kvstrata serve --role prefill|decode`)
 wire       hand-off messages: msgpack headers, page frames with xxh3-64 checksums, layouts
 transport  a registry of transports by name (zmq: ROUTER on prefill, a DEALER per hand-off)
 prefill    the prefill worker: verifies decode's keys, runs an engine request, sends the pages
+holds      the pages prefill's engine holds until the listener has sent them (delayed free)
 decode     the decode worker: its lease holds what it has, the rest arrives from prefill
 ranks      RankPD: a worker's side on each of its ranks (one rank too), and the ranks' gates
 worker     PDWorker: the worker's HTTP side (picks prefill workers, hears its ranks' reports)

@@ -107,6 +107,9 @@ class CPSink(Sink):
     def on_layer(self, layer: int) -> None:
         return  # never layer by layer under cp (see the module docstring)
 
+    def can_hold(self) -> bool:
+        return False  # the pages leave through a collective gather, on the engine thread
+
     def _host(self, pool: Any, ids: list[int]) -> tuple[list[Any], dict[str, Any]]:
         """Gather every missing page (collective), keep the ones decode rank cp_rank owns."""
         assert len(self.owners) == len(ids), "owners were checked against [held, n) at submit"

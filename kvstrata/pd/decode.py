@@ -25,7 +25,14 @@ import torch
 import zmq
 
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.kv_connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
+from kvstrata.engine.kv_connector import (
+    EngineView,
+    Finished,
+    KVConnector,
+    Landed,
+    RemoteDone,
+    RemoteFailed,
+)
 from kvstrata.engine.request import Request
 from kvstrata.keyfile import read_key_file
 from kvstrata.pd.config import PDConfig
@@ -327,14 +334,20 @@ class DecodeSide(KVConnector):
         self.active[req.rid] = h
         h.start()
 
-    def request_finished(self, req: Request) -> None:
-        """Ended before its pages came (aborted: client gone): stop waiting for prefill."""
+    def request_finished(self, req: Request) -> bool:
+        """Ended before its pages came (aborted: client gone): stop waiting for prefill. Decode
+        reads no page of an ended request: they go back at once."""
         h = self.active.pop(req.rid, None)
         if h is not None:
             h.cancelled.set()
             self.ready.pop(req.rid, None)
+        return False
 
-    def get_finished(self, idle_wait_s: float) -> list[RemoteDone]:
+    def get_finished(self, idle_wait_s: float) -> Finished:
+        return Finished(remote=self._landings(idle_wait_s))
+
+    def _landings(self, idle_wait_s: float) -> list[RemoteDone]:
+        """The hand-offs that land (or fail) this step, in admission order."""
         self._collect(idle_wait_s)
         self._serve_pulls()
         gate = self.gate

@@ -13,6 +13,7 @@ from kvstrata.pd.reports import (
     HandoffFailed,
     HandoffReceived,
     HandoffRetried,
+    HoldExpired,
     PagesPulled,
     PagesSent,
     PDCount,
@@ -35,7 +36,7 @@ class RankCounts:
         self.report = report
         self.page_bytes = self.part_bytes = 0  # a whole page / this rank's part (set on attach)
         pulls = [f"{x}_pull_{d}" for d in ("sent", "received") for x in ("pages", "bytes")]
-        self.counts = dict.fromkeys((*self.NAMES, "retried", *pulls), 0)
+        self.counts = dict.fromkeys((*self.NAMES, "retried", "held_expired", *pulls), 0)
 
     def _report(self, event: PDCount) -> None:
         if self.report is not None:
@@ -73,6 +74,11 @@ class RankCounts:
         self.counts["retried"] += 1
         self._report(HandoffRetried())
 
+    def held_expired(self) -> None:
+        """Prefill gave up a hand-off's held pages (never sent within pd_timeout_s)."""
+        self.counts["held_expired"] += 1
+        self._report(HoldExpired())
+
 
 class PDMetrics:
     """The worker's hand-off counters (thread-safe), from its ranks' reports."""
@@ -89,6 +95,9 @@ class PDMetrics:
         self.storage = counter("pd_pages_from_storage", "held pages decode took from storage")
         self.computed = counter("pd_prefill_computed_tokens", "prompt tokens prefill computed")
         self.handoffs = counter("pd_handoffs", "hand-offs by outcome", ("outcome",))
+        self.expired = counter(
+            "pd_held_expired", "hand-offs whose held pages prefill released unsent"
+        )
 
     def record(self, event: PDCount) -> None:
         """One counter event of a rank (whole pages)."""
@@ -110,3 +119,5 @@ class PDMetrics:
             self.handoffs.labels(self.name, "failed").inc()
         elif isinstance(event, HandoffRetried):
             self.handoffs.labels(self.name, "retried").inc()
+        elif isinstance(event, HoldExpired):
+            self.expired.labels(self.name).inc()

@@ -6,10 +6,12 @@ then the rule that the page of the last prompt token is never held); a bad one i
 the reason. A good one runs as an ordinary engine request (max 1 token, logits kept), submitted
 through the step loop's inbox, so its own Lease serves what prefill's device/host/storage hold and
 only the rest is computed. The engine drives this side through its connector calls only: when
-the request ends with its first token (request_finished, before its pages go back) each rank's
-sink (kvstrata/pd/sink.py) copies out and queues the pages decode lacks; the listener thread
-sends them with the logits row, and heartbeats each hand-off that is still waiting or computing
-every pd_heartbeat_s. Held pages that prefill's own tiers lack are
+the request ends with its first token (request_finished) each rank's sink (kvstrata/pd/sink.py)
+queues its answer and request_finished returns True: the engine holds the request's pages until
+the listener thread has read and sent the pages decode lacks, with the logits row
+(kvstrata/pd/holds.py: reported in get_finished's `sent`, bounded by pd_timeout_s). The listener
+heartbeats each hand-off that is still waiting or computing every pd_heartbeat_s. Held pages
+that prefill's own tiers lack are
 pulled from decode first (kvstrata/pd/pull.py); under several ranks see kvstrata/pd/ranks.py.
 """
 
@@ -21,21 +23,24 @@ import time
 from typing import Any
 
 from kvstrata.cache.lease import hittable_pages
+from kvstrata.engine.engine import Engine
 from kvstrata.engine.kv_connector import (
     ConnectorMeta,
     EngineView,
+    Finished,
     KVConnector,
-    RemoteDone,
     SaveMeta,
 )
+from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
-from kvstrata.engine.step_io import Abort, NewRequest
+from kvstrata.engine.step_io import Abort, Inbox, NewRequest
 from kvstrata.listeners import Listeners
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.cp_pages import CPSink, check_owners, rank_sink
+from kvstrata.pd.holds import HoldGate, Holds
 from kvstrata.pd.metrics import RankCounts
 from kvstrata.pd.pull import Puller, PullGate
-from kvstrata.pd.sink import Sink
+from kvstrata.pd.sink import HeldPages, Sink
 from kvstrata.pd.transport import Listener
 from kvstrata.pd.wire import (
     Frames,
@@ -61,9 +66,9 @@ class PrefillSide(KVConnector):
     gets it at the same step, with the held page count); the other ranks only check their
     peer's layout and remember it. On the engine thread the engine tells this side of each
     hand-off through the connector's calls only: `add_request` (its sink starts),
-    `save_kv_layer` (layer by layer), `request_finished` (before its pages go back: the sink
-    queues the pages decode lacks, then the end); the listener thread sends what was queued
-    once the peer has asked.
+    `save_kv_layer` (layer by layer), `request_finished` (the sink queues its answer; True: the
+    engine holds the pages until `get_finished` reports them sent); the listener thread reads
+    and sends what was queued once the peer has asked.
     Only the listener thread touches flight/peers/queued; the engine thread hands it sinks and
     frames through `outbox` (FIFO: a sink before its frames)."""
 
@@ -71,7 +76,7 @@ class PrefillSide(KVConnector):
         self, cfg: PDConfig, listener: Listener, metrics: RankCounts, rank: int = 0
     ) -> None:
         self.cfg, self.listener, self.metrics, self.rank = cfg, listener, metrics, rank
-        self.inbox: Any = None  # the step loop's inbox (rank 0's under ranks; set by attach)
+        self.inbox: Inbox | None = None  # the step loop's (rank 0's under ranks; by attach)
         self.view: EngineView = None  # type: ignore[assignment]  # set by register_kv_caches
         self.layout: Layout | None = None
         self.layerwise = False  # hand-offs' pages go layer by layer as the forward computes them
@@ -82,20 +87,31 @@ class PrefillSide(KVConnector):
         self.sinks: dict[str, Sink] = {}  # engine thread: rid -> sink, until the request ends
         self.flight: dict[str, Sink] = {}  # hand-off id -> sink, until answered
         self.peers: dict[str, tuple[bytes, float]] = {}  # hand-off id -> (decode peer, since)
-        self.queued: dict[str, list[Frames]] = {}  # answers waiting for their peer
+        self.queued: dict[str, list[Frames | HeldPages]] = {}  # answers waiting for their peer
         self.puller = Puller(cfg, metrics, lambda sink, f: self.outbox.put((sink, f)), rank=rank)
+        self.holds: Holds | None = None  # the pages the engine holds for the listener (attach)
         self.listeners = Listeners()  # the process's (a server's: its death stops the server)
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
 
-    def attach(self, engine: Any, layout: Layout, inbox: Any, gate: PullGate | None = None) -> None:
-        """On the engine thread, once the engine is built. gate: the pulls' agreement under
-        several ranks (it rides in the cache's step consensus: no cache, no pulls)."""
+    def attach(
+        self,
+        engine: Engine,
+        layout: Layout,
+        inbox: Inbox,
+        gate: PullGate | None = None,
+        hold_gate: HoldGate | None = None,
+    ) -> None:
+        """On the engine thread, once the engine is built. gate, hold_gate: the pulls' and the
+        held pages' agreement under several ranks (they ride in the cache's step consensus: no
+        cache, no pulls, and the pages are copied out when the request ends, not held)."""
         self.layout, self.inbox = layout, inbox
         self.layerwise = self.cfg.pd_layerwise and layout.cp == 1  # cp: whole pages
         self.pulls = gate is None or engine.cache is not None
         if gate is not None and self.pulls:
             self.puller.gate, gate.puller = gate, self.puller
+        if hold_gate is None or engine.cache is not None:
+            self.holds = Holds(self.cfg.pd_timeout_s, self.metrics, hold_gate)
         engine.use_connector(self)
         # stopping: requests the loop aborted are answered (_flush), not left to time out
         self.thread = self.listeners.start(LISTENER, self._step, self._stop, self._flush)
@@ -135,23 +151,35 @@ class PrefillSide(KVConnector):
         if remote_tokens:
             self.puller.ask(req, req.computed)
 
-    def get_finished(self, idle_wait_s: float) -> list[RemoteDone]:
-        return self.puller.finished(idle_wait_s) if self.pulls else []
+    def get_finished(self, idle_wait_s: float) -> Finished:
+        remote = self.puller.finished(idle_wait_s) if self.pulls else []
+        sent = self.holds.finished(self.view.clock()) if self.holds is not None else []
+        return Finished(remote, sent)
 
-    def request_finished(self, req: Request) -> None:
-        """A hand-off's request ended, its pages still its own: with its first token, the pages
-        decode lacks are copied out and queued now (those that went layer by layer are not
-        again); its peer then hears it is done, or why it failed (req.failure: a pull's wait
-        ran out, the engine refused it)."""
+    def request_finished(self, req: Request) -> bool:
+        """A hand-off's request ended, its pages still its own: with its first token its answer
+        is queued, and True when the listener reads the pages decode lacks later (the engine
+        holds them until get_finished reports them sent; those that went layer by layer are
+        not sent again); else its peer hears why it failed (req.failure: a pull's wait ran out,
+        the engine refused it) or that it ended."""
         self.puller.forget(req)
         sink = self.sinks.get(req.rid)
         if sink is None:
-            return
+            return False
+        hold = False
         if req.failure is None and req.output:
+            sink.pages = self.view.kv.page_table(req)  # committed pages may be the tree's copies
             # may raise: the request then fails alone and is ended again, with req.failure
-            sink.push("token", req.output[0])
+            hold = sink.answer(may_hold=self.holds is not None)
+            if hold and self.holds is not None:
+                self.holds.hold(sink, self.view.clock())
         del self.sinks[req.rid]
-        sink.push("error", req.failure) if req.failure else sink.push("done", req)
+        sink.refuse(str(req.failure[1])) if req.failure else sink.end()
+        return hold
+
+    def drop_held(self, req: Request) -> None:
+        if self.holds is not None:
+            self.holds.drop(req.rid)
 
     def build_connector_meta(self, work: list[tuple[Request, list[int]]]) -> ConnectorMeta:
         """Layer by layer (not while speculating): the hand-offs whose prompt this forward
@@ -201,9 +229,9 @@ class PrefillSide(KVConnector):
         hid = head["id"]
         if head["type"] == "cancel":
             self.peers.pop(hid, None)
-            self.queued.pop(hid, None)
+            self._unqueue(hid)
             self.flight.pop(hid, None)
-            if self.rank == 0:  # every rank aborts it at the same step (broadcast)
+            if self.rank == 0 and self.inbox is not None:  # every rank, the same step (broadcast)
                 self.inbox.put(Abort(handoff_rid(hid)))
             return
         if head["type"] == "pulled":  # only from this hand-off's own peer
@@ -235,6 +263,7 @@ class PrefillSide(KVConnector):
         req, held = check_handoff(self.layout, head, self.view.kv)
         handoff = {**(req.kv_params or {}), **check_owners(self.layout, head, held)}
         new = NewRequest(req.rid, req.tokens, 1, None, req.cache_salt, handoff, keep_logits=True)
+        assert self.inbox is not None, "rank 0 submits hand-offs once attached"
         self.inbox.put(new)
 
     def _flush(self) -> None:
@@ -243,6 +272,7 @@ class PrefillSide(KVConnector):
                 self.flight[sink.hid] = sink
                 continue
             if self.flight.get(sink.hid) is not sink:
+                self._let_go(sink, frames)
                 continue  # cancelled, or answered already
             if frames is None:
                 frames = [header("refused", sink.hid, message="prefill ended the request")]
@@ -251,10 +281,28 @@ class PrefillSide(KVConnector):
             for frames in self.queued.pop(hid):
                 self._send(hid, frames)
 
-    def _send(self, hid: str, frames: Frames) -> None:
+    def _let_go(self, sink: Sink, item: Frames | HeldPages | str | None) -> None:
+        """An answer that will not be sent: held pages are read no more."""
+        if isinstance(item, HeldPages) and self.holds is not None:
+            self.holds.done(sink)
+
+    def _unqueue(self, hid: str) -> None:
+        sink = self.flight.get(hid)
+        for item in self.queued.pop(hid, []):
+            if sink is not None:
+                self._let_go(sink, item)
+
+    def _send(self, hid: str, item: Frames | HeldPages) -> None:
         sink = self.flight.get(hid)
         if sink is None:
             return
+        try:
+            frames = sink.frames(item)  # held pages are read from the pool now
+        finally:
+            self._let_go(sink, item)
+        if frames is None:  # the engine took the held pages back (abort, or it gave up)
+            why = "prefill released the request's pages before they were sent"
+            frames = [header("refused", hid, message=why)]
         self.listener.send(self.peers[hid][0], frames)
         sink.last_sent_s = time.monotonic()
         kind = read_header(frames)["type"]
@@ -273,14 +321,14 @@ class PrefillSide(KVConnector):
                 self.listener.send(self.peers[hid][0], [header("heartbeat", hid)])
                 sink.last_sent_s = now
             elif hid not in self.peers and now - sink.received_s > limit:
+                self._unqueue(hid)
                 del self.flight[hid]
-                self.queued.pop(hid, None)
         for hid, (_, since) in list(self.peers.items()):
             if hid not in self.flight and now - since > limit:
                 del self.peers[hid]
 
 
-def check_handoff(layout: Layout, head: dict[str, Any], kv: Any) -> tuple[Request, int]:
+def check_handoff(layout: Layout, head: dict[str, Any], kv: KVManager) -> tuple[Request, int]:
     """The engine request of a checked hand-off, and how many leading pages decode holds.
 
     Checks, in order: every field's type and range (tokens: ints below the vocabulary), decode's

@@ -6,8 +6,10 @@ page (its heads under TP, its stage's layers under PP).
 Prefill: every rank listens on its own endpoint. Rank 0 checks decode rank 0's hand-off (layout,
 key chain) and submits it through the rank-0 inbox, so every rank gets the request at the same
 step (serve/ranks.py broadcasts it, with the held page count). The other ranks only check their
-peer's layout and remember it; at the first token each rank copies its part of the pages decode
-lacks (the same `Sink` as one rank) and sends it once its peer has asked (bounded wait).
+peer's layout and remember it; at the first token every rank's engine holds the request's pages
+and each rank's listener reads and sends its part of the pages decode lacks (the same `Sink` as
+one rank) once its peer has asked (bounded wait). The pages go back on every rank at the same
+step, once every rank has sent its part (HoldGate, kvstrata/pd/holds.py: "done here" by MIN).
 
 Decode: every rank runs the same Lease/admission and starts its own hand-off thread
 (pd/decode.py). Whether a hand-off lands is decided by the step's one collective: HandoffGate
@@ -29,10 +31,12 @@ from typing import Any
 import torch.distributed as dist
 
 from kvstrata.engine.engine import Engine
+from kvstrata.engine.step_io import Inbox
 from kvstrata.listeners import Listeners, exit_process
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.connectors import pd_side
 from kvstrata.pd.decode import DecodeSide
+from kvstrata.pd.holds import HoldGate
 from kvstrata.pd.metrics import RankCounts, Report
 from kvstrata.pd.prefill import PrefillSide
 from kvstrata.pd.pull import PullGate
@@ -96,6 +100,24 @@ class HandoffGate:
         return status, f"{why} (rank {src})" if src else why
 
 
+class PrefillGate:
+    """A prefill worker's fields of the step's one collective: its pulls' (PullGate) and its
+    held pages' (HoldGate), side by side."""
+
+    def __init__(self, slots: int, rank: int, timeout_s: float) -> None:
+        self.pulls = PullGate(slots, rank, timeout_s)
+        self.holds = HoldGate(slots)
+        self.min_fields = self.pulls.min_fields + self.holds.min_fields
+        self.max_fields = self.pulls.max_fields + self.holds.max_fields
+
+    def local(self) -> dict[str, int]:
+        return {**self.pulls.local(), **self.holds.local()}
+
+    def agreed(self, values: dict[str, int]) -> None:
+        self.pulls.agreed(values)
+        self.holds.agreed(values)
+
+
 class RankPD:
     """One rank's P/D side (prefill or decode), on one rank and on each of many: its connector,
     its counters (RankCounts, reporting to the HTTP side through `report`) and, under several
@@ -107,7 +129,7 @@ class RankPD:
         cfg: PDConfig,
         rank: int,
         report: Report | None,
-        inbox: Any,
+        inbox: Inbox,
         gate_slots: int = 0,
         listeners: Listeners | None = None,
     ) -> None:
@@ -120,13 +142,13 @@ class RankPD:
         side = pd_side(role, cfg, transport_of(cfg), self.metrics, rank)
         self.decode = side if isinstance(side, DecodeSide) else None
         self.prefill = side if isinstance(side, PrefillSide) else None
-        # fields of the step's one collective: decode's landings, or prefill's pulls
-        self.gate: HandoffGate | PullGate | None = None
+        # fields of the step's one collective: decode's landings, or prefill's pulls and holds
+        self.gate: HandoffGate | PrefillGate | None = None
         if gate_slots:
             self.gate = (
                 HandoffGate(gate_slots, rank)
                 if role == "decode"
-                else PullGate(gate_slots, rank, cfg.pd_timeout_s)
+                else PrefillGate(gate_slots, rank, cfg.pd_timeout_s)
             )
         if self.prefill is not None:
             if listeners is not None:
@@ -158,8 +180,9 @@ class RankPD:
                 gate.side = self.decode
         if self.prefill is not None:
             self.prefill.cp = cp
-            pulls = self.gate if isinstance(self.gate, PullGate) else None
-            self.prefill.attach(eng, layout, self.inbox, pulls)
+            gate = self.gate if isinstance(self.gate, PrefillGate) else None
+            pulls, holds = (gate.pulls, gate.holds) if gate is not None else (None, None)
+            self.prefill.attach(eng, layout, self.inbox, pulls, holds)
         self.metrics.part_bytes = self.side.view.pool.shape.page_nbytes
         mine = self.prefill.listener.endpoint if self.prefill is not None else ""
         endpoints = gather(mine)

@@ -49,6 +49,11 @@ class HandoffRetried:
 
 
 @dataclass(frozen=True)
+class HoldExpired:
+    """Prefill held a hand-off's pages for pd_timeout_s and they were never sent: released."""
+
+
+@dataclass(frozen=True)
 class SideUp:
     """Every rank's side is up: the worker's layout (as rank 0 speaks it) and every rank's
     transfer endpoint, rank order ("" on a decode rank: it listens on none)."""
@@ -57,7 +62,15 @@ class SideUp:
     endpoints: list[str]
 
 
-PDCount = PagesSent | HandoffReceived | PagesPulled | HandoffFailed | HandoffRetried
+PDCount = PagesSent | HandoffReceived | PagesPulled | HandoffFailed | HandoffRetried | HoldExpired
 PDReport = PDCount | SideUp
-REPORTS = (PagesSent, HandoffReceived, PagesPulled, HandoffFailed, HandoffRetried, SideUp)
+REPORTS = (
+    PagesSent,
+    HandoffReceived,
+    PagesPulled,
+    HandoffFailed,
+    HandoffRetried,
+    HoldExpired,
+    SideUp,
+)
 """Every PDReport type (an isinstance check on a queue's messages)."""

@@ -3,15 +3,41 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 
+from kvstrata.engine.engine import Engine
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.ranks import rank_stats
+from kvstrata.pd.worker import PDWorker
 
 
-def add_routes(app: FastAPI, state: Any) -> None:
+class EngineCalls(Protocol):
+    """What these routes use of the server's step loop (kvstrata.serve.loop.LoopFront)."""
+
+    def local_engine(self) -> Engine | None: ...
+
+    def call(
+        self, fn: Callable[[Engine], Any], every_rank: bool = False
+    ) -> concurrent.futures.Future[Any]: ...
+
+
+class ServerView(Protocol):
+    """What these routes use of the server's state (kvstrata.serve.state.ServerState)."""
+
+    @property
+    def pd(self) -> PDWorker | None: ...
+
+    @property
+    def loop(self) -> EngineCalls: ...
+
+    def check_ready(self) -> None: ...
+
+
+def add_routes(app: FastAPI, state: ServerView) -> None:
     """GET /v1/pd/info on every role (a single server answers role "single")."""
 
     @app.get("/v1/pd/info")

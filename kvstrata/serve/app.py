@@ -246,6 +246,7 @@ def _integrity(engine: Any) -> dict[str, Any]:
         "ok": True,
         "running": len(engine.running),
         "waiting": len(engine.waiting),
+        "held": len(engine.scheduler.held),  # ended; pages held for their connector
         "device_free": engine.pool.allocator.num_free,
         "device_capacity": engine.pool.allocator.capacity,
         "accounting": cache.accounting() if cache is not None else None,

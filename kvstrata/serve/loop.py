@@ -209,8 +209,8 @@ class LocalRank:
 
     fatal_stop = False  # a build failure is reported by /health; the thread ends only then
 
-    def __init__(self, build: Callable[[Any], LoopParts]) -> None:
-        self.inbox: Any = queue.SimpleQueue()
+    def __init__(self, build: Callable[[io.Inbox], LoopParts]) -> None:
+        self.inbox: io.Inbox = queue.SimpleQueue()
         self._build = build
         self.built: Built | None = None
         self.thread = threading.Thread(target=self._main, name="kvstrata-engine", daemon=True)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.step_io import Ready, StepInputs
+from kvstrata.engine.step_io import Inbox, Ready, StepInputs
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.ranks import RankPD
@@ -58,7 +58,7 @@ def serve_rank_loop(
     engine_cfg: EngineConfig,
     cache_cfg: CacheConfig,
     storage_cfg: StorageConfig | None,
-    inbox: Any,
+    inbox: Inbox,
     outbox: Any,
     serve_cfg: ServeConfig | None = None,
     pd_cfg: PDConfig | None = None,
@@ -105,7 +105,7 @@ def _all_endpoints(mine: str) -> list[str]:
 
 def _serve_steps(
     re: RankEngine,
-    inbox: Any,
+    inbox: Inbox,
     out: Any | None,
     events: KVEventPublisher | None,
 ) -> None:
@@ -146,7 +146,7 @@ class DistRanks:
 
         self.torchrun = torchrun
         if torchrun:  # rank 0 is a thread of this process: plain thread-safe queues
-            self.inbox: Any = queue.Queue()
+            self.inbox: Inbox = queue.Queue()
             self.outbox: Any = queue.Queue()
         else:
             mp = tmp.get_context("fork")

@@ -15,13 +15,13 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
+from kvstrata.engine.step_io import Inbox
 from kvstrata.http.rules import server_options
 from kvstrata.listeners import Listeners
 from kvstrata.model.decoder import DecoderLM
@@ -130,7 +130,7 @@ def _pd_worker(
 
 
 def _build(
-    inbox: Any,
+    inbox: Inbox,
     cfg: ServeConfig,
     metrics: ServeMetrics,
     model: DecoderLM,

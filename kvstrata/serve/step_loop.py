@@ -29,9 +29,12 @@ from kvstrata.engine.step_io import (
     CallDone,
     Failed,
     Finished,
+    Inbox,
+    InboxItem,
     NewRequest,
     StatsOut,
     StepInputs,
+    StepOutput,
     Stop,
     TokenOut,
 )
@@ -43,7 +46,7 @@ IDLE_WAIT_S = 0.05  # no work: wait this long at most for an input
 # steps, so their results are applied (pages unpinned, events sent) without waiting for the next
 # request.
 
-Out = Callable[[Any], None]
+Out = Callable[[StepOutput], None]
 Gather = Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]
 """This rank's (ok, result) of a call -> every rank's, on the rank that reports (else None)."""
 
@@ -82,10 +85,10 @@ def busy(eng: Engine) -> bool:
     return eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
 
 
-def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
+def next_inputs(eng: Engine, inbox: Inbox) -> StepInputs:
     """What waits in the inbox (blocks up to IDLE_WAIT_S when idle), the clock now, and whether
     to step. The inbox holds NewRequest, Abort, Call and Stop."""
-    items: list[Any] = []
+    items: list[InboxItem] = []
     try:
         items.append(inbox.get(timeout=IDLE_WAIT_S) if not busy(eng) else inbox.get_nowait())
         while True:
@@ -103,7 +106,7 @@ def next_inputs(eng: Engine, inbox: Any) -> StepInputs:
     )
 
 
-def run_steps(steps: StepLoop, inbox: Any | None) -> None:
+def run_steps(steps: StepLoop, inbox: Inbox | None) -> None:
     """The loop of every rank, one or many, until the inputs say stop: rank 0 (the one with an
     `inbox`) takes the inputs, the loop's fan-out gives every rank the same ones (and rank 0's
     clock), each applies them."""
@@ -226,7 +229,7 @@ class StepLoop:
             self._admitted.discard(rid)
             self._report(Failed(rid, message))
 
-    def _report(self, msg: Any) -> None:
+    def _report(self, msg: StepOutput) -> None:
         if self.out is not None:
             self.out(msg)
 
