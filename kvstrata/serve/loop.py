@@ -182,7 +182,7 @@ class LoopParts:
 class Ranks(Protocol):
     """Where a LoopFront's step loop runs, and how its inputs and outputs cross to it."""
 
-    inbox: Any  # the step inputs' queue: NewRequest, Abort, Call, Stop
+    inbox: io.Inbox  # the step inputs' queue: NewRequest, Abort, Call, Stop
     thread: threading.Thread  # ends when the step loop ended: a stop or a failure
     fatal_stop: bool  # ranks that stop by themselves (died, hung, diverged) never come back
 
