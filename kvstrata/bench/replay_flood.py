@@ -4,11 +4,14 @@ the quiet TTFT of the same server, in one run.
 One `kvstrata serve` (SmolLM2 unless --model) publishes KV events with a replay socket. Phases,
 each a series of cold prompts (each new: every one is prefilled and publishes events), one at a
 time, streamed: quiet, flood, quiet again. During the flood another process sends replay
-requests from seq 0 as fast as ZMQ takes them and drains what comes back. The replay socket is
-served by a thread of its own at a bounded pace and rate per subscriber
-(kvstrata/serve/event_replay.py): the flooder gets a few answers, the engine keeps its pace.
-Reports the median TTFT of each phase, flood over the mean of the quiet ones (goal <= 1.2), and
-the flooder's requests sent and answered.
+requests from seq 0 as fast as its socket takes them (a send waits only while ZMQ's queue is
+full) and drains what comes back. The replay socket is served by a thread of its own within a
+total budget and a rate per subscriber (kvstrata/serve/event_replay.py): past the budget the
+server reads nothing, so the flooder's sends block; it gets a few answers, the engine keeps its
+pace. Reports the median TTFT of each phase, flood over the mean of the quiet ones (goal <= 1.2),
+the server's CPU seconds per phase, the flooder's requests sent (and per second), answered,
+and its own CPU seconds (it shares the machine: on few cores part of the ratio is its CPU), and
+the replay thread's counters from /metrics.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import psutil
 import zmq
 
 from kvstrata.bench.registry import BENCHES
@@ -33,25 +38,75 @@ FULL = {"prompts": 16, "prompt_tokens": 1024}
 ENGINE_ARGS = ["--page-size", "16", "--device-pages", "512", "--host-pages", "1024"]
 
 
+@dataclass(frozen=True)
+class FloodReport:
+    """What the flooder process did (sent back to the bench when it stops)."""
+
+    sent: int  # replay requests its socket took
+    answered: int  # complete answers it got back
+    seconds: float  # how long it flooded
+    cpu_s: float  # its own CPU time (user + system)
+
+
 def flood(endpoint: str, stop: Any, out: Any) -> None:
-    """A flooder process: replay requests from seq 0 until `stop`; puts (sent, answered)."""
+    """A flooder process: replay requests from seq 0 as fast as the socket takes them, until
+    `stop`; puts a FloodReport."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
+    request, end = (b"", (0).to_bytes(8, "big")), (-1).to_bytes(8, "big", signed=True)
     sent = answered = 0
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while not stop.is_set():
-        try:
-            sock.send_multipart((b"", (0).to_bytes(8, "big")), zmq.NOBLOCK)
-            sent += 1
-        except zmq.Again:  # the server reads no faster than its pace: its queue is full
-            time.sleep(0.0005)
+        events = sock.poll(100, zmq.POLLIN | zmq.POLLOUT)  # waits while the queue is full
+        if events & zmq.POLLOUT:
+            sent += send_until_full(sock, request)
         while sock.poll(0):
-            if sock.recv_multipart()[1] == (-1).to_bytes(8, "big", signed=True):
-                answered += 1
+            answered += sock.recv_multipart()[1] == end
+    report = FloodReport(sent, answered, time.perf_counter() - t0, time.process_time() - cpu0)
     sock.close()
     ctx.term()
-    out.put((sent, answered))
+    out.put(report)
+
+
+def send_until_full(sock: zmq.Socket, request: tuple[bytes, bytes], most: int = 1000) -> int:
+    """Send `request` until the socket's queue is full (or `most` times): how many it took."""
+    for n in range(most):
+        try:
+            sock.send_multipart(request, zmq.NOBLOCK)
+        except zmq.Again:
+            return n
+    return most
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` and its children so far."""
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        times = p.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+REPLAY_COUNTERS = (
+    'kvstrata:kv_events_replay_requests_total{outcome="answered"}',
+    'kvstrata:kv_events_replay_requests_total{outcome="dropped"}',
+    "kvstrata:kv_events_replay_messages_total",
+    "kvstrata:kv_events_replay_deferrals_total",
+    "kvstrata:kv_events_replay_deferred_seconds_total",
+)
+
+
+def replay_counters(url: str) -> dict[str, float]:
+    """The replay thread's counters from the server's /metrics."""
+    got = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in REPLAY_COUNTERS:
+            got[name] = float(value)
+    return got
 
 
 def ttft_s(url: str, prompt: list[int]) -> float:
@@ -92,17 +147,18 @@ def replay_flood(quick: bool, model: str | None = None) -> dict[str, Any]:
         srv = ServerProcess(args, Path(tmp) / "server.log")
         try:
             phase(srv.url, rng, {"prompts": 1, "prompt_tokens": 32})  # warm-up
-            quiet = phase(srv.url, rng, size)
+            quiet, quiet_cpu = timed_phase(srv.proc.pid, srv.url, rng, size)
             spawn = mp.get_context("spawn")
             stop, out = spawn.Event(), spawn.Queue()
             flooder = spawn.Process(target=flood, args=(endpoint, stop, out), daemon=True)
             flooder.start()
             time.sleep(1.0)  # the flood is under way before the first prompt
-            flooded = phase(srv.url, rng, size)
+            flooded, flood_cpu = timed_phase(srv.proc.pid, srv.url, rng, size)
             stop.set()
-            sent, answered = out.get(timeout=60)
+            report: FloodReport = out.get(timeout=60)
             flooder.join(10)
-            quiet2 = phase(srv.url, rng, size)
+            counters = replay_counters(srv.url)
+            quiet2, _ = timed_phase(srv.proc.pid, srv.url, rng, size)
         finally:
             srv.terminate()
     ratio = flooded / ((quiet + quiet2) / 2)
@@ -116,6 +172,18 @@ def replay_flood(quick: bool, model: str | None = None) -> dict[str, Any]:
         "flood_over_quiet": ratio,
         "goal": GOAL,
         "meets_goal": ratio <= GOAL,
-        "flood_requests_sent": sent,
-        "flood_requests_answered": answered,
+        "server_cpu_s_quiet_phase": quiet_cpu,
+        "server_cpu_s_flood_phase": flood_cpu,
+        "flood": asdict(report),
+        "flood_sends_per_s": report.sent / report.seconds,
+        "replay_counters": counters,
     }
+
+
+def timed_phase(
+    pid: int, url: str, rng: random.Random, size: dict[str, int]
+) -> tuple[float, float]:
+    """A phase's median TTFT and the server's CPU seconds over it."""
+    cpu0 = cpu_s(pid)
+    ttft = phase(url, rng, size)
+    return ttft, cpu_s(pid) - cpu0
