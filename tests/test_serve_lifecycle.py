@@ -199,6 +199,7 @@ def test_queue_full_is_503_then_recovers(ckpt: Path, tmp_path: Path) -> None:
         (["--tiers", "device_host_storage"], "needs --storage-url"),
         (["--storage-url", "ftp://x"], "ftp"),
         (["--kv-events-replay-endpoint", "tcp://127.0.0.1:1"], "needs kv_events_endpoint"),
+        (["--kv-events-replay-budget", "0"], "kv_events_replay_budget must be positive"),
     ],
 )
 def test_bad_serve_options_exit_2(args: list[str], words: str, capsys) -> None:  # noqa: ANN001

@@ -1,6 +1,7 @@
 """The KV events replay socket under a flood, on a real `kvstrata serve`: a ZMQ client that
 sends replay requests as fast as it can while completions run. The engine keeps stepping (every
-completion finishes, its output the cold run's), the flooder is answered only at its rate, a
+completion finishes, its output the cold run's), the flooder is answered only at its rate, the
+replay thread handles at most its budget (/metrics) and leaves the rest of the flood unread, a
 malformed request is counted and the next one served, and a quiet subscriber's replay returns
 exactly the batches the PUB socket sent. Then the replay thread is killed: /health answers 503
 and the server exits 1. (TTFT under the flood: `kvstrata bench replay_flood`.)"""
@@ -26,6 +27,7 @@ CKPT = {"seed": 4, "max_position_embeddings": 256}
 """This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 RATE = 2.0  # --kv-events-replay-rate: replay requests per second per subscriber
+BUDGET = 500.0  # --kv-events-replay-budget: messages per second in all
 END = (-1).to_bytes(8, "big", signed=True)
 FAILURES = 'kvstrata:listener_message_failures_total{listener="kv-events-replay"}'
 
@@ -70,11 +72,16 @@ def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes
         sock.close()
 
 
-def failures(url: str) -> float:
+def metric(url: str, name: str) -> float:
+    """A sample of the server's /metrics (0 when it has none yet)."""
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(FAILURES):
+        if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def failures(url: str) -> float:
+    return metric(url, FAILURES)
 
 
 def test_a_replay_flood_costs_the_flooder_not_the_engine(ckpt: Path, tmp_path: Path) -> None:
@@ -83,8 +90,10 @@ def test_a_replay_flood_costs_the_flooder_not_the_engine(ckpt: Path, tmp_path: P
             "--model", str(ckpt), *TINY_ENGINE, "--device-pages", "64", "--host-pages", "64",
             "--kv-events-endpoint", f"tcp://127.0.0.1:{pub_port}",
             "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
-            "--kv-events-replay-rate", str(RATE), "--debug-endpoints",
+            "--kv-events-replay-rate", str(RATE), "--kv-events-replay-budget", str(BUDGET),
+            "--debug-endpoints",
         ]  # fmt: skip
+        started = time.monotonic()  # before the replay thread's first read
         srv = Server(args, tmp_path / "srv.log")
     endpoint = f"tcp://127.0.0.1:{replay_port}"
     ctx = zmq.Context()
@@ -115,6 +124,12 @@ def test_a_replay_flood_costs_the_flooder_not_the_engine(ckpt: Path, tmp_path: P
             _, seq, payload = sub.recv_multipart()
             published.append((int.from_bytes(seq, "big"), payload))
         assert published and [s for s, _ in published] == list(range(len(published)))
+        # the thread read at most its budget: a burst, budget x its lifetime, one answer
+        handled = metric(srv.url, "kvstrata:kv_events_replay_messages_total")
+        lifetime = time.monotonic() - started
+        assert 0 < handled <= BUDGET / 100 + BUDGET * lifetime + len(published) + 2
+        dropped = metric(srv.url, 'kvstrata:kv_events_replay_requests_total{outcome="dropped"}')
+        assert flooder.sent - dropped - flooder.answered > 0  # the rest was never read
         # a malformed request fails alone: counted, and the next one is answered
         bad = ctx.socket(zmq.DEALER)
         bad.setsockopt(zmq.LINGER, 0)

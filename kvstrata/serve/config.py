@@ -29,6 +29,12 @@ class ServeConfig:
         "replay requests a subscriber may make per second (a burst of as many); more are "
         "dropped unanswered",
     )
+    kv_events_replay_budget: float = doc(
+        5000.0,
+        "messages per second the replay thread handles, all subscribers together (a request "
+        "read: one; each batch of its answer: one more); beyond it requests wait unread in "
+        "ZMQ's small queue and then in TCP, so a flooder's sends block",
+    )
     kv_events_format: str = doc(
         "vllm",
         "KV events' schema: vllm (vLLM 0.32's tagged maps, cache_salt in extra_keys) | array "
@@ -80,10 +86,9 @@ class ServeConfig:
         for name in ("max_pending", "default_max_tokens", "kv_events_buffer", "max_request_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.kv_events_replay_rate <= 0:
-            raise ValueError(
-                f"kv_events_replay_rate must be positive, got {self.kv_events_replay_rate}"
-            )
+        for name in ("kv_events_replay_rate", "kv_events_replay_budget"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.parent_pid < 0:
             raise ValueError(f"parent_pid must be >= 0, got {self.parent_pid}")
         for name in ("request_timeout_s", "stop_timeout_s", "client_timeout_s"):

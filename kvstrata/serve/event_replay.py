@@ -6,12 +6,21 @@ by its own listener thread (kvstrata/listeners.py), answers a request [start_seq
 with every buffered batch from that sequence number on, each as (seq, payload), then
 (-1 as 8 signed bytes, empty).
 
-A subscriber may make kv_events_replay_rate requests per second (a burst of as many, at least
-one); requests over its rate are dropped unanswered and counted (`limited`). A subscriber is
-its CURVE public key under CURVE (a reconnect is the same subscriber), else its connection.
-The thread handles at most ROUND requests per PACE_S whatever comes in: a flood waits in
-ZMQ's queues (bounded by the socket's high-water mark, fair-queued per connection, so a quiet
-subscriber's request is among the next ROUND), and costs the engine at most that pace.
+Two limits make a flood cost the flooder, not the engine's process:
+- A total budget (kv_events_replay_budget messages per second, all subscribers together: a
+  request read costs one, each message of its answer one more). Once it is spent the thread
+  reads nothing until it refills: requests wait unread in ZMQ's queue (RCV_HWM per connection;
+  a ROUTER does not drop at its receive high-water mark, it stops reading that connection), then
+  in the kernel's TCP buffers, then the flooder's own sends block. A request over the budget is
+  never received, parsed or decrypted (CURVE decrypts in ZMQ's I/O thread as messages are taken).
+- A rate per subscriber (kv_events_replay_rate requests per second, a burst of as many, at least
+  one): a request read over it is dropped unanswered (`dropped`). A subscriber is its CURVE
+  public key under CURVE (a reconnect is the same subscriber), else its connection.
+ZMQ fair-queues reads across connections, so an honest subscriber's request is read within one
+read per other busy connection: its answer comes within (busy connections + 1) x (the largest
+request's cost, kv_events_buffer + 2, + the budget's burst) / budget seconds, however fast anyone
+floods. Fair shares are per connection, not per key: a subscriber with many connections has as
+many shares.
 """
 
 from __future__ import annotations
@@ -20,20 +29,52 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvstrata.listeners import Listeners
 from kvstrata.zmq_curve import CurveKeys
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 LISTENER = "kv-events-replay"  # the thread's name (/metrics label, debug kill)
-ROUND = 64  # requests handled per turn at most
-PACE_S = 0.01  # a full turn is followed by this pause: the thread's share of the process
 POLL_S = 0.1  # an idle turn's wait for a request (bounds how late a stop is seen)
-RCV_HWM = 1000  # requests queued per connection before ZMQ stops reading that connection
+RCV_HWM = 16  # requests queued per connection before ZMQ stops reading that connection
+BURST_S = 0.01  # the budget's burst: this many seconds of it (the thread's longest stretch)
 MAX_SUBSCRIBERS = 4096  # rate buckets kept (the least recently seen are forgotten first)
+
+
+@dataclass(frozen=True)
+class ReplayLimits:
+    """What the replay thread may do (ServeConfig's kv_events_replay_* options)."""
+
+    rate: float  # requests per second per subscriber
+    budget: float  # messages per second in all (requests read + answer messages sent)
+
+
+class Clock(Protocol):
+    """The replay thread's time: `now` (seconds) and `pause` (wait, ends early on a stop)."""
+
+    def now(self) -> float: ...
+
+    def pause(self, seconds: float) -> None: ...
+
+
+class ThreadClock:
+    """Monotonic time; a pause ends at once when `stop` is set."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def pause(self, seconds: float) -> None:
+        self.stop.wait(seconds)
 
 
 class ReplayBuffer:
@@ -86,6 +127,26 @@ class RateLimit:
         return True
 
 
+class Budget:
+    """The thread's total budget: a token bucket of `rate` messages per second holding at most
+    burst = max(1, rate * BURST_S). A request is read only with a token in hand; its answer is
+    sent whole and may take the bucket below zero. An empty bucket is waited out until full
+    (a flood wakes the thread 1 / BURST_S times a second, not once a message). So by time t the
+    thread handled at most burst + rate * (t - start) + one answer's messages."""
+
+    def __init__(self, rate: float, now: float) -> None:
+        self.rate, self.burst = rate, max(1.0, rate * BURST_S)
+        self.tokens, self.at = self.burst, now
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the next read may start (0: now)."""
+        self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.rate), now
+        return 0.0 if self.tokens >= 1.0 else (self.burst - self.tokens) / self.rate
+
+    def spend(self, messages: int) -> None:
+        self.tokens -= messages
+
+
 class ReplayServer:
     """The replay ROUTER socket and the thread that alone uses it."""
 
@@ -94,11 +155,15 @@ class ReplayServer:
         ctx: zmq.Context,
         endpoint: str,
         buffer: ReplayBuffer,
-        rate: float,
+        limits: ReplayLimits,
         keys: CurveKeys | None = None,
         listeners: Listeners | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        self.buffer, self.limit = buffer, RateLimit(rate)
+        self._stop = threading.Event()
+        self.clock = clock or ThreadClock(self._stop)
+        self.buffer, self.limit = buffer, RateLimit(limits.rate)
+        self.budget = Budget(limits.budget, self.clock.now())
         self.listeners = listeners or Listeners()
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -106,42 +171,83 @@ class ReplayServer:
         if keys is not None:
             keys.server(self.sock)
         self.sock.bind(endpoint)  # at start: a taken port fails the server's start, not later
-        self.served = self.limited = 0  # requests answered / dropped over their rate
-        self._stop = threading.Event()
+        self.answered = self.dropped = 0  # requests answered / dropped over their rate
+        self.messages = 0  # messages handled: requests read + answer messages sent
+        self.deferrals, self.deferred_s = 0, 0.0  # budget pauses with a request waiting, seconds
         self.thread = self.listeners.start(LISTENER, self._step, self._stop)
 
     def _step(self) -> None:
-        """One turn: up to ROUND requests, then a pause if that many came (a flood)."""
+        """One turn: wait out the budget (nothing read meanwhile), or read and answer one."""
+        wait = self.budget.wait_s(self.clock.now())
+        if wait > 0.0:
+            if self.sock.poll(0):
+                self.deferrals, self.deferred_s = self.deferrals + 1, self.deferred_s + wait
+            self.clock.pause(wait)
+            return
         if not self.sock.poll(int(POLL_S * 1000)):
             return
-        handled = 0
-        while handled < ROUND and self.sock.poll(0):
-            frames = self.sock.recv_multipart(copy=False)
-            handled += 1
-            try:
-                self._answer(frames)
-            except Exception as exc:  # noqa: BLE001 - one request fails alone
-                self.listeners.failed(LISTENER, exc)
-        if handled == ROUND:
-            self._stop.wait(PACE_S)
+        frames = self.sock.recv_multipart(copy=False)
+        sent = 0
+        try:
+            sent = self._answer(frames)
+        except Exception as exc:  # noqa: BLE001 - one request fails alone
+            self.listeners.failed(LISTENER, exc)
+        self.budget.spend(1 + sent)
+        self.messages += 1 + sent
 
-    def _answer(self, frames: list[zmq.Frame]) -> None:
+    def _answer(self, frames: list[zmq.Frame]) -> int:
+        """Answer one request (unless over its subscriber's rate); the messages sent."""
         if len(frames) < 2 or len(frames[-1].bytes) > 8:
             raise ValueError(f"a replay request is [start seq (8 bytes)], got {len(frames)} frames")
         client = frames[0].bytes
-        if not self.limit.allow(subscriber(frames[0]) or client, time.monotonic()):
-            self.limited += 1
-            return
-        self.served += 1
-        for seq, payload in self.buffer.since(int.from_bytes(frames[-1].bytes, "big")):
+        if not self.limit.allow(subscriber(frames[0]) or client, self.clock.now()):
+            self.dropped += 1
+            return 0
+        self.answered += 1
+        batches = self.buffer.since(int.from_bytes(frames[-1].bytes, "big"))
+        for seq, payload in batches:
             self.sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self.sock.send_multipart((client, b"", END_SEQ, b""))
+        return len(batches) + 1
 
     def close(self) -> None:
-        """Stop the thread (within POLL_S + PACE_S), then close its socket."""
+        """Stop the thread (within POLL_S or its pause), then close its socket."""
         self._stop.set()
         self.thread.join(5.0)
         self.sock.close(0)
+
+
+class ReplayMetrics(Collector):
+    """The replay thread's counters, read at scrape time (plain integers)."""
+
+    def __init__(self, server: ReplayServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.server
+        requests = CounterMetricFamily(
+            "kvstrata:kv_events_replay_requests",
+            "replay requests read: answered, or dropped over their subscriber's rate",
+            labels=["outcome"],
+        )
+        requests.add_metric(["answered"], s.answered)
+        requests.add_metric(["dropped"], s.dropped)
+        yield requests
+        yield CounterMetricFamily(
+            "kvstrata:kv_events_replay_messages",
+            "messages the replay thread handled (requests read + answer messages sent)",
+            value=s.messages,
+        )
+        yield CounterMetricFamily(
+            "kvstrata:kv_events_replay_deferrals",
+            "pauses of the replay thread at its total budget while a request waited unread",
+            value=s.deferrals,
+        )
+        yield CounterMetricFamily(
+            "kvstrata:kv_events_replay_deferred_seconds",
+            "seconds the replay thread left waiting requests unread, its budget spent",
+            value=s.deferred_s,
+        )
 
 
 def subscriber(frame: zmq.Frame) -> bytes:

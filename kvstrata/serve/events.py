@@ -10,7 +10,8 @@ knows it), so the sets a subscriber rebuilds always equal the cache's own.
 Block hashes are the low 64 bits of our 128-bit page keys (msgpack integers are 64-bit).
 A ROUTER socket (optional) answers a request [start_seq (8 bytes)] with every buffered batch from
 that sequence number on, each as (seq, payload), then (-1 as 8 signed bytes, empty); it is served
-by a thread of its own, at a bounded rate per subscriber (kvstrata/serve/event_replay.py).
+by a thread of its own, within a total budget and a rate per subscriber
+(kvstrata/serve/event_replay.py).
 
 With kv_events_curve_secret_file / kv_events_curve_clients_dir both sockets are CURVE servers:
 every subscriber must present a key pair whose public half is in the clients directory (pyzmq's
@@ -28,6 +29,7 @@ from __future__ import annotations
 import time
 
 import zmq
+from prometheus_client import CollectorRegistry
 
 from kvstrata.cache.event_wire import (
     AllBlocksCleared,
@@ -41,7 +43,7 @@ from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
 from kvstrata.listeners import Listeners, exit_process
 from kvstrata.serve.config import ServeConfig
-from kvstrata.serve.event_replay import ReplayBuffer, ReplayServer
+from kvstrata.serve.event_replay import ReplayBuffer, ReplayLimits, ReplayMetrics, ReplayServer
 from kvstrata.zmq_curve import CurveKeys, authenticator
 
 
@@ -60,7 +62,11 @@ class KVEventPublisher:
     """Publishes the tree's per-medium changes after every step."""
 
     def __init__(
-        self, cfg: ServeConfig, page_size: int, listeners: Listeners | None = None
+        self,
+        cfg: ServeConfig,
+        page_size: int,
+        listeners: Listeners | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.page = page_size
         self.format = cfg.kv_events_format
@@ -75,15 +81,20 @@ class KVEventPublisher:
         self.pub.bind(cfg.kv_events_endpoint)
         self.buffer = ReplayBuffer(cfg.kv_events_buffer)
         self.replay: ReplayServer | None = None
+        self.registry = registry
+        self.metrics: ReplayMetrics | None = None  # registered in `registry` while open
         if cfg.kv_events_replay_endpoint:
             self.replay = ReplayServer(
                 self.ctx,
                 cfg.kv_events_replay_endpoint,
                 self.buffer,
-                cfg.kv_events_replay_rate,
+                ReplayLimits(cfg.kv_events_replay_rate, cfg.kv_events_replay_budget),
                 keys,
                 listeners,
             )
+            if registry is not None:  # /metrics: answered, dropped, deferred
+                self.metrics = ReplayMetrics(self.replay)
+                registry.register(self.metrics)
         self.seq = 0
         self.tracker = BlockTracker()
         self.tokens: dict[int, list[int]] = {}  # page key -> its tokens (for BlockStored)
@@ -117,6 +128,8 @@ class KVEventPublisher:
     def close(self) -> None:
         if self.replay is not None:
             self.replay.close()  # its thread first: the context's term waits for its socket
+        if self.metrics is not None and self.registry is not None:
+            self.registry.unregister(self.metrics)
         self.pub.close()
         if self.auth is not None:
             self.auth.stop()

@@ -154,7 +154,7 @@ def _build(
     if cfg.kv_events_endpoint and built.engine.cache is not None:
         from kvstrata.serve.events import KVEventPublisher
 
-        parts.events = KVEventPublisher(cfg, configs[1].page_size, listeners)
+        parts.events = KVEventPublisher(cfg, configs[1].page_size, listeners, metrics.registry)
     return parts
 
 
