@@ -22,11 +22,11 @@ from rich.table import Table
 
 from kvstrata.bench.pd_row import PD, check_pd_args, pd_row_by_default, run_pd_row
 from kvstrata.bench.run_report import TurnResult, config_report, outputs_identical, write_report
-from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.config import TIER_SETS, CacheConfig
 from kvstrata.cli import validate
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.engine.build import build_engine, build_speculator, resolve_model_path
-from kvstrata.engine.config import TIER_SETS, EngineConfig
+from kvstrata.engine.config import EngineConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
 from kvstrata.model.tokenizer import chat_encoder
@@ -70,8 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="one more row: router + prefill + decode processes (default: on with one rank)",
     )
-    add_config_args(p, EngineConfig, exclude=("tiers",))  # run serves every tier set
-    add_config_args(p, CacheConfig)
+    add_config_args(p, EngineConfig)
+    add_config_args(p, CacheConfig)  # run serves every tier set (CacheConfig.with_tiers)
     add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
     add_config_args(p, DistConfig)
     p.set_defaults(func=run)
@@ -152,8 +152,8 @@ def run_config(
     """Serve every session turn by turn (turn k+1 is submitted when turn k finished); the
     sessions interleave, so several requests are in flight and batched together."""
     engine_cfg, cache_cfg, storage_cfg = cfgs
-    ecfg = dataclasses.replace(engine_cfg, tiers=tiers)
-    built = build_engine(ecfg, cache_cfg, storage_cfg, model=model, decisions=log)
+    tiered = cache_cfg.with_tiers(tiers)
+    built = build_engine(engine_cfg, tiered, storage_cfg, model=model, decisions=log)
     eng = built.engine
     workload = SessionTurns(prompts, max_new)
     results: list[TurnResult] = []
@@ -186,9 +186,9 @@ def run_config_ranks(
     from kvstrata.parallel.ranks import run_distributed  # spawns processes: import only when used
 
     engine_cfg, cache_cfg, storage_cfg = cfgs
-    ecfg = dataclasses.replace(engine_cfg, tiers=tiers)
+    tiered = cache_cfg.with_tiers(tiers)
     reports = run_distributed(
-        ecfg, cache_cfg, dist_cfg, SessionTurns(prompts, max_new), storage_cfg
+        engine_cfg, tiered, dist_cfg, SessionTurns(prompts, max_new), storage_cfg
     )
     for key in ("outputs", "spec_accepts"):
         if any(r[key] != reports[0][key] for r in reports):

@@ -9,6 +9,7 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
 from kvstrata.cli.serve_roles import parse_role_args
+from kvstrata.cli.tiers_option import apply_tiers_preset
 from kvstrata.configtools import config_from_args
 from kvstrata.engine.build import resolve_model_path
 from kvstrata.engine.config import EngineConfig
@@ -49,17 +50,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, StorageConfig]:
-    """Engine, cache and storage configs; without --storage-url the default tiers are
-    device_host."""
+    """Engine, cache and storage configs; the cache's tiers are what its options (or the --tiers
+    preset) make: device_host by default, device_host_storage with --storage-url."""
     cache_cfg = config_from_args(CacheConfig, args)
-    over = {} if args.tiers is not None or cache_cfg.storage_url else {"tiers": "device_host"}
-    engine_cfg = config_from_args(EngineConfig, args, **over)
+    engine_cfg = config_from_args(EngineConfig, args)
     validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
     if cache_cfg.storage_url:
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url")
     validate.check_storage_options(args, STORAGE_PREFIX, cache_cfg.storage_url)
-    if engine_cfg.tiers == "device_host_storage" and not cache_cfg.storage_url:
-        raise ValueError("--tiers device_host_storage needs --storage-url")
+    cache_cfg = apply_tiers_preset(cache_cfg, args)
     return engine_cfg, cache_cfg, config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
+from kvstrata.cli.tiers_option import add_tiers_option
 from kvstrata.configtools import add_config_args
 from kvstrata.engine.config import EngineConfig
 from kvstrata.parallel.config import DistConfig
@@ -72,6 +73,8 @@ def add_configs(p: argparse.ArgumentParser, configs: Sequence[ConfigArgs]) -> No
         add_config_args(p, c.cls, prefix=c.prefix, only=c.only)
         if c.cls is RouterConfig:
             add_router_urls(p)
+        if c.cls is CacheConfig:
+            add_tiers_option(p)
 
 
 def role_of(serve: argparse.ArgumentParser, argv: Sequence[str]) -> str:

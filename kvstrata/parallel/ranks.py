@@ -26,12 +26,7 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.cache.manager import HiCache
 from kvstrata.cache.radix import Node
 from kvstrata.configtools import doc
-from kvstrata.engine.build import (
-    CacheParts,
-    build_engine,
-    resolve_model_path,
-    tiers_of,
-)
+from kvstrata.engine.build import CacheParts, build_engine, resolve_model_path
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.engine.speculative import Speculator
@@ -148,7 +143,6 @@ class RankEngine:
         self.ctx, self.options, self.extra = ctx, options, extra
         self.now = 0.0
         full = load_model(engine_cfg.model, dtype=engine_cfg.dtype)
-        cache_cfg = tiers_of(cache_cfg, engine_cfg.tiers)
         # paths may differ per node; the weights fingerprint is the model's identity
         check = {**dataclasses.asdict(engine_cfg), **dataclasses.asdict(cache_cfg)}
         for local_only in ("model", "model_cache_dir", "threads"):
