@@ -100,9 +100,12 @@ def test_the_engine_builds_the_tiers_its_cache_config_says(
         built.mover is not None and built.mover.storage is not None,
     )
     built.close()
-    assert made == {
-        "none": (False, False, False),
-        "device": (True, False, False),
-        "device_host": (True, True, False),
-        "device_host_storage": (True, True, True),
-    }[tiers]
+    assert (
+        made
+        == {
+            "none": (False, False, False),
+            "device": (True, False, False),
+            "device_host": (True, True, False),
+            "device_host_storage": (True, True, True),
+        }[tiers]
+    )

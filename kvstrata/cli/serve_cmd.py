@@ -13,6 +13,7 @@ from kvstrata.cli.tiers_option import apply_tiers_preset
 from kvstrata.configtools import config_from_args
 from kvstrata.engine.build import resolve_model_path
 from kvstrata.engine.config import EngineConfig
+from kvstrata.http.config import HttpConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.parallel.config import DistConfig
 from kvstrata.parallel.spec import check_spec_layout
@@ -69,13 +70,14 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.serve.server import make_state, serve  # fastapi/uvicorn only when serving
     from kvstrata.serve.torchrun import serve_follower, torchrun_rank
 
-    cfg = config_from_args(ServeConfig, args)
-    if cfg.parent_pid:  # before the model loads: a launcher killed meanwhile leaves nothing
-        exit_with_parent(cfg.parent_pid, cfg.stop_timeout_s + PARENT_GONE_GRACE_S)
-    if cfg.role == "router":  # no model: the workers have it
+    http = config_from_args(HttpConfig, args)
+    if http.parent_pid:  # before the model loads: a launcher killed meanwhile leaves nothing
+        exit_with_parent(http.parent_pid, http.stop_timeout_s + PARENT_GONE_GRACE_S)
+    if args.role == "router":  # no model: the workers have it
         from kvstrata.router.app import serve_router
 
-        return serve_router(cfg, router_config_from_args(args))
+        return serve_router(router_config_from_args(args))
+    cfg = config_from_args(ServeConfig, args, http=http)
     cfgs = configs(args)
     path = resolve_model_path(cfgs[0])
     validate.check_checkpoint(path)

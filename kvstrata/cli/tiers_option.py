@@ -14,7 +14,9 @@ from kvstrata.cache.config import TIER_SETS, CacheConfig
 
 
 def add_tiers_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    """`--tiers`, listed in CacheConfig's help group (after its fields are added)."""
+    group = next((g for g in p._action_groups if g.title == CacheConfig.__name__), p)
+    group.add_argument(
         "--tiers", choices=TIER_SETS, default=None,
         help="cache tiers preset: none (no prefix cache), device (--host-pages 0, no storage), "
         "device_host (no storage), device_host_storage (needs --storage-url); default: what "

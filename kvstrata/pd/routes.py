@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from kvstrata.http.paths import PD_INFO_PATH
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.ranks import rank_stats
 
@@ -14,7 +15,7 @@ from kvstrata.pd.ranks import rank_stats
 def add_routes(app: FastAPI, state: Any) -> None:
     """GET /v1/pd/info on every role (a single server answers role "single")."""
 
-    @app.get("/v1/pd/info")
+    @app.get(PD_INFO_PATH)
     async def pd_info() -> dict[str, Any]:
         state.check_ready()
         if state.pd is not None:
