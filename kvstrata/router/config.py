@@ -16,7 +16,7 @@ ROUTINGS = ("kv_aware", "round_robin")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """P/D router: worker URLs, timeouts, and whether workers must prove their role."""
+    """Router: its listener, P/D workers or a fleet, timeouts, whether workers prove their role."""
 
     http: HttpConfig = doc(
         HttpConfig(), "address, API key, request limits, graceful stop", cli=False
