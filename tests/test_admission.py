@@ -88,8 +88,9 @@ def test_the_first_prefill_takes_the_whole_step_budget_unless_capped(
     """Two cold prompts of 96 tokens, a 64-token step budget: uncapped (the default), the first
     takes all 64 and finishes a step sooner (its TTFT), the second gets the rest; with a cap of
     32 both advance 32 a step and both finish at step 3."""
-    ecfg = EngineConfig(model=str(ckpt), tiers="none", max_batch_tokens=64, chunk_tokens=cap)
-    built = build_engine(ecfg, CacheConfig(page_size=PAGE, device_pages=32), model=load_model(ckpt))
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=64, chunk_tokens=cap)
+    cfg = CacheConfig(page_size=PAGE, device_pages=32).with_tiers("none")
+    built = build_engine(ecfg, cfg, model=load_model(ckpt))
     eng = built.engine
     rng = random.Random(2)
     reqs = [Request(f"r{i}", [rng.randrange(97) for _ in range(96)], 1) for i in range(2)]

@@ -38,10 +38,10 @@ def model(ckpt: Path):  # noqa: ANN201
 
 
 def _engine(model, decode_step_tokens: int, **target: float):  # noqa: ANN001, ANN202
-    cfg = EngineConfig(
-        tiers="device", max_batch_tokens=256, decode_step_tokens=decode_step_tokens, **target
+    cfg = EngineConfig(max_batch_tokens=256, decode_step_tokens=decode_step_tokens, **target)
+    return build_engine(
+        cfg, CacheConfig(page_size=PAGE, device_pages=96, host_pages=0), model=model
     )
-    return build_engine(cfg, CacheConfig(page_size=PAGE, device_pages=96), model=model)
 
 
 class StepClock:

@@ -52,8 +52,8 @@ def serve_one_rank(
     ckpt: Path, tiers: str, store: Path, work: Workload, host: int = 64
 ) -> dict[str, Request]:
     """The plain single-rank engine (build_engine) over the same workload, demoting between turns."""
-    ecfg = EngineConfig(model=str(ckpt), tiers=tiers, max_batch_tokens=1024, chunk_tokens=1024)
-    built = build_engine(ecfg, cache_cfg(store, host=host))
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=1024, chunk_tokens=1024)
+    built = build_engine(ecfg, cache_cfg(store, host=host).with_tiers(tiers))
     eng, done, just = built.engine, {}, []
     while (new := work.poll(just)) is not None or eng.has_work():
         if not eng.has_work() and eng.cache is not None:
@@ -95,7 +95,7 @@ def test_parallel_equals_one_rank_and_recompute(
     # one rank writes turn 0 to storage; the parallel run must hit it (written by another layout)
     first = serve_one_rank(ckpt, "device_host_storage", store, MultiTurn([CONV[0][:1]], 4, True))
     assert_logits({k: [x.numpy() for x in r.logits] for k, r in first.items()}, recompute)
-    ecfg = EngineConfig(model=str(ckpt), tiers="device_host_storage", max_batch_tokens=1024)
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=1024)
     opts = RankOptions(delay=2, seed=1, demote_when_idle=True, tree_digests=True)
     res = run_distributed(
         ecfg,
@@ -147,7 +147,7 @@ def test_random_delays_keep_trees_identical(ckpt: Path, tmp_path: Path) -> None:
     ref = serve_one_rank(
         ckpt, "device_host_storage", tmp_path / "store", MultiTurn(convs, 18), host=512
     )
-    ecfg = EngineConfig(model=str(ckpt), tiers="device_host_storage", max_batch_tokens=1024)
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=1024)
     opts = RankOptions(delay=4, seed=7, demote_when_idle=True, tree_digests=True)
     res = run_distributed(
         ecfg,
@@ -166,11 +166,12 @@ def test_random_delays_keep_trees_identical(ckpt: Path, tmp_path: Path) -> None:
 def test_injected_divergence_named_live_and_offline(ckpt: Path, tmp_path: Path) -> None:
     """Rank 1 skips one agreed decision at step 5 (tp=2): the live digest check stops both
     ranks naming step 5 and rank 1, and the offline checker names the same from the logs."""
-    ecfg = EngineConfig(model=str(ckpt), tiers="device_host", max_batch_tokens=1024)
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=1024)
     logs = tmp_path / "logs"
     cfg = DistConfig(tp=2, consensus_check="live", inject_divergence="5:1", consensus_log=str(logs))
     with pytest.raises(RankFailure, match="diverged at step 5: .*rank 1 differs from rank 0"):
-        run_distributed(ecfg, cache_cfg(tmp_path / "s", host=64), cfg, MultiTurn(CONV, 4))
+        tiers = cache_cfg(tmp_path / "s", host=64).with_tiers("device_host")
+        run_distributed(ecfg, tiers, cfg, MultiTurn(CONV, 4))
     offline = check_logs(logs)
     assert offline.divergence is not None
     assert offline.divergence.step == 5 and offline.divergence.minority == [1]
@@ -185,11 +186,11 @@ def test_cp_batches_fit_the_scratch_budget(ckpt: Path, tmp_path: Path) -> None:
         return [Request(f"r{i}", p, 4, keep_logits=True) for i, p in enumerate(prompts)]
 
     ref = serve_one_rank(ckpt, "none", tmp_path / "r", _Once(reqs()))
-    ecfg = EngineConfig(model=str(ckpt), tiers="device", max_batch_tokens=1024)
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=1024)
     budget = 150_000  # two prompts fit, three do not
     res = run_distributed(
         ecfg,
-        cache_cfg(tmp_path / "s"),
+        cache_cfg(tmp_path / "s").with_tiers("device"),
         DistConfig(cp=2),
         reqs(),
         options=RankOptions(cp_scratch_bytes=budget),

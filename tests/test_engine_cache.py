@@ -62,8 +62,8 @@ def run_turns(
         prefetch_policy="wait_complete",
     )
     built = build_engine(
-        EngineConfig(tiers=tiers, chunk_tokens=chunk, max_batch_tokens=1024),
-        cfg,
+        EngineConfig(chunk_tokens=chunk, max_batch_tokens=1024),
+        cfg.with_tiers(tiers),
         storage_cfg,
         model=model,
     )
@@ -144,9 +144,7 @@ def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -
     chunked = run_turns(model, "none", tmp_path / "b", prompts, chunk=16)
     assert_same(alone, chunked)
     cfg = CacheConfig(page_size=PAGE, device_pages=128, host_pages=0)
-    built = build_engine(
-        EngineConfig(tiers="device", chunk_tokens=32, max_batch_tokens=64), cfg, model=model
-    )
+    built = build_engine(EngineConfig(chunk_tokens=32, max_batch_tokens=64), cfg, model=model)
     reqs = [Request(f"b{i}", p, max_new_tokens=4, keep_logits=True) for i, p in enumerate(prompts)]
     built.engine.run(reqs)
     built.engine.check_integrity()
@@ -189,9 +187,7 @@ def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa
     alone = run_turns(model, "none", tmp_path / "a", prompts)
     need = max(-(-(len(p) + 3) // PAGE) for p in prompts)
     cfg = CacheConfig(page_size=PAGE, device_pages=need + 2, host_pages=0)
-    built = build_engine(
-        EngineConfig(tiers="device", chunk_tokens=64, max_batch_tokens=128), cfg, model=model
-    )
+    built = build_engine(EngineConfig(chunk_tokens=64, max_batch_tokens=128), cfg, model=model)
     reqs = [Request(f"w{i}", p, max_new_tokens=4, keep_logits=True) for i, p in enumerate(prompts)]
     for r in reqs:
         built.engine.submit(r)
@@ -207,7 +203,7 @@ def test_a_batch_that_does_not_fit_waits(model, tmp_path: Path) -> None:  # noqa
 
 def test_bad_requests_are_refused(model, tmp_path: Path) -> None:  # noqa: ANN001
     built = build_engine(
-        EngineConfig(tiers="device"),
+        EngineConfig(),
         CacheConfig(page_size=PAGE, device_pages=32, host_pages=0),
         model=model,
     )
@@ -227,7 +223,7 @@ def test_a_prompt_may_fill_every_position(model) -> None:  # noqa: ANN001
     """The last generated token is never fed back, so prompt + new - 1 positions are used."""
     limit = model.spec.max_position_embeddings  # 1024
     built = build_engine(
-        EngineConfig(tiers="device"),
+        EngineConfig(),
         CacheConfig(page_size=PAGE, device_pages=limit // PAGE + 1, host_pages=0),
         model=model,
     )

@@ -35,7 +35,7 @@ def model(ckpt: Path):  # noqa: ANN201
 def engine(model, tiers: str = "device_host", device_pages: int = 64) -> Built:  # noqa: ANN001
     cfg = CacheConfig(page_size=PAGE, device_pages=device_pages, host_pages=64)
     return build_engine(
-        EngineConfig(tiers=tiers, chunk_tokens=16, max_batch_tokens=64), cfg, model=model
+        EngineConfig(chunk_tokens=16, max_batch_tokens=64), cfg.with_tiers(tiers), model=model
     )
 
 
@@ -129,7 +129,7 @@ def test_cache_salt_separates_tenants(model) -> None:  # noqa: ANN001
 def test_abort_while_probing_or_prefetching_from_storage(model, tmp_path: Path) -> None:  # noqa: ANN001
     url = f"file://{tmp_path / 'store'}"
     cfg = CacheConfig(page_size=PAGE, device_pages=64, host_pages=64, storage_url=url)
-    ecfg = EngineConfig(tiers="device_host_storage", chunk_tokens=16, max_batch_tokens=64)
+    ecfg = EngineConfig(chunk_tokens=16, max_batch_tokens=64)
     first = build_engine(ecfg, cfg, model=model)
     first.engine.run([Request("fill", list(PROMPT), 2)])
     first.close()  # every page backed up to the store

@@ -49,9 +49,7 @@ def turns_with(
         page_size=PAGE, device_pages=64, host_pages=64, storage_url=url,
         prefetch_policy="wait_complete",
     )  # fmt: skip
-    built = build_engine(
-        EngineConfig(tiers="device_host_storage", max_batch_tokens=1024), cfg, LENIENT, model=model
-    )
+    built = build_engine(EngineConfig(max_batch_tokens=1024), cfg, LENIENT, model=model)
     eng, results = built.engine, []
     storage = built.engine.cache.mover.storage if built.engine.cache else None  # type: ignore[union-attr]
     for k, prompt in enumerate(prompts):

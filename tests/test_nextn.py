@@ -47,12 +47,11 @@ def _prompts(n: int) -> list[list[int]]:
 def _run(model, draft: str, cache_dir: Path, prompts, model_dir: Path | None = None):  # noqa: ANN001, ANN201
     cfg = EngineConfig(
         model=str(model_dir or ""),
-        tiers="device",
         spec_draft=draft,
         spec_tokens=3,
         model_cache_dir=str(cache_dir),
     )
-    built = build_engine(cfg, CacheConfig(page_size=8, device_pages=64), model=model)
+    built = build_engine(cfg, CacheConfig(page_size=8, device_pages=64, host_pages=0), model=model)
     reqs = [Request(f"r{i}", p, max_new_tokens=16) for i, p in enumerate(prompts)]
     built.engine.run(reqs)
     built.engine.check_integrity()
@@ -154,8 +153,6 @@ def test_trained_nextn_is_reproducible_and_drafts_accepted(ckpt: Path, tmp_path:
 
 def test_nextn_without_a_layer_is_refused(ckpt: Path, tmp_path: Path) -> None:
     model = load_model(ckpt)
-    cfg = EngineConfig(
-        model=str(ckpt), tiers="device", spec_draft="nextn", model_cache_dir=str(tmp_path)
-    )
+    cfg = EngineConfig(model=str(ckpt), spec_draft="nextn", model_cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="no nextn.safetensors beside the model"):
-        build_engine(cfg, CacheConfig(page_size=8, device_pages=64), model=model)
+        build_engine(cfg, CacheConfig(page_size=8, device_pages=64, host_pages=0), model=model)

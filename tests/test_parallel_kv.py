@@ -55,9 +55,11 @@ def run(
     ckpt: Path, url: str, layout: str, tiers: str = "device_host_storage", **opts: object
 ) -> list[dict]:
     dist = DistConfig(**dict.fromkeys(layout.split("+"), 2)) if layout else DistConfig()
-    ecfg = EngineConfig(model=str(ckpt), tiers=tiers, max_batch_tokens=1024)
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=1024)
     options = RankOptions(demote_when_idle=True, report_host_pages=True, **opts)  # type: ignore[arg-type]
-    return run_distributed(ecfg, ccfg(url), dist, MultiTurn(CONV, 4, True), options=options)
+    return run_distributed(
+        ecfg, ccfg(url).with_tiers(tiers), dist, MultiTurn(CONV, 4, True), options=options
+    )
 
 
 def close_pages(a: np.ndarray, b: np.ndarray) -> bool:

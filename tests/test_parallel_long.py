@@ -45,8 +45,8 @@ class _Turns:
 
 
 def _serve(ckpt: Path, tiers: str, url: str, reqs: list[Request]) -> dict[str, Request]:
-    ecfg = EngineConfig(model=str(ckpt), tiers=tiers, max_batch_tokens=8192, chunk_tokens=8192)
-    built = build_engine(ecfg, _cfg(url))
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=8192, chunk_tokens=8192)
+    built = build_engine(ecfg, _cfg(url).with_tiers(tiers))
     eng, done = built.engine, {}
     for r in reqs:
         eng.submit(r)
@@ -82,9 +82,7 @@ def test_128k_prompt_cp2_host_hit_then_cp1_storage_hit(tmp_path: Path) -> None:
 
     ref = _serve(ckpt, "none", "", [reqs()[1]])["r1"]
     url = str(tmp_path / "storage")
-    ecfg = EngineConfig(
-        model=str(ckpt), tiers="device_host_storage", max_batch_tokens=8192, chunk_tokens=8192
-    )
+    ecfg = EngineConfig(model=str(ckpt), max_batch_tokens=8192, chunk_tokens=8192)
     res = run_distributed(
         ecfg, _cfg(url), DistConfig(cp=2), _Turns(reqs()),
         options=RankOptions(demote_when_idle=True), timeout_s=900,

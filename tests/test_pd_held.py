@@ -61,10 +61,9 @@ class HoldingConnector(KVConnector):
 
 @pytest.fixture
 def built(ckpt: Path) -> Iterator[Built]:
-    cfg = EngineConfig(model=str(ckpt), chunk_tokens=256, tiers="device")
-    out = build_engine(
-        cfg, CacheConfig(page_size=PAGE, device_pages=DEVICE_PAGES), model=load_model(ckpt)
-    )
+    cfg = EngineConfig(model=str(ckpt), chunk_tokens=256)
+    cache = CacheConfig(page_size=PAGE, device_pages=DEVICE_PAGES).with_tiers("device")
+    out = build_engine(cfg, cache, model=load_model(ckpt))
     yield out
     out.close()
 

@@ -72,10 +72,10 @@ def drafts(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, st
 def engine_of(ckpt: Path, cache_dir: Path, draft: str, tiers: str = "device_host") -> Any:
     """An in-process engine built like a worker's (tests/pd_helpers.worker_args)."""
     cfg = EngineConfig(
-        model=str(ckpt), tiers=tiers, chunk_tokens=64, max_batch_tokens=256, threads=1,
+        model=str(ckpt), chunk_tokens=64, max_batch_tokens=256, threads=1,
         spec_draft=draft, spec_tokens=SPEC_TOKENS, model_cache_dir=str(cache_dir),
     )  # fmt: skip
-    return build_engine(cfg, CacheConfig(**POOLS))
+    return build_engine(cfg, CacheConfig(**POOLS).with_tiers(tiers))
 
 
 def single_server(ckpt: Path, cache_dir: Path, draft: str) -> list[Request]:

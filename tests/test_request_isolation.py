@@ -114,7 +114,7 @@ def test_a_request_that_raises_in_a_step_fails_alone(tmp_path: Path) -> None:
     with a 500 failure, the others finish with their cold outputs, every pool holds."""
     model = load_model(make_llama(tmp_path / "tiny", seed=6, max_position_embeddings=256))
     cache = CacheConfig(page_size=8, device_pages=64, host_pages=64)
-    cfg = EngineConfig(tiers="device_host", chunk_tokens=16, max_batch_tokens=64)
+    cfg = EngineConfig(chunk_tokens=16, max_batch_tokens=64)
 
     def requests() -> list[Request]:
         out = [Request(f"m{i}", list(p), 8) for i, p in enumerate(MATES)]

@@ -31,7 +31,7 @@ def model(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 def engine(model, host_pages: int = 64) -> Engine:  # noqa: ANN001
     cfg = CacheConfig(page_size=PAGE, device_pages=48, host_pages=host_pages)
-    ecfg = EngineConfig(tiers="device_host", chunk_tokens=16, max_batch_tokens=64, max_running=4)
+    ecfg = EngineConfig(chunk_tokens=16, max_batch_tokens=64, max_running=4)
     return build_engine(ecfg, cfg, model=model).engine
 
 

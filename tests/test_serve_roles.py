@@ -4,12 +4,17 @@ is refused by name, one line, exit 2."""
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
 from kvstrata.cli.main import build_parser
 from kvstrata.configtools import DEBUG_GROUP
+from kvstrata.http.config import HttpConfig
+from kvstrata.router.config import RouterConfig, router_config_from_args
 
 ROUTER_OPTIONS = {
     "--host", "--port", "--served-model-name", "--stop-timeout-s", "--log-level", "--parent-pid",
@@ -120,3 +125,39 @@ def test_an_unknown_role_is_refused_at_help(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as exc:
         parser().parse_args(["serve", "--role", "nope", "--help"])
     assert exc.value.code == 2 and "--role must be one of" in capsys.readouterr().err
+
+
+def test_the_router_config_holds_exactly_what_the_router_reads() -> None:
+    """The router's one config: its listener (HttpConfig, shared with `serve`) and its own
+    fields, parsed from the router's command line; nothing of ServeConfig."""
+    assert [f.name for f in dataclasses.fields(HttpConfig)] == [
+        "host", "port", "stop_timeout_s", "debug_endpoints", "log_level", "parent_pid",
+        "api_key", "api_key_file", "max_request_bytes", "client_timeout_s",
+    ]  # fmt: skip
+    assert {f.name for f in dataclasses.fields(RouterConfig)} == {
+        "http", "served_model_name", "prefill", "decode", "replicas", "routing",
+        "kv_indexer_url", "load_weight", "kv_events_curve_secret_file",
+        "kv_events_curve_peers_dir", "info_timeout_s", "start_timeout_s", "connect_timeout_s",
+        "read_timeout_s", "down_s", "health_interval_s", "worker_api_key_file", "require_info",
+    }  # fmt: skip
+    args = parser().parse_args(
+        ["serve", "--role", "router", "--replicas", "http://a:1", "--port", "0", "--api-key",
+         "k", "--served-model-name", "m", "--router-down-s", "3", "--client-timeout-s", "5"]
+    )  # fmt: skip
+    cfg = router_config_from_args(args)
+    assert cfg.http == HttpConfig(port=0, api_key="k", client_timeout_s=5.0)
+    assert (cfg.served_model_name, cfg.replicas, cfg.down_s) == ("m", ("http://a:1",), 3.0)
+    with pytest.raises(TypeError, match="max_pending"):
+        RouterConfig(max_pending=8)  # type: ignore[call-arg]
+
+
+def test_the_router_imports_nothing_of_serve() -> None:
+    """Shared HTTP pieces come from kvstrata.http; the router never reaches into `serve`."""
+    router = Path(__file__).parent.parent / "kvstrata" / "router"
+    found = []
+    for path in sorted(router.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith("kvstrata.serve")]
+    assert found == []

@@ -43,7 +43,7 @@ def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
 def in_process(ckpt: Path, tmp: Path, draft: str) -> list[Request]:
     """The same requests one after another on an engine built like the server's."""
     cfg = EngineConfig(
-        model=str(ckpt), tiers="device_host", chunk_tokens=64, max_batch_tokens=256, threads=1,
+        model=str(ckpt), chunk_tokens=64, max_batch_tokens=256, threads=1,
         spec_draft=draft, spec_tokens=3, model_cache_dir=str(tmp),
     )  # fmt: skip
     built = build_engine(cfg, CacheConfig(page_size=8, device_pages=64, host_pages=64))

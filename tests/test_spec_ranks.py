@@ -57,9 +57,9 @@ def drafts(ckpt: Path, tmp: Path) -> dict[str, str]:
     return {"self": "self:3", "mtp": save_echo_head(ckpt, tmp / "echo.safetensors", vocab=80)}
 
 
-def engine_cfg(ckpt: Path, draft: str, tiers: str) -> EngineConfig:
+def engine_cfg(ckpt: Path, draft: str) -> EngineConfig:
     return EngineConfig(
-        model=str(ckpt), tiers=tiers, max_batch_tokens=1024, chunk_tokens=1024,
+        model=str(ckpt), max_batch_tokens=1024, chunk_tokens=1024,
         spec_draft=draft, spec_tokens=SPEC_TOKENS, model_cache_dir=str(ckpt.parent),
     )  # fmt: skip
 
@@ -67,7 +67,7 @@ def engine_cfg(ckpt: Path, draft: str, tiers: str) -> EngineConfig:
 def one_rank(ckpt: Path, draft: str) -> tuple[dict[str, Request], str]:
     """The conversation on one in-process engine with no cache: (requests by id, the
     speculator's fingerprint)."""
-    built = build_engine(engine_cfg(ckpt, draft, "none"), CacheConfig(page_size=PAGE))
+    built = build_engine(engine_cfg(ckpt, draft), CacheConfig(page_size=PAGE).with_tiers("none"))
     done: dict[str, Request] = {}
     for just in drive(built.engine, MultiTurn([CONV], NEW)):
         built.engine.check_integrity()
@@ -100,7 +100,7 @@ def ranked(ckpt: Path, draft: str, layout: str, store: Path) -> list[dict[str, A
     dist = DistConfig(**dict.fromkeys(layout.split("+"), 2))
     work = MultiTurn([CONV], NEW)
     return run_distributed(
-        engine_cfg(ckpt, draft, "device_host_storage"),
+        engine_cfg(ckpt, draft),
         cache,
         dist,
         work,

@@ -50,7 +50,6 @@ def generate(
 ):  # noqa: ANN001, ANN201
     built = build_engine(
         EngineConfig(
-            tiers=tiers,
             spec_draft=draft,
             spec_tokens=n,
             model_cache_dir=str(cache_dir),
@@ -58,7 +57,7 @@ def generate(
             max_batch_tokens=48,
             max_running=3,
         ),
-        CacheConfig(page_size=PAGE, device_pages=device_pages, host_pages=0),
+        CacheConfig(page_size=PAGE, device_pages=device_pages, host_pages=0).with_tiers(tiers),
         model=model,
     )
     reqs = [Request(f"r{i}", p, max_new_tokens=new) for i, p in enumerate(ps)]

@@ -85,13 +85,12 @@ def run_turns(
         prefetch_policy="wait_complete",
     )
     econf = EngineConfig(
-        tiers=tiers,
         spec_draft=draft,
         spec_tokens=3,
         model_cache_dir=str(cache_dir),
         model=model_dir,
     )
-    built = build_engine(econf, cfg, model=model)
+    built = build_engine(econf, cfg.with_tiers(tiers), model=model)
     eng = built.engine
     results = []
     for i, prompt in enumerate(prompts):

@@ -81,7 +81,7 @@ def model(root: Path):  # noqa: ANN201
 
 def run(model, tmp: Path, draft: str, params: list[SamplingParams], new: int = 6) -> list[Request]:  # noqa: ANN001
     cfg = EngineConfig(
-        tiers="device", spec_draft=draft, spec_tokens=3, model_cache_dir=str(tmp),
+        spec_draft=draft, spec_tokens=3, model_cache_dir=str(tmp),
         chunk_tokens=32, max_batch_tokens=1024, max_running=128,
     )  # fmt: skip
     built = build_engine(cfg, CacheConfig(page_size=8, device_pages=512, host_pages=0), model=model)

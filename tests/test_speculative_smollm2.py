@@ -27,10 +27,10 @@ def test_smollm2_self_draft_greedy_equals_plain(tmp_path: Path) -> None:
     prompt = tok.encode_chat(PROMPT)
     outputs = {}
     for draft in ("", "self:26"):
-        cfg = EngineConfig(
-            tiers="device", spec_draft=draft, spec_tokens=3, model_cache_dir=str(tmp_path)
+        cfg = EngineConfig(spec_draft=draft, spec_tokens=3, model_cache_dir=str(tmp_path))
+        built = build_engine(
+            cfg, CacheConfig(page_size=16, device_pages=32, host_pages=0), model=model
         )
-        built = build_engine(cfg, CacheConfig(page_size=16, device_pages=32), model=model)
         req = Request("r", prompt, max_new_tokens=24)
         built.engine.run([req])
         built.engine.check_integrity()

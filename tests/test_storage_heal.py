@@ -150,7 +150,7 @@ def _listed_names(store: UnitStorage, tmp_path: Path) -> set[str]:
 def _run(model, url: str, cfg: StorageConfig, prompt: list[int]) -> Run:  # noqa: ANN001
     """One fresh engine over the store: its request and its counters (and /metrics text)."""
     built = build_engine(
-        EngineConfig(tiers="device_host_storage", chunk_tokens=1024, max_batch_tokens=1024),
+        EngineConfig(chunk_tokens=1024, max_batch_tokens=1024),
         CacheConfig(
             page_size=PAGE,
             device_pages=64,

@@ -69,8 +69,8 @@ class ForwardTimer:
 def engine_for(model: DecoderLM, case: Case, batch: int) -> Engine:
     """An engine without a cache whose pool and running set hold `batch` requests."""
     pages = batch * (-(-(case.prompt + case.new) // PAGE) + 1)
-    cfg = CacheConfig(page_size=PAGE, device_pages=pages, host_pages=0)
-    config = EngineConfig(tiers="none", max_running=batch, dtype=model.dtype_name)
+    cfg = CacheConfig(page_size=PAGE, device_pages=pages, host_pages=0, prefix_cache=False)
+    config = EngineConfig(max_running=batch, dtype=model.dtype_name)
     eng = build_engine(config, cfg, model=model).engine
     eng.pool.data.fill_(0)  # first-touch faults belong to start-up
     return eng

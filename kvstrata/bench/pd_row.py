@@ -29,8 +29,8 @@ from kvstrata.configtools import config_to_args
 from kvstrata.ranks.config import DistConfig
 
 PD = "pd"
-ENGINE_SKIP = ("model", "model_cache_dir", "tiers", "spec_draft", "spec_tokens")
-"""Set by LocalPD (model, tiers with its shared store) or not used by the row (speculation: the
+ENGINE_SKIP = ("model", "model_cache_dir", "spec_draft", "spec_tokens")
+"""Set by LocalPD (model; the storage URL, its shared store) or not used by the row (speculation: the
 tokens are the same without it)."""
 
 

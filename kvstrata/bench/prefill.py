@@ -55,7 +55,7 @@ def engine_for(model: DecoderLM, tokens: int, tiers: str = "device") -> Engine:
     faults of a fresh pool belong to start-up, not to a request's TTFT.
     """
     cfg = CacheConfig(page_size=PAGE, device_pages=tokens // PAGE + 8, host_pages=0)
-    eng = build_engine(EngineConfig(tiers=tiers), cfg, model=model).engine
+    eng = build_engine(EngineConfig(), cfg.with_tiers(tiers), model=model).engine
     eng.pool.data.fill_(0)
     return eng
 

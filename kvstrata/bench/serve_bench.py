@@ -151,7 +151,6 @@ def _engine(path: Path, tpot_target_ms: float = 0.0) -> Any:
     cfg = CacheConfig(page_size=64, device_pages=512, host_pages=1024)
     ecfg = EngineConfig(
         model=str(path),
-        tiers="device_host",
         threads=BENCH_THREADS,
         tpot_target_ms=tpot_target_ms,
     )

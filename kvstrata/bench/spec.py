@@ -108,12 +108,11 @@ class _Runner:
     def engine(self, tiers: str, draft: str) -> Any:
         cfg = EngineConfig(
             model=self.model_dir,
-            tiers=tiers,
             spec_draft=draft,
             spec_tokens=SPEC_TOKENS,
             model_cache_dir=self.cache_dir,
         )
-        built = build_engine(cfg, self.cache, model=self.model)
+        built = build_engine(cfg, self.cache.with_tiers(tiers), model=self.model)
         ids = getattr(getattr(built.engine.spec, "draft", None), "vocab_ids", None)
         self.head_rows = None if ids is None else len(ids)  # a reduced NextN output head
         return built

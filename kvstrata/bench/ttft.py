@@ -61,7 +61,7 @@ def _engine(model: DecoderLM, store: Path, n_tokens: int) -> tuple[Built, int]:
         storage_url=f"file://{store}",
         prefetch_policy="wait_complete",  # measure a full storage hit, not a partial one
     )
-    return build_engine(EngineConfig(tiers="device_host_storage"), cfg, model=model), device_pages
+    return build_engine(EngineConfig(), cfg, model=model), device_pages
 
 
 def _case(reqs: list[Request], tier: str) -> dict[str, Any]:

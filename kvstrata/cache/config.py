@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvstrata.configtools import doc
+
+TIER_SETS = ("none", "device", "device_host", "device_host_storage")
+"""Cache configurations: no cache, device only, + host memory, + storage. A config's set follows
+from its fields (`CacheConfig.tiers`); `CacheConfig.with_tiers` is the preset that sets them."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class CacheConfig:
     max_prefetch_pages: int = doc(
         256, "pages that prefetch hints (POST /v1/kv/prefetch) may have in flight at most"
     )
+    prefix_cache: bool = doc(
+        True,
+        "keep computed pages for later requests; off (tiers none, with host_pages 0 and no "
+        "storage_url): every prompt is computed from scratch",
+        cli=False,  # the command line turns it off with the --tiers none preset
+    )
 
     def __post_init__(self) -> None:
         for name in ("page_size", "device_pages", "results_per_step", "write_through_threshold"):
@@ -57,3 +67,33 @@ class CacheConfig:
             raise ValueError(f"max_prefetch_pages must be >= 0, got {self.max_prefetch_pages}")
         if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_page_s < 0:
             raise ValueError("prefetch timeouts must be >= 0")
+        if not self.prefix_cache and (self.host_pages or self.storage_url):
+            raise ValueError(
+                "prefix_cache off (tiers none) needs host_pages 0 and no storage_url, got "
+                f"host_pages {self.host_pages}, storage_url {self.storage_url!r}"
+            )
+
+    @property
+    def tiers(self) -> str:
+        """The tier set these fields make (one of TIER_SETS): the one rule from fields to set."""
+        if not self.prefix_cache:
+            return "none"
+        if not self.host_pages:
+            return "device"
+        return "device_host_storage" if self.storage_url else "device_host"
+
+    def with_tiers(self, tiers: str) -> CacheConfig:
+        """This config restricted to the tier set `tiers` (the `--tiers` preset): the fields of
+        the tiers left out are cleared; a tier kept must be configured (host_pages > 0,
+        storage_url set). `with_tiers(t).tiers == t` for every t in TIER_SETS."""
+        if tiers not in TIER_SETS:
+            raise ValueError(f"tiers must be one of {', '.join(TIER_SETS)}, got {tiers!r}")
+        if tiers in ("none", "device"):
+            return replace(self, prefix_cache=tiers == "device", host_pages=0, storage_url="")
+        if not self.host_pages:
+            raise ValueError(f"tiers {tiers} needs host_pages > 0")
+        if tiers == "device_host":
+            return replace(self, prefix_cache=True, storage_url="")
+        if not self.storage_url:
+            raise ValueError("tiers device_host_storage needs --storage-url")
+        return replace(self, prefix_cache=True)

@@ -22,11 +22,11 @@ from rich.table import Table
 
 from kvstrata.bench.pd_row import PD, check_pd_args, pd_row_by_default, run_pd_row
 from kvstrata.bench.run_report import TurnResult, config_report, outputs_identical, write_report
-from kvstrata.cache.config import CacheConfig
+from kvstrata.cache.config import TIER_SETS, CacheConfig
 from kvstrata.cli import validate
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.engine.build import build_engine, build_speculator, resolve_model_path
-from kvstrata.engine.config import TIER_SETS, EngineConfig
+from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.feed import drive
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model.decoder import DecoderLM
@@ -71,8 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="one more row: router + prefill + decode processes (default: on with one rank)",
     )
-    add_config_args(p, EngineConfig, exclude=("tiers",))  # run serves every tier set
-    add_config_args(p, CacheConfig)
+    add_config_args(p, EngineConfig)
+    add_config_args(p, CacheConfig)  # run serves every tier set (CacheConfig.with_tiers)
     add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
     add_config_args(p, DistConfig)
     p.set_defaults(func=run)
@@ -157,12 +157,12 @@ def run_config(
     tokens and accepts agree. on_done: once per finished request (under rank processes: once
     they are done)."""
     engine_cfg, cache_cfg, storage_cfg = cfgs
-    ecfg = dataclasses.replace(engine_cfg, tiers=tiers)
+    tiered = cache_cfg.with_tiers(tiers)
     dist_cfg = _per_config_log(dist_cfg, tiers)
     launch = _in_this_process if dist_cfg.world_size == 1 else _on_rank_processes
     workload = SessionTurns(prompts, max_new)
     tick = on_done or (lambda: None)
-    reports = launch(ecfg, cache_cfg, storage_cfg, dist_cfg, workload, model, run_id, tick)
+    reports = launch(engine_cfg, tiered, storage_cfg, dist_cfg, workload, model, run_id, tick)
     for key in ("outputs", "spec_accepts"):
         if any(r[key] != reports[0][key] for r in reports):
             raise RuntimeError(f"{tiers}: ranks differ in {key}")

@@ -9,9 +9,11 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
 from kvstrata.cli.serve_roles import parse_role_args
+from kvstrata.cli.tiers_option import apply_tiers_preset
 from kvstrata.configtools import config_from_args
 from kvstrata.engine.build import resolve_model_path
 from kvstrata.engine.config import EngineConfig
+from kvstrata.http.config import HttpConfig
 from kvstrata.model.checkpoint import load_model
 from kvstrata.model_parallel.tp import check_layout
 from kvstrata.parent_watch import exit_with_parent
@@ -49,17 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, StorageConfig]:
-    """Engine, cache and storage configs; without --storage-url the default tiers are
-    device_host."""
+    """Engine, cache and storage configs; the cache's tiers are what its options (or the --tiers
+    preset) make: device_host by default, device_host_storage with --storage-url."""
     cache_cfg = config_from_args(CacheConfig, args)
-    over = {} if args.tiers is not None or cache_cfg.storage_url else {"tiers": "device_host"}
-    engine_cfg = config_from_args(EngineConfig, args, **over)
+    engine_cfg = config_from_args(EngineConfig, args)
     validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
     if cache_cfg.storage_url:
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url")
     validate.check_storage_options(args, STORAGE_PREFIX, cache_cfg.storage_url)
-    if engine_cfg.tiers == "device_host_storage" and not cache_cfg.storage_url:
-        raise ValueError("--tiers device_host_storage needs --storage-url")
+    cache_cfg = apply_tiers_preset(cache_cfg, args)
     return engine_cfg, cache_cfg, config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
 
 
@@ -70,13 +70,14 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.serve.server import make_state, serve  # fastapi/uvicorn only when serving
     from kvstrata.serve.torchrun import serve_follower, torchrun_rank
 
-    cfg = config_from_args(ServeConfig, args)
-    if cfg.parent_pid:  # before the model loads: a launcher killed meanwhile leaves nothing
-        exit_with_parent(cfg.parent_pid, cfg.stop_timeout_s + PARENT_GONE_GRACE_S)
-    if cfg.role == "router":  # no model: the workers have it
+    http = config_from_args(HttpConfig, args)
+    if http.parent_pid:  # before the model loads: a launcher killed meanwhile leaves nothing
+        exit_with_parent(http.parent_pid, http.stop_timeout_s + PARENT_GONE_GRACE_S)
+    if args.role == "router":  # no model: the workers have it
         from kvstrata.router.app import serve_router
 
-        return serve_router(cfg, router_config_from_args(args))
+        return serve_router(router_config_from_args(args))
+    cfg = config_from_args(ServeConfig, args, http=http)
     cfgs = configs(args)
     path = resolve_model_path(cfgs[0])
     validate.check_checkpoint(path)

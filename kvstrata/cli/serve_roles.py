@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
+from kvstrata.cli.tiers_option import add_tiers_option
 from kvstrata.configtools import add_config_args
 from kvstrata.engine.config import EngineConfig
+from kvstrata.http.config import HttpConfig
 from kvstrata.pd.config import PDConfig
 from kvstrata.ranks.config import DistConfig
 from kvstrata.router.config import PREFIX as ROUTER_PREFIX
-from kvstrata.router.config import RouterConfig, add_router_urls
+from kvstrata.router.config import RouterConfig, add_router_plain_options
 from kvstrata.serve.config import ROLES, ServeConfig
 from kvstrata.storage.base import StorageConfig
 
@@ -30,13 +32,9 @@ class ConfigArgs:
     cls: type
     prefix: str = ""
     only: tuple[str, ...] | None = None  # None: every field
+    exclude: tuple[str, ...] = ()
 
 
-ROUTER_SERVE_FIELDS = (
-    "host", "port", "served_model_name", "stop_timeout_s", "log_level", "parent_pid", "role",
-    "api_key", "api_key_file", "max_request_bytes", "client_timeout_s", "debug_endpoints",
-)  # fmt: skip
-"""What the router reads of ServeConfig (it loads no model and queues nothing itself)."""
 CURVE_FIELDS = ("pd_curve_secret_file", "pd_curve_peers_dir", "pd_keys_dir", "pd_insecure")
 PREFILL_FIELDS = (
     "pd_transfer_endpoint", "pd_transport", *CURVE_FIELDS, "pd_trust_pulled", "pd_timeout_s",
@@ -49,7 +47,8 @@ DECODE_FIELDS = (
 )  # fmt: skip
 
 MODEL_SERVER = (
-    ConfigArgs(ServeConfig),
+    ConfigArgs(HttpConfig),
+    ConfigArgs(ServeConfig, exclude=("role",)),  # --role: every role's parser (role_parser)
     ConfigArgs(EngineConfig),
     ConfigArgs(CacheConfig),
     ConfigArgs(StorageConfig, STORAGE_PREFIX),
@@ -59,19 +58,18 @@ ROLE_CONFIGS: dict[str, tuple[ConfigArgs, ...]] = {
     "single": MODEL_SERVER,
     "prefill": (*MODEL_SERVER, ConfigArgs(PDConfig, only=PREFILL_FIELDS)),
     "decode": (*MODEL_SERVER, ConfigArgs(PDConfig, only=DECODE_FIELDS)),
-    "router": (
-        ConfigArgs(ServeConfig, only=ROUTER_SERVE_FIELDS),
-        ConfigArgs(RouterConfig, ROUTER_PREFIX),
-    ),
+    "router": (ConfigArgs(HttpConfig), ConfigArgs(RouterConfig, ROUTER_PREFIX)),
 }
 assert set(ROLE_CONFIGS) == set(ROLES), "every serve role has its configs"
 
 
 def add_configs(p: argparse.ArgumentParser, configs: Sequence[ConfigArgs]) -> None:
     for c in configs:
-        add_config_args(p, c.cls, prefix=c.prefix, only=c.only)
+        add_config_args(p, c.cls, prefix=c.prefix, exclude=c.exclude, only=c.only)
         if c.cls is RouterConfig:
-            add_router_urls(p)
+            add_router_plain_options(p)
+        if c.cls is CacheConfig:
+            add_tiers_option(p)
 
 
 def role_of(serve: argparse.ArgumentParser, argv: Sequence[str]) -> str:
@@ -90,6 +88,8 @@ def role_parser(role: str, prog: str) -> argparse.ArgumentParser:
     prog = f"{prog} --role {role}"
     usage = f"{prog} [options] (--help lists them)"
     p = argparse.ArgumentParser(prog=prog, usage=usage, allow_abbrev=False)
+    role_field = next(f for f in fields(ServeConfig) if f.name == "role")
+    p.add_argument("--role", default=None, help=f"{role_field.metadata['help']} (default: single)")
     add_configs(p, ROLE_CONFIGS[role])
     return p
 

@@ -65,17 +65,6 @@ def resolve_model_path(config: EngineConfig) -> Path:
     return ensure_smollm2(config.model_cache_dir or None)
 
 
-def tiers_of(cache: CacheConfig, tiers: str) -> CacheConfig:
-    """Restrict a cache config to a tier set (none/device/device_host/device_host_storage)."""
-    if tiers in ("none", "device"):
-        return dataclasses.replace(cache, host_pages=0, storage_url="")
-    if tiers == "device_host":
-        return dataclasses.replace(cache, storage_url="")
-    if not cache.storage_url:
-        raise ValueError("tiers device_host_storage needs --storage-url")
-    return cache
-
-
 class Placement(Protocol):
     """Where one rank's part of the model and of every page lives, and what its cache is made
     of: OneRank holds all of both; each of tp x cp x pp ranks holds its part
@@ -146,7 +135,6 @@ def build_engine(
         model = load_model(
             resolve_model_path(config), dtype=config.dtype, prepack=config.prepack_weights
         )
-    cache_cfg = tiers_of(cache_cfg, config.tiers)
     shape = model.kv_shape(cache_cfg.page_size)
     spec, fingerprint = None, model.fingerprint
     if config.spec_draft:
@@ -160,7 +148,7 @@ def build_engine(
         kv_layout=shape.layout,
     )
     parts = CacheParts(pool)
-    if config.tiers != "none":
+    if cache_cfg.prefix_cache:
         parts = place.cache_parts(pool, cache_cfg, storage_cfg)
     limit = place.limit(pool)
 

@@ -6,9 +6,6 @@ from dataclasses import dataclass
 
 from kvstrata.configtools import doc
 
-TIER_SETS = ("none", "device", "device_host", "device_host_storage")
-"""Cache configurations: no cache, device only, + host memory, + storage."""
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -21,9 +18,6 @@ class EngineConfig:
         "", "where the converted SmolLM2 checkpoint lives; empty = ~/.cache/kvstrata"
     )
     dtype: str = doc("float32", "model and KV dtype")
-    tiers: str = doc(
-        "device_host_storage", "cache tiers: none, device, device_host, device_host_storage"
-    )
     # 0: the first waiting prefill takes all the step's budget has left, the next one the rest
     # (vLLM's scheduler does the same, with the same 2048-token budget on CPU). Attention over a
     # 4k prompt costs the same in chunks of 1024, 2048 or one shot, but a cap of 1024 split each
@@ -74,8 +68,6 @@ class EngineConfig:
     spec_tokens: int = doc(4, "speculative decoding: tokens the draft proposes per step")
 
     def __post_init__(self) -> None:
-        if self.tiers not in TIER_SETS:
-            raise ValueError(f"tiers must be one of {', '.join(TIER_SETS)}, got {self.tiers!r}")
         names = ("max_batch_tokens", "max_running", "admission_lookahead")
         for name in (*names, "spec_tokens"):
             if getattr(self, name) <= 0:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI
 
 from kvstrata.engine.engine import Engine
+from kvstrata.http.paths import PD_INFO_PATH
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.ranks import rank_stats
 from kvstrata.pd.worker import PDWorker
@@ -40,7 +41,7 @@ class ServerView(Protocol):
 def add_routes(app: FastAPI, state: ServerView) -> None:
     """GET /v1/pd/info on every role (a single server answers role "single")."""
 
-    @app.get("/v1/pd/info")
+    @app.get(PD_INFO_PATH)
     async def pd_info() -> dict[str, Any]:
         state.check_ready()
         if state.pd is not None:

@@ -32,7 +32,6 @@ from kvstrata.engine.build import (
     build_engine,
     open_cache_parts,
     resolve_model_path,
-    tiers_of,
 )
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.feed import StaticWorkload, Workload, drive
@@ -151,7 +150,6 @@ class RankEngine:
         self.ctx, self.options, self.extra = ctx, options, extra
         self.now = 0.0
         full = load_model(engine_cfg.model, dtype=engine_cfg.dtype)
-        cache_cfg = tiers_of(cache_cfg, engine_cfg.tiers)
         # paths may differ per node; the weights fingerprint is the model's identity
         check = {**dataclasses.asdict(engine_cfg), **dataclasses.asdict(cache_cfg)}
         for local_only in ("model", "model_cache_dir", "threads"):

@@ -2,7 +2,7 @@
 fleet of data-parallel replicas (--replicas).
 
 app       the FastAPI app and its server: round robin over decode workers, streams relayed as they come
-config    RouterConfig (the router's CLI options)
+config    RouterConfig: everything the router reads (its listener: kvstrata.http.config.HttpConfig)
 upstream  the workers of each role: health probes, skipped-while-down, next prefill for a decode
 metrics   the router's `kvstrata:router_*` counters and latency histograms (FleetMetrics: a fleet's)
 fleet     a fleet's per-request decision (prompt -> block hashes -> matches -> rule) and its check

@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstrata.http.auth import ApiKeyGuard, resolve_api_key
 from kvstrata.http.errors import ApiError
+from kvstrata.http.paths import PD_INFO_PATH
 from kvstrata.http.rules import add_http_rules, server_options
 from kvstrata.http.sse import sse
 from kvstrata.keyfile import read_key_file
@@ -42,9 +43,8 @@ from kvstrata.router.config import RouterConfig
 from kvstrata.router.fleet import Fleet, Route
 from kvstrata.router.fleet_start import make_fleet, start_fleet, use_client
 from kvstrata.router.metrics import RouterMetrics
-from kvstrata.router.upstream import INFO_PATH, Upstreams
+from kvstrata.router.upstream import Upstreams
 from kvstrata.router.usage_watch import UsageWatch
-from kvstrata.serve.config import ServeConfig
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
 JSON = {"content-type": "application/json"}
@@ -52,7 +52,7 @@ JSON = {"content-type": "application/json"}
 
 @dataclass
 class RouterState:
-    cfg: ServeConfig
+    cfg: RouterConfig
     up: Upstreams
     metrics: RouterMetrics
     client: httpx.AsyncClient | None = None
@@ -88,11 +88,12 @@ def create_router_app(state: RouterState) -> FastAPI:
                     state.fleet.pool.close()
 
     app = FastAPI(title="kvstrata router", lifespan=lifespan)
-    add_http_rules(app, state.api_key, state.cfg.max_request_bytes, state.cfg.client_timeout_s)
+    http = state.cfg.http
+    add_http_rules(app, state.api_key, http.max_request_bytes, http.client_timeout_s)
 
     _info_routes(app, state)
     _generate_routes(app, state)
-    if state.fleet is not None and state.cfg.debug_endpoints:
+    if state.fleet is not None and http.debug_endpoints:
         _fleet_debug_routes(app, state.fleet)
     return app
 
@@ -183,10 +184,10 @@ async def _reread_info(state: RouterState, url: str) -> str | None:
     if not rc.require_info:
         return None
     try:
-        r = await state.http().get(f"{url}{INFO_PATH}", timeout=rc.info_timeout_s)
+        r = await state.http().get(f"{url}{PD_INFO_PATH}", timeout=rc.info_timeout_s)
         body = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as exc:
-        return f"prefill {url}: {INFO_PATH}: {type(exc).__name__}"
+        return f"prefill {url}: {PD_INFO_PATH}: {type(exc).__name__}"
     return state.up.take_info("prefill", url, r.status_code, body)
 
 
@@ -456,8 +457,9 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def serve_router(cfg: ServeConfig, rcfg: RouterConfig) -> int:
+def serve_router(rcfg: RouterConfig) -> int:
     """Check the workers' roles (bounded), then serve until SIGTERM. Exit 0 on a clean stop."""
+    cfg = rcfg.http
     api_key = resolve_api_key(cfg.api_key, cfg.api_key_file)
     worker_key = (
         read_key_file(rcfg.worker_api_key_file, "--router-worker-api-key-file")
@@ -465,13 +467,13 @@ def serve_router(cfg: ServeConfig, rcfg: RouterConfig) -> int:
         else api_key
     )
     up = Upstreams(rcfg, ApiKeyGuard.header(worker_key) if worker_key else {})
-    metrics = RouterMetrics(cfg.served_model_name or "router")
-    fleet = make_fleet(rcfg, metrics.registry, cfg.served_model_name) if rcfg.fleet else None
+    metrics = RouterMetrics(rcfg.served_model_name or "router")
+    fleet = make_fleet(rcfg, metrics.registry) if rcfg.fleet else None
     if fleet is None:
         up.check_roles()
     else:
         start_fleet(fleet, up.headers)
-    state = RouterState(cfg, up, metrics, api_key=api_key, fleet=fleet)
+    state = RouterState(rcfg, up, metrics, api_key=api_key, fleet=fleet)
     config = uvicorn.Config(
         create_router_app(state),
         host=cfg.host,

@@ -1,5 +1,6 @@
-"""Configuration of `kvstrata serve --role router`: which workers (P/D pairs, or a fleet of
-replicas), how a fleet routes, and how long each wait may be."""
+"""Configuration of `kvstrata serve --role router`: its listener, which workers (P/D pairs, or a
+fleet of replicas), how a fleet routes, and how long each wait may be. Everything the router
+reads is here: it borrows nothing of `kvstrata serve`'s ServeConfig."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from kvstrata.configtools import config_from_args, doc
+from kvstrata.http.config import HttpConfig
 
 PREFIX = "router-"
 ROUTINGS = ("kv_aware", "round_robin")
@@ -14,8 +16,17 @@ ROUTINGS = ("kv_aware", "round_robin")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """P/D router: worker URLs, timeouts, and whether workers must prove their role."""
+    """Router: its listener, P/D workers or a fleet, timeouts, whether workers prove their role."""
 
+    http: HttpConfig = doc(
+        HttpConfig(), "address, API key, request limits, graceful stop", cli=False
+    )  # the command line reads HttpConfig's options (unprefixed) beside this config's
+    served_model_name: str = doc(
+        "",
+        "the model_name label of the router's /metrics (empty: router) and, with "
+        "--kv-indexer-url, the model name it registers the replicas under (empty: kvstrata)",
+        cli=False,
+    )
     prefill: tuple[str, ...] = doc(
         (), "prefill worker base URLs (http://host:port), comma-separated", cli=False
     )
@@ -130,9 +141,10 @@ def _urls(text: str) -> list[str]:
     return [u.strip() for u in text.split(",") if u.strip()]
 
 
-def add_router_urls(p: argparse.ArgumentParser) -> None:
-    """`--prefill URL[,URL]`, `--decode URL[,URL]`, `--replicas URL[,URL]`, `--routing` and
-    `--kv-indexer-url` (RouterConfig's fields of those names, without the router- prefix)."""
+def add_router_plain_options(p: argparse.ArgumentParser) -> None:
+    """`--prefill URL[,URL]`, `--decode URL[,URL]`, `--replicas URL[,URL]`, `--routing`,
+    `--kv-indexer-url` and `--served-model-name` (RouterConfig's fields of those names, without
+    the router- prefix)."""
     for role in ("prefill", "decode"):
         p.add_argument(
             f"--{role}", dest=f"router_{role}", type=_urls, default=None, metavar="URL[,URL]",
@@ -150,7 +162,15 @@ def add_router_urls(p: argparse.ArgumentParser) -> None:
         "--kv-indexer-url", dest="router_kv_indexer_url", default=None, metavar="URL",
         help="(--role router --replicas) ask Dynamo's standalone KV indexer at URL",
     )  # fmt: skip
+    name = next(f for f in fields(RouterConfig) if f.name == "served_model_name")
+    p.add_argument(
+        "--served-model-name", dest="router_served_model_name", default=None, metavar="NAME",
+        help=f"(--role router) {name.metadata['help']}",
+    )  # fmt: skip
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
-    return config_from_args(RouterConfig, args, prefix=PREFIX)  # --prefill: dest router_prefill
+    """The router's options: RouterConfig's (--prefill: dest router_prefill), its listener
+    HttpConfig's unprefixed."""
+    http = config_from_args(HttpConfig, args)
+    return config_from_args(RouterConfig, args, prefix=PREFIX, http=http)

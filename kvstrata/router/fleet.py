@@ -26,12 +26,12 @@ import httpx2 as httpx
 from kvstrata.cache.events import block_hash
 from kvstrata.cache.keys import page_keys, salted
 from kvstrata.cache.lease import hittable_pages
+from kvstrata.http.errors import ApiError
 from kvstrata.router.config import RouterConfig
 from kvstrata.router.index import FleetIndex, Match
 from kvstrata.router.metrics import FleetMetrics
 from kvstrata.router.replicas import Replica, ReplicaPool
 from kvstrata.router.rule import Candidate, rank, spread_key
-from kvstrata.serve.protocol import ApiError
 from kvstrata.zmq_curve import CurveKeys
 
 SESSION_HEADER = "x-session-id"

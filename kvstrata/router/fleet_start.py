@@ -15,7 +15,7 @@ from kvstrata.router.metrics import FleetMetrics
 from kvstrata.zmq_curve import CurveKeys
 
 
-def make_fleet(cfg: RouterConfig, registry: CollectorRegistry, model_name: str) -> Fleet:
+def make_fleet(cfg: RouterConfig, registry: CollectorRegistry) -> Fleet:
     """The fleet of `cfg.replicas` (its series on `registry`); ValueError for bad key files."""
     keys = None
     if cfg.kv_events_curve_secret_file:
@@ -26,7 +26,8 @@ def make_fleet(cfg: RouterConfig, registry: CollectorRegistry, model_name: str) 
         )
     fleet = Fleet(cfg, FleetMetrics(registry), keys)
     if cfg.kv_indexer_url:
-        fleet.indexer = DynamoIndexer(cfg.kv_indexer_url, cfg.replicas, model_name or "kvstrata")
+        name = cfg.served_model_name or "kvstrata"
+        fleet.indexer = DynamoIndexer(cfg.kv_indexer_url, cfg.replicas, name)
         fleet.pool.on_join.append(fleet.indexer.register)
     return fleet
 

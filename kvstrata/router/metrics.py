@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvstrata.serve.metrics import LATENCY_BUCKETS
+from kvstrata.http.latency import LATENCY_BUCKETS
 
 
 class RouterMetrics:

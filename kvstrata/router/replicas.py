@@ -20,13 +20,13 @@ from typing import Any
 import httpx2 as httpx
 
 from kvstrata.cache.keys import Namespace
+from kvstrata.http.paths import KV_EVENTS_INFO_PATH
 from kvstrata.router.config import RouterConfig
 from kvstrata.router.index import FleetIndex
 from kvstrata.router.metrics import FleetMetrics
 from kvstrata.router.subscriber import EventSource, Subscriber, connectable
 from kvstrata.zmq_curve import CurveKeys
 
-KV_INFO_PATH = "/v1/kv/events/info"  # kvstrata.serve.kv_info (not imported: serve sits below)
 _GAUGE = re.compile(r"^kvstrata:num_requests_(running|waiting)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
 
 
@@ -124,7 +124,7 @@ class ReplicaPool:
             await self._join(client, rep)
 
     async def _join(self, client: httpx.AsyncClient, rep: Replica) -> None:
-        r = await client.get(f"{rep.url}{KV_INFO_PATH}", timeout=self.cfg.info_timeout_s)
+        r = await client.get(f"{rep.url}{KV_EVENTS_INFO_PATH}", timeout=self.cfg.info_timeout_s)
         if r.status_code == 200:
             self._subscribe(rep, r.json())
         for hook in self.on_join:

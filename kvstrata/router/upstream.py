@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx2 as httpx
 
+from kvstrata.http.paths import PD_INFO_PATH
 from kvstrata.router.config import RouterConfig
 
-INFO_PATH = "/v1/pd/info"
 PD_FIELD = "pd_prefill"
 """Body field a decode worker reads: the prefill worker to use for this request (its tcp://
 transfer endpoint from /v1/pd/info, or its HTTP base URL, which decode then resolves)."""
@@ -100,10 +100,10 @@ class Upstreams:
         """A worker's /v1/pd/info answer, re-read after start: kept when it says its role (a
         restarted prefill has a new transfer endpoint); else why it cannot be used."""
         if status != 200:
-            return f"{role} {url}: {INFO_PATH} answered HTTP {status}"
+            return f"{role} {url}: {PD_INFO_PATH} answered HTTP {status}"
         said = body.get("role") if isinstance(body, dict) else None
         if said != role:
-            return f"{role} {url}: {INFO_PATH} says role {said!r}"
+            return f"{role} {url}: {PD_INFO_PATH} says role {said!r}"
         self.info[url] = dict(body)
         return None
 
@@ -124,7 +124,7 @@ class Upstreams:
             said = info.get("role")
             if said != role:
                 raise ValueError(
-                    f"worker {url} listed as --{role} says role {said!r} at {INFO_PATH}"
+                    f"worker {url} listed as --{role} says role {said!r} at {PD_INFO_PATH}"
                 )
             self.info[url] = info
 
@@ -136,7 +136,7 @@ def fetch_info(url: str, cfg: RouterConfig, headers: dict[str, str]) -> dict[str
     last = "no answer"
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(f"{url}{INFO_PATH}", timeout=cfg.info_timeout_s, headers=headers)
+            r = httpx.get(f"{url}{PD_INFO_PATH}", timeout=cfg.info_timeout_s, headers=headers)
             if r.status_code == 200:
                 return dict(r.json())
         except (httpx.HTTPError, ValueError) as exc:  # not up yet, or not JSON yet
@@ -146,13 +146,13 @@ def fetch_info(url: str, cfg: RouterConfig, headers: dict[str, str]) -> dict[str
         last = f"HTTP {r.status_code}: {r.text[:200]}"
         if r.status_code == 401:  # outside the try: a wrong key is not retried
             raise ValueError(
-                f"worker {url} refused the router's API key at {INFO_PATH} (HTTP 401): give "
+                f"worker {url} refused the router's API key at {PD_INFO_PATH} (HTTP 401): give "
                 "--router-worker-api-key-file (or the router the workers' --api-key-file)"
             )
         if r.status_code == 404:  # an ordinary server: waiting will not change it
             break
         time.sleep(0.2)
     raise ValueError(
-        f"worker {url}: no {INFO_PATH} within {cfg.start_timeout_s} s ({last}); "
+        f"worker {url}: no {PD_INFO_PATH} within {cfg.start_timeout_s} s ({last}); "
         "is it a `kvstrata serve --role prefill|decode`? (--no-router-require-info skips this)"
     )

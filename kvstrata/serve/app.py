@@ -64,13 +64,13 @@ def create_app(state: ServerState) -> FastAPI:
         state.aloop = asyncio.get_running_loop()
         yield
         state.stopping = True
-        await asyncio.to_thread(state.loop.stop, state.cfg.stop_timeout_s + 60.0)
+        await asyncio.to_thread(state.loop.stop, state.cfg.http.stop_timeout_s + 60.0)
 
     app = FastAPI(title="kvstrata", lifespan=lifespan)
 
-    cfg = state.cfg
-    api_key = resolve_api_key(cfg.api_key, cfg.api_key_file)
-    add_http_rules(app, api_key, cfg.max_request_bytes, cfg.client_timeout_s)
+    http = state.cfg.http
+    api_key = resolve_api_key(http.api_key, http.api_key_file)
+    add_http_rules(app, api_key, http.max_request_bytes, http.client_timeout_s)
 
     _info_routes(app, state)
     _generate_routes(app, state)
@@ -79,7 +79,7 @@ def create_app(state: ServerState) -> FastAPI:
     add_kv_hint_routes(app, state, parse)
     pd_routes(app, state)
     kv_info_routes(app, state)
-    if state.cfg.debug_endpoints:
+    if state.cfg.http.debug_endpoints:
         _debug_routes(app, state)
     return app
 

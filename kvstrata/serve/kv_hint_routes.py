@@ -66,7 +66,7 @@ def add_kv_hint_routes(app: FastAPI, state: ServerState, parse: Parse) -> None:
             "fetch_cap": ans.fetch_cap,
         }
 
-    if state.cfg.debug_endpoints:
+    if state.cfg.http.debug_endpoints:
 
         @app.get("/debug/pins")
         async def pins() -> list[dict[str, Any]]:

@@ -21,10 +21,10 @@ import xxhash
 import zmq.auth
 from fastapi import FastAPI
 
-from kvstrata.serve.protocol import ApiError
+from kvstrata.http.errors import ApiError
+from kvstrata.http.paths import KV_EVENTS_INFO_PATH
 from kvstrata.serve.state import ServerState
 
-INFO_PATH = "/v1/kv/events/info"
 CALL_TIMEOUT_S = 30.0  # the engine thread answers between two steps
 
 
@@ -49,7 +49,7 @@ def _namespace(engine: Any) -> dict[str, Any]:
 def add_routes(app: FastAPI, state: ServerState) -> None:
     cfg = state.cfg
 
-    @app.get(INFO_PATH)
+    @app.get(KV_EVENTS_INFO_PATH)
     async def kv_events_info() -> dict[str, Any]:
         if not cfg.kv_events_endpoint:
             raise ApiError(404, "this server publishes no KV events (--kv-events-endpoint)")

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from kvstrata.cache.counters import CacheCounters
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.speculative import SpecStats
+from kvstrata.http.latency import LATENCY_BUCKETS
 from kvstrata.serve.request_record import RequestRecord
 from kvstrata.serve.stream import LoopObserver, Stream
 from kvstrata.storage.base import StorageBackend
@@ -81,7 +82,6 @@ def engine_stats(engine: Engine) -> PoolStats:
     )
 
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 SOURCES = {"device": "local_device_hit", "host": "local_host_hit", "storage": "storage_hit"}
 
 

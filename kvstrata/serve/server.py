@@ -63,7 +63,9 @@ class _Server(uvicorn.Server):
         self.kv_state.stopping = True
         if self.abort_timer is None:  # in-flight requests get stop_timeout_s, then are aborted
             loop = self.kv_state.loop
-            self.abort_timer = threading.Timer(self.kv_state.cfg.stop_timeout_s, loop.abort_all)
+            self.abort_timer = threading.Timer(
+                self.kv_state.cfg.http.stop_timeout_s, loop.abort_all
+            )
             self.abort_timer.daemon = True
             self.abort_timer.start()
         super().handle_exit(sig, frame)
@@ -189,7 +191,7 @@ def _exit_when_a_listener_dies(server: _Server, state: ServerState) -> None:
 
 
 def serve(state: ServerState) -> int:
-    cfg = state.cfg
+    cfg = state.cfg.http
     app = create_app(state)  # ValueError (a bad API key, ...) before the engine thread starts
     state.loop.start()
     config = uvicorn.Config(
