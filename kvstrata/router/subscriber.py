@@ -189,6 +189,8 @@ class Subscriber(threading.Thread):
             self._restart()  # its own replay settles what is owed
             return
         except Exception:
+            if self._halt.is_set():
+                return  # stopping: the replica's entries go with its subscriber
             self.owed, self.failures = True, self.failures + 1
             self.retry_at = time.monotonic() + self.timing.retry_s(self.failures)
             raise
