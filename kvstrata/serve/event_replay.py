@@ -8,8 +8,8 @@ with every buffered batch from that sequence number on, each as (seq, payload), 
 
 An answer is whole or recognisably cut, never silently short: the socket is ROUTER_MANDATORY
 and every message goes out NOBLOCK, so a message the subscriber's queue cannot take (it reads
-slower than the answer comes, SNDHWM + its RCVHWM messages behind) or a subscriber gone is
-refused, not dropped; the answer stops there without its end marker (`cut`). ZMQ delivers one
+slower than the answer comes: our SNDHWM, the kernel's buffers and its RCVHWM are full) or a
+subscriber gone is refused, not dropped; the answer stops there without its end marker (`cut`). ZMQ delivers one
 connection's messages in order and whole, so an end marker proves every batch before it came;
 a subscriber that sees none within its wait knows its replay failed and asks again from where
 it got to. The thread never blocks on a slow reader.
