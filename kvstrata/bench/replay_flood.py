@@ -99,6 +99,7 @@ def cpu_s(pid: int) -> float:
 
 REPLAY_COUNTERS = {  # /metrics sample -> the report's name
     'kvstrata:kv_events_replay_requests_total{outcome="answered"}': "replay_answered",
+    'kvstrata:kv_events_replay_requests_total{outcome="cut"}': "replay_cut",
     'kvstrata:kv_events_replay_requests_total{outcome="dropped"}': "replay_dropped",
     "kvstrata:kv_events_replay_messages_total": "replay_messages",
     "kvstrata:kv_events_replay_deferrals_total": "replay_deferrals",

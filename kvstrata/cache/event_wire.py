@@ -21,6 +21,11 @@ array  the older tagged arrays, fields in vLLM's positional order, no salt:
 Block hashes are 64-bit integers (the low 64 bits of our page keys, kvstrata.cache.events).
 Media: "GPU" (device pages), "CPU" (host memory), "DISK" (storage), the names Dynamo's indexer
 reports as gpu, cpu and disk. `decode_batch` reads either format (each event by its own shape).
+
+A replay socket answers a request [start seq] with one message per batch, (seq, payload), then
+the end marker (END_SEQ, empty): both formats, as vLLM's replay ends. The marker is the only
+proof an answer is whole (kvstrata/serve/event_replay.py); it carries nothing else, so a consumer
+of vLLM's replay reads ours unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import msgpack
 
 FORMATS = ("vllm", "array")
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay answer's last message's seq frame
 GROUP_IDX = 0  # every page of ours is in one KV cache group (vLLM's group 0)
 
 

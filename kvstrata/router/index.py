@@ -9,6 +9,12 @@ only, resolved through the salt each hash was stored under.
 
 Pages in a store several replicas share (the same `storage` in their /v1/kv/events/info) count
 for every one of them. Written by the subscriber threads, read by the request path: one lock.
+
+A replica's entries are whole unless its subscriber owes a replay (one failed and is being
+retried, kvstrata/router/subscriber.py): they then hold a prefix of its event history, which may
+lack pages it holds and list pages it has since dropped. Until a replay completes its holdings
+are unknown, and `match` counts them as none (the rule then places by session and load alone),
+its pages in a shared store included (they count for no replica sharing it meanwhile).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class _Replica:
         default_factory=dict
     )  # block hash -> the salt it was stored under
     storage: str = ""  # the shared store's id ("" : none, or not shared)
+    whole: bool = True  # False while the replica's subscriber owes a replay
 
 
 class FleetIndex:
@@ -74,17 +81,29 @@ class FleetIndex:
                     rep.held = {m: set() for m in MEDIA}
                     rep.salt_of.clear()
 
+    def set_whole(self, replica: str, whole: bool) -> None:
+        """Whether `replica`'s entries are its whole history (False: a replay is owed)."""
+        with self._lock:
+            rep = self._replicas.get(replica)
+            if rep is not None:
+                rep.whole = whole
+
     # ---- readers ---------------------------------------------------------------------------------
+    def whole(self, replica: str) -> bool:
+        with self._lock:
+            rep = self._replicas.get(replica)
+            return rep is not None and rep.whole
+
     def match(self, replica: str, salt: str, hashes: Sequence[int]) -> Match:
         """How many leading `hashes` (a prompt's block hashes under `salt`) `replica` holds."""
         with self._lock:
             rep = self._replicas.get(replica)
-            if rep is None:
-                return Match(0, 0, 0)
+            if rep is None or not rep.whole:
+                return Match(0, 0, 0)  # unknown holdings count as none
             shared = [
                 r.held[STORAGE]
                 for r in self._replicas.values()
-                if r is rep or (rep.storage and r.storage == rep.storage)
+                if r is rep or (rep.storage and r.storage == rep.storage and r.whole)
             ]
             device = host = storage = 0
             for h in hashes:

@@ -120,6 +120,12 @@ class FleetMetrics:
         self.event_replays = counter(
             "event_replays", "replays asked of a replica's replay socket", ["replica"]
         )
+        self.index_whole = gauge(
+            "index_whole",
+            "per replica: 1 when its index entries are whole, 0 while a failed replay is retried "
+            "(its holdings then count as none)",
+            ["replica"],
+        )
         self.event_resets = counter(
             "event_resets",
             "a replica's entries rebuilt from scratch (its publisher restarted)",

@@ -8,6 +8,14 @@ reconnects by itself) starts again at 0: a batch whose sequence number was seen 
 bytes means exactly that, and the replica's entries are rebuilt from its replay. A message that
 fails to decode or apply is counted and skipped: one bad message never stops the thread.
 
+A replay is whole or failed (kvstrata/router/replay_client.py: no end marker within the wait, or
+batches missing from the answer). The batches it did bring are kept (a prefix, in order); the
+thread asks again from the next one after a pause that doubles per failure in a row
+(ReplayTiming), meanwhile reading the live stream (a batch that follows on is applied, one past
+a gap waits for the replay) and the index counts the replica's holdings as unknown
+(FleetIndex.set_whole) until a replay completes. A retry that finds the replica's buffer no
+longer holds what is missing rebuilds the replica's entries from its whole buffer.
+
 Payloads of either format (kvstrata.cache.event_wire). With the replica's event sockets under
 CURVE, both sockets here are CURVE clients with the router's key pair, trusting the replica's
 server key only if it is in the router's peers directory (kvstrata.zmq_curve).
@@ -28,11 +36,10 @@ import zmq
 from kvstrata.cache.event_wire import decode_batch
 from kvstrata.router.index import FleetIndex
 from kvstrata.router.metrics import FleetMetrics
+from kvstrata.router.replay_client import ReplayTiming, replayed
 from kvstrata.zmq_curve import CurveKeys
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's last frame
-POLL_MS = 100  # how often the thread looks at its stop flag
-REPLAY_TIMEOUT_MS = 5000  # longest wait for the next replayed batch
+POLL_MS = 100  # how often the thread looks at its stop flag (and at an owed replay's retry)
 SEEN = 4096  # recent (seq -> payload digest) kept to tell an overlap from a restarted publisher
 
 
@@ -59,9 +66,18 @@ def connectable(endpoint: str, replica_url: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+class BufferRolled(Exception):
+    """A replay's answer starts past the batch asked for: the replica no longer buffers it."""
+
+
 class Subscriber(threading.Thread):
     def __init__(
-        self, src: EventSource, index: FleetIndex, metrics: FleetMetrics, keys: CurveKeys | None
+        self,
+        src: EventSource,
+        index: FleetIndex,
+        metrics: FleetMetrics,
+        keys: CurveKeys | None,
+        timing: ReplayTiming | None = None,
     ) -> None:
         super().__init__(name=f"kv-events {src.replica}", daemon=True)
         if src.curve_server_key is not None and keys is None:
@@ -70,8 +86,12 @@ class Subscriber(threading.Thread):
                 "--router-kv-events-curve-secret-file and --router-kv-events-curve-peers-dir"
             )
         self.src, self.index, self.metrics, self.keys = src, index, metrics, keys
+        self.timing = timing or ReplayTiming()
         self.ctx = zmq.Context()
         self.next = 0  # the sequence number expected next
+        self.owed = False  # the last replay failed: batches from `next` on are still to come
+        self.failures = 0  # replays failed in a row
+        self.retry_at = 0.0  # monotonic time of the owed replay's next try
         self.seen: OrderedDict[int, int] = OrderedDict()  # seq -> xxh64 of its payload
         self._halt = threading.Event()
 
@@ -86,6 +106,8 @@ class Subscriber(threading.Thread):
         try:
             self._guarded(lambda: self._replay(0))
             while not self._halt.is_set():
+                if self.owed and time.monotonic() >= self.retry_at:
+                    self._guarded(lambda: self._replay(self.next))
                 if sub.poll(POLL_MS):
                     self._on_message(sub.recv_multipart())
         finally:
@@ -126,6 +148,8 @@ class Subscriber(threading.Thread):
             if seq < self.next:
                 return  # its replay brought this one
         if seq > self.next and live:
+            if self.owed:
+                return  # the owed replay brings it, at its retry
             self.metrics.event_gaps.labels(replica=self.src.replica).inc()
             self._replay(self.next)
             if seq < self.next:
@@ -153,24 +177,43 @@ class Subscriber(threading.Thread):
         self._replay(0)
 
     def _replay(self, start: int) -> None:
-        """Apply the replica's buffered batches from `start` on (none without a replay socket)."""
+        """Apply the replica's buffered batches from `start` on (none without a replay socket).
+        A failure raises (its kind counted by the caller) and leaves the replay owed."""
         if self.src.replay_endpoint is None:
             return
+        self._set_whole(False)
         self.metrics.event_replays.labels(replica=self.src.replica).inc()
-        dealer = self._socket(zmq.DEALER)
-        dealer.connect(self.src.replay_endpoint)
         try:
-            dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            while not self._halt.is_set():
-                if not dealer.poll(REPLAY_TIMEOUT_MS):
-                    raise TimeoutError(
-                        f"replay socket {self.src.replay_endpoint} sent nothing for "
-                        f"{REPLAY_TIMEOUT_MS} ms"
-                    )
-                frames = dealer.recv_multipart()
-                if frames[-2] == END_SEQ:
-                    return
-                seq, payload = int.from_bytes(frames[-2], "big"), frames[-1]
+            self._apply_replay(start)
+        except BufferRolled:
+            self._restart()  # its own replay settles what is owed
+            return
+        except Exception:
+            if self._halt.is_set():
+                return  # stopping: the replica's entries go with its subscriber
+            self.owed, self.failures = True, self.failures + 1
+            self.retry_at = time.monotonic() + self.timing.retry_s(self.failures)
+            raise
+        self.owed, self.failures = False, 0
+        self._set_whole(True)
+
+    def _apply_replay(self, start: int) -> None:
+        """Read one replay answer from `start`, applying each batch as it comes."""
+        assert self.src.replay_endpoint is not None
+        dealer = self._socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, self.timing.rcv_hwm)
+        dealer.connect(self.src.replay_endpoint)
+        answer = replayed(
+            dealer, self.src.replay_endpoint, start, self.timing.wait_s, self._halt.is_set
+        )
+        try:
+            for i, (seq, payload) in enumerate(answer):
+                if i == 0 and 0 < start < seq:  # from 0 the buffer's start is all there is
+                    raise BufferRolled(f"asked for {start}, the replay starts at {seq}")
                 self._guarded(lambda: self._take(seq, payload, live=False))  # noqa: B023
         finally:
             dealer.close()
+
+    def _set_whole(self, whole: bool) -> None:
+        self.index.set_whole(self.src.replica, whole)
+        self.metrics.index_whole.labels(replica=self.src.replica).set(int(whole))

@@ -6,6 +6,14 @@ by its own listener thread (kvstrata/listeners.py), answers a request [start_seq
 with every buffered batch from that sequence number on, each as (seq, payload), then
 (-1 as 8 signed bytes, empty).
 
+An answer is whole or recognisably cut, never silently short: the socket is ROUTER_MANDATORY
+and every message goes out NOBLOCK, so a message the subscriber's queue cannot take (it reads
+slower than the answer comes: our SNDHWM, the kernel's buffers and its RCVHWM are full) or a
+subscriber gone is refused, not dropped; the answer stops there without its end marker (`cut`). ZMQ delivers one
+connection's messages in order and whole, so an end marker proves every batch before it came;
+a subscriber that sees none within its wait knows its replay failed and asks again from where
+it got to. The thread never blocks on a slow reader.
+
 Two limits make a flood cost the flooder, not the engine's process:
 - A total budget (kv_events_replay_budget messages per second, all subscribers together: a
   request read costs one, each message of its answer one more). Once it is spent the thread
@@ -37,10 +45,10 @@ import zmq
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstrata.cache.event_wire import END_SEQ
 from kvstrata.listeners import Listeners
 from kvstrata.zmq_curve import CurveKeys
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 LISTENER = "kv-events-replay"  # the thread's name (/metrics label, debug kill)
 POLL_S = 0.1  # an idle turn's wait for a request (bounds how late a stop is seen)
 RCV_HWM = 16  # requests queued per connection before ZMQ stops reading that connection
@@ -168,10 +176,12 @@ class ReplayServer:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer refuses, not drops
         if keys is not None:
             keys.server(self.sock)
         self.sock.bind(endpoint)  # at start: a taken port fails the server's start, not later
-        self.answered = self.dropped = 0  # requests answered / dropped over their rate
+        self.answered = self.dropped = 0  # requests answered whole / dropped over their rate
+        self.cut = 0  # answers stopped short (the subscriber's queue full, or it left)
         self.messages = 0  # messages handled: requests read + answer messages sent
         self.deferrals, self.deferred_s = 0, 0.0  # budget pauses with a request waiting, seconds
         self.thread = self.listeners.start(LISTENER, self._step, self._stop)
@@ -203,12 +213,29 @@ class ReplayServer:
         if not self.limit.allow(subscriber(frames[0]) or client, self.clock.now()):
             self.dropped += 1
             return 0
-        self.answered += 1
         batches = self.buffer.since(int.from_bytes(frames[-1].bytes, "big"))
-        for seq, payload in batches:
-            self.sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self.sock.send_multipart((client, b"", END_SEQ, b""))
+        for sent, (seq, payload) in enumerate(batches):
+            if not self._send(client, seq.to_bytes(8, "big"), payload):
+                self.cut += 1  # no end marker: the subscriber sees its replay failed
+                return sent
+        if not self._send(client, END_SEQ, b""):
+            self.cut += 1
+            return len(batches)
+        self.answered += 1
         return len(batches) + 1
+
+    def _send(self, client: bytes, seq: bytes, payload: bytes) -> bool:
+        """One answer message, never waiting; False: refused (the subscriber's queue is full, or
+        it is gone), nothing of it queued."""
+        try:
+            self.sock.send_multipart((client, b"", seq, payload), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
 
     def close(self) -> None:
         """Stop the thread (within POLL_S or its pause), then close its socket."""
@@ -227,10 +254,12 @@ class ReplayMetrics(Collector):
         s = self.server
         requests = CounterMetricFamily(
             "kvstrata:kv_events_replay_requests",
-            "replay requests read: answered, or dropped over their subscriber's rate",
+            "replay requests read: answered whole, cut short without an end marker (the "
+            "subscriber's queue full, or it left), or dropped over their subscriber's rate",
             labels=["outcome"],
         )
         requests.add_metric(["answered"], s.answered)
+        requests.add_metric(["cut"], s.cut)
         requests.add_metric(["dropped"], s.dropped)
         yield requests
         yield CounterMetricFamily(
