@@ -199,7 +199,7 @@ def replayed(endpoint: str) -> list[bytes]:
     try:
         while True:
             assert sock.poll(10_000), f"no replay from {endpoint}"
-            _, seq, payload = sock.recv_multipart()
+            seq, payload = sock.recv_multipart()[-2:]  # [delimiter, topic, seq, payload]
             if int.from_bytes(seq, "big", signed=True) < 0:
                 return out
             out.append(payload)

@@ -57,7 +57,7 @@ def read_all(sock: zmq.Socket, wait_ms: int) -> list[list[bytes]]:
     DEALER's empty delimiter off)."""
     got: list[list[bytes]] = []
     while (not got or got[-1][0] != END_SEQ) and sock.poll(wait_ms):
-        got.append(sock.recv_multipart()[1:])
+        got.append(sock.recv_multipart()[-2:])
     return got
 
 

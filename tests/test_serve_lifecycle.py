@@ -154,7 +154,7 @@ def replay(ctx: zmq.Context, port: int, start: int) -> list[tuple[int, bytes]]:
     try:
         while True:
             assert sock.poll(10_000), "replay socket did not answer within 10 s"
-            _, seq, payload = sock.recv_multipart()
+            seq, payload = sock.recv_multipart()[-2:]  # [delimiter, topic, seq, payload]
             if seq == (-1).to_bytes(8, "big", signed=True):
                 return out
             out.append((int.from_bytes(seq, "big"), payload))

@@ -50,7 +50,7 @@ class Flooder(threading.Thread):
             except zmq.Again:
                 time.sleep(0.001)
             while self.sock.poll(0):
-                self.answered += self.sock.recv_multipart()[1] == END
+                self.answered += self.sock.recv_multipart()[-2] == END
         self.sock.close()
 
 
@@ -64,7 +64,7 @@ def replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes
         got = []
         while True:
             assert sock.poll(30_000), "no replay answer within 30 s"
-            _, seq, payload = sock.recv_multipart()
+            seq, payload = sock.recv_multipart()[-2:]  # [delimiter, topic, seq, payload]
             if seq == END:
                 return got
             got.append((int.from_bytes(seq, "big"), payload))

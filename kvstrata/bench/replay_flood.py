@@ -69,7 +69,7 @@ def flood(endpoint: str, stop: Any, out: Any) -> None:
         if events & zmq.POLLOUT:
             sent += send_until_full(sock, request)
         while sock.poll(0):
-            answered += sock.recv_multipart()[1] == end
+            answered += sock.recv_multipart()[-2] == end
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     report = FloodReport(sent, sent if first is None else first, answered, seconds, cpu)
     sock.close()

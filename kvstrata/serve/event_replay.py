@@ -3,8 +3,8 @@
 The publisher (kvstrata/serve/events.py, engine thread) appends each event batch to a bounded
 `ReplayBuffer` (kv_events_buffer batches, the oldest dropped first). A ROUTER socket, served
 by its own listener thread (kvstrata/listeners.py), answers a request [start_seq (8 bytes)]
-with every buffered batch from that sequence number on, each as (seq, payload), then
-(-1 as 8 signed bytes, empty).
+with every buffered batch from that sequence number on, framed as vLLM frames its replays:
+(empty delimiter, topic, seq, payload), then (empty, empty topic, -1 as 8 signed bytes, empty).
 
 An answer is whole or recognisably cut, never silently short: the socket is ROUTER_MANDATORY
 and every message goes out NOBLOCK, so a message the subscriber's queue cannot take (it reads
@@ -167,8 +167,10 @@ class ReplayServer:
         keys: CurveKeys | None = None,
         listeners: Listeners | None = None,
         clock: Clock | None = None,
+        topic: bytes = b"",
     ) -> None:
         self._stop = threading.Event()
+        self.topic = topic  # the PUB socket's topic: an answer's batches are framed as published
         self.clock = clock or ThreadClock(self._stop)
         self.buffer, self.limit = buffer, RateLimit(limits.rate)
         self.budget = Budget(limits.budget, self.clock.now())
@@ -215,20 +217,21 @@ class ReplayServer:
             return 0
         batches = self.buffer.since(int.from_bytes(frames[-1].bytes, "big"))
         for sent, (seq, payload) in enumerate(batches):
-            if not self._send(client, seq.to_bytes(8, "big"), payload):
+            if not self._send(client, self.topic, seq.to_bytes(8, "big"), payload):
                 self.cut += 1  # no end marker: the subscriber sees its replay failed
                 return sent
-        if not self._send(client, END_SEQ, b""):
+        if not self._send(client, b"", END_SEQ, b""):
             self.cut += 1
             return len(batches)
         self.answered += 1
         return len(batches) + 1
 
-    def _send(self, client: bytes, seq: bytes, payload: bytes) -> bool:
-        """One answer message, never waiting; False: refused (the subscriber's queue is full, or
-        it is gone), nothing of it queued."""
+    def _send(self, client: bytes, topic: bytes, seq: bytes, payload: bytes) -> bool:
+        """One answer message [delimiter, topic, seq, payload] (vLLM's replay frames; the end
+        marker has an empty topic), never waiting; False: refused (the subscriber's queue is
+        full, or it is gone), nothing of it queued."""
         try:
-            self.sock.send_multipart((client, b"", seq, payload), zmq.NOBLOCK)
+            self.sock.send_multipart((client, b"", topic, seq, payload), zmq.NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:

@@ -91,6 +91,7 @@ class KVEventPublisher:
                 ReplayLimits(cfg.kv_events_replay_rate, cfg.kv_events_replay_budget),
                 keys,
                 listeners,
+                topic=self.topic,
             )
             if registry is not None:  # /metrics: answered, dropped, deferred
                 self.metrics = ReplayMetrics(self.replay)
