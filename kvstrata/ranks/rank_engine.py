@@ -1,8 +1,8 @@
 """Run the engine on tp x cp x pp local ranks with one logical cache everywhere.
 
-Every rank loads the model, keeps its part (kvstrata.model_parallel.tp / pp / cp), builds pools holding
-its part of every page and the mover of its share (kvstrata.memory.transfer: RankShare), the same
-HiCache and the same scheduler. Per step:
+Every rank loads the model, keeps its part (kvstrata.model_parallel.tp / pp / cp), builds pools
+holding its part of every page and the mover of its share (kvstrata.memory.transfer: RankShare),
+the same HiCache and the same scheduler. Per step:
   1. rank 0 broadcasts (new requests, its clock, stop) with broadcast_object_list: inputs and
      time are the same on every rank, so admission and prefetch budgets decide alike;
   2. Engine.step(): its `agree` hook is StepConsensus (kvstrata.ranks.consensus), one

@@ -4,9 +4,10 @@ the requests, every rank runs the same steps.
 The HTTP process is no rank: it spawns the ranks (kvstrata.ranks.group.run_ranks, fork) from a
 thread and talks to rank 0 through two multiprocessing queues. Each step rank 0 drains its inbox
 (typed step inputs: new requests, aborts, calls, stop) and broadcasts them with its clock and
-whether to step, so every rank runs the same step loop (kvstrata/serve/step_loop.py) alike; samplers are rebuilt on each rank from the request's
-SamplingParams and seed, so every rank draws the same token. Rank 0 sends tokens and endings back;
-a dispatcher thread in the HTTP process hands them to the requests' streams.
+whether to step, so every rank runs the same step loop (kvstrata/serve/step_loop.py) alike;
+samplers are rebuilt on each rank from the request's SamplingParams and seed, so every rank draws
+the same token. Rank 0 sends tokens and endings back; a dispatcher thread in the HTTP process
+hands them to the requests' streams.
 """
 
 from __future__ import annotations
