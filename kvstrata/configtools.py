@@ -23,6 +23,14 @@ def doc(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argp
     return dataclasses.field(default=default, metadata={"help": help, **kw})
 
 
+def require_positive(cfg: object, *names: str) -> None:
+    """A config's check: ValueError naming the first of fields `names` that is not > 0."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
 def _base_type(tp: Any) -> Any:
     """Strip Optional[...] so argparse gets a callable type."""
     if get_origin(tp) in (Union, types.UnionType):

@@ -65,6 +65,26 @@ def hold_port(port: int = 0, host: str = "127.0.0.1") -> socket.socket | None:
     return s
 
 
+class KeptPorts:
+    """The ports of a local server that served, held (hold_port) while it is down: a neighbour
+    taking one meanwhile would answer our clients (who hold its URL) and block the restart on
+    the same ports."""
+
+    def __init__(self) -> None:
+        self._held: list[socket.socket] = []
+
+    def keep(self, ports: Sequence[int]) -> None:
+        """Hold those of `ports` still free (nothing more while some are held)."""
+        if not self._held:
+            self._held = [h for h in map(hold_port, ports) if h is not None]
+
+    def release(self) -> None:
+        """Let them go: the server binds them again, or it stopped for good."""
+        for held in self._held:
+            held.close()
+        self._held = []
+
+
 @contextlib.contextmanager
 def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
     """A port held (see hold_port) while the block runs, for a process we start to bind."""

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from kvstrata.local_ports import PortTaken, free_port, hold_port, wait_listening
+from kvstrata.local_ports import KeptPorts, PortTaken, free_port, wait_listening
 
 START_TRIES = 3  # fresh ports per try: a neighbour may take a port between pick and bind
 
@@ -48,7 +47,7 @@ class MooncakeMaster:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstrata-mooncake-")
         self.log = Path(self._tmp.name) / "master.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self._held: list[socket.socket] = []  # its ports while it is killed (see kill)
+        self._kept = KeptPorts()  # its ports while it is killed, once it served
 
     @property
     def metadata(self) -> str:
@@ -71,7 +70,7 @@ class MooncakeMaster:
             try:
                 self._start_once(timeout)
                 self._served = True
-                self._release()
+                self._kept.release()
                 return self
             except (PortTaken, RuntimeError) as e:
                 self.kill()
@@ -104,16 +103,8 @@ class MooncakeMaster:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
-            if self._served and not self._held:
-                # kept bound while it is down: a neighbour's master taking them meanwhile would
-                # answer our clients (who hold the URL) and block the restart
-                ports = (self.rpc_port, self.http_port, self.metrics_port)
-                self._held = [h for h in map(hold_port, ports) if h is not None]
-
-    def _release(self) -> None:
-        for held in self._held:
-            held.close()
-        self._held = []
+            if self._served:
+                self._kept.keep([self.rpc_port, self.http_port, self.metrics_port])
 
     def restart(self, timeout: float = 20.0) -> MooncakeMaster:
         self.kill()
@@ -121,7 +112,7 @@ class MooncakeMaster:
 
     def stop(self) -> None:
         self.kill()
-        self._release()
+        self._kept.release()
         self.proc = None
         self._tmp.cleanup()
 

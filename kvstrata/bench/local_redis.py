@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstrata.local_ports import PortTaken, free_port, hold_port, wait_listening
+from kvstrata.local_ports import KeptPorts, PortTaken, free_port, wait_listening
 
 START_TRIES = 3  # fresh ports per try, for a port it chose itself and never served
 
@@ -56,9 +56,7 @@ class RedisServer:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstrata-redis-")
         self.dir = Path(self._tmp.name)
         self.proc: subprocess.Popen[bytes] | None = None
-        # while a server that served is killed, its port stays bound here: a neighbour taking it
-        # meanwhile would answer our clients (who hold the URL) and block the restart
-        self._held: socket.socket | None = None
+        self._kept = KeptPorts()  # its port while a server that served is killed
 
     @property
     def url(self) -> str:
@@ -69,7 +67,7 @@ class RedisServer:
             try:
                 self._start_once(timeout)
                 self._may_repick = False
-                self._release()
+                self._kept.release()
                 return self
             except (PortTaken, RuntimeError) as e:
                 output = self._output()  # before kill(), which closes its stderr
@@ -108,15 +106,10 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
-            if not self._may_repick and self._held is None:
-                self._held = hold_port(self.port)
+            if not self._may_repick:
+                self._kept.keep([self.port])
         if self.proc is not None and self.proc.stderr:
             self.proc.stderr.close()
-
-    def _release(self) -> None:
-        if self._held is not None:
-            self._held.close()
-            self._held = None
 
     def restart(self, timeout: float = 10.0) -> RedisServer:
         self.kill()
@@ -124,7 +117,7 @@ class RedisServer:
 
     def stop(self) -> None:
         self.kill()
-        self._release()
+        self._kept.release()
         self.proc = None
         self._tmp.cleanup()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvstrata.configtools import doc
+from kvstrata.configtools import doc, require_positive
 
 TIER_SETS = ("none", "device", "device_host", "device_host_storage")
 """Cache configurations: no cache, device only, + host memory, + storage. A config's set follows
@@ -52,9 +52,8 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "device_pages", "results_per_step", "write_through_threshold"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        positive = ("page_size", "device_pages", "results_per_step", "write_through_threshold")
+        require_positive(self, *positive)
         if self.host_pages < 0:
             raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         if self.storage_url and not self.host_pages:

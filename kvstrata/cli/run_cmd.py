@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,20 @@ def _configs(args: argparse.Namespace, prompts: Prompts, spec: WorkloadSpec) -> 
 
 
 # ---- one configuration ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    """One configuration's run, as either launcher takes it."""
+
+    ecfg: EngineConfig
+    cache_cfg: CacheConfig
+    storage_cfg: StorageConfig
+    dist_cfg: DistConfig
+    workload: SessionTurns
+    model: DecoderLM  # the loaded model (rank processes load their own from its path)
+    run_id: str  # this process's: rank 0 draws the ranks'
+    on_done: Callable[[], None]  # once per finished request
+
+
 def run_config(
     tiers: str,
     model: DecoderLM,
@@ -162,7 +177,8 @@ def run_config(
     launch = _in_this_process if dist_cfg.world_size == 1 else _on_rank_processes
     workload = SessionTurns(prompts, max_new)
     tick = on_done or (lambda: None)
-    reports = launch(engine_cfg, tiered, storage_cfg, dist_cfg, workload, model, run_id, tick)
+    job = Launch(engine_cfg, tiered, storage_cfg, dist_cfg, workload, model, run_id, tick)
+    reports = launch(job)
     for key in ("outputs", "spec_accepts"):
         if any(r[key] != reports[0][key] for r in reports):
             raise RuntimeError(f"{tiers}: ranks differ in {key}")
@@ -176,29 +192,21 @@ def run_config(
     return results, rank0["counters"]
 
 
-def _in_this_process(
-    ecfg: EngineConfig,
-    cache_cfg: CacheConfig,
-    storage_cfg: StorageConfig,
-    dist_cfg: DistConfig,
-    workload: SessionTurns,
-    model: DecoderLM,
-    run_id: str,
-    on_done: Callable[[], None],
-) -> list[dict[str, Any]]:
+def _in_this_process(job: Launch) -> list[dict[str, Any]]:
     """The one rank's report: this process runs it on the loaded model, its own inputs being
     every rank's (identity agreement)."""
+    ecfg, cache_cfg, dist_cfg = job.ecfg, job.cache_cfg, job.dist_cfg
     log = None
     if dist_cfg.consensus_log:
         fields = {**dataclasses.asdict(ecfg), **dataclasses.asdict(cache_cfg)}
-        log = DecisionLog.from_config(dist_cfg, 0, run_id, config_digest(fields))
-    built = build_engine(ecfg, cache_cfg, storage_cfg, model=model, decisions=log)
+        log = DecisionLog.from_config(dist_cfg, 0, job.run_id, config_digest(fields))
+    built = build_engine(ecfg, cache_cfg, job.storage_cfg, model=job.model, decisions=log)
     eng, done = built.engine, []
     try:
-        for finished in drive(eng, workload):
+        for finished in drive(eng, job.workload):
             done += finished
             for _ in finished:
-                on_done()
+                job.on_done()
         eng.drain()
         eng.check_integrity()
         counters = eng.cache.counters.as_dict() if eng.cache is not None else None
@@ -209,25 +217,17 @@ def _in_this_process(
     return [{**requests_report(done), "counters": counters}]
 
 
-def _on_rank_processes(
-    ecfg: EngineConfig,
-    cache_cfg: CacheConfig,
-    storage_cfg: StorageConfig,
-    dist_cfg: DistConfig,
-    workload: SessionTurns,
-    model: DecoderLM,
-    run_id: str,
-    on_done: Callable[[], None],
-) -> list[dict[str, Any]]:
+def _on_rank_processes(job: Launch) -> list[dict[str, Any]]:
     """Every rank's report, rank order: tp x cp x pp local rank processes, each loading the
-    model from its path (`model` and `run_id` are this process's: rank 0 draws the ranks')."""
+    model from its path (`job.model` and `job.run_id` are this process's: rank 0 draws the
+    ranks')."""
     from kvstrata.ranks.rank_engine import (
         run_distributed,  # spawns processes: import only when used
     )
 
-    reports = run_distributed(ecfg, cache_cfg, dist_cfg, workload, storage_cfg)
+    reports = run_distributed(job.ecfg, job.cache_cfg, job.dist_cfg, job.workload, job.storage_cfg)
     for _ in reports[0]["outputs"]:
-        on_done()
+        job.on_done()
     return reports
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstrata.configtools import doc
+from kvstrata.configtools import doc, require_positive
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,8 @@ class EngineConfig:
     spec_tokens: int = doc(4, "speculative decoding: tokens the draft proposes per step")
 
     def __post_init__(self) -> None:
-        names = ("max_batch_tokens", "max_running", "admission_lookahead")
-        for name in (*names, "spec_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        positive = ("max_batch_tokens", "max_running", "admission_lookahead", "spec_tokens")
+        require_positive(self, *positive)
         if self.chunk_tokens < 0:
             raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
         if self.chunk_tokens > self.max_batch_tokens:

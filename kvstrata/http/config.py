@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstrata.configtools import doc
+from kvstrata.configtools import doc, require_positive
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,4 @@ class HttpConfig:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         if self.parent_pid < 0:
             raise ValueError(f"parent_pid must be >= 0, got {self.parent_pid}")
-        for name in ("stop_timeout_s", "client_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "stop_timeout_s", "client_timeout_s")

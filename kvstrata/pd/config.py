@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstrata.configtools import doc
+from kvstrata.configtools import doc, require_positive
 
 ON_FAILURE = ("error", "local")
 
@@ -77,9 +77,7 @@ class PDConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("pd_timeout_s", "pd_heartbeat_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, "pd_timeout_s", "pd_heartbeat_s")
         if self.pd_heartbeat_s >= self.pd_timeout_s:
             raise ValueError(
                 f"pd_heartbeat_s ({self.pd_heartbeat_s}) must be below pd_timeout_s "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from kvstrata.engine.request import Request
 from kvstrata.memory.cp_ownership import CPOwnership
-from kvstrata.pd.sink import Sink
+from kvstrata.pd.sink import Sink, SinkSide
 from kvstrata.pd.wire import Layout, WireError
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,7 +93,7 @@ class CPSink(Sink):
 
     def __init__(
         self,
-        side: Any,
+        side: SinkSide,
         req: Request,
         held: int,
         hid: str,
@@ -129,7 +129,7 @@ def received_pages(got: Any, expect: list[int] | None) -> list[int]:
     return [int(i) for i in sent]
 
 
-def rank_sink(side: Any, req: Request, extra: dict[str, Any]) -> Sink:
+def rank_sink(side: SinkSide, req: Request, extra: dict[str, Any]) -> Sink:
     """A prefill rank's sink of a submitted hand-off (a CPSink when decode named owners)."""
     held, owners, hid = int(extra["pd_held"]), extra.get("pd_owners"), str(extra["pd_id"])
     if owners is None:

@@ -97,9 +97,10 @@ class Holds:
 
 class HoldGate:
     """The prefill ranks' agreement on which held pages go back, as fields of the step's one
-    collective (parallel/ranks.py: RankEngine adds them to its all_reduce). Slot i is the i-th
-    held request in holding order (the same list on every rank: every rank holds and lets go at
-    the same steps); slots: how many holds are decided per step (the rest wait their turn)."""
+    collective (kvstrata/ranks/rank_engine.py: RankEngine adds them to its all_reduce). Slot i
+    is the i-th held request in holding order (the same list on every rank: every rank holds and
+    lets go at the same steps); slots: how many holds are decided per step (the rest wait their
+    turn)."""
 
     def __init__(self, slots: int) -> None:
         self.min_fields = tuple(f"held_done{i}" for i in range(slots))  # 1: done on this rank

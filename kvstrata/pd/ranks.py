@@ -164,9 +164,9 @@ class RankPD:
         cp: tuple[int, Any] = (0, None),
         gather: Callable[[str], list[str]] = lambda mine: [mine],
     ) -> None:
-        """Every rank, once its engine is built: its connector, and the HTTP side hears the layout and
-        every rank's endpoint (`gather`: this rank's endpoint -> every rank's, on every rank;
-        one all_gather at start under ranks). cp: (cp rank, cp group) of this rank."""
+        """Every rank, once its engine is built: its connector, and the HTTP side hears the
+        layout and every rank's endpoint (`gather`: this rank's endpoint -> every rank's, on
+        every rank; one all_gather at start under ranks). cp: (cp rank, cp group) of this rank."""
         if self.decode is not None and self.gate is not None and eng.cache is None:
             raise ValueError(
                 "a P/D decode worker on several ranks needs a cache (not --tiers none)"

@@ -10,15 +10,18 @@ queued as the forward computes them (nothing is left to hold).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from kvstrata.engine.kv_connector import EngineView
 from kvstrata.engine.request import Request
+from kvstrata.pd.metrics import RankCounts
 from kvstrata.pd.pages import host_pages
 from kvstrata.pd.wire import Frames, header, layer_message, pages_message
 
@@ -34,6 +37,15 @@ class HeldPages:
     stats: dict[str, int]
 
 
+class SinkSide(Protocol):
+    """What a sink uses of its prefill rank's side (kvstrata.pd.prefill.PrefillSide)."""
+
+    outbox: queue.SimpleQueue[tuple[Sink, Any]]  # to the listener thread, FIFO
+    view: EngineView  # the engine's pool and KV manager
+    metrics: RankCounts  # this rank's hand-off counters
+    cp: tuple[int, Any]  # (cp rank, cp group): a CPSink's gather
+
+
 class Sink:
     """One hand-off's request on a prefill rank: what it sends decode, when.
 
@@ -41,7 +53,7 @@ class Sink:
     `frames` on the listener thread. `lock` orders the listener's read of held pages against
     the engine dropping them (`drop`)."""
 
-    def __init__(self, side: Any, peer: bytes, req: Request, held: int, hid: str) -> None:
+    def __init__(self, side: SinkSide, peer: bytes, req: Request, held: int, hid: str) -> None:
         self.side, self.peer, self.req, self.held, self.hid = side, peer, req, held, hid
         self.pages: list[int] = []  # the request's device pages (set at its admission)
         self.received_s = time.monotonic()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,22 @@ class Agreed:
 
     def __getitem__(self, name: str) -> int:
         return self.values[name]
+
+
+class StepFields(Protocol):
+    """More fields of a step's one collective, and who hears their agreed values (a P/D
+    worker's gates: kvstrata.pd.ranks)."""
+
+    min_fields: tuple[str, ...]  # agreed by MIN
+    max_fields: tuple[str, ...]  # agreed by MAX
+
+    def local(self) -> dict[str, int]:
+        """This rank's value of every field, before the step's collective."""
+        ...
+
+    def agreed(self, values: dict[str, int]) -> None:
+        """Every rank's agreed values (of these fields and the rest) after it."""
+        ...
 
 
 class StepConsensus:

@@ -1,8 +1,8 @@
 """Run the engine on tp x cp x pp local ranks with one logical cache everywhere.
 
-Every rank loads the model, keeps its part (kvstrata.model_parallel.tp / pp / cp), builds pools holding
-its part of every page and the mover of its share (kvstrata.memory.transfer: RankShare), the same
-HiCache and the same scheduler. Per step:
+Every rank loads the model, keeps its part (kvstrata.model_parallel.tp / pp / cp), builds pools
+holding its part of every page and the mover of its share (kvstrata.memory.transfer: RankShare),
+the same HiCache and the same scheduler. Per step:
   1. rank 0 broadcasts (new requests, its clock, stop) with broadcast_object_list: inputs and
      time are the same on every rank, so admission and prefetch budgets decide alike;
   2. Engine.step(): its `agree` hook is StepConsensus (kvstrata.ranks.consensus), one
@@ -46,7 +46,7 @@ from kvstrata.model_parallel.cp import CPModel
 from kvstrata.model_parallel.pp import PipelineStage, stage_bounds
 from kvstrata.model_parallel.tp import head_range, shard_tp
 from kvstrata.ranks.config import DistConfig
-from kvstrata.ranks.consensus import StepConsensus
+from kvstrata.ranks.consensus import StepConsensus, StepFields
 from kvstrata.ranks.decision_log import MASK63, DecisionLog, config_digest
 from kvstrata.ranks.group import (
     RankContext,
@@ -143,10 +143,10 @@ class RankEngine:
         cache_cfg: CacheConfig,
         storage_cfg: StorageConfig | None,
         options: RankOptions,
-        extra: Any = None,
+        extra: StepFields | None = None,
     ) -> None:
-        """extra: more fields of the step's one collective (P/D decode's landing decision,
-        kvstrata.pd.ranks.HandoffGate: min_fields, max_fields, local(), agreed(values))."""
+        """extra: more fields of the step's one collective (a P/D worker's gate,
+        kvstrata.pd.ranks: HandoffGate, PrefillGate)."""
         self.ctx, self.options, self.extra = ctx, options, extra
         self.now = 0.0
         full = load_model(engine_cfg.model, dtype=engine_cfg.dtype)

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvstrata.cache.events import MEDIA, snapshot
-from kvstrata.engine.engine import RESET_DRAIN_S
+from kvstrata.engine.engine import RESET_DRAIN_S, Engine
 from kvstrata.http.auth import resolve_api_key
 from kvstrata.http.body import json_body
 from kvstrata.http.errors import ApiError
@@ -177,7 +177,7 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
         return {"success": False, "message": why}
 
 
-def _reset(running: bool, external: bool, engine: Any) -> dict[str, Any]:
+def _reset(running: bool, external: bool, engine: Engine) -> dict[str, Any]:
     """On the engine thread (every rank, between the same steps)."""
     busy = len(engine.running)
     return {"reset": engine.reset_prefix_cache(running, external), "running": busy}
@@ -227,18 +227,18 @@ async def _generate(
     return await complete(gen, request.is_disconnected)
 
 
-def _stall(seconds: float, engine: Any) -> None:
+def _stall(seconds: float, engine: Engine) -> None:
     time.sleep(seconds)
 
 
-def _blocks(engine: Any) -> dict[str, list[int]]:
+def _blocks(engine: Engine) -> dict[str, list[int]]:
     if engine.cache is None:
         return {m: [] for m in MEDIA}
     held = snapshot(engine.cache.tree)
     return {m: sorted(k & MASK64 for k in keys) for m, keys in held.items()}
 
 
-def _integrity(engine: Any) -> dict[str, Any]:
+def _integrity(engine: Engine) -> dict[str, Any]:
     """Runs on the engine thread: the pools' and tree's invariants, and their accounting."""
     engine.check_integrity()
     cache = engine.cache

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from kvstrata.cache.keys import key_hex
+from kvstrata.engine.engine import Engine
 from kvstrata.engine.prefetch_hints import HintAnswer
 from kvstrata.serve.generate import prompt_tokens
 from kvstrata.serve.protocol import (
@@ -99,17 +100,17 @@ async def _storage_found(state: ServerState, ans: HintAnswer) -> int | None:
         await asyncio.sleep(0.005)
 
 
-def start_hint(tokens: list[int], cache_salt: str, engine: Any) -> HintAnswer | None:
+def start_hint(tokens: list[int], cache_salt: str, engine: Engine) -> HintAnswer | None:
     """On every rank between the same steps, at the agreed clock."""
     return engine.kv.hint(tokens, cache_salt, engine.clock())
 
 
-def hint_storage(hint_id: int, engine: Any) -> int | None:
+def hint_storage(hint_id: int, engine: Engine) -> int | None:
     hints = engine.kv.hints
     return hints.storage_found(hint_id) if hints is not None else 0
 
 
-def rank_pins(engine: Any) -> dict[str, Any]:
+def rank_pins(engine: Engine) -> dict[str, Any]:
     """This rank's pins: pinned pages, and (pages, last key) of each pinned prefix."""
     cache = engine.cache
     if cache is None:

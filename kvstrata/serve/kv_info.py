@@ -21,6 +21,7 @@ import xxhash
 import zmq.auth
 from fastapi import FastAPI
 
+from kvstrata.engine.engine import Engine
 from kvstrata.http.errors import ApiError
 from kvstrata.http.paths import KV_EVENTS_INFO_PATH
 from kvstrata.serve.state import ServerState
@@ -41,7 +42,7 @@ def curve_public(secret_file: str) -> str | None:
     return public.decode()
 
 
-def _namespace(engine: Any) -> dict[str, Any]:
+def _namespace(engine: Engine) -> dict[str, Any]:
     """On the engine thread: the namespace every page key of this server chains under."""
     return dataclasses.asdict(engine.kv.ns)
 

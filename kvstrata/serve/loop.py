@@ -27,9 +27,13 @@ from kvstrata.engine import step_io as io
 from kvstrata.engine.build import Built
 from kvstrata.engine.engine import Engine
 from kvstrata.serve.events import KVEventPublisher
+from kvstrata.serve.metrics import PoolStats
 from kvstrata.serve.request_record import RequestRecord
 from kvstrata.serve.step_loop import ONE_RANK, StepLoop, run_steps
 from kvstrata.serve.stream import LoopObserver, QueueFull, Stream
+
+RequestOutput = io.TokenOut | io.Admitted | io.Finished | io.Failed
+"""The step loop's outputs about one request (the rest: calls' results and pool stats)."""
 
 
 class LoopFront:
@@ -42,7 +46,7 @@ class LoopFront:
         self.observers: list[LoopObserver] = []
         self.failed: str | None = None  # why the engine could not be built or the ranks stopped
         self.ready = threading.Event()
-        self.stats: Any = None  # the latest StatsOut's PoolStats
+        self.stats: PoolStats | None = None  # the latest StatsOut's
         self._streams: dict[str, tuple[RequestRecord, Stream]] = {}
         self._lock = threading.Lock()
         self.pending = 0
@@ -102,7 +106,7 @@ class LoopFront:
         return fut
 
     # ---- outputs --------------------------------------------------------------------------------
-    def handle(self, msg: Any) -> None:
+    def handle(self, msg: io.StepOutput) -> None:
         """One output of the step loop."""
         if isinstance(msg, io.CallDone):
             self._called(msg.call_id, msg.results)
@@ -110,12 +114,12 @@ class LoopFront:
             self.stats = msg.stats
             for obs in self.observers:
                 obs.on_stats(msg.stats, msg.agree_s)
-        elif isinstance(msg, io.TokenOut | io.Admitted | io.Finished | io.Failed):
+        elif isinstance(msg, RequestOutput):
             entry = self._streams.get(msg.rid)
             if entry is not None:
                 self._to_stream(msg, *entry)
 
-    def _to_stream(self, msg: Any, req: RequestRecord, stream: Stream) -> None:
+    def _to_stream(self, msg: RequestOutput, req: RequestRecord, stream: Stream) -> None:
         now = time.monotonic()
         if isinstance(msg, io.Admitted):
             req.admitted(msg)

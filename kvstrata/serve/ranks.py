@@ -4,9 +4,10 @@ the requests, every rank runs the same steps.
 The HTTP process is no rank: it spawns the ranks (kvstrata.ranks.group.run_ranks, fork) from a
 thread and talks to rank 0 through two multiprocessing queues. Each step rank 0 drains its inbox
 (typed step inputs: new requests, aborts, calls, stop) and broadcasts them with its clock and
-whether to step, so every rank runs the same step loop (kvstrata/serve/step_loop.py) alike; samplers are rebuilt on each rank from the request's
-SamplingParams and seed, so every rank draws the same token. Rank 0 sends tokens and endings back;
-a dispatcher thread in the HTTP process hands them to the requests' streams.
+whether to step, so every rank runs the same step loop (kvstrata/serve/step_loop.py) alike;
+samplers are rebuilt on each rank from the request's SamplingParams and seed, so every rank draws
+the same token. Rank 0 sends tokens and endings back; a dispatcher thread in the HTTP process
+hands them to the requests' streams.
 """
 
 from __future__ import annotations
@@ -16,18 +17,18 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.step_io import Inbox, Ready, StepInputs
+from kvstrata.engine.step_io import Inbox, Ready, StepInputs, StepOutput
 from kvstrata.pd.config import PDConfig
 from kvstrata.pd.layout import layout_of
 from kvstrata.pd.ranks import RankPD
-from kvstrata.pd.reports import REPORTS
+from kvstrata.pd.reports import REPORTS, PDReport
 from kvstrata.pd.worker import PDWorker
 from kvstrata.ranks.config import DistConfig
 from kvstrata.ranks.group import RankContext
@@ -40,6 +41,19 @@ from kvstrata.storage.base import StorageConfig
 
 STATS_EVERY_S = 0.5  # rank 0 reports pools, counters and agreement latencies this often
 FOREVER_S = 10 * 365 * 86400.0  # run_ranks' bound on the whole run: a server runs until stopped
+
+
+RankOutput = StepOutput | Ready | PDReport
+"""What rank 0 sends the HTTP process: the step loop's outputs, that every rank is up, and a
+P/D worker's reports."""
+
+
+class Outbox(Protocol):
+    """Rank 0 -> the HTTP process (a queue.Queue under torchrun, else a process queue)."""
+
+    def put(self, item: RankOutput) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> RankOutput: ...
 
 
 def _gather(rank0: bool) -> Callable[[tuple[bool, Any]], list[tuple[bool, Any]] | None]:
@@ -59,7 +73,7 @@ def serve_rank_loop(
     cache_cfg: CacheConfig,
     storage_cfg: StorageConfig | None,
     inbox: Inbox,
-    outbox: Any,
+    outbox: Outbox | None,
     serve_cfg: ServeConfig | None = None,
     pd_cfg: PDConfig | None = None,
 ) -> dict[str, Any]:
@@ -106,7 +120,7 @@ def _all_endpoints(mine: str) -> list[str]:
 def _serve_steps(
     re: RankEngine,
     inbox: Inbox,
-    out: Any | None,
+    out: Outbox | None,
     events: KVEventPublisher | None,
 ) -> None:
     """Every rank: the same step loop over the inputs rank 0 broadcasts."""
@@ -147,7 +161,7 @@ class DistRanks:
         self.torchrun = torchrun
         if torchrun:  # rank 0 is a thread of this process: plain thread-safe queues
             self.inbox: Inbox = queue.Queue()
-            self.outbox: Any = queue.Queue()
+            self.outbox: Outbox = queue.Queue()
         else:
             mp = tmp.get_context("fork")
             self.inbox, self.outbox = mp.Queue(), mp.Queue()

@@ -82,7 +82,7 @@ ONE_RANK = FanOut()
 
 def busy(eng: Engine) -> bool:
     """Requests in flight, or cache ops whose results are still to apply."""
-    return eng.has_work() or (eng.cache is not None and len(eng.cache.queues) > 0)
+    return eng.has_work() or eng.kv.copies_pending()
 
 
 def next_inputs(eng: Engine, inbox: Inbox) -> StepInputs:

@@ -258,12 +258,6 @@ class Sealer:
 
         return check
 
-    def check_mac(self, ukey: int, body: np.ndarray, tail: memoryview | bytes) -> bool:
-        """MAC only: whether `body` (the unit's bytes as read, anywhere in memory) and `tail`
-        (tag|salt|nonce, 44 bytes) are a unit sealed under unit key `ukey`. Reads only."""
-        parts = seal_tail(memoryview(bytearray(tail)))
-        return self.mac_check([ukey], [memoryview(body)], [parts], body.nbytes)(0)
-
     def open(self, ukey: int, stored: np.ndarray, out: np.ndarray) -> bool:
         """Verify (and decrypt) a stored value (uint8, n + 44 bytes) into `out` (uint8, the
         unit, n bytes); False if it does not open under this key, unit key and mode (`out` then
