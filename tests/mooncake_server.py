@@ -15,9 +15,9 @@ from contextlib import contextmanager
 import pytest
 
 from kvstrata.bench.local_mooncake import MooncakeHolder, MooncakeMaster
-from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import storage_config
 
-FAST = StorageConfig(
+FAST = storage_config(
     mooncake_timeout_s=1.0,
     mooncake_setup_timeout_s=10.0,
     reconnect_backoff_s=0.05,
