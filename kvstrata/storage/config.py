@@ -218,7 +218,7 @@ BACKEND_CONFIGS: dict[str, str] = {
 }
 """URL scheme -> the StorageConfig field holding its backend's config (schemes in help order)."""
 
-_BACKEND_FIELDS = ("file", "memory", "redis", "mooncake")
+_BACKEND_FIELDS = tuple(dict.fromkeys(BACKEND_CONFIGS.values()))  # file, memory, redis, mooncake
 
 
 def common_fields() -> list[dataclasses.Field]:
