@@ -96,21 +96,27 @@ def add_config_args(
             group = debug_group(parser)
         else:
             group = _config_group(parser, cls, f.metadata.get("group", ""), groups)
-        name = "--" + (prefix + f.name).replace("_", "-")
-        tp = _base_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
-        dest = prefix.replace("-", "_") + f.name
-        if tp is bool:
-            group.add_argument(
-                name, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        elif get_origin(tp) in (list, tuple):
-            group.add_argument(
-                name, dest=dest, nargs="*", type=get_args(tp)[0], default=None, help=help_text
-            )
-        else:
-            group.add_argument(name, dest=dest, type=tp, default=None, help=help_text)
+        add_field_option(group, f, hints[f.name], prefix)
+
+
+def add_field_option(group: Any, f: dataclasses.Field, hint: Any, prefix: str = "") -> None:
+    """Add the `--prefix-field-name` option of config field `f` (type hint `hint`) to `group`
+    (a parser or argument group); unset, it parses to None (the config keeps its default)."""
+    name = "--" + (prefix + f.name).replace("_", "-")
+    tp = _base_type(hint)
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    help_text = f"{f.metadata.get('help', '')} (default: {default})".replace("%", "%%")
+    dest = prefix.replace("-", "_") + f.name
+    if tp is bool:
+        group.add_argument(
+            name, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+    elif get_origin(tp) in (list, tuple):
+        group.add_argument(
+            name, dest=dest, nargs="*", type=get_args(tp)[0], default=None, help=help_text
+        )
+    else:
+        group.add_argument(name, dest=dest, type=tp, default=None, help=help_text)
 
 
 def config_from_args(

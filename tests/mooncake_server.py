@@ -9,6 +9,7 @@ fault tests stay short. The process helper itself lives in kvstrata.bench.local_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,13 +17,19 @@ import pytest
 
 from kvstrata.bench.local_mooncake import MooncakeHolder, MooncakeMaster
 from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import storage_config
 
-FAST = StorageConfig(
+FAST = storage_config(
     mooncake_timeout_s=1.0,
     mooncake_setup_timeout_s=10.0,
     reconnect_backoff_s=0.05,
     reconnect_backoff_max_s=0.2,
 )
+
+
+def fast(**changes: object) -> StorageConfig:
+    """FAST with mooncake options `changes`."""
+    return StorageConfig(mooncake=dataclasses.replace(FAST.mooncake, **changes))  # type: ignore[arg-type]
 
 
 def master(client_ttl_s: int = 10) -> MooncakeMaster:

@@ -17,6 +17,7 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
 from kvstrata.model.checkpoint import load_model
 from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import storage_config
 from tests.tiny_models import rel_err
 
 torch.set_num_threads(1)
@@ -249,7 +250,7 @@ def test_redis_as_shared_storage_across_engines(model, tmp_path: Path) -> None: 
         assert_same(ref, second)
         assert second[0].hits == {"device": 0, "host": 0, "storage": (len(prompts[0]) - 1) // PAGE}
         server.kill()  # the storage is gone: misses, same tokens, no exception
-        lenient = StorageConfig(require_reachable_at_start=False)
+        lenient = storage_config(require_reachable_at_start=False)
         third = run_turns(
             model,
             "device_host_storage",

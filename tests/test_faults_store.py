@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import FileStoreConfig, storage_config
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.tmp_files import host_tag
 
@@ -63,14 +63,14 @@ def test_open_sweeps_dead_writers_keeps_live_ones_and_young_foreign(tmp_path: Pa
         p.write_bytes(b"x" * 100)
     old = time.time() - 3600
     os.utime(foreign_old, (old, old))
-    store = FileStore(f"file://{tmp_path}", PAGE, StorageConfig(stale_tmp_s=600.0))  # size cap 0
+    store = FileStore(f"file://{tmp_path}", PAGE, FileStoreConfig(stale_tmp_s=600.0))  # size cap 0
     assert sorted(temps(tmp_path)) == sorted([live, foreign_young])
     assert store.stats()["tmp_swept"] == 2
     store.close()
 
 
 def test_periodic_sweep_while_writing(tmp_path: Path) -> None:
-    store = FileStore(f"file://{tmp_path}", PAGE, StorageConfig(rescan_interval_s=0.01))
+    store = FileStore(f"file://{tmp_path}", PAGE, FileStoreConfig(rescan_interval_s=0.01))
     (tmp_path / "cd").mkdir()
     orphan = tmp_path / "cd" / tmp_name(host_tag(), dead_pid())
     orphan.write_bytes(b"x")
@@ -180,7 +180,7 @@ def test_redis_down_warns_once_then_counts(capsys: pytest.CaptureFixture[str]) -
     from kvstrata.storage.base import open_storage
     from tests.redis_server import RedisServer
 
-    fast = StorageConfig(socket_timeout_s=0.5, connect_timeout_s=0.2, reconnect_backoff_s=0.05)
+    fast = storage_config(socket_timeout_s=0.5, connect_timeout_s=0.2, reconnect_backoff_s=0.05)
     server = RedisServer().start()
     try:
         store = open_storage(server.url, PAGE, fast)

@@ -8,7 +8,6 @@ they wrote outlives them."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,13 +20,13 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.engine.build import build_engine
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request
-from tests.mooncake_server import FAST, held_store
+from tests.mooncake_server import fast, held_store
 from tests.test_engine_cache import CKPT, PAGE, assert_same, conversation, model, run_turns
 
 pytestmark = pytest.mark.slow  # a mooncake_master, a segment holder and engines
 # the engine cache tests' checkpoint (conftest's ckpt builds it) and model fixture
 __all__ = ["CKPT", "model"]
-LENIENT = dataclasses.replace(FAST, require_reachable_at_start=False)
+LENIENT = fast(require_reachable_at_start=False)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from kvstrata.ranks.config import DistConfig
 from kvstrata.ranks.group import RankFailure
 from kvstrata.ranks.rank_engine import RankOptions, run_distributed
 from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import storage_config
 from kvstrata.storage.unit_sweep import pending_key
 from kvstrata.storage.units import CRASH_EXIT_CODE, PagePart, UnitLayout, open_unit_storage
 from tests.test_dist_engine import CONV, PAGE, _Once, assert_logits, serve_one_rank
@@ -206,7 +207,7 @@ def test_redis_units_round_trip_across_parts(tmp_path: Path) -> None:
 
     server = RedisServer().start()
     try:
-        cfg = StorageConfig(redis_key_prefix="units:", stale_unit_s=900)
+        cfg = storage_config(redis_key_prefix="units:", stale_unit_s=900)
         halves = [PagePart(FULL, (0, 2), (h, h + 1)) for h in (0, 1)]
         rng = np.random.default_rng(0)
         full = [rng.integers(0, 255, FULL.page_nbytes, dtype=np.uint8) for _ in range(3)]
@@ -229,7 +230,7 @@ def test_redis_units_round_trip_across_parts(tmp_path: Path) -> None:
         ttl = [[client.ttl(f"units:{key_hex(u)}") for u in r.all_unit_keys(k)] for k in keys]
         client.close()
         assert ttl[0] == ttl[1] == [-1] * 4
-        assert all(0 < t <= cfg.stale_unit_s for t in ttl[2]), ttl[2]
+        assert all(0 < t <= cfg.redis.stale_unit_s for t in ttl[2]), ttl[2]
         out = [np.zeros(FULL.page_nbytes, np.uint8) for _ in keys]
         assert r.get(keys, out) == 3  # the units are there; visibility is the probe's answer
         assert all(np.array_equal(a, b) for a, b in zip(out, full, strict=True))
@@ -287,7 +288,7 @@ def _sweep_removes_exactly_the_uncommitted(src: Path, root: Path, committed: lis
     shutil.copytree(src, root)
     before = _unit_files(root)
     assert before > 4 * len(committed)  # the kill left uncommitted units
-    cfg = StorageConfig(stale_tmp_s=1.0, stale_unit_s=60)
+    cfg = storage_config(stale_tmp_s=1.0, stale_unit_s=60)
     whole = PagePart(FULL, (0, 2), (0, 2))
     live = open_unit_storage(str(root), whole, cfg, commit_on_put=False)  # nothing stale yet
     assert live.stats()["units_swept"] == 0 and _unit_files(root) == before

@@ -19,6 +19,7 @@ from kvstrata.storage.base import (
     header_ok,
     open_storage,
 )
+from kvstrata.storage.config import storage_config
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.redis_store import RedisStore
 
@@ -73,7 +74,7 @@ def test_every_config_field_is_documented() -> None:
 )  # fmt: skip
 def test_bad_config_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
-        StorageConfig(**{field: value})
+        storage_config(**{field: value})
 
 
 def test_header_round_trip_and_rejections() -> None:
@@ -101,7 +102,7 @@ def test_namespaces_never_hit_each_others_pages(
     backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     url = str(tmp_path / "store") if backend == "file" else request.getfixturevalue("redis_url")
-    store = open_storage(url, PAGE, StorageConfig(redis_key_prefix=f"ns-test-{tmp_path.name}:"))
+    store = open_storage(url, PAGE, storage_config(redis_key_prefix=f"ns-test-{tmp_path.name}:"))
     assert isinstance(store, FileStore if backend == "file" else RedisStore)
     tokens = np.arange(4 * 64, dtype=np.int32) % 1000  # the same tokens under every namespace
     keys = [page_keys(tokens, ns) for ns in NAMESPACES]

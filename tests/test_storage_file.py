@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvstrata.cache.keys import key_hex
-from kvstrata.storage.base import HEADER_NBYTES, StorageConfig, open_storage
+from kvstrata.storage.base import HEADER_NBYTES, open_storage
+from kvstrata.storage.config import storage_config
 from kvstrata.storage.file_io import READ_CHUNK
 from kvstrata.storage.file_store import FileStore
 
@@ -190,7 +191,7 @@ def test_directory_creation_rules(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="parent directory"):
         open_storage(str(tmp_path / "no" / "such"), PAGE)
     with pytest.raises(ValueError, match="create_dir"):
-        open_storage(str(tmp_path / "off"), PAGE, StorageConfig(create_dir=False))
+        open_storage(str(tmp_path / "off"), PAGE, storage_config(create_dir=False))
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         open_storage(str(tmp_path / "afile"), PAGE)
@@ -198,7 +199,7 @@ def test_directory_creation_rules(tmp_path: Path) -> None:
 
 def test_size_cap_evicts_least_recently_used(tmp_path: Path) -> None:
     fnb = per_page(FileStore(str(tmp_path / "cap"), PAGE))  # a page file and its directory
-    cfg = StorageConfig(max_bytes=3 * fnb, evict_to_fraction=1.0)
+    cfg = storage_config(max_bytes=3 * fnb, evict_to_fraction=1.0)
     store = open_storage(str(tmp_path / "cap"), PAGE, cfg)
     a, b, c, d, e = make_keys(5)
     for k in (a, b, c):
@@ -226,7 +227,7 @@ def test_size_cap_low_watermark_and_stale_temp_files(tmp_path: Path) -> None:
     stale = root / "ab" / ".dead.kvp.1.2.3.tmp"  # left by a crashed writer
     stale.write_bytes(b"x" * 10)
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
-    store = open_storage(str(root), PAGE, StorageConfig(max_bytes=10 * fnb, evict_to_fraction=0.5))
+    store = open_storage(str(root), PAGE, storage_config(max_bytes=10 * fnb, evict_to_fraction=0.5))
     assert not stale.exists()
     keys = make_keys(11)
     for k in keys:
@@ -246,7 +247,7 @@ BIG = 64 * 1024
 def _writer(root: str, seed: int, rounds: int) -> None:
     """Replace every page over and over (delete + put) so readers race with renames."""
     store = open_storage(
-        root, BIG, StorageConfig(max_bytes=(N_SHARED // 2) * (BIG + HEADER_NBYTES))
+        root, BIG, storage_config(max_bytes=(N_SHARED // 2) * (BIG + HEADER_NBYTES))
     )
     keys = make_keys(N_SHARED)
     rng = np.random.default_rng(seed)

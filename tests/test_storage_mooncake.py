@@ -4,7 +4,6 @@ client whose segment left, and a forked child refused (the wheel's client does n
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import multiprocessing.queues
 import signal
@@ -26,9 +25,9 @@ from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer
 from kvstrata.storage.units import PagePart, UnitLayout, open_unit_storage
 
 try:
-    from tests.mooncake_server import FAST, master
+    from tests.mooncake_server import FAST, fast, master
 except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.path
-    from mooncake_server import FAST, master  # type: ignore[no-redef]
+    from mooncake_server import FAST, fast, master  # type: ignore[no-redef]
 
 PAGE = 4096
 _MASK64 = (1 << 64) - 1
@@ -59,7 +58,7 @@ def own_master() -> Iterator[MooncakeMaster]:
 
 @pytest.fixture
 def store(shared_master: MooncakeMaster, request: pytest.FixtureRequest) -> Iterator[MooncakeStore]:
-    cfg = dataclasses.replace(FAST, mooncake_batch_pages=4)
+    cfg = fast(mooncake_batch_pages=4)
     s = open_storage(shared_master.url(prefix=f"t-{request.node.name}:"), PAGE, cfg)
     assert isinstance(s, MooncakeStore)
     yield s
@@ -169,7 +168,7 @@ def test_bad_input_and_bad_urls_are_value_errors(store: MooncakeStore) -> None:
 
 
 def test_unreachable_master_at_start_is_a_bounded_value_error() -> None:
-    cfg = dataclasses.replace(FAST, mooncake_setup_timeout_s=3.0)
+    cfg = fast(mooncake_setup_timeout_s=3.0)
     # held bound, never listening: no master another test starts meanwhile can take them
     with refused_port() as port, refused_port() as meta:
         url = f"mooncake://127.0.0.1:{port}?metadata=http://127.0.0.1:{meta}/metadata"
@@ -255,7 +254,7 @@ def test_pages_in_a_segment_that_left_are_misses(own_master: MooncakeMaster) -> 
 def test_unreachable_allowed_at_start_gives_misses_then_joins() -> None:
     m = MooncakeMaster()  # ports chosen, not started yet
     try:
-        cfg = dataclasses.replace(FAST, require_reachable_at_start=False)
+        cfg = fast(require_reachable_at_start=False)
         store = open_storage(m.url(prefix="late:"), PAGE, cfg)
         keys = make_keys(3, salt=8)
         pages = [page_for(k) for k in keys]
@@ -369,7 +368,7 @@ def test_sealed_units_move_in_place_and_tampering_is_a_counted_miss(
     """Sealed units over Mooncake: a MAC'd body moves in place from and into a registered host
     pool (only the 44-byte tail is staged) and the tag replaces the xxh3 pass; a value re-headed
     by a writer without the key is a counted miss that stays, a flipped byte is removed."""
-    cfg = dataclasses.replace(FAST, mooncake_batch_pages=4)
+    cfg = fast(mooncake_batch_pages=4)
     inner = open_storage(shared_master.url(prefix=f"seal-{encrypt}:"), PAGE + SEAL_OVERHEAD, cfg)
     assert isinstance(inner, MooncakeStore)
     store = SealedStore(inner, Sealer(bytes(range(32)), encrypt))

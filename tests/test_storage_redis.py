@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import redis
 from kvstrata.cache.keys import key_hex
 from kvstrata.local_ports import refused_port
 from kvstrata.storage.base import HEADER_NBYTES, StorageConfig, open_storage
+from kvstrata.storage.config import storage_config
 from kvstrata.storage.redis_store import RedisStore
 
 try:
@@ -21,7 +23,7 @@ except ImportError:  # tests/ is not a package: pytest put tests/ itself on sys.
 
 PAGE = 4096
 _MASK64 = (1 << 64) - 1
-FAST = StorageConfig(
+FAST = storage_config(
     socket_timeout_s=0.5,
     connect_timeout_s=0.2,
     reconnect_backoff_s=0.05,
@@ -61,7 +63,7 @@ def own_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 def store(shared_server: RedisServer, request: pytest.FixtureRequest) -> Iterator[RedisStore]:
-    cfg = StorageConfig(redis_key_prefix=f"t-{request.node.name}:", redis_batch_pages=4)
+    cfg = storage_config(redis_key_prefix=f"t-{request.node.name}:", redis_batch_pages=4)
     s = open_storage(shared_server.url, PAGE, cfg)
     assert isinstance(s, RedisStore)
     yield s
@@ -119,8 +121,8 @@ def test_corrupt_or_foreign_values_are_misses_and_deleted(
 
 
 def test_key_prefixes_isolate_stores(shared_server: RedisServer) -> None:
-    a = open_storage(shared_server.url, PAGE, StorageConfig(redis_key_prefix="iso-a:"))
-    b = open_storage(shared_server.url, PAGE, StorageConfig(redis_key_prefix="iso-b:"))
+    a = open_storage(shared_server.url, PAGE, storage_config(redis_key_prefix="iso-a:"))
+    b = open_storage(shared_server.url, PAGE, storage_config(redis_key_prefix="iso-b:"))
     keys = make_keys(2)
     assert a.put(keys, [page_for(k) for k in keys]) == 2
     assert b.exists_prefix(keys) == 0 and a.exists_prefix(keys) == 2
@@ -138,7 +140,7 @@ def test_bad_input_and_bad_urls_are_value_errors(store: RedisStore) -> None:
 
 def test_unreachable_allowed_at_start_gives_misses_then_connects(own_server: RedisServer) -> None:
     own_server.kill()
-    cfg = StorageConfig(**{**FAST.__dict__, "require_reachable_at_start": False})
+    cfg = StorageConfig(redis=replace(FAST.redis, require_reachable_at_start=False))
     store = open_storage(own_server.url, PAGE, cfg)
     keys = make_keys(3)
     assert store.put(keys, [page_for(k) for k in keys]) == 0
@@ -192,9 +194,8 @@ def test_hung_server_times_out_into_misses(own_server: RedisServer) -> None:
 
     # a backoff the next line surely falls in, even on a loaded machine (FAST's 0.05 s can pass
     # before the put starts; then the put waits out a second socket timeout)
-    cfg = StorageConfig(
-        **{**FAST.__dict__, "reconnect_backoff_s": 2.0, "reconnect_backoff_max_s": 2.0}
-    )
+    slow_retry = replace(FAST.redis, reconnect_backoff_s=2.0, reconnect_backoff_max_s=2.0)
+    cfg = StorageConfig(redis=slow_retry)
     store = open_storage(own_server.url, PAGE, cfg)
     keys = make_keys(2)
     pages = [page_for(k) for k in keys]
@@ -217,7 +218,7 @@ def test_server_out_of_memory_is_a_counted_skip(own_server: RedisServer) -> None
     raw = redis.Redis.from_url(own_server.url)
     raw.config_set("maxmemory", 2 * 1024 * 1024)
     raw.config_set("maxmemory-policy", "noeviction")
-    store = open_storage(own_server.url, PAGE, StorageConfig(redis_batch_pages=8))
+    store = open_storage(own_server.url, PAGE, storage_config(redis_batch_pages=8))
     keys = make_keys(2000)  # ~8 MiB: far over the limit
     stored = store.put(keys, [page_for(keys[0])] * len(keys))
     assert 0 < stored < len(keys)

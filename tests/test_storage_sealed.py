@@ -15,6 +15,7 @@ import zmq.auth
 from kvstrata.cli.main import main
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import HEADER_NBYTES, StorageConfig, encode_header, header_ok
+from kvstrata.storage.config import storage_config
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer, read_key_file
 from kvstrata.storage.units import PagePart, open_unit_storage
@@ -155,7 +156,7 @@ def test_unit_store_cap_counts_what_it_takes_on_disk(tmp_path: Path) -> None:
     cap = 400_000
     part = PagePart(SHAPE, (0, 2), (0, 2))
     root = tmp_path / "storage"
-    store = open_unit_storage(f"file://{root}", part, StorageConfig(max_bytes=cap))
+    store = open_unit_storage(f"file://{root}", part, storage_config(max_bytes=cap))
     page = np.zeros(part.shape.page_nbytes, np.uint8)
     for key in range(1, 301):
         assert store.put([key], [page]) == 1

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvstrata.cache.keys import key_hex
 from kvstrata.memory.layout import KVShape
-from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import storage_config
 from kvstrata.storage.unit_sweep import pending_key
 from kvstrata.storage.units import PagePart, open_unit_storage
 
@@ -23,7 +23,7 @@ def _units(root: Path) -> int:
 
 
 def test_put_sweeps_stale_uncommitted_units_every_rescan(tmp_path: Path) -> None:
-    cfg = StorageConfig(stale_tmp_s=1.0, stale_unit_s=30, rescan_interval_s=0.05)
+    cfg = storage_config(stale_tmp_s=1.0, stale_unit_s=30, rescan_interval_s=0.05)
     half = PagePart(FULL, (0, 2), (0, 1))  # one of two tp ranks: 2 units a page
     page = np.ones(half.shape.page_nbytes, np.uint8)
     store = open_unit_storage(str(tmp_path), half, cfg, commit_on_put=False)

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvstrata.bench.registry import BENCHES
 from kvstrata.bench.storage_sealed import sealed_rows
-from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import FileStoreConfig
 from kvstrata.storage.file_store import FileStore
 
 GIB = 1 << 30
@@ -126,7 +126,7 @@ def _one_size(root: str, page_nbytes: int, total: int, repeats: int, fsync: bool
         shutil.rmtree(store_dir, ignore_errors=True)
         if os.path.exists(flat):
             os.unlink(flat)  # a fresh file each round, like our fresh page files
-        store = FileStore(store_dir, page_nbytes, StorageConfig(fsync=fsync))
+        store = FileStore(store_dir, page_nbytes, FileStoreConfig(fsync=fsync))
         _put_round(clock, store, flat, src, n_pages, fsync)
         _get_round(clock, store, flat, src, out, n_pages)
         store.close()

@@ -28,6 +28,7 @@ from kvstrata.bench.local_redis import RedisServer
 from kvstrata.bench.storage_sealed import sealed_rows_over
 from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import StorageBackend, StorageConfig, open_storage
+from kvstrata.storage.config import MooncakeStoreConfig
 
 PAGE = 2 * 1024 * 1024
 PROBE_KEYS = 1000
@@ -125,7 +126,9 @@ def probe_ms(store: StorageBackend, plain: PlainClient | None) -> dict[str, floa
 def _measure(url: str, plain_of: Callable[[Any], PlainClient], quick: bool) -> dict[str, Any]:
     n_pages = 64 if quick else 256  # 128 MiB / 512 MiB each way per side
     batch = 16
-    store = open_storage(url, PAGE, StorageConfig(mooncake_batch_pages=batch))
+    store = open_storage(
+        url, PAGE, StorageConfig(mooncake=MooncakeStoreConfig(mooncake_batch_pages=batch))
+    )
     try:
         plain = plain_of(store)
         pool = np.random.default_rng(0).integers(0, 256, (2 * batch, PAGE), dtype=np.uint8)

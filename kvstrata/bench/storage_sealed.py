@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstrata.storage.base import StorageBackend, StorageConfig, register_host_memory
+from kvstrata.storage.base import StorageBackend, register_host_memory
+from kvstrata.storage.config import FileStoreConfig
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer
 
@@ -123,7 +124,7 @@ def _one_size(open_store: StoreOpener, unit: int, total: int, threads: bool) -> 
 def sealed_rows(root: str, total: int) -> list[dict[str, Any]]:
     """One row per unit size: put/get ratios of MAC'd and encrypted file units over plain ones."""
     rows = []
-    cfg = StorageConfig()
+    cfg = FileStoreConfig()
     for unit in UNIT_SIZES:
         d = os.path.join(root, f"sealed-{unit}")
         os.makedirs(d, exist_ok=True)

@@ -25,6 +25,7 @@ from kvstrata.bench.pd_row import PD, check_pd_args, pd_row_by_default, run_pd_r
 from kvstrata.bench.run_report import TurnResult, config_report, outputs_identical, write_report
 from kvstrata.cache.config import TIER_SETS, CacheConfig
 from kvstrata.cli import validate
+from kvstrata.cli.storage_options import add_storage_args, storage_config_from_args
 from kvstrata.configtools import add_config_args, config_from_args
 from kvstrata.engine.build import build_engine, build_speculator, resolve_model_path
 from kvstrata.engine.config import EngineConfig
@@ -74,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_config_args(p, EngineConfig)
     add_config_args(p, CacheConfig)  # run serves every tier set (CacheConfig.with_tiers)
-    add_config_args(p, StorageConfig, prefix=STORAGE_PREFIX)
+    add_storage_args(p, STORAGE_PREFIX)
     add_config_args(p, DistConfig)
     p.set_defaults(func=run)
 
@@ -130,7 +131,7 @@ def default_store_url(out: Path) -> str:
 def _configs(args: argparse.Namespace, prompts: Prompts, spec: WorkloadSpec) -> tuple[Any, ...]:
     engine_cfg = config_from_args(EngineConfig, args)
     cache_cfg = config_from_args(CacheConfig, args)
-    storage_cfg = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
+    storage_cfg = storage_config_from_args(args, STORAGE_PREFIX)
     over: dict[str, Any] = {}
     if not cache_cfg.storage_url:
         over["storage_url"] = default_store_url(args.out)
@@ -298,7 +299,7 @@ def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Di
     validate.check_min(args.threads, "--threads", 0)
     engine_cfg = config_from_args(EngineConfig, args)
     cache_cfg = config_from_args(CacheConfig, args)
-    config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)  # bad values fail here
+    storage_config_from_args(args, STORAGE_PREFIX)  # bad values fail here
     dist_cfg = config_from_args(DistConfig, args)
     validate.check_policies(cache_cfg.eviction, cache_cfg.write_policy, cache_cfg.prefetch_policy)
     validate.check_backend(dist_cfg.backend)
@@ -308,7 +309,7 @@ def _check_args(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Di
         check_pd_args(dist_cfg)
     validate.check_out_dir(args.out, "--out")
     if cache_cfg.storage_url:
-        create = config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX).create_dir
+        create = storage_config_from_args(args, STORAGE_PREFIX).file.create_dir
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url", create)
     store = cache_cfg.storage_url or default_store_url(args.out)
     validate.check_storage_options(args, STORAGE_PREFIX, store)

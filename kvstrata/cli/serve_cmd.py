@@ -9,6 +9,7 @@ from kvstrata.cache.config import CacheConfig
 from kvstrata.cli import validate
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
 from kvstrata.cli.serve_roles import parse_role_args
+from kvstrata.cli.storage_options import storage_config_from_args
 from kvstrata.cli.tiers_option import apply_tiers_preset
 from kvstrata.configtools import config_from_args
 from kvstrata.engine.build import resolve_model_path
@@ -60,7 +61,7 @@ def configs(args: argparse.Namespace) -> tuple[EngineConfig, CacheConfig, Storag
         validate.check_storage_url(cache_cfg.storage_url, "--storage-url")
     validate.check_storage_options(args, STORAGE_PREFIX, cache_cfg.storage_url)
     cache_cfg = apply_tiers_preset(cache_cfg, args)
-    return engine_cfg, cache_cfg, config_from_args(StorageConfig, args, prefix=STORAGE_PREFIX)
+    return engine_cfg, cache_cfg, storage_config_from_args(args, STORAGE_PREFIX)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 from kvstrata.cache.config import CacheConfig
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
+from kvstrata.cli.storage_options import add_storage_args
 from kvstrata.cli.tiers_option import add_tiers_option
 from kvstrata.configtools import add_config_args
 from kvstrata.engine.config import EngineConfig
@@ -65,6 +66,9 @@ assert set(ROLE_CONFIGS) == set(ROLES), "every serve role has its configs"
 
 def add_configs(p: argparse.ArgumentParser, configs: Sequence[ConfigArgs]) -> None:
     for c in configs:
+        if c.cls is StorageConfig:  # composed of one config per backend (storage_options.py)
+            add_storage_args(p, c.prefix)
+            continue
         add_config_args(p, c.cls, prefix=c.prefix, exclude=c.exclude, only=c.only)
         if c.cls is RouterConfig:
             add_router_plain_options(p)

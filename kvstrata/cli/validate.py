@@ -9,7 +9,6 @@ available (kvstrata.memory.available), checkpoints by reading config.json and sa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import struct
@@ -149,15 +148,16 @@ def check_storage_url(url: str, option: str, create_dir: bool = True) -> None:
 def check_storage_options(args: argparse.Namespace, prefix: str, url: str) -> None:
     """Every storage option given (`--{prefix}NAME`) is read by the store at `url`: none is
     without a store, and a backend's own option only with a store of that backend."""
-    from kvstrata.storage.base import StorageConfig, read_by, url_scheme
+    from kvstrata.storage.base import url_scheme
+    from kvstrata.storage.config import option_fields, read_by
 
-    for f in dataclasses.fields(StorageConfig):
-        if getattr(args, (prefix + f.name).replace("-", "_"), None) is None:
+    for name in option_fields():
+        if getattr(args, (prefix + name).replace("-", "_"), None) is None:
             continue  # not given
-        option = "--" + (prefix + f.name).replace("_", "-")
+        option = "--" + (prefix + name).replace("_", "-")
         if not url:
             raise InputError(f"{option} needs --storage-url (without a store nothing reads it)")
-        readers, scheme = read_by(f.name), url_scheme(url)
+        readers, scheme = read_by(name), url_scheme(url)
         if readers is not None and scheme not in readers:
             raise InputError(
                 f"{option} is read by the {'/'.join(readers)} backend, not by {scheme} "

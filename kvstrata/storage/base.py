@@ -20,163 +20,20 @@ import importlib
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, fields
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import xxhash
 
-from kvstrata.configtools import doc
 from kvstrata.registry import Registry
+from kvstrata.storage.config import StorageConfig
 
 PAGE_MAGIC = b"KVSP"
 PAGE_FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHHQQ16s")
 HEADER_NBYTES = _HEADER.size  # 40
 _MASK64 = (1 << 64) - 1
-
-
-FILE, MEMORY, REDIS, MOONCAKE = ("file",), ("mem",), ("redis", "rediss"), ("mooncake",)
-"""The URL schemes of each backend, as StorageConfig fields name the backends that read them."""
-
-
-def backend_doc(backends: tuple[str, ...], default: Any, help: str, **kw: Any) -> Any:  # noqa: A002
-    """doc() of a StorageConfig field only the `backends` (URL schemes) read: its help sits in
-    their group, and a command line that gives it with a store of another scheme is refused
-    (kvstrata.cli.validate.check_storage_options)."""
-    names = [s for s in backends if s != "rediss"]  # redis over TLS: the redis backend
-    group = " and ".join(names) + (" backends" if len(names) > 1 else " backend")
-    return doc(default, help, backends=backends, group=group, **kw)
-
-
-def read_by(name: str) -> tuple[str, ...] | None:
-    """The URL schemes whose backend reads StorageConfig field `name`; None: every backend."""
-    return next(f.metadata.get("backends") for f in fields(StorageConfig) if f.name == name)
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    """Storage options every backend reads; a backend's own options follow in its group."""
-
-    max_bytes: int = backend_doc(
-        FILE + MEMORY, 0, "size cap of the store in bytes (0 = unbounded); file: LRU clean-up"
-    )
-    evict_to_fraction: float = backend_doc(
-        FILE, 0.9, "on overflow, remove oldest pages until this fraction of max_bytes"
-    )
-    rescan_interval_s: float = backend_doc(
-        FILE, 30.0, "rescan the directory size this often (other processes write too)"
-    )
-    fsync: bool = backend_doc(FILE, False, "fsync each page file before it is renamed into place")
-    create_dir: bool = backend_doc(
-        FILE, True, "create the directory if missing (its parent must exist)"
-    )
-    touch_on_read: bool = backend_doc(
-        FILE, True, "a read refreshes the page's mtime (the LRU clock)"
-    )
-    stale_tmp_s: float = backend_doc(
-        FILE, 600.0, "temp files older than this are removed at rescan (crashed writers)"
-    )
-    stale_unit_s: int = backend_doc(
-        FILE + REDIS,
-        3600,
-        "units of a page still uncommitted this long after their last write are removed (a "
-        "killed backup); must exceed the longest backup (>= stale_tmp_s)",
-    )
-    redis_key_prefix: str = backend_doc(
-        REDIS, "kvstrata:", "prefix of every key (32 hex digits follow)"
-    )
-    redis_ttl_s: int = backend_doc(
-        REDIS,
-        0,
-        "expiry of stored pages in seconds (0 = none; use redis maxmemory-policy for LRU)",
-    )
-    redis_batch_pages: int = backend_doc(REDIS, 32, "pages per pipelined round trip")
-    mooncake_batch_pages: int = backend_doc(
-        MOONCAKE, 16, "pages per batched transfer (its staging area holds this many)"
-    )
-    mooncake_timeout_s: float = backend_doc(
-        MOONCAKE, 5.0, "bound on every client call; one that outlives it marks it down"
-    )
-    mooncake_setup_timeout_s: float = backend_doc(
-        MOONCAKE, 15.0, "bound on joining the master (the client's set-up)"
-    )
-    socket_timeout_s: float = backend_doc(REDIS, 1.0, "socket read/write timeout in seconds")
-    connect_timeout_s: float = backend_doc(
-        REDIS + MOONCAKE, 0.5, "socket connect timeout in seconds (mooncake: reachability)"
-    )
-    reconnect_backoff_s: float = backend_doc(
-        REDIS + MOONCAKE, 0.2, "first wait after a connection failure before retrying"
-    )
-    reconnect_backoff_max_s: float = backend_doc(
-        REDIS + MOONCAKE, 5.0, "the wait doubles per failure up to this"
-    )
-    emulate_read_s_per_page: float = doc(
-        0.0,
-        "benchmarks: every read waits this long per page first (emulates remote storage)",
-        debug=True,
-    )
-    key_file: str = doc(
-        "",
-        "cluster key file (hex, `kvstrata keys cluster`): every stored unit carries a keyed MAC "
-        "over its key, length and bytes, checked on read (a failure is a miss, counted as "
-        "seal_failures); every reader and writer of the store needs the same key. Empty = none",
-    )
-    encrypt: bool = doc(
-        False, "with key_file: units are also encrypted at rest (AES-256-GCM) instead of MAC'd only"
-    )
-    seal_check_thread: bool = backend_doc(
-        FILE,
-        False,
-        "with key_file: check each unit's seal on a second thread while the next unit is read "
-        "(on machines with >= 2 cores); off (default: measured faster on a quiet 2-core VAES "
-        "machine, `bench storage`'s sealed mac/encrypted sides vs *_thread): read then check "
-        "on one thread",
-    )
-    group_access: bool = backend_doc(
-        FILE,
-        False,
-        "files 0660 and directories 0770 (workers of one group share the store); default "
-        "owner-only, 0600 and 0700",
-    )
-    require_reachable_at_start: bool = backend_doc(
-        REDIS + MOONCAKE, True, "an unreachable server at construction is a ValueError"
-    )
-
-    def __post_init__(self) -> None:
-        if self.max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {self.max_bytes}")
-        if not 0.0 < self.evict_to_fraction <= 1.0:
-            raise ValueError(f"evict_to_fraction must be in (0, 1], got {self.evict_to_fraction}")
-        if self.redis_batch_pages < 1:
-            raise ValueError(f"redis_batch_pages must be >= 1, got {self.redis_batch_pages}")
-        if self.mooncake_batch_pages < 1:
-            raise ValueError(f"mooncake_batch_pages must be >= 1, got {self.mooncake_batch_pages}")
-        if self.redis_ttl_s < 0:
-            raise ValueError(f"redis_ttl_s must be >= 0, got {self.redis_ttl_s}")
-        for name in (
-            "socket_timeout_s",
-            "connect_timeout_s",
-            "reconnect_backoff_s",
-            "rescan_interval_s",
-            "mooncake_timeout_s",
-            "mooncake_setup_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.stale_unit_s < max(1.0, self.stale_tmp_s):
-            raise ValueError(
-                f"stale_unit_s must be >= stale_tmp_s ({self.stale_tmp_s}) and >= 1, "
-                f"got {self.stale_unit_s}"
-            )
-        if self.reconnect_backoff_max_s < self.reconnect_backoff_s:
-            raise ValueError("reconnect_backoff_max_s must be >= reconnect_backoff_s")
-        if self.encrypt and not self.key_file:
-            raise ValueError("encrypt needs key_file (the cluster key)")
-        if self.emulate_read_s_per_page < 0:
-            raise ValueError(
-                f"emulate_read_s_per_page must be >= 0, got {self.emulate_read_s_per_page}"
-            )
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import FileStoreConfig
 from kvstrata.storage.tmp_files import TempFiles
 
 PAGE_SUFFIX = ".kvp"
@@ -54,7 +54,7 @@ def rmdir_quiet(path: str) -> bool:
 class DirCleanup:
     """The size accounting and clean-up of one store directory (`root`) in this process."""
 
-    def __init__(self, root: str, config: StorageConfig, tmps: TempFiles) -> None:
+    def __init__(self, root: str, config: FileStoreConfig, tmps: TempFiles) -> None:
         self.root, self.config, self._tmps = root, config, tmps
         self._lock = threading.Lock()  # guards the estimate and counters (threads only)
         self._cleanup_lock = threading.Lock()  # one clean-up at a time per process

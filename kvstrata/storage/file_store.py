@@ -54,6 +54,7 @@ from kvstrata.storage.base import (
     header_ok,
     page_view,
 )
+from kvstrata.storage.config import FileStoreConfig
 from kvstrata.storage.file_cleanup import (
     PAGE_SUFFIX,
     TMP_SUFFIX,
@@ -81,9 +82,9 @@ _CLEANUP_COUNTERS = ("evicted", "rescans", "tmp_swept")  # kept by the DirCleanu
 class FileStore:
     """Storage pages as files in one directory (the embedded default backend)."""
 
-    def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
+    def __init__(self, url: str, page_nbytes: int, config: FileStoreConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
-        self.config = config or StorageConfig()
+        self.config = config or FileStoreConfig()
         # owner-only unless asked: storage pages hold every tenant's KV (prompts are recoverable)
         self.file_mode, self.dir_mode = (
             (0o660, 0o770) if self.config.group_access else (0o600, 0o700)
@@ -456,4 +457,4 @@ class FileStore:
 
 @STORAGE_BACKENDS.register("file")
 def open_file_store(url: str, page_nbytes: int, config: StorageConfig) -> FileStore:
-    return FileStore(url, page_nbytes, config)
+    return FileStore(url, page_nbytes, config.file)

@@ -1,6 +1,6 @@
 """In-process storage backend (`mem://`): a dict of key -> page bytes, for replays and tests.
 
-Not shared between processes. `StorageConfig.max_bytes` > 0 bounds it: the oldest written page
+Not shared between processes. `MemoryStoreConfig.max_bytes` > 0 bounds it: the oldest written page
 goes first.
 """
 
@@ -78,4 +78,4 @@ class MemoryStorage:
 def _open_memory(url: str, page_nbytes: int, config: StorageConfig) -> MemoryStorage:
     if url not in ("mem://", "mem"):
         raise ValueError(f"the in-process store takes no location: use 'mem://', got {url!r}")
-    return MemoryStorage(page_nbytes, config.max_bytes // page_nbytes)
+    return MemoryStorage(page_nbytes, config.memory.max_bytes // page_nbytes)

@@ -2,7 +2,7 @@
 
 The `MooncakeDistributedStore` calls of the wheel block in C++ (its `setup` waits minutes on an
 unreachable master), so each call runs on one daemon worker thread and the caller waits at most
-`StorageConfig.mooncake_timeout_s` (`mooncake_setup_timeout_s` for the set-up). The set-up holds
+`MooncakeStoreConfig.mooncake_timeout_s` (`mooncake_setup_timeout_s` for the set-up). The set-up holds
 the GIL while it retries, so it is only tried once the master's RPC port and the metadata server
 accept a TCP connection (within `connect_timeout_s`). A call that
 outlives its bound, raises, or reports an RPC failure marks the master down: for a backoff
@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvstrata.storage.base import StorageConfig
+from kvstrata.storage.config import MooncakeStoreConfig
 from kvstrata.storage.mooncake_url import MooncakeTarget
 
 T = TypeVar("T")
@@ -89,7 +89,7 @@ def _import_store_class() -> Any:
 class MooncakeClient:
     """A set-up MooncakeDistributedStore behind a bounded, fail-soft `call`."""
 
-    def __init__(self, target: MooncakeTarget, config: StorageConfig) -> None:
+    def __init__(self, target: MooncakeTarget, config: MooncakeStoreConfig) -> None:
         self.target, self.config = target, config
         self._store_class = _import_store_class()
         self.store: Any = None  # a fresh wheel client per set-up try (a failed one is dropped)
@@ -306,7 +306,7 @@ def _refuse_after_fork(target: MooncakeTarget) -> None:
         )
 
 
-def acquire(target: MooncakeTarget, config: StorageConfig) -> MooncakeClient:
+def acquire(target: MooncakeTarget, config: MooncakeStoreConfig) -> MooncakeClient:
     """The process's client for `target` (set up now if it is new)."""
     global _SET_UP_IN_PID
     with _SHARED_LOCK:

@@ -45,6 +45,7 @@ from kvstrata.storage.base import (
     header_ok,
     page_view,
 )
+from kvstrata.storage.config import MooncakeStoreConfig
 from kvstrata.storage.mooncake_client import (
     NO_SPACE,
     RPC_FAIL,
@@ -101,9 +102,11 @@ class BatchOutcome:
 class MooncakeStore:
     """Storage pages in a Mooncake Store under `prefix` + 32 hex digits."""
 
-    def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
+    def __init__(
+        self, url: str, page_nbytes: int, config: MooncakeStoreConfig | None = None
+    ) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
-        self.config = cfg = config or StorageConfig()
+        self.config = cfg = config or MooncakeStoreConfig()
         self.url = url
         self.target = parse_mooncake_url(url)
         self.value_nbytes = HEADER_NBYTES + self.page_nbytes
@@ -352,4 +355,4 @@ class MooncakeStore:
 
 @STORAGE_BACKENDS.register("mooncake")
 def open_mooncake_store(url: str, page_nbytes: int, config: StorageConfig) -> MooncakeStore:
-    return MooncakeStore(url, page_nbytes, config)
+    return MooncakeStore(url, page_nbytes, config.mooncake)

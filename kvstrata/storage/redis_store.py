@@ -43,6 +43,7 @@ from kvstrata.storage.base import (
     header_ok,
     page_view,
 )
+from kvstrata.storage.config import RedisStoreConfig
 
 T = TypeVar("T")
 _KEY_LIMIT = 1 << 128
@@ -56,9 +57,9 @@ _COUNTERS = (
 class RedisStore:
     """Storage pages in a Redis (or Valkey) server under `redis_key_prefix` + 32 hex digits."""
 
-    def __init__(self, url: str, page_nbytes: int, config: StorageConfig | None = None) -> None:
+    def __init__(self, url: str, page_nbytes: int, config: RedisStoreConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
-        self.config = cfg = config or StorageConfig()
+        self.config = cfg = config or RedisStoreConfig()
         self.url = url
         self.value_nbytes = HEADER_NBYTES + self.page_nbytes
         self._prefix = cfg.redis_key_prefix.encode()
@@ -332,9 +333,9 @@ class RedisStore:
 
 @STORAGE_BACKENDS.register("redis")
 def open_redis_store(url: str, page_nbytes: int, config: StorageConfig) -> RedisStore:
-    return RedisStore(url, page_nbytes, config)
+    return RedisStore(url, page_nbytes, config.redis)
 
 
 @STORAGE_BACKENDS.register("rediss")
 def open_rediss_store(url: str, page_nbytes: int, config: StorageConfig) -> RedisStore:
-    return RedisStore(url, page_nbytes, config)
+    return RedisStore(url, page_nbytes, config.redis)

@@ -281,7 +281,7 @@ class SealedStore:
     def __init__(self, inner: StorageBackend, sealer: Sealer, overlap: bool = False) -> None:
         self.inner, self.sealer = inner, sealer
         # overlap: a file store's units are checked on a second thread while the next are read
-        # (where there is a second core); off by default, as StorageConfig.seal_check_thread
+        # (where there is a second core); off by default, as FileStoreConfig.seal_check_thread
         self._verifier = (
             ThreadPoolExecutor(1, thread_name_prefix="kvstrata-seal-check")
             if overlap and isinstance(inner, FileStore) and (os.cpu_count() or 1) >= 2

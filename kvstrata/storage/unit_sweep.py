@@ -2,7 +2,7 @@
 
 A rank killed mid-backup leaves units without a commit marker. They are never visible (probes
 ask the markers), but they hold space, so they are removed once they are older than
-StorageConfig.stale_unit_s since their last write. The bound must exceed the longest a live
+stale_unit_s (the file and redis configs) since their last write. The bound must exceed the longest a live
 backup can take from its first unit to the page's commit: the commit follows at the first step
 after every rank reported its units in, and a rank silent for DistConfig.timeout_s (<= 60 s by
 default) stops every rank; a single unit write in flight is bounded by stale_tmp_s (enforced

@@ -30,6 +30,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -157,20 +158,26 @@ def split_file_cap(
     records take a fixed share; units and commits the rest by what a page takes on disk: its
     unit files and its marker file, each a whole number of blocks (the cap is one budget for
     the directory, not one per sub-store)."""
-    if not config.max_bytes:
+    cap = config.file.max_bytes
+    if not cap:
         return config, config, 0
-    pending = max(1, config.max_bytes // PENDING_CAP_SHARE)
-    budget = config.max_bytes - pending
+    pending = max(1, cap // PENDING_CAP_SHARE)
+    budget = cap - pending
     root = parse_file_url(url)
     block = os.statvfs(root if root.is_dir() else root.parent).f_frsize or 4096
     unit_disk = units_per_page * -(-(HEADER_NBYTES + unit_file_nbytes) // block) * block
     marker_disk = -(-(HEADER_NBYTES + MARKER_NBYTES) // block) * block
     commits = budget * marker_disk // (unit_disk + marker_disk)
     return (
-        dataclasses.replace(config, max_bytes=max(1, budget - commits)),
-        dataclasses.replace(config, max_bytes=max(1, commits)),
+        _with_file(config, max_bytes=max(1, budget - commits)),
+        _with_file(config, max_bytes=max(1, commits)),
         pending,
     )
+
+
+def _with_file(config: StorageConfig, **changes: Any) -> StorageConfig:
+    """`config` with its file backend's options `changes`."""
+    return dataclasses.replace(config, file=dataclasses.replace(config.file, **changes))
 
 
 def commit_store_url(url: str, config: StorageConfig) -> tuple[str, StorageConfig]:
@@ -180,7 +187,10 @@ def commit_store_url(url: str, config: StorageConfig) -> tuple[str, StorageConfi
         return str(parse_file_url(url) / "commits"), config
     if scheme == "mooncake":
         return mooncake_sibling_url(url, "commit:"), config
-    return url, dataclasses.replace(config, redis_key_prefix=config.redis_key_prefix + "commit:")
+    prefix = config.redis.redis_key_prefix + "commit:"
+    return url, dataclasses.replace(
+        config, redis=dataclasses.replace(config.redis, redis_key_prefix=prefix)
+    )
 
 
 class UnitStorage:
@@ -378,7 +388,10 @@ def open_unit_storage(
     redis_units = url_scheme(url) != "file"
     if not redis_units:
         refuse_whole_page_dir(url)  # before the commits store opens (it creates commits/)
-    ucfg = dataclasses.replace(config, redis_ttl_s=config.stale_unit_s) if redis_units else config
+    ucfg = config
+    if redis_units:  # a unit outlives a backup by the sweep's bound, then expires
+        ttl = dataclasses.replace(config.redis, redis_ttl_s=config.redis.stale_unit_s)
+        ucfg = dataclasses.replace(config, redis=ttl)
     sealer = Sealer(read_key_file(config.key_file), config.encrypt) if config.key_file else None
     unit_value = layout.unit_nbytes + (SEAL_OVERHEAD if sealer else 0)
     curl, ccfg = commit_store_url(url, config)
@@ -394,13 +407,14 @@ def open_unit_storage(
     commits = open_storage(curl, MARKER_NBYTES, ccfg)
     pending: FilePending | RedisExpiry | None = None
     if isinstance(raw_units, FileStore):
-        pcfg = dataclasses.replace(config, touch_on_read=False, max_bytes=pending_cap)  # mtime=age
+        fcfg = config.file
+        pcfg = dataclasses.replace(fcfg, touch_on_read=False, max_bytes=pending_cap)  # mtime=age
         store = FileStore(str(parse_file_url(url) / "pending"), 16, pcfg)
-        pending = FilePending(store, config.stale_unit_s, config.rescan_interval_s)
+        pending = FilePending(store, fcfg.stale_unit_s, fcfg.rescan_interval_s)
     elif isinstance(raw_units, RedisStore):
-        pending = RedisExpiry(raw_units, config.redis_ttl_s)
+        pending = RedisExpiry(raw_units, config.redis.redis_ttl_s)
     units: StorageBackend = (
-        SealedStore(raw_units, sealer, config.seal_check_thread) if sealer else raw_units
+        SealedStore(raw_units, sealer, config.file.seal_check_thread) if sealer else raw_units
     )
     name = sealer.name if sealer else None
     out = UnitStorage(units, commits, layout, part, commit_on_put, crash_after_units, pending, name)
