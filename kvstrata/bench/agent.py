@@ -3,13 +3,23 @@ hints, with `cache_control` pins on every turn, and with pins + a prefetch hint 
 call ends (kvstrata/bench/agent_load.py), in one run.
 
 Each arm gets a fresh server with the same configs: device + host pools small enough that the
-sessions' histories compete for them (with the full spec the histories are over twice the
-device + host capacity), and a storage tier (a fresh directory per arm) that evicted pages fall
-back to. Reported per arm: TTFT p50/p90, hit rate by tier, pages pinned per tier at the end,
-pins made / expired / dropped or refused for budget, hints sent, and the TTFT of the sessions
-that send no hints. Top level: the ratios to the no-hints arm (`ttft_p90_pins_over_none`,
-`ttft_p50_pins_prefetch_over_none`, `unhinted_ttft_over_none`: the worse hinted arm's TTFT p50
-of the unhinted sessions over theirs with no hints anywhere).
+sessions compete for them (FULL: the sessions' histories end at about twice the device + host
+capacity, and the unhinted sessions' traffic alone passes through more than it while a hinted
+session runs its tool), a pin budget (the default half of the host pool) that the hinted
+sessions' histories fit, and a storage tier (a fresh directory per arm) that evicted pages fall
+back to. The storage is the shared store agents' servers have, a remote one: a page read from
+it waits `storage_read_s_per_page` (the server's `--storage-emulate-read-s-per-page`), about
+half of what computing the page costs SmolLM2 on one core. A local file store would read a page
+in a few ms, as fast as the host tier: there, keeping a page in host memory could not matter.
+
+Reported per arm, for the sessions that send hints and for those that never do: TTFT p50/p90,
+prompt tokens by where they came from (device, host, storage, computed; `history_computed`:
+computed tokens the session had sent before), and how many other turns were in flight when
+each was sent; per arm: pins made / expired / dropped or refused for budget, pinned pages at
+the end, hints sent. Top level, the ratios to the no-hints arm over the same sessions' same
+turns: `ttft_p90_pins_over_none` and `ttft_p50_pins_prefetch_over_none` (the hinted
+sessions), `unhinted_ttft_over_none` (the sessions that send no hints: the worse hinted arm's
+TTFT p50 over theirs in the no-hints arm).
 """
 
 from __future__ import annotations
@@ -21,17 +31,24 @@ from typing import Any
 
 import httpx2 as httpx
 
-from kvstrata.bench.agent_load import ARMS, AgentSpec, ArmResult, run_arm
+from kvstrata.bench.agent_load import ARMS, AgentSpec, ArmResult, Turn, run_arm
 from kvstrata.bench.registry import BENCHES
 from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps_s
 
+# Sizes (SmolLM2, one core): a page of prefill ~125 ms, a page from host to device a few ms.
+# FULL: 12 sessions x 5 turns, prompts ~200 -> ~620 tokens (3 -> 9 full pages); 4 of them send
+# hints (<= 36 pinned pages, the budget 28 holds the three latest ones); 12 sessions' histories
+# end at ~110 pages, about twice device + host (62). Gaps: mean ~12 s; starts 1 s apart: about
+# one turn a second, ~0.5 s each: few in flight at once.
 QUICK = AgentSpec(
-    sessions=4, turns=3, first_lines=24, tool_lines=5, max_tokens=4, gap_scale=0.01,
-    gap_cap_s=2.0, unhinted_every=4, page_size=64, device_pages=24, host_pages=32,
+    sessions=6, turns=3, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.05,
+    gap_cap_s=8.0, hinted_every=3, start_every_s=1.0, page_size=64, device_pages=4,
+    host_pages=24, storage_read_s_per_page=0.08,
 )  # fmt: skip
 FULL = AgentSpec(
-    sessions=12, turns=6, first_lines=24, tool_lines=5, max_tokens=8, gap_scale=0.03,
-    gap_cap_s=10.0, unhinted_every=4, page_size=64, device_pages=24, host_pages=96,
+    sessions=12, turns=5, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.15,
+    gap_cap_s=30.0, hinted_every=3, start_every_s=1.0, page_size=64, device_pages=6,
+    host_pages=56, storage_read_s_per_page=0.08,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server
 
@@ -58,17 +75,48 @@ def agent_bench(
 def run_agent(spec: AgentSpec, path: Path, sampler: GapSampler, out_dir: Path) -> dict[str, Any]:
     """The three arms, one fresh server each, and the ratios to the no-hints arm."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"model": str(path), "spec": dict(spec.__dict__)}
+    report: dict[str, Any] = {
+        "model": str(path),
+        "spec": dict(spec.__dict__),
+        "storage": f"file store, each page read waits {spec.storage_read_s_per_page:g} s "
+        "(emulates a remote shared store)",
+    }
     for arm in ARMS:
         report[arm] = _run_served(path, spec, arm, sampler, out_dir)
-    none, pins, both = report["none"], report["pins"], report["pins_prefetch"]
-    report["ttft_p90_pins_over_none"] = _ratio(pins["ttft_p90_s"], none["ttft_p90_s"])
-    report["ttft_p50_pins_prefetch_over_none"] = _ratio(both["ttft_p50_s"], none["ttft_p50_s"])
+    none, pins, both = (report[a] for a in ARMS)
+    hinted = "hinted"
+    report["ttft_p90_pins_over_none"] = _ratio(
+        pins[hinted]["ttft_p90_s"], none[hinted]["ttft_p90_s"]
+    )
+    report["ttft_p50_pins_prefetch_over_none"] = _ratio(
+        both[hinted]["ttft_p50_s"], none[hinted]["ttft_p50_s"]
+    )
     report["unhinted_ttft_over_none"] = max(
-        _ratio(a["unhinted_ttft_p50_s"], none["unhinted_ttft_p50_s"]) for a in (pins, both)
+        _ratio(a["unhinted"]["ttft_p50_s"], none["unhinted"]["ttft_p50_s"]) for a in (pins, both)
     )
     report["errors"] = sum(report[a]["errors"] for a in ARMS)
+    report.update(_flat(report))
     return report
+
+
+def _flat(report: dict[str, Any]) -> dict[str, Any]:
+    """The per-arm figures a table shows (scalars at the top level)."""
+    out: dict[str, Any] = {}
+    for arm in ARMS:
+        r = report[arm]
+        for who in ("hinted", "unhinted"):
+            g = r[who]
+            out[f"{arm}.{who}.ttft_p50_s"] = g["ttft_p50_s"]
+            out[f"{arm}.{who}.ttft_p90_s"] = g["ttft_p90_s"]
+            tokens = g["prompt_tokens_from"]
+            out[f"{arm}.{who}.tokens_dev/host/storage/computed"] = "/".join(
+                str(tokens[k]) for k in ("device", "host", "storage", "computed")
+            )
+        out[f"{arm}.in_flight_mean/max"] = f"{r['in_flight_mean']:.2f}/{r['in_flight_max']}"
+        out[f"{arm}.pins_made/expired/dropped"] = "/".join(
+            f"{r[k]:g}" for k in ("pins_made", "pins_expired", "pins_dropped_for_budget")
+        )
+    return out
 
 
 def _run_served(
@@ -83,6 +131,7 @@ def _run_served(
         "--device-pages", str(spec.device_pages), "--host-pages", str(spec.host_pages),
         "--storage-url", str(store), "--threads", str(BENCH_THREADS),
         "--max-pending", str(4 * spec.sessions),
+        "--storage-emulate-read-s-per-page", str(spec.storage_read_s_per_page),
     ]  # fmt: skip
     srv = ServerProcess(args, out_dir / f"bench-agent-{arm}.log")
     try:
@@ -104,25 +153,43 @@ def _empty(store: Path) -> None:
 
 
 def summarize(res: ArmResult) -> dict[str, Any]:
-    ttfts = sorted(t.ttft_s for t in res.turns)
-    unhinted = sorted(t.ttft_s for t in res.turns if not t.hinted)
-    prompt = sum(t.prompt_tokens for t in res.turns)
-    tiers = {
-        tier: sum(t.by_tier.get(tier, 0) for t in res.turns)
-        for tier in ("device", "host", "storage")
-    }
+    in_flight = [t.in_flight for t in res.turns]
     return {
+        **_group(res.turns),
+        "hinted": _group([t for t in res.turns if t.hinted]),
+        "unhinted": _group([t for t in res.turns if not t.hinted]),
         "requests": len(res.turns),
         "errors": len(res.errors),
         "error_messages": res.errors[:5],
-        "ttft_p50_s": _pct(ttfts, 0.5),
-        "ttft_p90_s": _pct(ttfts, 0.9),
-        "unhinted_ttft_p50_s": _pct(unhinted, 0.5),
-        "hit_rate": sum(tiers.values()) / prompt if prompt else 0.0,
-        "hit_rate_by_tier": {k: v / prompt if prompt else 0.0 for k, v in tiers.items()},
+        "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else 0.0,
+        "in_flight_max": max(in_flight, default=0),
         "pinned_tokens_reported": sum(t.pinned_tokens for t in res.turns),
         "hints_sent": res.hints,
         "wall_s": res.wall_s,
+    }
+
+
+TIERS = ("device", "host", "storage")
+
+
+def _group(turns: list[Turn]) -> dict[str, Any]:
+    """TTFT and where the prompt tokens came from, over some sessions' turns."""
+    ttfts = sorted(t.ttft_s for t in turns)
+    prompt = sum(t.prompt_tokens for t in turns)
+    tokens = {tier: sum(t.by_tier.get(tier, 0) for t in turns) for tier in TIERS}
+    tokens["computed"] = prompt - sum(tokens.values())
+    # a history token computed again: lost from every tier (or in a page never full)
+    tokens["history_computed"] = sum(
+        max(0, t.prompt_tokens - sum(t.by_tier.get(k, 0) for k in TIERS) - t.new_tokens)
+        for t in turns
+    )
+    return {
+        "turns": len(turns),
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p90_s": _pct(ttfts, 0.9),
+        "prompt_tokens_from": tokens,
+        "hit_rate": sum(tokens[k] for k in TIERS) / prompt if prompt else 0.0,
+        "hit_rate_by_tier": {k: tokens[k] / prompt if prompt else 0.0 for k in TIERS},
     }
 
 
