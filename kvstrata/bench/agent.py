@@ -35,20 +35,21 @@ from kvstrata.bench.agent_load import ARMS, AgentSpec, ArmResult, Turn, run_arm
 from kvstrata.bench.registry import BENCHES
 from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps_s
 
-# Sizes (SmolLM2, one core): a page of prefill ~125 ms, a page from host to device a few ms.
-# FULL: 12 sessions x 5 turns, prompts ~200 -> ~620 tokens (3 -> 9 full pages); 4 of them send
-# hints (<= 36 pinned pages, the budget 28 holds the three latest ones); 12 sessions' histories
-# end at ~110 pages, about twice device + host (62). Gaps: mean ~12 s; starts 1 s apart: about
-# one turn a second, ~0.5 s each: few in flight at once.
+# Sizes (SmolLM2 on one core: a page of prefill ~125 ms; from host or a local file to the
+# device, a few ms). FULL: 14 sessions x 5 turns, prompts ~200 -> ~620 tokens (3 -> 9 full
+# pages); 3 of them send hints: <= 27 pinned pages, within the budget (half the host pool: 28).
+# The device holds one whole prompt and a half; the histories end at ~136 pages, about twice
+# device + host (70), most of them the unhinted sessions'. Gaps: mean ~13 s, so about one
+# turn a second of ~0.5 s arrives: few in flight at once.
 QUICK = AgentSpec(
     sessions=6, turns=3, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.05,
-    gap_cap_s=8.0, hinted_every=3, start_every_s=1.0, page_size=64, device_pages=4,
-    host_pages=24, storage_read_s_per_page=0.08,
+    gap_cap_s=8.0, hinted_every=3, start_every_s=1.0, page_size=64, device_pages=10,
+    host_pages=24, storage_read_s_per_page=0.06,
 )  # fmt: skip
 FULL = AgentSpec(
-    sessions=12, turns=5, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.15,
-    gap_cap_s=30.0, hinted_every=3, start_every_s=1.0, page_size=64, device_pages=6,
-    host_pages=56, storage_read_s_per_page=0.08,
+    sessions=14, turns=5, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.2,
+    gap_cap_s=25.0, hinted_every=4, start_every_s=1.0, page_size=64, device_pages=14,
+    host_pages=56, storage_read_s_per_page=0.06,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server
 
@@ -166,7 +167,18 @@ def summarize(res: ArmResult) -> dict[str, Any]:
         "pinned_tokens_reported": sum(t.pinned_tokens for t in res.turns),
         "hints_sent": res.hints,
         "wall_s": res.wall_s,
+        "turn_log": [_row(t) for t in sorted(res.turns, key=lambda t: (t.session, t.turn))],
     }
+
+
+def _row(t: Turn) -> str:
+    """One turn, for reading a run: where its prompt came from and what it waited."""
+    tiers = "/".join(str(t.by_tier.get(k, 0)) for k in TIERS)
+    hinted = "hinted" if t.hinted else "unhinted"
+    return (
+        f"s{t.session} t{t.turn} {hinted} ttft {t.ttft_s:.3f}s prompt {t.prompt_tokens} "
+        f"dev/host/storage {tiers} in_flight {t.in_flight}"
+    )
 
 
 TIERS = ("device", "host", "storage")
