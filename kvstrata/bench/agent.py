@@ -52,6 +52,7 @@ FULL = AgentSpec(
     host_pages=56, storage_read_s_per_page=0.06,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server
+READ_BUDGET_X = 2.0  # the servers' prefetch timeout per page, over the store's read time
 
 
 @BENCHES.register("agent")
@@ -133,6 +134,8 @@ def _run_served(
         "--storage-url", str(store), "--threads", str(BENCH_THREADS),
         "--max-pending", str(4 * spec.sessions),
         "--storage-emulate-read-s-per-page", str(spec.storage_read_s_per_page),
+        # a server sized for its store: a reload is waited for, not cut short and recomputed
+        "--prefetch-timeout-per-page-s", str(READ_BUDGET_X * spec.storage_read_s_per_page),
     ]  # fmt: skip
     srv = ServerProcess(args, out_dir / f"bench-agent-{arm}.log")
     try:
