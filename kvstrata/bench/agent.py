@@ -3,9 +3,9 @@ hints, with `cache_control` pins on every turn, and with pins + a prefetch hint 
 call ends (kvstrata/bench/agent_load.py), in one run.
 
 Each arm gets a fresh server with the same configs: device + host pools small enough that the
-sessions compete for them (FULL: the sessions' histories end at about twice the device + host
-capacity, and the unhinted sessions' traffic alone passes through more than it while a hinted
-session runs its tool), a pin budget (the default half of the host pool) that the hinted
+sessions compete for them (FULL: the sessions' histories end at over twice the device + host
+capacity, and the unhinted sessions' traffic alone passes more than it through the cache while
+a hinted session runs its tool), a pin budget (the default half of the host pool) that the hinted
 sessions' histories fit, and a storage tier (a fresh directory per arm) that evicted pages fall
 back to. The storage is the shared store agents' servers have, a remote one: a page read from
 it waits `storage_read_s_per_page` (the server's `--storage-emulate-read-s-per-page`), about
@@ -36,20 +36,21 @@ from kvstrata.bench.registry import BENCHES
 from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps_s
 
 # Sizes (SmolLM2 on one core: a page of prefill ~125 ms; from host or a local file to the
-# device, a few ms). FULL: 16 sessions x 5 turns, prompts ~200 -> ~620 tokens (3 -> 9 full
-# pages); 3 of them send hints: <= 27 pinned pages, within the budget (half the host pool: 28).
-# The device holds one whole prompt and a half; the histories end at ~155 pages, over twice
-# device + host (70), most of them the unhinted sessions'. Gaps: mean ~13 s, so about one turn
-# a second of ~0.5 s arrives: few in flight at once.
+# device, a few ms). FULL: 20 sessions x 4 turns, prompts ~200 -> ~510 tokens (3 -> 8 full
+# pages); 3 of them send hints: <= 24 pinned pages, within the budget (half the host pool: 24).
+# The device holds one whole prompt and a half; the histories end at ~160 pages, over twice
+# device + host (60), most of them the unhinted sessions', whose turns pass ~1.5x device + host
+# through the cache during a mean tool call (~17 s). About one turn of ~0.4 s a second
+# arrives: few in flight at once.
 QUICK = AgentSpec(
     sessions=6, turns=3, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.05,
     gap_cap_s=8.0, hinted_every=3, start_every_s=1.0, page_size=64, device_pages=10,
     host_pages=24, storage_read_s_per_page=0.08,
 )  # fmt: skip
 FULL = AgentSpec(
-    sessions=16, turns=5, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.2,
-    gap_cap_s=25.0, hinted_every=5, start_every_s=1.0, page_size=64, device_pages=14,
-    host_pages=56, storage_read_s_per_page=0.08,
+    sessions=20, turns=4, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.3,
+    gap_cap_s=30.0, hinted_every=6, start_every_s=1.0, page_size=64, device_pages=12,
+    host_pages=48, storage_read_s_per_page=0.08,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server
 READ_BUDGET_X = 2.0  # the servers' prefetch timeout per page, over the store's read time
