@@ -17,7 +17,8 @@ CKPT = {"seed": 8, "max_position_embeddings": 1024}
 
 SPEC = AgentSpec(
     sessions=2, turns=2, first_lines=2, tool_lines=1, max_tokens=2, gap_scale=1.0, gap_cap_s=0.2,
-    unhinted_every=2, page_size=16, device_pages=64, host_pages=96,
+    hinted_every=2, start_every_s=0.1, page_size=16, device_pages=64, host_pages=96,
+    storage_read_s_per_page=0.01,
 )  # fmt: skip
 
 
@@ -32,7 +33,15 @@ def test_three_arms_report_their_ratios_and_pins(ckpt: Path, tmp_path: Path) -> 
     none, pins, both = report["none"], report["pins"], report["pins_prefetch"]
     assert none["requests"] == pins["requests"] == both["requests"] == 4
     assert none["pins_made"] == 0 and none["pinned_tokens_reported"] == 0
-    # session 0 is hinted: its 2 turns pin their histories (nested: each a new pin)
+    # session 1 is hinted: its 2 turns pin their histories (nested: each a new pin)
     assert pins["pins_made"] == both["pins_made"] == 2 and pins["pinned_tokens_reported"] > 0
     assert both["hints_sent"] == 1 and pins["hints_sent"] == 0  # one tool call ends, hinted
     assert set(both["hit_rate_by_tier"]) == {"device", "host", "storage"}
+    for arm in (none, pins, both):
+        assert arm["hinted"]["turns"] == arm["unhinted"]["turns"] == 2
+        for who in ("hinted", "unhinted"):  # each session's second turn finds its first
+            src = arm[who]["prompt_tokens_from"]
+            assert src["device"] + src["host"] + src["storage"] > 0 and src["computed"] > 0
+            assert 0 <= src["history_computed"] <= src["computed"]
+        assert 0 <= arm["in_flight_max"] <= 1  # two sessions: at most the other one
+    assert "0.01 s" in report["storage"]

@@ -3,13 +3,23 @@ hints, with `cache_control` pins on every turn, and with pins + a prefetch hint 
 call ends (kvstrata/bench/agent_load.py), in one run.
 
 Each arm gets a fresh server with the same configs: device + host pools small enough that the
-sessions' histories compete for them (with the full spec the histories are over twice the
-device + host capacity), and a storage tier (a fresh directory per arm) that evicted pages fall
-back to. Reported per arm: TTFT p50/p90, hit rate by tier, pages pinned per tier at the end,
-pins made / expired / dropped or refused for budget, hints sent, and the TTFT of the sessions
-that send no hints. Top level: the ratios to the no-hints arm (`ttft_p90_pins_over_none`,
-`ttft_p50_pins_prefetch_over_none`, `unhinted_ttft_over_none`: the worse hinted arm's TTFT p50
-of the unhinted sessions over theirs with no hints anywhere).
+sessions compete for them (FULL: the sessions' histories end at over twice the device + host
+capacity, and the unhinted sessions' traffic alone passes more than it through the cache while
+a hinted session runs its tool), a pin budget (the default half of the host pool) that the hinted
+sessions' histories fit, and a storage tier (a fresh directory per arm) that evicted pages fall
+back to. The storage is the shared store agents' servers have, a remote one: a page read from
+it waits `storage_read_s_per_page` (the server's `--storage-emulate-read-s-per-page`), about
+2/3 of what computing the page costs SmolLM2 on one core. A local file store would read a page
+in a few ms, as fast as the host tier: there, keeping a page in host memory could not matter.
+
+Reported per arm, for the sessions that send hints and for those that never do: TTFT p50/p90,
+prompt tokens by where they came from (device, host, storage, computed; `history_computed`:
+computed tokens the session had sent before), and how many other turns were in flight when
+each was sent; per arm: pins made / expired / dropped or refused for budget, pinned pages at
+the end, hints sent. Top level, the ratios to the no-hints arm over the same sessions' same
+turns: `ttft_p90_pins_over_none` and `ttft_p50_pins_prefetch_over_none` (the hinted
+sessions), `unhinted_ttft_over_none` (the sessions that send no hints: the worse hinted arm's
+TTFT p50 over theirs in the no-hints arm).
 """
 
 from __future__ import annotations
@@ -21,19 +31,29 @@ from typing import Any
 
 import httpx2 as httpx
 
-from kvstrata.bench.agent_load import ARMS, AgentSpec, ArmResult, run_arm
+from kvstrata.bench.agent_load import ARMS, AgentSpec, ArmResult, Turn, run_arm
 from kvstrata.bench.registry import BENCHES
 from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps_s
 
+# Sizes (SmolLM2 on one core: a page of prefill ~125 ms; from host or a local file to the
+# device, a few ms). FULL: 20 sessions x 4 turns, prompts ~200 -> ~510 tokens (3 -> 8 full
+# pages); 3 of them send hints: <= 24 pinned pages, within the budget (half the host pool: 24).
+# The device holds one whole prompt and a half; the histories end at ~160 pages, over twice
+# device + host (60), most of them the unhinted sessions', whose turns pass ~1.5x device + host
+# through the cache during a mean tool call (~17 s). About one turn of ~0.4 s a second
+# arrives: few in flight at once.
 QUICK = AgentSpec(
-    sessions=4, turns=3, first_lines=24, tool_lines=5, max_tokens=4, gap_scale=0.01,
-    gap_cap_s=2.0, unhinted_every=4, page_size=64, device_pages=24, host_pages=32,
+    sessions=6, turns=3, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.05,
+    gap_cap_s=8.0, hinted_every=3, start_every_s=1.0, page_size=64, device_pages=10,
+    host_pages=24, storage_read_s_per_page=0.08,
 )  # fmt: skip
 FULL = AgentSpec(
-    sessions=12, turns=6, first_lines=24, tool_lines=5, max_tokens=8, gap_scale=0.03,
-    gap_cap_s=10.0, unhinted_every=4, page_size=64, device_pages=24, host_pages=96,
+    sessions=20, turns=4, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.3,
+    gap_cap_s=30.0, hinted_every=6, start_every_s=1.0, page_size=64, device_pages=12,
+    host_pages=48, storage_read_s_per_page=0.08,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server
+READ_BUDGET_X = 2.0  # the servers' prefetch timeout per page, over the store's read time
 
 
 @BENCHES.register("agent")
@@ -58,17 +78,48 @@ def agent_bench(
 def run_agent(spec: AgentSpec, path: Path, sampler: GapSampler, out_dir: Path) -> dict[str, Any]:
     """The three arms, one fresh server each, and the ratios to the no-hints arm."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"model": str(path), "spec": dict(spec.__dict__)}
+    report: dict[str, Any] = {
+        "model": str(path),
+        "spec": dict(spec.__dict__),
+        "storage": f"file store, each page read waits {spec.storage_read_s_per_page:g} s "
+        "(emulates a remote shared store)",
+    }
     for arm in ARMS:
         report[arm] = _run_served(path, spec, arm, sampler, out_dir)
-    none, pins, both = report["none"], report["pins"], report["pins_prefetch"]
-    report["ttft_p90_pins_over_none"] = _ratio(pins["ttft_p90_s"], none["ttft_p90_s"])
-    report["ttft_p50_pins_prefetch_over_none"] = _ratio(both["ttft_p50_s"], none["ttft_p50_s"])
+    none, pins, both = (report[a] for a in ARMS)
+    hinted = "hinted"
+    report["ttft_p90_pins_over_none"] = _ratio(
+        pins[hinted]["ttft_p90_s"], none[hinted]["ttft_p90_s"]
+    )
+    report["ttft_p50_pins_prefetch_over_none"] = _ratio(
+        both[hinted]["ttft_p50_s"], none[hinted]["ttft_p50_s"]
+    )
     report["unhinted_ttft_over_none"] = max(
-        _ratio(a["unhinted_ttft_p50_s"], none["unhinted_ttft_p50_s"]) for a in (pins, both)
+        _ratio(a["unhinted"]["ttft_p50_s"], none["unhinted"]["ttft_p50_s"]) for a in (pins, both)
     )
     report["errors"] = sum(report[a]["errors"] for a in ARMS)
+    report.update(_flat(report))
     return report
+
+
+def _flat(report: dict[str, Any]) -> dict[str, Any]:
+    """The per-arm figures a table shows (scalars at the top level)."""
+    out: dict[str, Any] = {}
+    for arm in ARMS:
+        r = report[arm]
+        for who in ("hinted", "unhinted"):
+            g = r[who]
+            out[f"{arm}.{who}.ttft_p50_s"] = g["ttft_p50_s"]
+            out[f"{arm}.{who}.ttft_p90_s"] = g["ttft_p90_s"]
+            tokens = g["prompt_tokens_from"]
+            out[f"{arm}.{who}.tokens_dev/host/storage/computed"] = "/".join(
+                str(tokens[k]) for k in ("device", "host", "storage", "computed")
+            )
+        out[f"{arm}.in_flight_mean/max"] = f"{r['in_flight_mean']:.2f}/{r['in_flight_max']}"
+        out[f"{arm}.pins_made/expired/dropped"] = "/".join(
+            f"{r[k]:g}" for k in ("pins_made", "pins_expired", "pins_dropped_for_budget")
+        )
+    return out
 
 
 def _run_served(
@@ -83,6 +134,9 @@ def _run_served(
         "--device-pages", str(spec.device_pages), "--host-pages", str(spec.host_pages),
         "--storage-url", str(store), "--threads", str(BENCH_THREADS),
         "--max-pending", str(4 * spec.sessions),
+        "--storage-emulate-read-s-per-page", str(spec.storage_read_s_per_page),
+        # a server sized for its store: a reload is waited for, not cut short and recomputed
+        "--prefetch-timeout-per-page-s", str(READ_BUDGET_X * spec.storage_read_s_per_page),
     ]  # fmt: skip
     srv = ServerProcess(args, out_dir / f"bench-agent-{arm}.log")
     try:
@@ -104,25 +158,54 @@ def _empty(store: Path) -> None:
 
 
 def summarize(res: ArmResult) -> dict[str, Any]:
-    ttfts = sorted(t.ttft_s for t in res.turns)
-    unhinted = sorted(t.ttft_s for t in res.turns if not t.hinted)
-    prompt = sum(t.prompt_tokens for t in res.turns)
-    tiers = {
-        tier: sum(t.by_tier.get(tier, 0) for t in res.turns)
-        for tier in ("device", "host", "storage")
-    }
+    in_flight = [t.in_flight for t in res.turns]
     return {
+        **_group(res.turns),
+        "hinted": _group([t for t in res.turns if t.hinted]),
+        "unhinted": _group([t for t in res.turns if not t.hinted]),
         "requests": len(res.turns),
         "errors": len(res.errors),
         "error_messages": res.errors[:5],
-        "ttft_p50_s": _pct(ttfts, 0.5),
-        "ttft_p90_s": _pct(ttfts, 0.9),
-        "unhinted_ttft_p50_s": _pct(unhinted, 0.5),
-        "hit_rate": sum(tiers.values()) / prompt if prompt else 0.0,
-        "hit_rate_by_tier": {k: v / prompt if prompt else 0.0 for k, v in tiers.items()},
+        "in_flight_mean": sum(in_flight) / len(in_flight) if in_flight else 0.0,
+        "in_flight_max": max(in_flight, default=0),
         "pinned_tokens_reported": sum(t.pinned_tokens for t in res.turns),
         "hints_sent": res.hints,
         "wall_s": res.wall_s,
+        "turn_log": [_row(t) for t in sorted(res.turns, key=lambda t: (t.session, t.turn))],
+    }
+
+
+def _row(t: Turn) -> str:
+    """One turn, for reading a run: where its prompt came from and what it waited."""
+    tiers = "/".join(str(t.by_tier.get(k, 0)) for k in TIERS)
+    hinted = "hinted" if t.hinted else "unhinted"
+    return (
+        f"s{t.session} t{t.turn} {hinted} ttft {t.ttft_s:.3f}s prompt {t.prompt_tokens} "
+        f"dev/host/storage {tiers} in_flight {t.in_flight}"
+    )
+
+
+TIERS = ("device", "host", "storage")
+
+
+def _group(turns: list[Turn]) -> dict[str, Any]:
+    """TTFT and where the prompt tokens came from, over some sessions' turns."""
+    ttfts = sorted(t.ttft_s for t in turns)
+    prompt = sum(t.prompt_tokens for t in turns)
+    tokens = {tier: sum(t.by_tier.get(tier, 0) for t in turns) for tier in TIERS}
+    tokens["computed"] = prompt - sum(tokens.values())
+    # a history token computed again: lost from every tier (or in a page never full)
+    tokens["history_computed"] = sum(
+        max(0, t.prompt_tokens - sum(t.by_tier.get(k, 0) for k in TIERS) - t.new_tokens)
+        for t in turns
+    )
+    return {
+        "turns": len(turns),
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p90_s": _pct(ttfts, 0.9),
+        "prompt_tokens_from": tokens,
+        "hit_rate": sum(tokens[k] for k in TIERS) / prompt if prompt else 0.0,
+        "hit_rate_by_tier": {k: tokens[k] / prompt if prompt else 0.0 for k in TIERS},
     }
 
 

@@ -4,13 +4,17 @@ Session s is the held-out trace's session s (kvstrata.workloads.heldout_trace: e
 the whole history plus a tool call, its output and a question). After each turn the session's
 tool runs for a gap drawn from the Mooncake trace's inter-turn gaps, scaled
 (kvstrata.workloads.turn_gaps): 90% of the gap is the tool, then 10% writing the next turn.
-An arm says what the sessions tell the server:
+Sessions start `start_every_s` apart and spend most of their time in tool calls, so only a few
+turns are in flight at once (each turn records how many others were: TTFT is the cache's and the
+model's, not a queue's). An arm says what the sessions tell the server:
 - `none`: nothing;
 - `pins`: every turn's history carries `cache_control` (its last message, so the whole prompt);
 - `pins_prefetch`: that, and a `POST /v1/kv/prefetch` of the next turn's history when the tool
   ends.
-Every `unhinted_every`-th session sends no hints in any arm: its TTFT shows what the others'
-pins cost it. Each turn streams with usage; TTFT is sending to the first chunk with text.
+Only every `hinted_every`-th session sends hints (in the hinted arms); the rest never do: their
+traffic is what would push a hinted session's pages out under plain recency, and their TTFT shows
+what the others' pins cost them. Each turn streams with usage; TTFT is sending to the first chunk
+with text.
 """
 
 from __future__ import annotations
@@ -43,15 +47,16 @@ class AgentSpec:
     max_tokens: int
     gap_scale: float  # trace gaps (minutes) x this = the tool call's seconds
     gap_cap_s: float
-    unhinted_every: int  # every n-th session sends no hints (0: none)
+    hinted_every: int  # every n-th session sends hints in the hinted arms (1: all)
+    start_every_s: float  # session s starts s x this after the first
     page_size: int
     device_pages: int
     host_pages: int
+    storage_read_s_per_page: float  # emulated remote store: each page read waits this long
     seed: int = 0
 
     def hinted(self, session: int) -> bool:
-        n = self.unhinted_every
-        return not (n and session % n == n - 1)
+        return session % self.hinted_every == self.hinted_every - 1
 
 
 @dataclass
@@ -63,6 +68,8 @@ class Turn:
     prompt_tokens: int
     by_tier: dict[str, int]
     pinned_tokens: int
+    in_flight: int = 0  # other turns outstanding when this one was sent
+    new_tokens: int = 0  # prompt tokens past the session's previous prompt (all: first turn)
 
 
 @dataclass
@@ -71,6 +78,7 @@ class ArmResult:
     errors: list[str] = field(default_factory=list)
     hints: int = 0
     wall_s: float = 0.0
+    outstanding: int = 0  # turns sent and not answered yet (under the lock)
 
 
 def conversations(spec: AgentSpec, session: int) -> list[list[dict[str, str]]]:
@@ -87,7 +95,7 @@ def marked(msgs: list[dict[str, str]]) -> list[dict[str, Any]]:
 
 
 def run_arm(url: str, spec: AgentSpec, arm: str, sampler: GapSampler) -> ArmResult:
-    """Every session at once (agents run in parallel), each turn after its tool call."""
+    """Every session in parallel (agents do), started apart, each turn after its tool call."""
     assert arm in ARMS, arm
     out, lock = ArmResult(), threading.Lock()
     t0 = time.perf_counter()
@@ -114,16 +122,23 @@ def _session(
 ) -> None:
     hinted = arm != "none" and spec.hinted(s)
     convo = conversations(spec, s)
-    time.sleep(0.05 * s)  # sessions start apart, as agents do
+    time.sleep(spec.start_every_s * s)  # sessions start apart, as agents do
+    last_prompt = 0
     for k, msgs in enumerate(convo):
+        with lock:
+            in_flight = out.outstanding
+            out.outstanding += 1
         try:
             turn = _turn(client, spec, msgs if not hinted else marked(msgs), s, k)
         except Exception as exc:  # noqa: BLE001 - counted as an error of this arm
             with lock:
+                out.outstanding -= 1
                 out.errors.append(f"session {s} turn {k}: {type(exc).__name__}: {exc}")
             return
-        turn.hinted = spec.hinted(s)
+        turn.hinted, turn.in_flight = spec.hinted(s), in_flight
+        turn.new_tokens, last_prompt = turn.prompt_tokens - last_prompt, turn.prompt_tokens
         with lock:
+            out.outstanding -= 1
             out.turns.append(turn)
         if k + 1 == len(convo):
             return

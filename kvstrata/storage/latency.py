@@ -1,7 +1,9 @@
 """A backend wrapper that makes reads slow, to emulate remote storage on one machine.
 
 `open_storage` applies it when `StorageConfig.emulate_read_s_per_page` > 0: each `get` sleeps
-that long per page asked for, before the inner backend reads. Benchmarks and tests use it to put
+that long per key asked for, before the inner backend reads. A unit store (storage/units.py)
+keeps a page as many units, so it opens its unit backend with a unit's share of the per-page time:
+a page read waits the configured time whatever its layout. Benchmarks and tests use it to put
 a realistic storage read time (a 20 MB page over a 2 GB/s link takes 10 ms) behind a local store.
 """
 
@@ -18,7 +20,7 @@ if TYPE_CHECKING:  # base.open_storage imports this module: a type here, not an 
 
 
 class SlowReads:
-    """Delegates to `inner`; `get` first waits `per_page_s` per page."""
+    """Delegates to `inner`; `get` first waits `per_page_s` per key (a page, or a unit)."""
 
     def __init__(self, inner: StorageBackend, per_page_s: float) -> None:
         if per_page_s < 0:

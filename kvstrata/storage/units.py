@@ -180,6 +180,19 @@ def _with_file(config: StorageConfig, **changes: Any) -> StorageConfig:
     return dataclasses.replace(config, file=dataclasses.replace(config.file, **changes))
 
 
+def _page_read_latency(
+    units: StorageConfig, commits: StorageConfig, units_per_page: int
+) -> tuple[StorageConfig, StorageConfig]:
+    """The emulated read time is per page (`emulate_read_s_per_page`): the unit store reads
+    `units_per_page` units for each of this rank's part pages, so each unit waits that share;
+    commit markers are not payload and wait nothing."""
+    per_page = units.emulate_read_s_per_page
+    return (
+        dataclasses.replace(units, emulate_read_s_per_page=per_page / units_per_page),
+        dataclasses.replace(commits, emulate_read_s_per_page=0.0),
+    )
+
+
 def commit_store_url(url: str, config: StorageConfig) -> tuple[str, StorageConfig]:
     """Where the commit markers of the unit store at `url` live (a sibling namespace)."""
     scheme = url_scheme(url)
@@ -403,6 +416,7 @@ def open_unit_storage(
             )
         )
         ucfg, ccfg, pending_cap = split_file_cap(url, config, unit_value, per_page)
+    ucfg, ccfg = _page_read_latency(ucfg, ccfg, len(layout.blocks(part)))
     raw_units = open_storage(url, unit_value, ucfg)
     commits = open_storage(curl, MARKER_NBYTES, ccfg)
     pending: FilePending | RedisExpiry | None = None
