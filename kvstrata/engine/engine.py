@@ -28,7 +28,7 @@ from kvstrata.engine.kv_connector import EngineView, KVConnector, Landed, Remote
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.runner import Forward, ModelRunner
-from kvstrata.engine.scheduler import BatchLimit, Scheduler, Work
+from kvstrata.engine.scheduler import BatchLimit, QueueDepths, Scheduler, Work
 from kvstrata.engine.speculative import Speculator
 from kvstrata.engine.step_result import StepResult
 from kvstrata.memory.pool import DevicePool
@@ -101,6 +101,10 @@ class Engine:
         """Remote KV through `conn` from now on (the scheduler and runner call it)."""
         conn.register_kv_caches(EngineView(self.pool, self.kv, self.clock, self.spec))
         self.connector = self.scheduler.connector = conn
+
+    def queue_depths(self) -> QueueDepths:
+        """How many requests wait, run, and are held."""
+        return self.scheduler.depths()
 
     @property
     def waiting(self) -> list[Request]:
