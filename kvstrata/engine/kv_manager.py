@@ -240,6 +240,7 @@ class KVManager:
         if self.cache is None or lease is None:
             return
         held = max(lease.inserted, lease.match.pages if lease.match is not None else 0)
+        held = min(held, len(lease.keys))  # every page in the tree has its key known
         done = self.noted.get(req.rid, 0)
         if held > done:
             self.cached.append(self._pages(req, lease.keys[done:held], done))
@@ -248,9 +249,11 @@ class KVManager:
     def _note_prefetch(self, req: Request) -> None:
         """Remember the pages a prefetch the request's lease started will land."""
         lease = req.lease
-        op = lease.prefetch if lease is not None else None
-        if op is not None and op.agreed is None and op not in self.prefetching:
-            first = lease.match.pages if lease.match is not None else 0  # type: ignore[union-attr]
+        if lease is None or lease.prefetch is None:
+            return
+        op = lease.prefetch
+        if op.agreed is None and op not in self.prefetching:
+            first = lease.match.pages if lease.match is not None else 0
             self.prefetching[op] = self._pages(req, op.keys, first)
 
     def _pages(self, req: Request, keys: list[int], first: int) -> PagesCached:
