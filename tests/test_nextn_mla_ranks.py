@@ -57,7 +57,7 @@ def one_rank_on(ckpt: Path, store: Path) -> dict[str, Request]:
     done: dict[str, Request] = {}
     for just in drive(built.engine, MultiTurn([CONV], NEW)):
         built.engine.check_integrity()
-        done.update((r.rid, r) for r in just)
+        done.update((r.rid, r) for r in just.ended)
     built.close()
     return done
 

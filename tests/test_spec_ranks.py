@@ -71,7 +71,7 @@ def one_rank(ckpt: Path, draft: str) -> tuple[dict[str, Request], str]:
     done: dict[str, Request] = {}
     for just in drive(built.engine, MultiTurn([CONV], NEW)):
         built.engine.check_integrity()
-        done.update((r.rid, r) for r in just)
+        done.update((r.rid, r) for r in just.ended)
     spec = built.engine.spec
     built.close()
     return done, spec.fingerprint if spec is not None else ""

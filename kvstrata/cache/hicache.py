@@ -277,23 +277,28 @@ class HiCache:
         agree: Callable[[list[int]], list[int]] | None = None,
         timeout_s: float = 600.0,
         what: str = "cache ops",
-    ) -> None:
-        """Apply every pending op: the one drain loop (shutdown, a prefix-cache reset, tests).
+    ) -> list[TransferOp]:
+        """Apply every pending op: the one drain loop (shutdown, a prefix-cache reset, tests);
+        returns the applied ops in the order applied.
 
         agree: the step agreement (None: one rank alone, its local progress is the agreed
         one); under several ranks every rank runs this same loop, one agreement per turn, so
         they apply the same ops in the same turn. Pauses briefly while copies run; TimeoutError
         (naming `what`) when ops are still pending after timeout_s."""
         deadline = time.monotonic() + timeout_s
+        applied: list[TransferOp] = []
         while len(self.queues):
             progress = self.local_progress()
-            if not self.apply(agree(progress) if agree is not None else progress):
+            done = self.apply(agree(progress) if agree is not None else progress)
+            applied += done
+            if not done:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"{what}: {len(self.queues)} cache copies still pending after "
                         f"{timeout_s:g} s"
                     )
                 time.sleep(0.0002)
+        return applied
 
     # ---- op plumbing --------------------------------------------------------------------------
     def _submit(self, op: TransferOp) -> None:

@@ -204,9 +204,9 @@ def _in_this_process(job: Launch) -> list[dict[str, Any]]:
     built = build_engine(ecfg, cache_cfg, job.storage_cfg, model=job.model, decisions=log)
     eng, done = built.engine, []
     try:
-        for finished in drive(eng, job.workload):
-            done += finished
-            for _ in finished:
+        for result in drive(eng, job.workload):
+            done += result.ended
+            for _ in result.ended:
                 job.on_done()
         eng.drain()
         eng.check_integrity()

@@ -4,7 +4,8 @@ One `step()` reads like nano-vllm's: agree on and apply finished cache moves, th
 `scheduler.admit()` (waiting requests whose pages the KV manager can give), apply what the
 connector says landed or failed, `scheduler.plan()` (decodes and prefill chunks under the
 budget), `runner.run()` (one forward: logits rows), `postprocess()` (sample, verify drafts, cache
-finished pages, end what is complete). It returns a StepResult: who was admitted and who ended.
+finished pages, end what is complete). It returns a StepResult: who was admitted and who ended,
+and the pages its requests cached (the KV event publisher's tokens and salts).
 The scheduler makes every change of a request's state; the engine tells it what the forward and
 the connector produced.
 """
@@ -27,7 +28,7 @@ from kvstrata.engine.kv_connector import EngineView, KVConnector, Landed, Remote
 from kvstrata.engine.kv_manager import KVManager
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.runner import Forward, ModelRunner
-from kvstrata.engine.scheduler import BatchLimit, Scheduler, Work
+from kvstrata.engine.scheduler import BatchLimit, QueueDepths, Scheduler, Work
 from kvstrata.engine.speculative import Speculator
 from kvstrata.engine.step_result import StepResult
 from kvstrata.memory.pool import DevicePool
@@ -100,6 +101,10 @@ class Engine:
         """Remote KV through `conn` from now on (the scheduler and runner call it)."""
         conn.register_kv_caches(EngineView(self.pool, self.kv, self.clock, self.spec))
         self.connector = self.scheduler.connector = conn
+
+    def queue_depths(self) -> QueueDepths:
+        """How many requests wait, run, and are held."""
+        return self.scheduler.depths()
 
     @property
     def waiting(self) -> list[Request]:
@@ -188,7 +193,13 @@ class Engine:
             log.end_step(self.steps)
         if not batch.work:
             time.sleep(0.0005)  # only waiting on copies or storage: don't spin hot
-        return StepResult(batch.admitted, finished)
+        return StepResult(batch.admitted, finished, self.kv.take_cached())
+
+    def between_steps(self) -> StepResult:
+        """What happened to the cache outside a step since the last result was taken (an
+        abort's or a call's last commit): the pages cached; who ended there is the abort's or
+        the call's own answer."""
+        return StepResult(cached=self.kv.take_cached())
 
     def _settle(self) -> bool:
         """Apply the finished cache moves every rank agrees on; True when some were applied."""
@@ -199,6 +210,7 @@ class Engine:
         if log is not None and log.should_skip(self.steps):
             agreed = _hold_back_one(agreed)  # injected divergence: this rank skips a decision
         applied = self.cache.apply(agreed)
+        self.kv.landed(applied)
         if log is not None and applied:
             log.record("apply", ops=[x for op in applied for x in (op.kind, op.agreed, op.pages)])
         return bool(applied)
@@ -224,7 +236,7 @@ class Engine:
     def drain(self) -> None:
         """Apply every pending cache op (shutdown, tests), agreed: the cache's one drain loop."""
         if self.cache is not None:
-            self.cache.drain(self.agree)
+            self.kv.landed(self.cache.drain(self.agree))
 
     # ---- remote KV (the connector's landed / failed requests) --------------------------------
     def _land_remote(self, done: list[RemoteDone]) -> list[Request]:
@@ -272,7 +284,7 @@ class Engine:
             return True
         if not self.scheduler.clear_for_reset(reset_running):
             return False
-        self.cache.drain(self.agree, RESET_DRAIN_S, "prefix-cache reset")
+        self.kv.landed(self.cache.drain(self.agree, RESET_DRAIN_S, "prefix-cache reset"))
         return self.kv.reset_prefix(drop_host)
 
     # ---- after the forward --------------------------------------------------------------------

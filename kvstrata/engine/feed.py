@@ -13,6 +13,7 @@ from typing import Protocol
 
 from kvstrata.engine.engine import Engine
 from kvstrata.engine.request import Request
+from kvstrata.engine.step_result import StepResult
 
 
 class Workload(Protocol):
@@ -23,9 +24,9 @@ class Workload(Protocol):
 
 def drive(
     engine: Engine, workload: Workload, before_step: Callable[[], None] | None = None
-) -> Iterator[list[Request]]:
-    """Poll, submit, step until the workload is exhausted and the engine idle; yields the
-    requests each step finished (the next poll sees them)."""
+) -> Iterator[StepResult]:
+    """Poll, submit, step until the workload is exhausted and the engine idle; yields each
+    step's result (the next poll sees the requests it ended)."""
     finished: list[Request] = []
     while True:
         new = workload.poll(finished)
@@ -35,8 +36,9 @@ def drive(
             before_step()
         for req in new or []:
             engine.submit(req)
-        finished = engine.step().ended
-        yield finished
+        result = engine.step()
+        finished = result.ended
+        yield result
 
 
 @dataclass

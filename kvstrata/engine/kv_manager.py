@@ -6,7 +6,9 @@ handing back an `Allocation` with what the tiers serve), and it commits computed
 for host -> device loads and gives everything back; nothing else sets or clears `req.lease`.
 It changes no request's state: the scheduler decides who is admitted, preempted or ended, and
 in what order (kvstrata/engine/scheduler.py holds the admission policy). The model runner asks
-it which loads to wait for.
+it which loads to wait for. It notes the pages each request has in the tree (committed, landed by
+its prefetch, matched) with their tokens and salt (`take_cached`: the engine's StepResult carries
+them to the KV event publisher).
 
 Every answer here depends only on agreed state (the tree, agreed op results, the agreed step
 clock), so all ranks admit the same requests with the same pages in the same order.
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import Namespace, page_keys, salted
 from kvstrata.cache.lease import Hits, Lease
+from kvstrata.cache.ops import PREFETCH, TransferOp
 from kvstrata.engine.prefetch_hints import HintAnswer, PrefetchHints
 from kvstrata.engine.request import Request
+from kvstrata.engine.step_result import PagesCached
 from kvstrata.memory.allocator import PageAllocator
 
 
@@ -53,6 +57,9 @@ class KVManager:
             if cache is not None
             else None
         )
+        self.cached: list[PagesCached] = []  # since the last take_cached
+        self.noted: dict[str, int] = {}  # rid -> leading pages of its lease noted in `cached`
+        self.prefetching: dict[TransferOp, PagesCached] = {}  # a request's prefetch: its pages
 
     # ---- admission (the scheduler's questions) --------------------------------------------------
     def begin_step(self, now_s: float) -> None:
@@ -67,7 +74,11 @@ class KVManager:
         prefetch under the policy; True once its pages may be allocated. may raise: the
         request's own lease work failed (it alone ends)."""
         lease = req.lease if req.lease is not None else self._open(req)
-        return lease.advance(now_s, can_schedule=can_schedule)
+        try:
+            return lease.advance(now_s, can_schedule=can_schedule)
+        finally:
+            self._note_prefix(req)
+            self._note_prefetch(req)
 
     def allocate(self, req: Request) -> Allocation | None:
         """Every device page a ready request needs, with the host -> device load of its host
@@ -82,6 +93,7 @@ class KVManager:
         """The request's lease over the full pages of what it prefills (its prompt; after a
         preemption its output too), under its salted namespace, with the pins it entered with
         (the same on every rank)."""
+        self.noted[req.rid] = 0
         req.lease = Lease.for_prompt(
             self.cache,
             req.prefill_tokens,
@@ -178,6 +190,7 @@ class KVManager:
                 req.all_tokens[have * self.page : n_full * self.page], self.vocab_size
             )
         lease.commit(ready)
+        self._note_prefix(req)
         req.pinned_pages = max(req.pinned_pages, lease.pinned_pages)
         if final:
             lease.release()
@@ -203,6 +216,51 @@ class KVManager:
         unlocked (evictable); the rest is freed."""
         if req.lease is not None:
             req.lease.release()
+        self.noted.pop(req.rid, None)
+
+    # ---- what the tree's pages hold (for KV events) ----------------------------------------------
+    def take_cached(self) -> list[PagesCached]:
+        """The pages noted since the last take, in the order noted."""
+        out, self.cached = self.cached, []
+        return out
+
+    def landed(self, applied: list[TransferOp]) -> None:
+        """Agreed cache moves were applied: a request's prefetch put its landed pages in the tree."""
+        for op in applied:
+            pages = self.prefetching.pop(op, None) if op.kind == PREFETCH else None
+            if pages is not None and op.agreed:
+                n = op.agreed
+                self.cached.append(
+                    PagesCached(pages.keys[:n], pages.tokens[: n * self.page], pages.salt)
+                )
+
+    def _note_prefix(self, req: Request) -> None:
+        """Note the leading pages the request's lease has in the tree (matched, committed)."""
+        lease = req.lease
+        if self.cache is None or lease is None:
+            return
+        held = max(lease.inserted, lease.match.pages if lease.match is not None else 0)
+        held = min(held, len(lease.keys))  # every page in the tree has its key known
+        done = self.noted.get(req.rid, 0)
+        if held > done:
+            self.cached.append(self._pages(req, lease.keys[done:held], done))
+            self.noted[req.rid] = held
+
+    def _note_prefetch(self, req: Request) -> None:
+        """Remember the pages a prefetch the request's lease started will land."""
+        lease = req.lease
+        if lease is None or lease.prefetch is None:
+            return
+        op = lease.prefetch
+        if op.agreed is None and op not in self.prefetching:
+            first = lease.match.pages if lease.match is not None else 0
+            self.prefetching[op] = self._pages(req, op.keys, first)
+
+    def _pages(self, req: Request, keys: list[int], first: int) -> PagesCached:
+        """The request's pages [first, first + len(keys)) under these keys."""
+        lo, hi, n = first * self.page, (first + len(keys)) * self.page, len(req.tokens)
+        tokens = req.tokens[lo:hi] + req.output[max(0, lo - n) : max(0, hi - n)]
+        return PagesCached(list(keys), tokens, req.cache_salt)
 
     # ---- prefix-cache reset ---------------------------------------------------------------------
     def reset_prefix(self, drop_host: bool) -> bool:

@@ -68,6 +68,15 @@ class Scheduled:
     meta: ConnectorMeta = field(default_factory=ConnectorMeta)
 
 
+@dataclass(frozen=True)
+class QueueDepths:
+    """The scheduler's queues by length (stats and debug answers read these, not its lists)."""
+
+    waiting: int
+    running: int
+    held: int  # ended; pages held for their connector
+
+
 class Scheduler:
     """Waiting and running requests of one engine, planned under the step's budget."""
 
@@ -89,6 +98,10 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+
+    def depths(self) -> QueueDepths:
+        """How many requests wait, run, and are held (plain integers)."""
+        return QueueDepths(len(self.waiting), len(self.running), len(self.held))
 
     def has_work(self) -> bool:
         """Requests to step, or held pages whose connector report is still to come."""

@@ -313,10 +313,10 @@ def rank_loop(
             re.demote_all()
 
     try:
-        for just in drive(eng, AgreedFeed(workload, ctx.rank, re), before_step):
-            done += just
+        for result in drive(eng, AgreedFeed(workload, ctx.rank, re), before_step):
+            done += result.ended
             if re.pages is not None:
-                re.pages.after_step(eng.running, just)
+                re.pages.after_step(result)
             if options.tree_digests:
                 eng.check_integrity()
     except BaseException:

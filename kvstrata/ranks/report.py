@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kvstrata.engine.request import Request, State
+from kvstrata.engine.step_result import StepResult
 from kvstrata.memory.pool import DevicePool
 
 
@@ -22,16 +23,24 @@ class PageWatch:
         self.pool = pool
         self.restored: dict[str, dict[int, np.ndarray]] = {}
         self.cached: dict[int, np.ndarray] = {}
+        self.watched: dict[str, Request] = {}  # admitted, hit pages not read yet
 
-    def after_step(self, running: list[Request], finished: list[Request]) -> None:
-        for req in [*running, *finished]:
+    def after_step(self, result: StepResult) -> None:
+        """One engine step's result: admitted requests are watched until their hit pages are
+        final; ended ones give their cached pages."""
+        for req in result.admitted:
+            self.watched.setdefault(req.rid, req)
+        for req in [*self.watched.values(), *result.ended]:
             lease = req.lease
             if req.rid in self.restored or lease is None or req.state is State.WAITING:
                 continue
             if lease.load is None:  # no host -> device copy in flight: the hit pages are final
                 n = sum(req.hits.values())
                 self.restored[req.rid] = self._owned(lease.keys[:n], lease.page_table[:n])
-        for req in finished:
+        for rid in [rid for rid in self.watched if rid in self.restored]:
+            del self.watched[rid]
+        for req in result.ended:
+            self.watched.pop(req.rid, None)
             lease = req.lease
             if lease is not None:
                 n = lease.inserted

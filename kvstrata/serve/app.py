@@ -179,7 +179,7 @@ def _cache_routes(app: FastAPI, state: ServerState) -> None:
 
 def _reset(running: bool, external: bool, engine: Engine) -> dict[str, Any]:
     """On the engine thread (every rank, between the same steps)."""
-    busy = len(engine.running)
+    busy = engine.queue_depths().running
     return {"reset": engine.reset_prefix_cache(running, external), "running": busy}
 
 
@@ -241,12 +241,12 @@ def _blocks(engine: Engine) -> dict[str, list[int]]:
 def _integrity(engine: Engine) -> dict[str, Any]:
     """Runs on the engine thread: the pools' and tree's invariants, and their accounting."""
     engine.check_integrity()
-    cache = engine.cache
+    cache, depths = engine.cache, engine.queue_depths()
     return {
         "ok": True,
-        "running": len(engine.running),
-        "waiting": len(engine.waiting),
-        "held": len(engine.scheduler.held),  # ended; pages held for their connector
+        "running": depths.running,
+        "waiting": depths.waiting,
+        "held": depths.held,  # ended; pages held for their connector
         "device_free": engine.pool.allocator.num_free,
         "device_capacity": engine.pool.allocator.capacity,
         "accounting": cache.accounting() if cache is not None else None,

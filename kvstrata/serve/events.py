@@ -39,8 +39,9 @@ from kvstrata.cache.event_wire import (
     encode_batch,
 )
 from kvstrata.cache.events import MEDIA, BlockChange, BlockTracker, block_hash
+from kvstrata.cache.hicache import HiCache
 from kvstrata.engine.engine import Engine
-from kvstrata.engine.request import Request
+from kvstrata.engine.step_result import PagesCached, StepResult
 from kvstrata.listeners import Listeners, exit_process
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.event_replay import ReplayBuffer, ReplayLimits, ReplayMetrics, ReplayServer
@@ -100,25 +101,21 @@ class KVEventPublisher:
         self.tracker = BlockTracker()
         self.tokens: dict[int, list[int]] = {}  # page key -> its tokens (for BlockStored)
         self.salts: dict[int, str] = {}  # page key -> its request's cache_salt (salted only)
-        self.recorded: dict[str, int] = {}  # rid -> how many of its keys are in self.tokens
         self.resets = 0  # the cache's reset count last announced
 
     # ---- called by the step loop (kvstrata/serve/step_loop.py) ----------------------------------
-    def record(self, req: Request) -> None:
-        """A finished request's keys (its last pages were cached as it ended)."""
-        self._record(req)
-        self.recorded.pop(req.rid, None)
-
-    def after_step(self, engine: Engine) -> None:
-        for req in [*engine.waiting, *engine.running]:
-            self._record(req)
-        assert engine.cache is not None
+    def after_step(self, cache: HiCache | None, result: StepResult) -> None:
+        """Publish what changed in `cache`'s tree since the last call; `result` (the engine's
+        step, or what happened between steps) says what the pages under new keys hold."""
+        assert cache is not None, "KV events are published over a cache only"
+        for pages in result.cached:
+            self._learn(pages)
         head: list[KVEvent] = []
-        if engine.cache.resets != self.resets:  # the cache was reset: say so, then what is left
-            self.resets = engine.cache.resets
+        if cache.resets != self.resets:  # the cache was reset: say so, then what is left
+            self.resets = cache.resets
             self.tracker = BlockTracker()
             head = [AllBlocksCleared()]
-        changes = self.tracker.diff(engine.cache.tree)
+        changes = self.tracker.diff(cache.tree)
         if changes or head:
             self._publish(head + [self._encode(c) for c in changes])
             held = set().union(*self.tracker.held.values())
@@ -137,17 +134,11 @@ class KVEventPublisher:
         self.ctx.term()
 
     # ---- internals --------------------------------------------------------------------------------
-    def _record(self, req: Request) -> None:
-        done = self.recorded.get(req.rid, 0)
-        keys = req.lease.keys if req.lease is not None else []
-        if len(keys) <= done:
-            return
-        toks = req.all_tokens
-        for i in range(done, len(keys)):
-            self.tokens.setdefault(keys[i], toks[i * self.page : (i + 1) * self.page])
-            if req.cache_salt:  # a salted key is the salt's alone (the salt is in its chain)
-                self.salts[keys[i]] = req.cache_salt
-        self.recorded[req.rid] = len(keys)
+    def _learn(self, pages: PagesCached) -> None:
+        for i, key in enumerate(pages.keys):
+            self.tokens.setdefault(key, pages.tokens[i * self.page : (i + 1) * self.page])
+            if pages.salt:  # a salted key is the salt's alone (the salt is in its chain)
+                self.salts[key] = pages.salt
 
     def _encode(self, change: BlockChange) -> KVEvent:
         if not change.stored:

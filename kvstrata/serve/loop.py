@@ -251,6 +251,6 @@ class LocalRank:
             front.fail_calls("server is stopping")
             front.fail_all("server is stopping")  # requests that raced the stop
             parts.built.close()  # engine.drain(): every pending backup reaches storage
-            if events is not None:
-                events.after_step(eng)  # the drained state (new storage copies) is reported
+            if events is not None:  # the drained state (new storage copies) is reported
+                events.after_step(eng.cache, eng.between_steps())
                 events.close()

@@ -69,14 +69,15 @@ def engine_stats(engine: Engine) -> PoolStats:
         st = engine.spec.stats
         spec = SpecStats(st.steps, st.proposed, st.accepted, list(st.accepted_per_pos))
     storage = getattr(cache.mover, "storage", None) if cache is not None else None
+    depths = engine.queue_depths()
     return PoolStats(
         alloc.num_free,
         alloc.capacity,
         host.num_free if host is not None else None,
         host.capacity if host is not None else None,
         cache.counters if cache is not None else None,
-        len(engine.running),
-        len(engine.waiting),
+        depths.running,
+        depths.waiting,
         spec,
         StorageCounts.of(storage) if storage is not None else None,
     )

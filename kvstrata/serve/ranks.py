@@ -134,8 +134,8 @@ def _serve_steps(
     eng.check_integrity()
     re.close()  # drains pending cache ops (storage backups), agreed
     eng.check_integrity()
-    if events is not None:
-        events.after_step(eng)  # the drained state (new storage copies) is reported too
+    if events is not None:  # the drained state (new storage copies) is reported too
+        events.after_step(eng.cache, eng.between_steps())
 
 
 class DistRanks:

@@ -38,6 +38,7 @@ from kvstrata.engine.step_io import (
     Stop,
     TokenOut,
 )
+from kvstrata.engine.step_result import StepResult
 from kvstrata.serve.events import KVEventPublisher
 from kvstrata.serve.metrics import engine_stats
 
@@ -156,10 +157,9 @@ class StepLoop:
                 self._ended(req)
         if msg.stop:
             return False
-        if msg.step:
-            self._step()
+        result = self._step() if msg.step else eng.between_steps()
         if self.events is not None and (msg.step or aborts or msg.calls):  # a call may reset
-            self.events.after_step(eng)  # the cache; replay is served by its own thread
+            self.events.after_step(eng.cache, result)  # replay is served by its own thread
         if self.out is not None and msg.clock - self._last_stats >= self.stats_every_s:
             self._last_stats = msg.clock
             self.out(StatsOut(engine_stats(eng), list(self.agree_s)))
@@ -184,7 +184,9 @@ class StepLoop:
         if results is not None:
             self._report(CallDone(call.call_id, results))
 
-    def _step(self) -> None:
+    def _step(self) -> StepResult:
+        """One engine step, its outcome reported; a failed step fails every request in flight
+        (then its result is what happened to the cache around it)."""
         eng, start = self.engine, time.monotonic()
         try:
             result = eng.step()
@@ -193,7 +195,7 @@ class StepLoop:
                 raise
             traceback.print_exc(file=sys.stderr)
             self._fail_all("internal error in an engine step")
-            return
+            return eng.between_steps()
         # queue time ends once, at the first admission (also for one that ended in admission)
         for req in [*result.admitted, *result.ended]:
             if req.rid not in self._admitted:
@@ -201,15 +203,14 @@ class StepLoop:
                 self._report(Admitted(req.rid, dict(req.hits), start))
         for req in result.ended:
             self._ended(req)
+        return result
 
     def _on_token(self, req: Request, tok: int) -> None:
         self._report(TokenOut(req.rid, tok))
 
     def _ended(self, req: Request) -> None:
-        """A request ended on this rank: the KV events hear it; it is reported."""
+        """A request ended on this rank: it is reported."""
         self._admitted.discard(req.rid)
-        if self.events is not None:
-            self.events.record(req)
         if req.failure is not None:  # a P/D hand-off failed: (status, message)
             self._report(Failed(req.rid, req.failure))
         else:  # spec_*: usage.spec on the HTTP side
