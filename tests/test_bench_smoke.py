@@ -130,8 +130,9 @@ QUICK: dict[str, tuple[frozenset[str], bool]] = {
                 "ttft_flood_s",
                 "ttft_quiet_after_s",
                 "flood_over_quiet",
-                "flood_requests_sent",
-                "flood_requests_answered",
+                "flooder_sent",
+                "flooder_answered",
+                "flooder_cpu_s",
             }
         ),
         True,

@@ -53,7 +53,7 @@ def one_rank_on(ckpt: Path, store: Path) -> dict[str, Request]:
         page_size=PAGE, device_pages=64, host_pages=64, storage_url=f"file://{store}",
         prefetch_policy="wait_complete",
     )  # fmt: skip
-    built = build_engine(engine_cfg(ckpt, "nextn", "device_host_storage"), cache)
+    built = build_engine(engine_cfg(ckpt, "nextn"), cache)
     done: dict[str, Request] = {}
     for just in drive(built.engine, MultiTurn([CONV], NEW)):
         built.engine.check_integrity()
