@@ -207,13 +207,9 @@ class KVManager:
             req.lease.release()
             req.lease = None
 
-    def abort(self, req: Request) -> None:
-        """Give back every page and lock of a request in any state at once."""
-        self.free(req)
-
     def free(self, req: Request) -> None:
-        """An ended request gives back what it holds: its committed pages stay in the tree,
-        unlocked (evictable); the rest is freed."""
+        """A request that ended (or is aborted, in any state) gives back every page and lock at
+        once: its committed pages stay in the tree, unlocked (evictable); the rest is freed."""
         if req.lease is not None:
             req.lease.release()
         self.noted.pop(req.rid, None)

@@ -295,7 +295,7 @@ class Scheduler:
         if req in self.waiting:  # failed while waiting (its lease's match or probe)
             self.waiting.remove(req)
             self._tell_gone(req)
-            self.kv.abort(req)
+            self.kv.free(req)
             return ended(req, "error")
         if req not in self.running:  # it had ended already (it raised after its finish)
             return ended(req, "error")
@@ -306,7 +306,7 @@ class Scheduler:
             if req in self.running:
                 self.running.remove(req)
             self._tell_gone(req)  # its remote KV, if any, is no longer awaited
-            self.kv.abort(req)
+            self.kv.free(req)
             return ended(req, "error")
 
     def _tell_gone(self, req: Request) -> None:
@@ -331,7 +331,7 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 self._tell_gone(req)
-                self.kv.abort(req)
+                self.kv.free(req)
                 return ended(req, "abort")
         for req in self.running:
             if req.rid == rid:
