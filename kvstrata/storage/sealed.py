@@ -336,16 +336,20 @@ class SealedStore:
         self, keys: Sequence[int], dst: list[memoryview], failed: Failed
     ) -> tuple[list[list[memoryview]], Callable[[int], bool]]:
         """Where a get_verified store reads each unit, and the check of each as it lands.
-        MAC only: the body straight into the page, the 44-byte tail beside it (one buffer for
-        all); encrypt: the whole value into one hot scratch, decrypted from it into the page."""
+        MAC only: the body straight into the page, the 44-byte tail into its own place (each
+        unit one: a store that reads ahead moves them in place); encrypt: the whole value into
+        a landing place, decrypted from it into the page: one hot scratch for a store that
+        checks each value before reading the next (file), a ring of `reuse_after` for one that
+        reads a batch while checking the one before (mooncake: in place, no staging copy)."""
         n, size = len(keys), self.page_nbytes
         if not self.sealer.encrypt:
-            tail = seal_tail(memoryview(self._scratch_buf("tail", SEAL_OVERHEAD)))
-            pieces = [[d, tail.whole] for d in dst]
-            return pieces, self.sealer.mac_check(keys, dst, [tail] * n, size, failed)
-        value = memoryview(self._scratch_buf("read", self.inner.page_nbytes))
-        tails, body = [seal_tail(value[size:])] * n, [value[: size + TAG]] * n
-        return [[value]] * n, self.sealer.decrypt_check(keys, body, tails, dst, failed)
+            tails = self._tails(n)
+            pieces = [[d, t.whole] for d, t in zip(dst, tails, strict=False)]
+            return pieces, self.sealer.mac_check(keys, dst, tails, size, failed)
+        ring = self._landing(getattr(self.inner, "reuse_after", 1))
+        values = [ring[i % len(ring)] for i in range(n)]
+        tails, body = [seal_tail(v[size:]) for v in values], [v[: size + TAG] for v in values]
+        return [[v] for v in values], self.sealer.decrypt_check(keys, body, tails, dst, failed)
 
     def _get_overlapped(self, keys: Sequence[int], dst: list[memoryview], failed: Failed) -> int:
         """A file store's units read one group after another while the group before is checked
@@ -387,6 +391,32 @@ class SealedStore:
         if opened < n:
             failed(opened)
         return opened
+
+    def _tails(self, n: int) -> list[SealTail]:
+        """n tails of this thread, each its own 44 bytes of one array offered to the inner store
+        (mooncake moves them in place, none staged). The array grows (doubling) with the
+        largest get; a store keeps each array it registered alive, a few small ones at most."""
+        tails: list[SealTail] | None = self._scratch.__dict__.get("tails")
+        if tails is None or len(tails) < n:
+            cap = 1 << max(6, (n - 1).bit_length())
+            whole = np.empty(cap * SEAL_OVERHEAD, np.uint8)
+            register_host_memory(self.inner, whole)
+            view = memoryview(whole)
+            tails = [
+                seal_tail(view[r * SEAL_OVERHEAD : (r + 1) * SEAL_OVERHEAD]) for r in range(cap)
+            ]
+            self._scratch.tails = tails
+        return tails[:n]
+
+    def _landing(self, count: int) -> list[memoryview]:
+        """`count` places of one stored value each, this thread's, in one array offered to the
+        inner store (count 1: the hot scratch a file store reads into)."""
+        size = self.inner.page_nbytes
+        ring = self._scratch_buf(f"landing{count}", count * size)
+        if count > 1:
+            register_host_memory(self.inner, ring)  # once: a registered array is found covered
+        view = memoryview(ring)
+        return [view[r * size : (r + 1) * size] for r in range(count)]
 
     def _scratch_buf(self, name: str, nbytes: int) -> np.ndarray:
         """This thread's buffer `name`, reused across calls: fresh ones would page-fault on
