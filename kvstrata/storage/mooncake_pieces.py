@@ -4,8 +4,8 @@ Mooncake moves bytes only to and from memory registered with its client. A piece
 registered memory (a host pool's page, a SealedStore's tails and landing ring) moves in place.
 Any other piece (a caller's buffer, a reused unregistered scratch) moves through the value's
 slot in the store's registered staging area: copied out after a get, in before a put. A piece
-given again within the next batch (a get reads the next batch while this one is checked) is
-staged too. The header always lies in the store's registered header area.
+given again in the same or the next batch (a get reads the next batch while this one is
+checked) is staged too. The header always lies in the store's registered header area.
 """
 
 from __future__ import annotations
@@ -61,46 +61,44 @@ def address_of(piece: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(piece))
 
 
-def plan_moves(
-    pieces: Sequence[Sequence[memoryview]],
-    header_ptr: Callable[[int], int],
-    slot: Callable[[int], np.ndarray],
-    covers: Callable[[int, int], bool],
-    batch: int,
-) -> list[ValueMove]:
-    """The moves of a get or put of values in batches of `batch`: value i's header at
-    header_ptr(i), its pieces in place where `covers(address, nbytes)`, else at their offset in
-    slot(i). A piece given to several values moves in place only if their batches are at least
-    two apart: a get reads batch b + 1 while batch b is checked, and starts batch b + 2 only
-    after, so bytes of batch b + 2 may land where batch b's were; closer, it is staged."""
-    addrs = [[(address_of(p), p) for p in value if p.nbytes] for value in pieces]
-    shared = _shared_within(addrs, batch)
-    moves = []
-    for i, value in enumerate(addrs):
-        move = ValueMove([header_ptr(i)], [HEADER_NBYTES])
-        at = HEADER_NBYTES
-        for addr, p in value:
+class MovePlanner:
+    """Plans the moves of one get or put, a batch at a time in order (a get plans batch b + 1
+    while batch b is read): value i's header at header_ptr(i), each piece in place where
+    `covers(address, nbytes)`, else at its offset in slot(i). A piece given to an earlier value
+    of the same or the batch before moves through the slot too: a get checks batch b (reading
+    its pieces, copying its staged ones out into them) while batch b + 1 lands, and starts
+    batch b + 2 only after, so bytes of batch b + 2 may land in place where batch b's were."""
+
+    def __init__(
+        self,
+        header_ptr: Callable[[int], int],
+        slot: Callable[[int], np.ndarray],
+        covers: Callable[[int, int], bool],
+        batch: int,
+    ) -> None:
+        self.header_ptr, self.slot, self.covers, self.batch = header_ptr, slot, covers, batch
+        self._last: dict[int, int] = {}  # address -> batch of the last value given it
+
+    def plan(self, pieces: Sequence[Sequence[memoryview]], first: int) -> list[ValueMove]:
+        """Moves of values first, first + 1, ... (after every value before `first`)."""
+        return [self._move(first + j, value) for j, value in enumerate(pieces)]
+
+    def _move(self, i: int, value: Sequence[memoryview]) -> ValueMove:
+        move = ValueMove([self.header_ptr(i)], [HEADER_NBYTES])
+        b, at = i // self.batch, HEADER_NBYTES
+        for p in value:
             n = p.nbytes
-            if addr not in shared and covers(addr, n):
+            if not n:
+                continue
+            addr = address_of(p)
+            seen = self._last.get(addr)
+            self._last[addr] = b
+            if (seen is None or b - seen >= 2) and self.covers(addr, n):
                 move.ptrs.append(addr)
             else:
-                region = slot(i)[at : at + n]
+                region = self.slot(i)[at : at + n]
                 move.ptrs.append(region.ctypes.data)
                 move.staged.append((_bytes_of(p), region))
             move.sizes.append(n)
             at += n
-        moves.append(move)
-    return moves
-
-
-def _shared_within(addrs: Sequence[Sequence[tuple[int, memoryview]]], batch: int) -> set[int]:
-    """Addresses given to two values whose batches are less than two apart (or twice to one)."""
-    last: dict[int, int] = {}
-    shared: set[int] = set()
-    for i, value in enumerate(addrs):
-        b = i // batch
-        for addr, _ in value:
-            if addr in last and b - last[addr] < 2:
-                shared.add(addr)
-            last[addr] = b
-    return shared
+        return move

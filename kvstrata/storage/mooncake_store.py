@@ -29,7 +29,6 @@ saying to start a holder.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +58,7 @@ from kvstrata.storage.mooncake_client import (
     acquire,
     release,
 )
-from kvstrata.storage.mooncake_pieces import ValueMove, plan_moves
+from kvstrata.storage.mooncake_pieces import MovePlanner, ValueMove
 from kvstrata.storage.mooncake_url import parse_mooncake_url
 
 _KEY_LIMIT = 1 << 128
@@ -169,15 +168,9 @@ class MooncakeStore:
         at = self._index(i) * self.value_nbytes
         return self._stage[at : at + self.value_nbytes]
 
-    def _plan(self, pieces: Sequence[Sequence[memoryview]], first: int = 0) -> list[ValueMove]:
-        """Moves of values first, first + 1, ... of a call (their header and slot places)."""
-        return plan_moves(
-            pieces,
-            lambda j: self._header_ptr(first + j),
-            lambda j: self._slot(first + j),
-            self.client.covers,
-            self.batch,
-        )
+    def _planner(self) -> MovePlanner:
+        """Plans one call's moves (value i at its header and slot places)."""
+        return MovePlanner(self._header_ptr, self._slot, self.client.covers, self.batch)
 
     # ---- queries -----------------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[int]) -> int:
@@ -233,23 +226,23 @@ class MooncakeStore:
     ) -> BatchOutcome:
         """Batches of the get read on the worker, batch b + 1 while batch b is checked here
         (the transfer holds no GIL): its headers and staged pieces land in the other half of
-        the header and staging areas. Ends at the first value missing or failing its check,
-        once the batch read ahead has landed (its bytes go to the caller's buffers)."""
-        names = [self._name(k) for k in keys]
-        moves = self._plan(pieces)
+        the header and staging areas; batch b + 2 is planned meanwhile. Ends at the first value
+        missing or failing its check, once the batch read ahead has landed (its bytes go to
+        the caller's buffers)."""
         spans = [
             range(lo, min(lo + self.batch, len(keys))) for lo in range(0, len(keys), self.batch)
         ]
-        got = BatchOutcome()
-        pending = self._fetch(names, moves, spans[0]) if spans else None
+        planner, got = self._planner(), BatchOutcome()
+        moves = planner.plan([pieces[i] for i in spans[0]], 0) if spans else []
+        pending = self._fetch(keys, moves, spans[0]) if spans else None
         for b, span in enumerate(spans):
+            later = spans[b + 1] if b + 1 < len(spans) else None
+            ahead = planner.plan([pieces[i] for i in later], later.start) if later else []
             sizes = None if pending is None else self.client.finish(pending)
             if sizes is not None and RPC_FAIL in sizes:
                 self.client.mark_down("batch_get_into got RPC_FAIL")
-            more = sizes is not None and b + 1 < len(spans)
-            pending = self._fetch(names, moves, spans[b + 1]) if more else None
-            if pending is not None:
-                time.sleep(0)  # lets the worker take the GIL and enter the transfer first
+            more = sizes is not None and later is not None
+            pending = self._fetch(keys, ahead, later) if more else None
             whole = sizes is not None and self._check_span(
                 keys, span, sizes, pieces, moves, verify, got
             )
@@ -257,18 +250,20 @@ class MooncakeStore:
                 if pending is not None:  # its bytes land in the caller's buffers: wait them out
                     self.client.finish(pending)
                 break
+            moves = ahead
         return got
 
     def _fetch(
-        self, names: Sequence[str], moves: Sequence[ValueMove], span: range
+        self, keys: Sequence[int], moves: Sequence[ValueMove], span: range | None
     ) -> Pending[list[int]] | None:
-        """Start reading values `span` of a get on the worker (None: not started)."""
+        """Start reading values `span` of a get (their `moves`) on the worker (None: not)."""
         if self._closed:
             raise RuntimeError(f"mooncake storage {self.url} is closed")
-        part = [names[i] for i in span]
-        ptrs, sizes = [moves[i].ptrs for i in span], [moves[i].sizes for i in span]
+        assert span is not None
+        names = [self._name(keys[i]) for i in span]
+        ptrs, sizes = [m.ptrs for m in moves], [m.sizes for m in moves]
         return self.client.start(
-            "batch_get_into", lambda s: s.batch_get_into_multi_buffers(part, ptrs, sizes)
+            "batch_get_into", lambda s: s.batch_get_into_multi_buffers(names, ptrs, sizes)
         )
 
     def _check_span(
@@ -281,15 +276,16 @@ class MooncakeStore:
         verify: Verify | None,
         got: BatchOutcome,
     ) -> bool:
-        """Check values `span` as read (sizes: what each read returned); True if all passed."""
-        for i, nread in zip(span, sizes, strict=False):
+        """Check values `span` (their `moves`) as read (sizes: what each read returned); True
+        if all passed."""
+        for i, move, nread in zip(span, moves, sizes, strict=False):
             if nread != self.value_nbytes:
                 return False
-            verdict = self._check(keys[i], i, moves[i], pieces[i], verify)
+            verdict = self._check(keys[i], i, move, pieces[i], verify)
             if verdict != "ok":
                 got.corrupt += [keys[i]] if verdict == "corrupt" else []
                 return False
-            got.count(moves[i])
+            got.count(move)
         return len(sizes) == len(span)
 
     def _check(
@@ -347,13 +343,13 @@ class MooncakeStore:
         sent = BatchOutcome()
 
         def send(store: Any) -> list[int]:
-            moves = []
+            moves, planner = [], self._planner()
             for i, key in enumerate(keys):  # each value staged before the next is taken
                 value = list(next(values))
                 if sum(p.nbytes for p in value) != self.page_nbytes:
                     sent.error = f"put: each page must hold {self.page_nbytes} bytes"
                     return []
-                move = self._plan([value], first=i)[0]
+                move = planner.plan([value], i)[0]
                 head = np.frombuffer(encode_header_of_pieces(key, value), np.uint8)
                 self._headers[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] = (
                     head  # i < batch: half 0

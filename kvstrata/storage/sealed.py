@@ -101,6 +101,21 @@ class SealTail:
     nonce: memoryview
 
 
+@dataclass(frozen=True, slots=True)
+class Landing:
+    """A place one stored encrypted value is read into, and its parts' views."""
+
+    value: list[memoryview]
+    """The whole value as get_verified pieces (one piece)."""
+    body: memoryview
+    """Its ciphertext | tag."""
+    tail: SealTail
+
+    @staticmethod
+    def at(place: memoryview, unit_nbytes: int) -> Landing:
+        return Landing([place], place[: unit_nbytes + TAG], seal_tail(place[unit_nbytes:]))
+
+
 def seal_tail(buf: memoryview | None = None) -> SealTail:
     """The parts of `buf` (44 writable bytes; default a fresh buffer) as a SealTail."""
     whole = memoryview(bytearray(SEAL_OVERHEAD)) if buf is None else buf.cast("B")
@@ -347,9 +362,9 @@ class SealedStore:
             pieces = [[d, t.whole] for d, t in zip(dst, tails, strict=False)]
             return pieces, self.sealer.mac_check(keys, dst, tails, size, failed)
         ring = self._landing(getattr(self.inner, "reuse_after", 1))
-        values = [ring[i % len(ring)] for i in range(n)]
-        tails, body = [seal_tail(v[size:]) for v in values], [v[: size + TAG] for v in values]
-        return [[v] for v in values], self.sealer.decrypt_check(keys, body, tails, dst, failed)
+        at = [ring[i % len(ring)] for i in range(n)]
+        pieces, body, tails = [p.value for p in at], [p.body for p in at], [p.tail for p in at]
+        return pieces, self.sealer.decrypt_check(keys, body, tails, dst, failed)
 
     def _get_overlapped(self, keys: Sequence[int], dst: list[memoryview], failed: Failed) -> int:
         """A file store's units read one group after another while the group before is checked
@@ -408,15 +423,21 @@ class SealedStore:
             self._scratch.tails = tails
         return tails[:n]
 
-    def _landing(self, count: int) -> list[memoryview]:
+    def _landing(self, count: int) -> list[Landing]:
         """`count` places of one stored value each, this thread's, in one array offered to the
-        inner store (count 1: the hot scratch a file store reads into)."""
+        inner store (count 1: the hot scratch a file store reads into); views made once."""
         size = self.inner.page_nbytes
         ring = self._scratch_buf(f"landing{count}", count * size)
         if count > 1:
             register_host_memory(self.inner, ring)  # once: a registered array is found covered
-        view = memoryview(ring)
-        return [view[r * size : (r + 1) * size] for r in range(count)]
+        made: dict[int, list[Landing]] = self._scratch.__dict__.setdefault("landings", {})
+        places = made.get(count)
+        if places is None or places[0].value[0].obj is not ring:
+            view = memoryview(ring)
+            places = made[count] = [
+                Landing.at(view[r * size : (r + 1) * size], self.page_nbytes) for r in range(count)
+            ]
+        return places
 
     def _scratch_buf(self, name: str, nbytes: int) -> np.ndarray:
         """This thread's buffer `name`, reused across calls: fresh ones would page-fault on
