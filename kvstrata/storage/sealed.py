@@ -33,13 +33,14 @@ check built once per get (Sealer.mac_check / decrypt_check: the label's fixed pa
 views and the writer's key are set up once, so a unit costs one AES-GCM call and a
 constant-time compare). MAC only: the body is read straight into the caller's page and the tail
 into its own 44 bytes; encrypt: the value into one reused scratch (hot in L2), decrypted from
-there into the page. A store that reads a batch while the one before is checked (Mooncake,
-`reuse_after`) gets tails and landing places in memory registered with it, a ring of
-`reuse_after` values for encrypted units, so every byte moves in place (no staging copy). Measured on a 2-core VAES machine, 64 units of 256 KiB from the page cache: decrypting in
-place in the page (read into it cold, then decrypt) was no faster than the hot scratch (the page
-is written once either way), streaming GCM over chunks as they land was slower (a streaming
-context costs 5-7 us), and decrypting from a mapping of the file saved ~2 us a unit but a file
-cut by another process while mapped would kill the reader (SIGBUS).
+there into the page. Measured on a 2-core VAES machine, 64 units of 256 KiB from the page
+cache: decrypting in place in the page (read into it cold, then decrypt) was no faster than the
+hot scratch (the page is written once either way), streaming GCM over chunks as they land was
+slower (a streaming context costs 5-7 us), and decrypting from a mapping of the file saved ~2 us
+a unit but a file cut by another process while mapped would kill the reader (SIGBUS).
+A store that reads a batch while the one before is checked (Mooncake: `reuse_after`) gets the
+tails, and for encrypted units a ring of `reuse_after` landing places, in memory registered with
+it, so every byte of a get moves in place (no staging copy).
 Opt-in (`overlap`): a file store's units are checked on a second thread, a group at a time,
 while the next group is read (FileStore.get_overlapped); same outcomes as the serial one.
 """
