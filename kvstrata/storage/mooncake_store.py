@@ -225,41 +225,46 @@ class MooncakeStore:
         self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
     ) -> BatchOutcome:
         """Batches of the get read on the worker, batch b + 1 while batch b is checked here
-        (the transfer holds no GIL): its headers and staged pieces land in the other half of
-        the header and staging areas; batch b + 2 is planned meanwhile. Ends at the first value
-        missing or failing its check, once the batch read ahead has landed (its bytes go to
-        the caller's buffers)."""
+        (the transfer holds no GIL; its headers and staged pieces land in the other half of
+        the header and staging areas), each planned while the one before is read. Ends at the
+        first value missing or failing its check; a batch read ahead is waited out before
+        this returns or raises (its bytes land in the caller's buffers)."""
         spans = [
             range(lo, min(lo + self.batch, len(keys))) for lo in range(0, len(keys), self.batch)
         ]
         planner, got = self._planner(), BatchOutcome()
         moves = planner.plan([pieces[i] for i in spans[0]], 0) if spans else []
         pending = self._fetch(keys, moves, spans[0]) if spans else None
-        for b, span in enumerate(spans):
-            later = spans[b + 1] if b + 1 < len(spans) else None
-            ahead = planner.plan([pieces[i] for i in later], later.start) if later else []
-            sizes = None if pending is None else self.client.finish(pending)
-            if sizes is not None and RPC_FAIL in sizes:
-                self.client.mark_down("batch_get_into got RPC_FAIL")
-            more = sizes is not None and later is not None
-            pending = self._fetch(keys, ahead, later) if more else None
-            whole = sizes is not None and self._check_span(
-                keys, span, sizes, pieces, moves, verify, got
-            )
-            if not whole:
-                if pending is not None:  # its bytes land in the caller's buffers: wait them out
-                    self.client.finish(pending)
-                break
-            moves = ahead
+        try:
+            for b, span in enumerate(spans):
+                later = spans[b + 1] if b + 1 < len(spans) else None
+                ahead = planner.plan([pieces[i] for i in later], later.start) if later else []
+                sizes, pending = self._landed(pending), None
+                if sizes is not None and later is not None:
+                    pending = self._fetch(keys, ahead, later)
+                if sizes is None or not self._check_span(
+                    keys, span, sizes, pieces, moves, verify, got
+                ):
+                    break
+                moves = ahead
+        finally:
+            if pending is not None:
+                self.client.finish(pending)
         return got
 
+    def _landed(self, pending: Pending[list[int]] | None) -> list[int] | None:
+        """What each value of a started read returned (None: not started, or it failed)."""
+        sizes = None if pending is None else self.client.finish(pending)
+        if sizes is not None and RPC_FAIL in sizes:
+            self.client.mark_down("batch_get_into got RPC_FAIL")
+        return sizes
+
     def _fetch(
-        self, keys: Sequence[int], moves: Sequence[ValueMove], span: range | None
+        self, keys: Sequence[int], moves: Sequence[ValueMove], span: range
     ) -> Pending[list[int]] | None:
         """Start reading values `span` of a get (their `moves`) on the worker (None: not)."""
         if self._closed:
             raise RuntimeError(f"mooncake storage {self.url} is closed")
-        assert span is not None
         names = [self._name(keys[i]) for i in span]
         ptrs, sizes = [m.ptrs for m in moves], [m.sizes for m in moves]
         return self.client.start(
