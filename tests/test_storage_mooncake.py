@@ -366,8 +366,11 @@ def test_sealed_units_move_in_place_and_tampering_is_a_counted_miss(
     shared_master: MooncakeMaster, encrypt: bool
 ) -> None:
     """Sealed units over Mooncake: a MAC'd body moves in place from and into a registered host
-    pool (only the 44-byte tail is staged) and the tag replaces the xxh3 pass; a value re-headed
-    by a writer without the key is a counted miss that stays, a flipped byte is removed."""
+    pool, and the tag replaces the xxh3 pass. A put stages the 44-byte tail (encrypted: the
+    ciphertext, sealed into a reused scratch); a get moves every byte in place (MAC: the tail
+    into its own registered place; encrypted: the value into a registered landing ring). A
+    value re-headed by a writer without the key is a counted miss that stays, a flipped byte is
+    removed."""
     cfg = fast(mooncake_batch_pages=4)
     inner = open_storage(shared_master.url(prefix=f"seal-{encrypt}:"), PAGE + SEAL_OVERHEAD, cfg)
     assert isinstance(inner, MooncakeStore)
@@ -381,7 +384,8 @@ def test_sealed_units_move_in_place_and_tampering_is_a_counted_miss(
     np.testing.assert_array_equal(pool[6:], pool[:6])
     st = store.stats()
     per_unit = PAGE + SEAL_OVERHEAD if encrypt else SEAL_OVERHEAD  # ciphertext goes via scratch
-    assert st["staged_bytes"] == 12 * per_unit and st["staged_pages"] == 12, st
+    assert st["staged_bytes"] == 6 * per_unit and st["staged_pages"] == 6, st  # the puts
+    assert st["zero_copy_pages"] == 6, st  # the get
     assert st["opened"] == 6 and st["seal_failures"] == 0 and st["corrupt"] == 0
     raw, prefix = inner.client.store, inner.target.prefix
     forged = np.concatenate([page_for(keys[1]), np.zeros(SEAL_OVERHEAD, np.uint8)])  # no tag
@@ -407,3 +411,58 @@ def test_sealed_units_move_in_place_and_tampering_is_a_counted_miss(
     np.testing.assert_array_equal(np.stack(out), pool[:6])
     store.check_integrity()
     store.close()
+
+
+def test_a_get_reads_ahead_only_where_no_unchecked_byte_is_overwritten(
+    store: MooncakeStore,
+) -> None:
+    """A get reads batch b + 1 while batch b is checked: a buffer given again in the same or the
+    next batch (batches of 4) is staged there, one given two batches later moves in place, and
+    every value checks out with its own bytes either way."""
+    keys = make_keys(12, salt=21)
+    assert store.put(keys, [page_for(k) for k in keys]) == 12
+    assert store.reuse_after == 8
+    ring = np.zeros((8, PAGE), np.uint8)  # value i lands in ring[i % 8]: 0 and 8 share a place
+    assert store.register_buffer(ring)
+    seen: list[int] = []
+
+    def landed_in(places: int) -> Callable[[int], bool]:
+        def verify(i: int) -> bool:  # value i's own bytes, not a later value's
+            seen.append(i)
+            return bool(np.array_equal(ring[i % places], page_for(keys[i])))
+
+        return verify
+
+    before = store.stats()
+    pieces = [[memoryview(ring[i % 8])] for i in range(12)]
+    assert store.get_verified(keys, pieces, landed_in(8)) == 12 and seen == list(range(12))
+    st = store.stats()
+    assert st["zero_copy_pages"] - before["zero_copy_pages"] == 12, st
+    assert st["staged_pages"] == before["staged_pages"], st
+    close = [[memoryview(ring[i % 4])] for i in range(12)]  # given again in the next batch
+    seen.clear()
+    assert store.get_verified(keys, close, landed_in(4)) == 12 and seen == list(range(12))
+    assert store.stats()["staged_pages"] - st["staged_pages"] == 8  # all but the first uses
+
+
+def test_a_failed_check_ends_the_get_after_the_batch_read_ahead_lands(
+    store: MooncakeStore,
+) -> None:
+    """A value failing its check in batch 1 ends the get there: the batch read ahead (batch 2)
+    is waited out before the get returns (its bytes land in the caller's pages), later values
+    are never checked, and the next get of the same store works."""
+    keys = make_keys(12, salt=22)
+    assert store.put(keys, [page_for(k) for k in keys]) == 12
+    out = [np.zeros(PAGE, np.uint8) for _ in keys]
+    checked: list[int] = []
+
+    def verify(i: int) -> bool:
+        checked.append(i)
+        return i != 5
+
+    pieces = [[memoryview(o)] for o in out]
+    assert store.get_verified(keys, pieces, verify) == 5
+    assert checked == [0, 1, 2, 3, 4, 5]
+    assert store.exists_prefix(keys) == 12, "a value intact under its checksum was removed"
+    assert store.get(keys, out) == 12
+    np.testing.assert_array_equal(np.stack(out), np.stack([page_for(k) for k in keys]))

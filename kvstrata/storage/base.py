@@ -17,6 +17,7 @@ The key inside the header guards against a page stored under the wrong name.
 from __future__ import annotations
 
 import importlib
+import operator
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -187,6 +188,7 @@ def check_batch(keys: Sequence[int], arrays: Sequence[np.ndarray], what: str) ->
         raise ValueError(f"{what}: {len(keys)} keys but {len(arrays)} pages")
 
 
+_NBYTES = operator.attrgetter("nbytes")
 Verify = Callable[[int], bool]
 """A get_verified caller's check of value i once its bytes landed (True: keep it)."""
 
@@ -198,7 +200,7 @@ def check_pieces(
     if len(keys) != len(pieces):
         raise ValueError(f"get: {len(keys)} keys but {len(pieces)} pages")
     for p in pieces:
-        if sum(v.nbytes for v in p) != page_nbytes:
+        if sum(map(_NBYTES, p)) != page_nbytes:  # asked per value of every get: no generator
             raise ValueError(f"get_verified: pieces must hold {page_nbytes} bytes")
 
 

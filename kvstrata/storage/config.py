@@ -150,7 +150,9 @@ class MooncakeStoreConfig:
     """The Mooncake Store backend's options (`mooncake://host:rpc_port?metadata=...`)."""
 
     mooncake_batch_pages: int = doc(
-        16, "pages per batched transfer (its staging area holds this many)"
+        16,
+        "pages per batched transfer (a get checks one batch while reading the next; its "
+        "staging area holds two)",
     )
     mooncake_timeout_s: float = doc(
         5.0, "bound on every client call; one that outlives it marks it down"

@@ -22,6 +22,7 @@ count the users; the last release closes the client.
 
 from __future__ import annotations
 
+import bisect
 import os
 import queue
 import socket
@@ -31,7 +32,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -86,6 +88,15 @@ def _import_store_class() -> Any:
     return MooncakeDistributedStore
 
 
+@dataclass(frozen=True)
+class Pending(Generic[T]):
+    """A call started on the worker (MooncakeClient.start), to be finished."""
+
+    what: str
+    """The call's name, for the line a timeout or failure prints."""
+    future: Future[T]
+
+
 class MooncakeClient:
     """A set-up MooncakeDistributedStore behind a bounded, fail-soft `call`."""
 
@@ -105,6 +116,8 @@ class MooncakeClient:
         self._down_until = 0.0
         self._backoff = config.reconnect_backoff_s
         self._regions: list[tuple[int, int, np.ndarray]] = []  # (start, end, array kept alive)
+        # (starts, ends) of _regions sorted by start, swapped whole (read without the lock)
+        self._bounds: tuple[list[int], list[int]] = ([], [])
         self._closed = False
         self.last_error = ""
 
@@ -162,6 +175,13 @@ class MooncakeClient:
 
     def call(self, what: str, fn: Callable[[Any], T]) -> T | None:
         """fn(store) on the worker, bounded; None (counted) when down, stuck, timed out or raised."""
+        pending = self.start(what, fn)
+        return None if pending is None else self.finish(pending)
+
+    def start(self, what: str, fn: Callable[[Any], T]) -> Pending[T] | None:
+        """fn(store) submitted to the worker, not waited for (a caller checks what the call
+        before read meanwhile); None (counted) when down or a call is still in flight. Every
+        started call must be finished, its bytes landed, before its buffers are reused."""
         if self._closed:
             raise RuntimeError(f"mooncake storage client for {self.target.master} is closed")
         if time.monotonic() < self._down_until or (self._busy and not self._busy.done()):
@@ -169,13 +189,21 @@ class MooncakeClient:
             return None
         if not self._ready and not self.setup():
             return None
-        result = self._bounded(what, lambda: fn(self.store), self.config.mooncake_timeout_s)
+        self._busy = fut = self._worker.submit(lambda: fn(self.store))
+        return Pending(what, fut)
+
+    def finish(self, pending: Pending[T]) -> T | None:
+        """The started call's result, waited for at most mooncake_timeout_s; None as call's."""
+        result = self._wait(pending.what, pending.future, self.config.mooncake_timeout_s)
         if result is not None:
             self.mark_up()
         return result
 
     def _bounded(self, what: str, fn: Callable[[], T], timeout: float) -> T | None:
         self._busy = fut = self._worker.submit(fn)
+        return self._wait(what, fut, timeout)
+
+    def _wait(self, what: str, fut: Future[T], timeout: float) -> T | None:
         try:
             return fut.result(timeout=timeout)
         except FutureTimeout:
@@ -242,6 +270,7 @@ class MooncakeClient:
         if self.covers(start, array.nbytes):
             return True
         self._regions.append((start, end, array))
+        self._index_regions()
         if not self._ready:
             return True  # registered at set-up
         rc = self._bounded(
@@ -251,11 +280,20 @@ class MooncakeClient:
         )
         if rc != 0:
             self._regions.pop()
+            self._index_regions()
             return False
         return True
 
     def covers(self, ptr: int, nbytes: int) -> bool:
-        return any(s <= ptr and ptr + nbytes <= e for s, e, _ in self._regions)
+        """Whether [ptr, ptr + nbytes) lies inside one registered region (asked per piece of
+        every transfer: a bisect over the sorted, disjoint regions)."""
+        starts, ends = self._bounds
+        at = bisect.bisect_right(starts, ptr) - 1
+        return at >= 0 and ptr + nbytes <= ends[at]
+
+    def _index_regions(self) -> None:
+        spans = sorted((s, e) for s, e, _ in self._regions)
+        self._bounds = ([s for s, _ in spans], [e for _, e in spans])
 
     def unregister_all(self) -> None:
         for start, _, _ in self._regions:
@@ -264,6 +302,7 @@ class MooncakeClient:
                     "unregister_buffer", lambda s=start: self.store.unregister_buffer(s), 2.0
                 )
         self._regions.clear()
+        self._index_regions()
 
     def close(self) -> None:
         if self._closed:
@@ -284,6 +323,7 @@ class MooncakeClient:
                 <= self.config.reconnect_backoff_max_s
             )
         spans = sorted((s, e) for s, e, _ in self._regions)
+        assert self._bounds == ([s for s, _ in spans], [e for _, e in spans]), spans
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
         assert self.users >= 0
 

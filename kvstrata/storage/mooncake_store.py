@@ -9,11 +9,14 @@ format of `kvstrata.storage.base` (header with length, key and xxh3-64 checksum 
 
 Transfers (mooncake_pieces): batch_put_from_multi_buffers / batch_get_into_multi_buffers with the
 header in a small registered area and each payload piece in place where it lies in memory
-registered with `register_buffer` (a host pool), else through its slot in a registered staging
-area of `mooncake_batch_pages` values (one copy). Payloads may come as pieces (put_pieces,
-get_verified): a sealed unit's body moves in place and only its 44-byte tail is staged, and the
-seal's tag replaces the xxh3 pass on reads. All staging, checking and copying out runs on the
-client's worker thread, which alone owns the staging area.
+registered with `register_buffer` (a host pool, a SealedStore's tails), else through its slot in
+a registered staging area (one copy). Payloads may come as pieces (put_pieces, get_verified): a
+sealed unit's body and tail move in place, and the seal's tag replaces the xxh3 pass on reads.
+A get reads `mooncake_batch_pages` values per transfer, on the client's worker thread, and
+checks them on the caller's thread while the worker reads the next batch (the wheel's transfer
+holds no GIL): a second core hides the checks (xxh3, or a seal's AES-GCM) behind the reads.
+The header and staging areas hold two batches, one per side of that overlap; one get or put
+runs at a time per store. A put stages and sends on the worker.
 
 Failure model (see mooncake_client): every call is bounded; a dead or unreachable master makes
 reads misses and writes counted skips, with one line on stderr, and the client reconnects when
@@ -25,6 +28,7 @@ saying to start a holder.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +54,11 @@ from kvstrata.storage.mooncake_client import (
     NO_SPACE,
     RPC_FAIL,
     MooncakeClient,
+    Pending,
     acquire,
     release,
 )
-from kvstrata.storage.mooncake_pieces import ValueMove, plan_moves
+from kvstrata.storage.mooncake_pieces import MovePlanner, ValueMove
 from kvstrata.storage.mooncake_url import parse_mooncake_url
 
 _KEY_LIMIT = 1 << 128
@@ -113,12 +118,21 @@ class MooncakeStore:
         self.batch = cfg.mooncake_batch_pages
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self.client: MooncakeClient = acquire(self.target, cfg)
-        # staging values and zero-copy headers; only the client's worker thread touches them
-        self._stage = np.zeros(self.batch * self.value_nbytes, np.uint8)
-        self._headers = np.zeros(self.batch * HEADER_NBYTES, np.uint8)
+        # staging values and zero-copy headers, two batches' worth: a get reads batch b + 1 into
+        # one half while batch b is checked from the other. One get or put at a time (_io).
+        self._stage = np.zeros(2 * self.batch * self.value_nbytes, np.uint8)
+        self._headers = np.zeros(2 * self.batch * HEADER_NBYTES, np.uint8)
+        self._headers_at = int(self._headers.ctypes.data)  # asked per value of every transfer
+        self._io = threading.Lock()
         self.client.register(self._stage)
         self.client.register(self._headers)
         self._closed = False
+
+    @property
+    def reuse_after(self) -> int:
+        """A get_verified buffer given to value i moves in place if it is given again only to
+        value i + reuse_after or later (two batches: one read while the other is checked)."""
+        return 2 * self.batch
 
     def register_buffer(self, array: np.ndarray) -> bool:
         """Register host memory (a pool's pages) so pages inside it move zero-copy."""
@@ -143,20 +157,20 @@ class MooncakeStore:
             self.client.mark_down(f"{what} got RPC_FAIL")
         return codes
 
+    def _index(self, i: int) -> int:
+        """Value i's header and staging slot in a call: batches alternate between the halves."""
+        return (i // self.batch) % 2 * self.batch + i % self.batch
+
     def _header_ptr(self, i: int) -> int:
-        return self._headers.ctypes.data + i * HEADER_NBYTES
+        return self._headers_at + self._index(i) * HEADER_NBYTES
 
     def _slot(self, i: int) -> np.ndarray:
-        return self._stage[i * self.value_nbytes : (i + 1) * self.value_nbytes]
+        at = self._index(i) * self.value_nbytes
+        return self._stage[at : at + self.value_nbytes]
 
-    def _plan(self, pieces: Sequence[Sequence[memoryview]], first: int = 0) -> list[ValueMove]:
-        """Moves of values first, first + 1, ... of the batch (their header and slot places)."""
-        return plan_moves(
-            pieces,
-            lambda j: self._header_ptr(first + j),
-            lambda j: self._slot(first + j),
-            self.client.covers,
-        )
+    def _planner(self) -> MovePlanner:
+        """Plans one call's moves (value i at its header and slot places)."""
+        return MovePlanner(self._header_ptr, self._slot, self.client.covers, self.batch)
 
     # ---- queries -----------------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[int]) -> int:
@@ -193,14 +207,12 @@ class MooncakeStore:
     def _get(
         self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
     ) -> int:
-        hits = 0
-        for lo in range(0, len(keys), self.batch):
-            part = keys[lo : lo + self.batch]
-            check = None if verify is None else (lambda i, lo=lo: verify(lo + i))
-            got = self._get_batch(part, pieces[lo : lo + self.batch], check)
-            hits += got
-            if got < len(part):
-                break
+        with self._io:
+            got = self._read_ahead(keys, pieces, verify)
+        self._count(**got.counts(), corrupt=len(got.corrupt))
+        if got.corrupt:
+            self.delete(got.corrupt)
+        hits = got.values
         self._count(
             gets=1,
             get_hits=hits,
@@ -209,35 +221,77 @@ class MooncakeStore:
         )
         return hits
 
-    def _get_batch(
+    def _read_ahead(
         self, keys: Sequence[int], pieces: Sequence[Sequence[memoryview]], verify: Verify | None
-    ) -> int:
-        """Read and check one batch on the client's worker (the staging area is the worker's
-        alone); the leading count that arrived whole and checked. Corrupt values are removed
-        afterwards, here: the worker cannot wait on itself."""
-        names = [self._name(k) for k in keys]
-        got = BatchOutcome()
-
-        def fetch(store: Any) -> list[int]:
-            moves = self._plan(pieces)
-            sizes = store.batch_get_into_multi_buffers(
-                names, [m.ptrs for m in moves], [m.sizes for m in moves]
-            )
-            for i, nread in enumerate(sizes):
-                if nread != self.value_nbytes:
+    ) -> BatchOutcome:
+        """Batches of the get read on the worker, batch b + 1 while batch b is checked here
+        (the transfer holds no GIL; its headers and staged pieces land in the other half of
+        the header and staging areas), each planned while the one before is read. Ends at the
+        first value missing or failing its check; a batch read ahead is waited out before
+        this returns or raises (its bytes land in the caller's buffers)."""
+        spans = [
+            range(lo, min(lo + self.batch, len(keys))) for lo in range(0, len(keys), self.batch)
+        ]
+        planner, got = self._planner(), BatchOutcome()
+        moves = planner.plan([pieces[i] for i in spans[0]], 0) if spans else []
+        pending = self._fetch(keys, moves, spans[0]) if spans else None
+        try:
+            for b, span in enumerate(spans):
+                later = spans[b + 1] if b + 1 < len(spans) else None
+                ahead = planner.plan([pieces[i] for i in later], later.start) if later else []
+                sizes, pending = self._landed(pending), None
+                if sizes is not None and later is not None:
+                    pending = self._fetch(keys, ahead, later)
+                if sizes is None or not self._check_span(
+                    keys, span, sizes, pieces, moves, verify, got
+                ):
                     break
-                verdict = self._check(keys[i], i, moves[i], pieces[i], verify)
-                if verdict != "ok":
-                    got.corrupt += [keys[i]] if verdict == "corrupt" else []
-                    break
-                got.count(moves[i])
-            return sizes
+                moves = ahead
+        finally:
+            if pending is not None:
+                self.client.finish(pending)
+        return got
 
-        self._call("batch_get_into", fetch)
-        self._count(**got.counts(), corrupt=len(got.corrupt))
-        if got.corrupt:
-            self.delete(got.corrupt)
-        return got.values
+    def _landed(self, pending: Pending[list[int]] | None) -> list[int] | None:
+        """What each value of a started read returned (None: not started, or it failed)."""
+        sizes = None if pending is None else self.client.finish(pending)
+        if sizes is not None and RPC_FAIL in sizes:
+            self.client.mark_down("batch_get_into got RPC_FAIL")
+        return sizes
+
+    def _fetch(
+        self, keys: Sequence[int], moves: Sequence[ValueMove], span: range
+    ) -> Pending[list[int]] | None:
+        """Start reading values `span` of a get (their `moves`) on the worker (None: not)."""
+        if self._closed:
+            raise RuntimeError(f"mooncake storage {self.url} is closed")
+        names = [self._name(keys[i]) for i in span]
+        ptrs, sizes = [m.ptrs for m in moves], [m.sizes for m in moves]
+        return self.client.start(
+            "batch_get_into", lambda s: s.batch_get_into_multi_buffers(names, ptrs, sizes)
+        )
+
+    def _check_span(
+        self,
+        keys: Sequence[int],
+        span: range,
+        sizes: Sequence[int],
+        pieces: Sequence[Sequence[memoryview]],
+        moves: Sequence[ValueMove],
+        verify: Verify | None,
+        got: BatchOutcome,
+    ) -> bool:
+        """Check values `span` (their `moves`) as read (sizes: what each read returned); True
+        if all passed."""
+        for i, move, nread in zip(span, moves, sizes, strict=False):
+            if nread != self.value_nbytes:
+                return False
+            verdict = self._check(keys[i], i, move, pieces[i], verify)
+            if verdict != "ok":
+                got.corrupt += [keys[i]] if verdict == "corrupt" else []
+                return False
+            got.count(move)
+        return len(sizes) == len(span)
 
     def _check(
         self,
@@ -249,9 +303,8 @@ class MooncakeStore:
     ) -> str:
         """Value i as read: "ok", "corrupt" (header or checksum wrong) or "rejected" (the
         caller's check failed on bytes intact under their checksum). Staged pieces copied out."""
-        digest = header_ok(
-            self._headers[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES], key, self.page_nbytes
-        )
+        at = self._index(i) * HEADER_NBYTES
+        digest = header_ok(self._headers[at : at + HEADER_NBYTES], key, self.page_nbytes)
         if digest is None:
             return "corrupt"
         move.stage_out()
@@ -275,12 +328,13 @@ class MooncakeStore:
         change before put_pieces returns. A batch not sent (master down) ends the call."""
         taken = iter(values)
         stored = 0
-        for lo in range(0, len(keys), self.batch):
-            part = keys[lo : lo + self.batch]
-            got = self._put_batch(part, taken)
-            if got is None:
-                break
-            stored += got
+        with self._io:
+            for lo in range(0, len(keys), self.batch):
+                part = keys[lo : lo + self.batch]
+                got = self._put_batch(part, taken)
+                if got is None:
+                    break
+                stored += got
         self._count(
             puts=stored,
             put_skipped=len(keys) - stored,
@@ -294,15 +348,17 @@ class MooncakeStore:
         sent = BatchOutcome()
 
         def send(store: Any) -> list[int]:
-            moves = []
+            moves, planner = [], self._planner()
             for i, key in enumerate(keys):  # each value staged before the next is taken
                 value = list(next(values))
                 if sum(p.nbytes for p in value) != self.page_nbytes:
                     sent.error = f"put: each page must hold {self.page_nbytes} bytes"
                     return []
-                move = self._plan([value], first=i)[0]
+                move = planner.plan([value], i)[0]
                 head = np.frombuffer(encode_header_of_pieces(key, value), np.uint8)
-                self._headers[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] = head
+                self._headers[i * HEADER_NBYTES : (i + 1) * HEADER_NBYTES] = (
+                    head  # i < batch: half 0
+                )
                 move.stage_in()
                 moves.append(move)
             codes = store.batch_put_from_multi_buffers(
@@ -349,7 +405,7 @@ class MooncakeStore:
         assert all(v >= 0 for v in c.values()), c
         assert c["get_misses"] <= c["gets"], c
         assert self.value_nbytes == HEADER_NBYTES + self.page_nbytes
-        assert self._stage.nbytes == self.batch * self.value_nbytes
+        assert self._stage.nbytes == 2 * self.batch * self.value_nbytes
         self.client.check_integrity()
 
 

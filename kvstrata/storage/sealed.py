@@ -32,12 +32,15 @@ Reads: each unit is checked right after it lands, while its bytes are in the cor
 check built once per get (Sealer.mac_check / decrypt_check: the label's fixed parts, the tail's
 views and the writer's key are set up once, so a unit costs one AES-GCM call and a
 constant-time compare). MAC only: the body is read straight into the caller's page and the tail
-beside it; encrypt: the value into one reused scratch (hot in L2), decrypted from there into the
-page. Measured on a 2-core VAES machine, 64 units of 256 KiB from the page cache: decrypting in
-place in the page (read into it cold, then decrypt) was no faster than the hot scratch (the page
-is written once either way), streaming GCM over chunks as they land was slower (a streaming
-context costs 5-7 us), and decrypting from a mapping of the file saved ~2 us a unit but a file
-cut by another process while mapped would kill the reader (SIGBUS).
+into its own 44 bytes; encrypt: the value into one reused scratch (hot in L2), decrypted from
+there into the page. Measured on a 2-core VAES machine, 64 units of 256 KiB from the page
+cache: decrypting in place in the page (read into it cold, then decrypt) was no faster than the
+hot scratch (the page is written once either way), streaming GCM over chunks as they land was
+slower (a streaming context costs 5-7 us), and decrypting from a mapping of the file saved ~2 us
+a unit but a file cut by another process while mapped would kill the reader (SIGBUS).
+A store that reads a batch while the one before is checked (Mooncake: `reuse_after`) gets the
+tails, and for encrypted units a ring of `reuse_after` landing places, in memory registered with
+it, so every byte of a get moves in place (no staging copy).
 Opt-in (`overlap`): a file store's units are checked on a second thread, a group at a time,
 while the next group is read (FileStore.get_overlapped); same outcomes as the serial one.
 """
@@ -99,6 +102,21 @@ class SealTail:
     tag: memoryview
     salt: memoryview
     nonce: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Landing:
+    """A place one stored encrypted value is read into, and its parts' views."""
+
+    value: list[memoryview]
+    """The whole value as get_verified pieces (one piece)."""
+    body: memoryview
+    """Its ciphertext | tag."""
+    tail: SealTail
+
+    @staticmethod
+    def at(place: memoryview, unit_nbytes: int) -> Landing:
+        return Landing([place], place[: unit_nbytes + TAG], seal_tail(place[unit_nbytes:]))
 
 
 def seal_tail(buf: memoryview | None = None) -> SealTail:
@@ -336,16 +354,20 @@ class SealedStore:
         self, keys: Sequence[int], dst: list[memoryview], failed: Failed
     ) -> tuple[list[list[memoryview]], Callable[[int], bool]]:
         """Where a get_verified store reads each unit, and the check of each as it lands.
-        MAC only: the body straight into the page, the 44-byte tail beside it (one buffer for
-        all); encrypt: the whole value into one hot scratch, decrypted from it into the page."""
+        MAC only: the body straight into the page, the 44-byte tail into its own place (each
+        unit one: a store that reads ahead moves them in place); encrypt: the whole value into
+        a landing place, decrypted from it into the page: one hot scratch for a store that
+        checks each value before reading the next (file), a ring of `reuse_after` for one that
+        reads a batch while checking the one before (mooncake: in place, no staging copy)."""
         n, size = len(keys), self.page_nbytes
         if not self.sealer.encrypt:
-            tail = seal_tail(memoryview(self._scratch_buf("tail", SEAL_OVERHEAD)))
-            pieces = [[d, tail.whole] for d in dst]
-            return pieces, self.sealer.mac_check(keys, dst, [tail] * n, size, failed)
-        value = memoryview(self._scratch_buf("read", self.inner.page_nbytes))
-        tails, body = [seal_tail(value[size:])] * n, [value[: size + TAG]] * n
-        return [[value]] * n, self.sealer.decrypt_check(keys, body, tails, dst, failed)
+            tails = self._tails(n)
+            pieces = [[d, t.whole] for d, t in zip(dst, tails, strict=False)]
+            return pieces, self.sealer.mac_check(keys, dst, tails, size, failed)
+        ring = self._landing(getattr(self.inner, "reuse_after", 1))
+        at = [ring[i % len(ring)] for i in range(n)]
+        pieces, body, tails = [p.value for p in at], [p.body for p in at], [p.tail for p in at]
+        return pieces, self.sealer.decrypt_check(keys, body, tails, dst, failed)
 
     def _get_overlapped(self, keys: Sequence[int], dst: list[memoryview], failed: Failed) -> int:
         """A file store's units read one group after another while the group before is checked
@@ -387,6 +409,38 @@ class SealedStore:
         if opened < n:
             failed(opened)
         return opened
+
+    def _tails(self, n: int) -> list[SealTail]:
+        """n tails of this thread, each its own 44 bytes of one array offered to the inner store
+        (mooncake moves them in place, none staged). The array grows (doubling) with the
+        largest get; a store keeps each array it registered alive, a few small ones at most."""
+        tails: list[SealTail] | None = self._scratch.__dict__.get("tails")
+        if tails is None or len(tails) < n:
+            cap = 1 << max(6, (n - 1).bit_length())
+            whole = np.empty(cap * SEAL_OVERHEAD, np.uint8)
+            register_host_memory(self.inner, whole)
+            view = memoryview(whole)
+            tails = [
+                seal_tail(view[r * SEAL_OVERHEAD : (r + 1) * SEAL_OVERHEAD]) for r in range(cap)
+            ]
+            self._scratch.tails = tails
+        return tails[:n]
+
+    def _landing(self, count: int) -> list[Landing]:
+        """`count` places of one stored value each, this thread's, in one array offered to the
+        inner store (count 1: the hot scratch a file store reads into); views made once."""
+        size = self.inner.page_nbytes
+        ring = self._scratch_buf(f"landing{count}", count * size)
+        if count > 1:
+            register_host_memory(self.inner, ring)  # once: a registered array is found covered
+        made: dict[int, list[Landing]] = self._scratch.__dict__.setdefault("landings", {})
+        places = made.get(count)
+        if places is None or places[0].value[0].obj is not ring:
+            view = memoryview(ring)
+            places = made[count] = [
+                Landing.at(view[r * size : (r + 1) * size], self.page_nbytes) for r in range(count)
+            ]
+        return places
 
     def _scratch_buf(self, name: str, nbytes: int) -> np.ndarray:
         """This thread's buffer `name`, reused across calls: fresh ones would page-fault on
