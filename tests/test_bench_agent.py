@@ -12,12 +12,13 @@ from kvstrata.bench.agent import run_agent
 from kvstrata.bench.agent_load import AgentSpec
 from kvstrata.workloads.turn_gaps import GapSampler
 
-CKPT = {"seed": 8, "max_position_embeddings": 1024}
+CKPT = {"seed": 8, "max_position_embeddings": 2048}
 """This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 SPEC = AgentSpec(
-    sessions=2, turns=2, first_lines=2, tool_lines=1, max_tokens=2, gap_scale=1.0, gap_cap_s=0.2,
-    hinted_every=2, start_every_s=0.1, page_size=16, device_pages=64, host_pages=96,
+    sessions=2, hinted_sessions=1, turns=2, unhinted_turns=2, map_lines=2, first_lines=2,
+    unhinted_first_lines=3, tool_lines=1, max_tokens=2, gap_scale=1.0, gap_cap_s=0.2,
+    start_every_s=0.1, hinted_start_s=0.1, page_size=32, device_pages=64, host_pages=96,
     storage_read_s_per_page=0.01,
 )  # fmt: skip
 

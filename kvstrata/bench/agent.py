@@ -3,23 +3,31 @@ hints, with `cache_control` pins on every turn, and with pins + a prefetch hint 
 call ends (kvstrata/bench/agent_load.py), in one run.
 
 Each arm gets a fresh server with the same configs: device + host pools small enough that the
-sessions compete for them (FULL: the sessions' histories end at over twice the device + host
-capacity, and the unhinted sessions' traffic alone passes more than it through the cache while
-a hinted session runs its tool), a pin budget (the default half of the host pool) that the hinted
+sessions compete for them, a pin budget (the default half of the host pool) that the hinted
 sessions' histories fit, and a storage tier (a fresh directory per arm) that evicted pages fall
 back to. The storage is the shared store agents' servers have, a remote one: a page read from
 it waits `storage_read_s_per_page` (the server's `--storage-emulate-read-s-per-page`), about
 2/3 of what computing the page costs SmolLM2 on one core. A local file store would read a page
 in a few ms, as fast as the host tier: there, keeping a page in host memory could not matter.
 
+The sessions are shaped as coding agents' are: every one opens with the same long system prompt
+(instructions, tool definitions, a repository map), so a first turn computes only its task; each
+later turn resends the history and adds a short part (the tool call, its output, a question), so
+what the cache kept of the history decides a returning turn's TTFT. The sessions that send no
+hints start first and carry larger histories: their returning turns reload them from storage,
+which pushes other pages out of the host tier through the storage worker rather than through
+prefill on the core the hinted turns need.
+
 Reported per arm, for the sessions that send hints and for those that never do: TTFT p50/p90,
 prompt tokens by where they came from (device, host, storage, computed; `history_computed`:
 computed tokens the session had sent before), and how many other turns were in flight when
 each was sent; per arm: pins made / expired / dropped or refused for budget, pinned pages at
-the end, hints sent. Top level, the ratios to the no-hints arm over the same sessions' same
-turns: `ttft_p90_pins_over_none` and `ttft_p50_pins_prefetch_over_none` (the hinted
-sessions), `unhinted_ttft_over_none` (the sessions that send no hints: the worse hinted arm's
-TTFT p50 over theirs in the no-hints arm).
+the end, hints sent, and a turn log (send time, TTFT, tokens by tier, turns in flight). Top
+level, the ratios to the no-hints arm over the same sessions' same turns:
+`ttft_p90_pins_over_none` and `ttft_p50_pins_prefetch_over_none` (the hinted sessions),
+`unhinted_ttft_over_none` (the sessions that send no hints: the worse hinted arm's TTFT p50 over
+theirs in the no-hints arm); `returning_turns`: the same three over the turns after each
+session's first (a first turn finds no history of its own in any arm).
 """
 
 from __future__ import annotations
@@ -35,22 +43,36 @@ from kvstrata.bench.agent_load import ARMS, AgentSpec, ArmResult, Turn, run_arm
 from kvstrata.bench.registry import BENCHES
 from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps_s
 
-# Sizes (SmolLM2 on one core: a page of prefill ~125 ms; from host or a local file to the
-# device, a few ms). FULL: 20 sessions x 4 turns, prompts ~200 -> ~510 tokens (3 -> 8 full
-# pages); 3 of them send hints: <= 24 pinned pages, within the budget (half the host pool: 24).
-# The device holds one whole prompt and a half; the histories end at ~160 pages, over twice
-# device + host (60), most of them the unhinted sessions', whose turns pass ~1.5x device + host
-# through the cache during a mean tool call (~17 s). About one turn of ~0.4 s a second
-# arrives: few in flight at once.
+# Sizes (SmolLM2 on one core: a page of 64 tokens' prefill ~125 ms; host -> device a few ms; a
+# page from the emulated remote store 80 ms, one read at a time: the server's storage worker).
+# FULL, why each size:
+# - the system prompt every session shares: 606 tokens (9 full pages; agents' instructions and
+#   tool schemas are the largest shared part of their prompts). Hot in every arm, so a first
+#   turn computes only its task and cold first turns stay short;
+# - 3 hinted sessions x 7 turns (21 turns an arm, 18 returning): a first turn adds ~190 tokens
+#   (3 pages), each later turn ~100 (a call, 3 lines of output, a question): prompts ~785 ->
+#   ~1400 tokens. A returning turn computes 2-3 pages and finds up to 12 pages of its own
+#   history: up to ~1 s from the remote store, a few ms from host;
+# - pins: at most 9 + 3 x 12 = 45 distinct pages, within the budget (half the host pool: 48);
+# - 8 unhinted sessions x 7 turns start first, 1.5 s apart; the hinted ones from 20 s on, after
+#   the unhinted first turns' prefill (28 lines, ~10 pages each). Their histories (~19 -> ~28
+#   pages) do not survive their own tool calls, so each returning unhinted turn reloads ~10-19
+#   pages from storage: that pushes the hinted histories out of a recency-only host tier
+#   without prefill on the core, in every arm alike;
+# - device 40 pages (the largest prompt, ~28 pages, and a hinted turn beside it), host 96: the
+#   final prompts sum to ~290 pages, over twice device + host (272); distinct pages ~200;
+# - tool calls: the trace's gaps x0.25, at most 20 s (mean ~11 s): three arms in ~7 minutes.
 QUICK = AgentSpec(
-    sessions=6, turns=3, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.05,
-    gap_cap_s=8.0, hinted_every=3, start_every_s=1.0, page_size=64, device_pages=10,
-    host_pages=24, storage_read_s_per_page=0.08,
+    sessions=5, hinted_sessions=2, turns=3, unhinted_turns=3, map_lines=20, first_lines=3,
+    unhinted_first_lines=28, tool_lines=3, max_tokens=4, gap_scale=0.05, gap_cap_s=8.0,
+    start_every_s=1.0, hinted_start_s=3.0, page_size=64, device_pages=40, host_pages=64,
+    storage_read_s_per_page=0.08,
 )  # fmt: skip
 FULL = AgentSpec(
-    sessions=20, turns=4, first_lines=2, tool_lines=3, max_tokens=4, gap_scale=0.3,
-    gap_cap_s=30.0, hinted_every=6, start_every_s=1.0, page_size=64, device_pages=12,
-    host_pages=48, storage_read_s_per_page=0.08,
+    sessions=11, hinted_sessions=3, turns=7, unhinted_turns=7, map_lines=20, first_lines=3,
+    unhinted_first_lines=28, tool_lines=3, max_tokens=4, gap_scale=0.25, gap_cap_s=20.0,
+    start_every_s=1.5, hinted_start_s=20.0, page_size=64, device_pages=40, host_pages=96,
+    storage_read_s_per_page=0.08,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server
 READ_BUDGET_X = 2.0  # the servers' prefetch timeout per page, over the store's read time
@@ -86,25 +108,31 @@ def run_agent(spec: AgentSpec, path: Path, sampler: GapSampler, out_dir: Path) -
     }
     for arm in ARMS:
         report[arm] = _run_served(path, spec, arm, sampler, out_dir)
-    none, pins, both = (report[a] for a in ARMS)
-    hinted = "hinted"
-    report["ttft_p90_pins_over_none"] = _ratio(
-        pins[hinted]["ttft_p90_s"], none[hinted]["ttft_p90_s"]
-    )
-    report["ttft_p50_pins_prefetch_over_none"] = _ratio(
-        both[hinted]["ttft_p50_s"], none[hinted]["ttft_p50_s"]
-    )
-    report["unhinted_ttft_over_none"] = max(
-        _ratio(a["unhinted"]["ttft_p50_s"], none["unhinted"]["ttft_p50_s"]) for a in (pins, both)
-    )
+    report.update(_goal_ratios(report, "hinted", "unhinted"))
+    # the same ratios over returning turns only (a first turn finds no history in any arm)
+    report["returning_turns"] = _goal_ratios(report, "hinted_returning", "unhinted_returning")
     report["errors"] = sum(report[a]["errors"] for a in ARMS)
     report.update(_flat(report))
     return report
 
 
+def _goal_ratios(report: dict[str, Any], hinted: str, unhinted: str) -> dict[str, float]:
+    """The goals' ratios to the no-hints arm, over the given groups of turns."""
+    none, pins, both = (report[a] for a in ARMS)
+    return {
+        "ttft_p90_pins_over_none": _ratio(pins[hinted]["ttft_p90_s"], none[hinted]["ttft_p90_s"]),
+        "ttft_p50_pins_prefetch_over_none": _ratio(
+            both[hinted]["ttft_p50_s"], none[hinted]["ttft_p50_s"]
+        ),
+        "unhinted_ttft_over_none": max(
+            _ratio(a[unhinted]["ttft_p50_s"], none[unhinted]["ttft_p50_s"]) for a in (pins, both)
+        ),
+    }
+
+
 def _flat(report: dict[str, Any]) -> dict[str, Any]:
     """The per-arm figures a table shows (scalars at the top level)."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {f"returning.{k}": v for k, v in report["returning_turns"].items()}
     for arm in ARMS:
         r = report[arm]
         for who in ("hinted", "unhinted"):
@@ -163,6 +191,8 @@ def summarize(res: ArmResult) -> dict[str, Any]:
         **_group(res.turns),
         "hinted": _group([t for t in res.turns if t.hinted]),
         "unhinted": _group([t for t in res.turns if not t.hinted]),
+        "hinted_returning": _group([t for t in res.turns if t.hinted and t.turn > 0]),
+        "unhinted_returning": _group([t for t in res.turns if not t.hinted and t.turn > 0]),
         "requests": len(res.turns),
         "errors": len(res.errors),
         "error_messages": res.errors[:5],
@@ -180,7 +210,8 @@ def _row(t: Turn) -> str:
     tiers = "/".join(str(t.by_tier.get(k, 0)) for k in TIERS)
     hinted = "hinted" if t.hinted else "unhinted"
     return (
-        f"s{t.session} t{t.turn} {hinted} ttft {t.ttft_s:.3f}s prompt {t.prompt_tokens} "
+        f"s{t.session} t{t.turn} {hinted} sent {t.sent_s:.1f}s ttft {t.ttft_s:.3f}s "
+        f"prompt {t.prompt_tokens} "
         f"dev/host/storage {tiers} in_flight {t.in_flight}"
     )
 

@@ -1,20 +1,21 @@
 """The load of `kvstrata bench agent`: agent sessions with tool-call gaps, hinted three ways.
 
 Session s is the held-out trace's session s (kvstrata.workloads.heldout_trace: each turn resends
-the whole history plus a tool call, its output and a question). After each turn the session's
-tool runs for a gap drawn from the Mooncake trace's inter-turn gaps, scaled
-(kvstrata.workloads.turn_gaps): 90% of the gap is the tool, then 10% writing the next turn.
-Sessions start `start_every_s` apart and spend most of their time in tool calls, so only a few
-turns are in flight at once (each turn records how many others were: TTFT is the cache's and the
-model's, not a queue's). An arm says what the sessions tell the server:
+the whole history plus a tool call, its output and a question) behind the system prompt every
+session of the agent shares (instructions, tool definitions, a repository map:
+kvstrata.workloads.agent_prefix). After each turn the session's tool runs for a gap drawn from
+the Mooncake trace's inter-turn gaps, scaled (kvstrata.workloads.turn_gaps): 90% of the gap is
+the tool, then 10% writing the next turn. Each turn records how many other turns were in flight
+when it was sent. An arm says what the sessions tell the server:
 - `none`: nothing;
 - `pins`: every turn's history carries `cache_control` (its last message, so the whole prompt);
 - `pins_prefetch`: that, and a `POST /v1/kv/prefetch` of the next turn's history when the tool
   ends.
-Only every `hinted_every`-th session sends hints (in the hinted arms); the rest never do: their
-traffic is what would push a hinted session's pages out under plain recency, and their TTFT shows
-what the others' pins cost them. Each turn streams with usage; TTFT is sending to the first chunk
-with text.
+Only the last `hinted_sessions` sessions send hints (in the hinted arms); the rest never do:
+their traffic is what pushes a hinted session's pages out under plain recency, and their TTFT
+shows what the others' pins cost them. They start first (they were running when the hinted
+sessions arrive) and may differ in size (`unhinted_first_lines`, `unhinted_turns`). Each turn
+streams with usage; TTFT is sending to the first chunk with text.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import httpx2 as httpx
 
 from kvstrata.agent_text import session_messages
+from kvstrata.workloads.agent_prefix import agent_system_prompt
 from kvstrata.workloads.heldout_trace import HELDOUT_SEED
 from kvstrata.workloads.turn_gaps import GapSampler
 
@@ -40,23 +42,42 @@ REQUEST_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class AgentSpec:
-    sessions: int
-    turns: int
-    first_lines: int  # lines of code in a session's first turn (~20 tokens a line)
+    sessions: int  # the last `hinted_sessions` of them send hints (in the hinted arms)
+    hinted_sessions: int
+    turns: int  # of a hinted session
+    unhinted_turns: int
+    map_lines: int  # lines of code in the system prompt every session shares (~20 tokens a line)
+    first_lines: int  # lines of code in a hinted session's first turn, after the system prompt
+    unhinted_first_lines: int
     tool_lines: int  # lines of tool output each later turn adds
     max_tokens: int
-    gap_scale: float  # trace gaps (minutes) x this = the tool call's seconds
+    gap_scale: float  # trace gaps (seconds) x this = the tool call's seconds
     gap_cap_s: float
-    hinted_every: int  # every n-th session sends hints in the hinted arms (1: all)
-    start_every_s: float  # session s starts s x this after the first
+    start_every_s: float  # sessions of a kind start this far apart
+    hinted_start_s: float  # the first hinted session starts this long after the first unhinted
     page_size: int
     device_pages: int
     host_pages: int
     storage_read_s_per_page: float  # emulated remote store: each page read waits this long
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if not 0 < self.hinted_sessions < self.sessions:
+            raise ValueError(
+                f"sessions ({self.sessions}) must be more than hinted_sessions "
+                f"({self.hinted_sessions}), and hinted_sessions at least 1"
+            )
+
     def hinted(self, session: int) -> bool:
-        return session % self.hinted_every == self.hinted_every - 1
+        return session >= self.sessions - self.hinted_sessions
+
+    def start_s(self, session: int) -> float:
+        """Unhinted sessions start first, `start_every_s` apart; hinted ones from
+        `hinted_start_s` on."""
+        first_hinted = self.sessions - self.hinted_sessions
+        if not self.hinted(session):
+            return self.start_every_s * session
+        return self.hinted_start_s + self.start_every_s * (session - first_hinted)
 
 
 @dataclass
@@ -69,6 +90,7 @@ class Turn:
     by_tier: dict[str, int]
     pinned_tokens: int
     in_flight: int = 0  # other turns outstanding when this one was sent
+    sent_s: float = 0.0  # when it was sent, from the arm's start
     new_tokens: int = 0  # prompt tokens past the session's previous prompt (all: first turn)
 
 
@@ -79,12 +101,19 @@ class ArmResult:
     hints: int = 0
     wall_s: float = 0.0
     outstanding: int = 0  # turns sent and not answered yet (under the lock)
+    started: float = field(default_factory=time.perf_counter)  # the arm's start (perf_counter)
 
 
 def conversations(spec: AgentSpec, session: int) -> list[list[dict[str, str]]]:
-    """The session's prompt per turn (the held-out trace's session, whole history each turn)."""
+    """The session's prompt per turn (the held-out trace's session, whole history each turn),
+    opening with the system prompt every session shares (kvstrata.workloads.agent_prefix)."""
     rng = random.Random(HELDOUT_SEED + session)
-    return session_messages(rng, spec.first_lines, spec.tool_lines, spec.turns)
+    system = {"role": "system", "content": agent_system_prompt(spec.map_lines)}
+    hinted = spec.hinted(session)
+    first = spec.first_lines if hinted else spec.unhinted_first_lines
+    turns = spec.turns if hinted else spec.unhinted_turns
+    convo = session_messages(rng, first, spec.tool_lines, turns)
+    return [[system, *msgs[1:]] for msgs in convo]
 
 
 def marked(msgs: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -98,7 +127,6 @@ def run_arm(url: str, spec: AgentSpec, arm: str, sampler: GapSampler) -> ArmResu
     """Every session in parallel (agents do), started apart, each turn after its tool call."""
     assert arm in ARMS, arm
     out, lock = ArmResult(), threading.Lock()
-    t0 = time.perf_counter()
     with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
         with ThreadPoolExecutor(spec.sessions) as pool:
             futs = [
@@ -107,7 +135,7 @@ def run_arm(url: str, spec: AgentSpec, arm: str, sampler: GapSampler) -> ArmResu
             ]
             for f in futs:
                 f.result()
-    out.wall_s = time.perf_counter() - t0
+    out.wall_s = time.perf_counter() - out.started
     return out
 
 
@@ -122,9 +150,10 @@ def _session(
 ) -> None:
     hinted = arm != "none" and spec.hinted(s)
     convo = conversations(spec, s)
-    time.sleep(spec.start_every_s * s)  # sessions start apart, as agents do
+    time.sleep(spec.start_s(s))  # sessions start apart, as agents do
     last_prompt = 0
     for k, msgs in enumerate(convo):
+        sent_s = time.perf_counter() - out.started
         with lock:
             in_flight = out.outstanding
             out.outstanding += 1
@@ -135,7 +164,7 @@ def _session(
                 out.outstanding -= 1
                 out.errors.append(f"session {s} turn {k}: {type(exc).__name__}: {exc}")
             return
-        turn.hinted, turn.in_flight = spec.hinted(s), in_flight
+        turn.hinted, turn.in_flight, turn.sent_s = spec.hinted(s), in_flight, sent_s
         turn.new_tokens, last_prompt = turn.prompt_tokens - last_prompt, turn.prompt_tokens
         with lock:
             out.outstanding -= 1
