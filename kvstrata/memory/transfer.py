@@ -1,7 +1,8 @@
 """The real PageMover: moves KV bytes between the device pool, the host pool and storage.
 
 host <-> device copies go through the CopyEngine (per-layer completion); host <-> storage I/O runs
-on one storage worker thread in submission order, reading and writing host pages in place (the host
+on one storage worker thread in submission order (a probe ahead of queued reads:
+memory.storage_jobs), reading and writing host pages in place (the host
 layout is page-first, so a page is one contiguous buffer). The cache manager pins the pages an
 op reads until it is applied, so the bytes stay valid while the worker uses them.
 
@@ -25,7 +26,6 @@ wrote): then the page's commit writer (RankShare) writes the marker.
 
 from __future__ import annotations
 
-import queue
 import random
 import threading
 from collections.abc import Callable
@@ -36,6 +36,7 @@ import torch
 from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
 from kvstrata.memory.copy_engine import CopyEngine
 from kvstrata.memory.pool import DevicePool, HostPool
+from kvstrata.memory.storage_jobs import StorageJobs
 from kvstrata.storage.base import StorageBackend, put_report, register_host_memory
 from kvstrata.storage.units import UnitStorage
 
@@ -101,7 +102,7 @@ class TensorMover:
         self._results: dict[int, int] = {}
         self._lock = threading.Lock()
         # ops, or plain jobs (callables) that run in order with them and report nothing
-        self._jobs: queue.Queue[TransferOp | Callable[[], None] | None] = queue.Queue()
+        self._jobs = StorageJobs()
         self._worker: threading.Thread | None = None
         if storage is not None and host is not None:  # pages then move zero-copy where it can
             register_host_memory(storage, host.data.view(torch.uint8).numpy())
