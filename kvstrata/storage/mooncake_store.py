@@ -11,7 +11,7 @@ Transfers (mooncake_pieces): batch_put_from_multi_buffers / batch_get_into_multi
 header in a small registered area and each payload piece in place where it lies in memory
 registered with `register_buffer` (a host pool, a SealedStore's tails), else through its slot in
 a registered staging area (one copy). Payloads may come as pieces (put_pieces, get_verified): a
-sealed unit's body and tail move in place, and the seal's tag replaces the xxh3 pass on reads.
+sealed get moves a unit's body and tail in place, and the seal's tag replaces the xxh3 pass.
 A get reads `mooncake_batch_pages` values per transfer, on the client's worker thread, and
 checks them on the caller's thread while the worker reads the next batch (the wheel's transfer
 holds no GIL): a second core hides the checks (xxh3, or a seal's AES-GCM) behind the reads.
