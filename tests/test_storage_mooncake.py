@@ -21,7 +21,8 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import encode_header, open_storage
 from kvstrata.storage.mooncake_client import used_in_this_process
 from kvstrata.storage.mooncake_store import MooncakeStore
-from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer
+from kvstrata.storage.sealed import SealedStore
+from kvstrata.storage.sealer import SEAL_OVERHEAD, Sealer
 from kvstrata.storage.units import PagePart, UnitLayout, open_unit_storage
 
 try:

@@ -17,7 +17,8 @@ from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import HEADER_NBYTES, StorageConfig, encode_header, header_ok
 from kvstrata.storage.config import storage_config
 from kvstrata.storage.file_store import FileStore
-from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer, read_key_file
+from kvstrata.storage.sealed import SealedStore
+from kvstrata.storage.sealer import SEAL_OVERHEAD, Sealer, read_key_file
 from kvstrata.storage.units import PagePart, open_unit_storage
 from tests.test_engine_cache import assert_same, conversation, run_turns
 

@@ -16,7 +16,8 @@ import pytest
 from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import HEADER_NBYTES, encode_header
 from kvstrata.storage.file_store import FileStore
-from kvstrata.storage.sealed import SEAL_OVERHEAD, TAG, SealedStore, Sealer, seal_tail
+from kvstrata.storage.sealed import SealedStore
+from kvstrata.storage.sealer import SEAL_OVERHEAD, TAG, Sealer, seal_tail
 
 N = 61  # odd: the tail starts at an unaligned offset
 

@@ -15,7 +15,8 @@ import pytest
 from kvstrata.cache.keys import key_hex
 from kvstrata.storage.base import HEADER_NBYTES, encode_header
 from kvstrata.storage.file_store import FileStore
-from kvstrata.storage.sealed import CHECK_GROUP_BYTES, SEAL_OVERHEAD, SealedStore, Sealer
+from kvstrata.storage.sealed import CHECK_GROUP_BYTES, SealedStore
+from kvstrata.storage.sealer import SEAL_OVERHEAD, Sealer
 
 UNIT = 64 * 1024 + 13  # odd: no piece boundary falls on an aligned offset
 GROUP = CHECK_GROUP_BYTES // (UNIT + SEAL_OVERHEAD)  # units per check task (7)

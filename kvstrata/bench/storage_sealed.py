@@ -26,7 +26,8 @@ import numpy as np
 from kvstrata.storage.base import StorageBackend, register_host_memory
 from kvstrata.storage.config import FileStoreConfig
 from kvstrata.storage.file_store import FileStore
-from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer
+from kvstrata.storage.sealed import SealedStore
+from kvstrata.storage.sealer import SEAL_OVERHEAD, Sealer
 
 BATCH = 64
 ROUNDS = 5

@@ -51,8 +51,9 @@ from kvstrata.storage.file_dirs import parse_file_url, refuse_whole_page_dir
 from kvstrata.storage.file_store import FileStore
 from kvstrata.storage.mooncake_url import mooncake_sibling_url
 from kvstrata.storage.redis_store import RedisStore
-from kvstrata.storage.sealed import SEAL_OVERHEAD, SealedStore, Sealer, read_key_file
+from kvstrata.storage.sealed import SealedStore
 from kvstrata.storage.sealed_mark import SealedMark, refuse_keyless
+from kvstrata.storage.sealer import SEAL_OVERHEAD, Sealer, read_key_file
 from kvstrata.storage.unit_sweep import FilePending, RedisExpiry
 
 UNIT_TAG = b"kvstrata-unit-v1"
