@@ -1,12 +1,23 @@
 """The storage worker's queue: submission order, except that a probe goes ahead of the reads
-queued after the last backup or plain job, and probes keep their order among themselves."""
+queued after the last backup or plain job, and probes keep their order among themselves; with
+the probe lane, a probe need not wait for the read in progress either, and a write still waits
+for every probe put before it."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
 
 from kvstrata.cache.ops import BACKUP, PREFETCH, PROBE, TransferOp
+from kvstrata.memory.layout import KVShape
+from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.storage_jobs import Job, StorageJobs
+from kvstrata.memory.transfer import TensorMover
+from kvstrata.storage.memory_store import MemoryStorage
 
 
 def op(kind: str, tag: int) -> TransferOp:
@@ -46,3 +57,94 @@ def test_a_probe_on_an_idle_queue_and_the_stop_marker() -> None:
     jobs.put(None)
     worker.join(timeout=10)
     assert not worker.is_alive() and got == [probe, None]
+
+
+def test_the_lane_takes_a_probe_only_while_reads_alone_are_queued_or_running() -> None:
+    jobs = StorageJobs(probe_lane=True)
+    jobs.put(op(PREFETCH, 1))
+    jobs.put(op(PREFETCH, 2))
+    running = jobs.get()  # the worker reads prefetch1
+    jobs.put(op(PROBE, 3))  # beside it, on the lane
+    assert running.keys == [1] and jobs.get_probe().keys == [3] and len(jobs) == 1
+    jobs.probe_done()
+    jobs.put(op(BACKUP, 4))
+    jobs.put(op(PREFETCH, 5))
+    jobs.put(op(PROBE, 6))  # a write is queued: behind it, ahead of prefetch5
+    jobs.put(op(PROBE, 7))  # a probe waits in the queue: after it, never the lane
+    assert names(jobs) == ["prefetch2", "backup4", "probe6", "probe7", "prefetch5"]
+    jobs.put(lambda: None)
+    assert jobs.get() is not None  # the worker runs the plain job
+    jobs.put(op(PROBE, 8))  # a write is running: into the queue
+    assert names(jobs) == ["probe8"]
+
+
+def test_a_write_waits_for_the_lanes_probes_put_before_it() -> None:
+    jobs = StorageJobs(probe_lane=True)
+    jobs.put(op(PROBE, 1))  # idle worker: the lane
+    jobs.put(op(BACKUP, 2))
+    jobs.put(op(PROBE, 3))  # behind the backup
+    took: list[Job] = []
+    worker = threading.Thread(target=lambda: took.append(jobs.get()))
+    worker.start()
+    probe = jobs.get_probe()
+    worker.join(timeout=0.3)
+    assert worker.is_alive() and not took  # the backup would change what probe1 finds
+    jobs.probe_done()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and [t.keys for t in took] == [[2]] and probe.keys == [1]
+    assert names(jobs) == ["probe3"]
+    jobs.stop_lane()
+    assert jobs.get_probe() is None
+
+
+SHAPE = KVShape(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2)
+
+
+class HeldReads:
+    """A memory store whose reads wait until `release` (a read in progress, held)."""
+
+    def __init__(self, beside: bool) -> None:
+        self.inner, self.page_nbytes = MemoryStorage(SHAPE.page_nbytes), SHAPE.page_nbytes
+        self.concurrent_exists, self.release = beside, threading.Event()
+        self.reading = threading.Event()
+
+    def exists_prefix(self, keys: Sequence[int]) -> int:
+        return self.inner.exists_prefix(keys)
+
+    def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
+        self.reading.set()
+        assert self.release.wait(10), "the test never released the held read"
+        return self.inner.get(keys, out)
+
+    def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
+        return self.inner.put(keys, pages)
+
+
+def answer(mover: TensorMover, probe: TransferOp, bound_s: float) -> int | None:
+    """The op's result, polled for at most `bound_s` (None: none came)."""
+    for _ in range(int(bound_s / 0.01)):
+        if (got := mover.poll(probe)) is not None:
+            return got
+        time.sleep(0.01)
+    return None
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_a_probe_answers_beside_a_held_read_where_the_store_allows(beside: bool) -> None:
+    store = HeldReads(beside)
+    store.put([10, 11, 12], [np.full(SHAPE.page_nbytes, i, np.uint8) for i in range(3)])
+    mover = TensorMover(DevicePool(SHAPE, 4), HostPool(SHAPE, 4), store)  # type: ignore[arg-type]
+    try:
+        read = TransferOp(PREFETCH, [], [0, 1], [10, 11])
+        probe = TransferOp(PROBE, [], [], [10, 11, 12, 13])
+        mover.submit(read)
+        assert store.reading.wait(10)  # the worker runs the read (a probe put now can't pass it)
+        mover.submit(probe)
+        assert answer(mover, probe, 5.0 if beside else 0.3) == (3 if beside else None)
+        assert mover.poll(read) is None  # still held
+        store.release.set()
+        assert answer(mover, read, 10.0) == 2 and answer(mover, probe, 10.0) == 3
+        assert mover.host is not None and int(mover.host.page_bytes(1)[0]) == 1
+    finally:
+        store.release.set()
+        mover.close()

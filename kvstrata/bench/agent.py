@@ -54,14 +54,15 @@ from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps
 #   ~1400 tokens. A returning turn computes 2-3 pages and finds up to 12 pages of its own
 #   history: up to ~1 s from the remote store, a few ms from host;
 # - pins: at most 9 + 3 x 12 = 45 distinct pages, within the budget (half the host pool: 48);
-# - 8 unhinted sessions x 7 turns start first, 1.5 s apart; the hinted ones from 20 s on, after
-#   the unhinted first turns' prefill (28 lines, ~10 pages each). Their histories (~19 -> ~28
+# - 9 unhinted sessions x 7 turns start first, 1.5 s apart; the hinted ones from 20 s on, after
+#   the unhinted first turns' prefill (28 lines, ~10 pages each). Their histories (~19 -> ~29
 #   pages) do not survive their own tool calls, so each returning unhinted turn reloads ~10-19
 #   pages from storage: that pushes the hinted histories out of a recency-only host tier
 #   without prefill on the core, in every arm alike;
-# - device 40 pages (the largest prompt, ~28 pages, and a hinted turn beside it), host 96: the
-#   final prompts sum to ~290 pages, over twice device + host (272); distinct pages ~200;
-# - tool calls: the trace's gaps x0.25, at most 20 s (mean ~11 s): three arms in ~7 minutes.
+# - device 64 pages: two of the largest prompts at once, or one beside hinted turns. With 40,
+#   two ~20-page prompts filled it and every third turn waited for one of them to end, whatever
+#   the cache held; host 96: the final prompts sum to ~324 pages, over twice device + host (320);
+# - tool calls: the trace's gaps x0.25, at most 20 s (mean ~11 s): three arms in ~8 minutes.
 QUICK = AgentSpec(
     sessions=5, hinted_sessions=2, turns=3, unhinted_turns=3, map_lines=20, first_lines=3,
     unhinted_first_lines=28, tool_lines=3, max_tokens=4, gap_scale=0.05, gap_cap_s=8.0,
@@ -69,9 +70,9 @@ QUICK = AgentSpec(
     storage_read_s_per_page=0.08,
 )  # fmt: skip
 FULL = AgentSpec(
-    sessions=11, hinted_sessions=3, turns=7, unhinted_turns=7, map_lines=20, first_lines=3,
+    sessions=12, hinted_sessions=3, turns=7, unhinted_turns=7, map_lines=20, first_lines=3,
     unhinted_first_lines=28, tool_lines=3, max_tokens=4, gap_scale=0.25, gap_cap_s=20.0,
-    start_every_s=1.5, hinted_start_s=20.0, page_size=64, device_pages=40, host_pages=96,
+    start_every_s=1.5, hinted_start_s=20.0, page_size=64, device_pages=64, host_pages=96,
     storage_read_s_per_page=0.08,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server

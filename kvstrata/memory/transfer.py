@@ -1,8 +1,8 @@
 """The real PageMover: moves KV bytes between the device pool, the host pool and storage.
 
 host <-> device copies go through the CopyEngine (per-layer completion); host <-> storage I/O runs
-on one storage worker thread in submission order (a probe ahead of queued reads:
-memory.storage_jobs), reading and writing host pages in place (the host
+on one storage worker thread in submission order (a probe ahead of queued reads, or beside
+the read in progress on a probe thread: memory.storage_jobs), reading and writing host pages in place (the host
 layout is page-first, so a page is one contiguous buffer). The cache manager pins the pages an
 op reads until it is applied, so the bytes stay valid while the worker uses them.
 
@@ -37,7 +37,12 @@ from kvstrata.cache.ops import BACKUP, LOAD, PREFETCH, PROBE, STORE, TransferOp
 from kvstrata.memory.copy_engine import CopyEngine
 from kvstrata.memory.pool import DevicePool, HostPool
 from kvstrata.memory.storage_jobs import StorageJobs
-from kvstrata.storage.base import StorageBackend, put_report, register_host_memory
+from kvstrata.storage.base import (
+    StorageBackend,
+    exists_runs_beside_io,
+    put_report,
+    register_host_memory,
+)
 from kvstrata.storage.units import UnitStorage
 
 PREFETCH_CHUNK = 32
@@ -101,16 +106,21 @@ class TensorMover:
         self.counts = dict.fromkeys(("backup_bytes", "foreign_backup_bytes", "commits"), 0)
         self._results: dict[int, int] = {}
         self._lock = threading.Lock()
-        # ops, or plain jobs (callables) that run in order with them and report nothing
-        self._jobs = StorageJobs()
-        self._worker: threading.Thread | None = None
+        # ops, or plain jobs (callables) that run in order with them and report nothing; probes
+        # beside the reads where the store's existence checks may run beside its I/O
+        self._jobs = StorageJobs(probe_lane=exists_runs_beside_io(storage))
+        self._threads: list[threading.Thread] = []
         if storage is not None and host is not None:  # pages then move zero-copy where it can
             register_host_memory(storage, host.data.view(torch.uint8).numpy())
         if storage is not None:
-            self._worker = threading.Thread(
-                target=self._storage_loop, name="kvstrata-storage", daemon=True
-            )
-            self._worker.start()
+            self._start(self._storage_loop, "kvstrata-storage")
+        if self._jobs.probe_lane:
+            self._start(self._probe_loop, "kvstrata-storage-probes")
+
+    def _start(self, loop: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=loop, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _mine(self, ids: list[int]) -> list[int]:
         """Positions of the ids (device or host: same owner rule) this rank's pools own."""
@@ -156,10 +166,12 @@ class TensorMover:
             self._results.pop(id(op), None)
 
     def close(self) -> None:
-        if self._worker is not None:
+        if self._threads:
             self._jobs.put(None)
-            self._worker.join(timeout=30)
-            self._worker = None
+            self._jobs.stop_lane()
+            for thread in self._threads:
+                thread.join(timeout=30)
+            self._threads = []
         if self.copies is not None:
             self.copies.close()
 
@@ -185,12 +197,21 @@ class TensorMover:
                 except Exception:  # noqa: BLE001 - storage trouble never crashes the worker
                     pass
                 continue
-            try:
-                res = self._run_storage(op)
-            except Exception:  # noqa: BLE001 - storage trouble is a miss, never a crash
-                res = 0
-            with self._lock:
-                self._results[id(op)] = res
+            self._answer(op)
+
+    def _probe_loop(self) -> None:
+        """The probe lane: probes that need not wait for the worker's reads."""
+        while (op := self._jobs.get_probe()) is not None:
+            self._answer(op)
+            self._jobs.probe_done()
+
+    def _answer(self, op: TransferOp) -> None:
+        try:
+            res = self._run_storage(op)
+        except Exception:  # noqa: BLE001 - storage trouble is a miss, never a crash
+            res = 0
+        with self._lock:
+            self._results[id(op)] = res
 
     def _run_storage(self, op: TransferOp) -> int:
         assert self.storage is not None and self.host is not None

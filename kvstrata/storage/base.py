@@ -79,6 +79,15 @@ _BUILTIN_MODULES = (
 )
 
 
+def exists_runs_beside_io(storage: object) -> bool:
+    """Whether the store's `exists_prefix` may run on a thread of its own while a `get`, `put`
+    or `delete` runs on another (the storage worker's probe lane: memory.storage_jobs). A
+    backend says so with `concurrent_exists = True`; a wrapper answers for what it wraps. A
+    client that takes one call at a time (mooncake's) leaves it unset: a probe then waits in
+    the worker's queue."""
+    return bool(getattr(storage, "concurrent_exists", False))
+
+
 def register_host_memory(storage: object, array: np.ndarray) -> bool:
     """Offer host memory (a host pool's bytes) to a backend that can move pages in it zero-copy
     (mooncake: registered with its client); False where the backend has no such path."""

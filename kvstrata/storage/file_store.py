@@ -82,6 +82,8 @@ _CLEANUP_COUNTERS = ("evicted", "rescans", "tmp_swept")  # kept by the DirCleanu
 class FileStore:
     """Storage pages as files in one directory (the embedded default backend)."""
 
+    concurrent_exists = True  # a stat per page; a page file appears whole (written, renamed)
+
     def __init__(self, url: str, page_nbytes: int, config: FileStoreConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)
         self.config = config or FileStoreConfig()

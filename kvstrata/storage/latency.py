@@ -22,6 +22,12 @@ if TYPE_CHECKING:  # base.open_storage imports this module: a type here, not an 
 class SlowReads:
     """Delegates to `inner`; `get` first waits `per_page_s` per key (a page, or a unit)."""
 
+    @property
+    def concurrent_exists(self) -> bool:
+        return bool(
+            getattr(self.inner, "concurrent_exists", False)
+        )  # as base.exists_runs_beside_io
+
     def __init__(self, inner: StorageBackend, per_page_s: float) -> None:
         if per_page_s < 0:
             raise ValueError(f"per_page_s must be >= 0, got {per_page_s}")

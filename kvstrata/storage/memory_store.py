@@ -16,6 +16,8 @@ from kvstrata.storage.base import STORAGE_BACKENDS, StorageConfig, check_batch, 
 class MemoryStorage:
     """StorageBackend in a dict; `max_pages` > 0 bounds it (oldest written first out)."""
 
+    concurrent_exists = True  # a membership test per key: atomic beside a put or delete
+
     def __init__(self, page_nbytes: int, max_pages: int = 0) -> None:
         if page_nbytes <= 0:
             raise ValueError(f"page_nbytes must be > 0, got {page_nbytes}")

@@ -43,6 +43,7 @@ from kvstrata.storage.base import (
     PutReport,
     StorageBackend,
     check_batch,
+    exists_runs_beside_io,
     page_view,
     put_report,
     register_host_memory,
@@ -81,6 +82,10 @@ class Landing:
 
 class SealedStore:
     """A StorageBackend of unit values sealed by `sealer` over `inner` (values 44 bytes longer)."""
+
+    @property
+    def concurrent_exists(self) -> bool:
+        return exists_runs_beside_io(self.inner)
 
     def __init__(self, inner: StorageBackend, sealer: Sealer, overlap: bool = False) -> None:
         self.inner, self.sealer = inner, sealer

@@ -42,6 +42,7 @@ from kvstrata.storage.base import (
     PutReport,
     StorageBackend,
     StorageConfig,
+    exists_runs_beside_io,
     open_storage,
     put_report,
     register_host_memory,
@@ -209,6 +210,11 @@ def commit_store_url(url: str, config: StorageConfig) -> tuple[str, StorageConfi
 
 class UnitStorage:
     """A StorageBackend over one rank's part of every page, stored as layout-free units."""
+
+    @property
+    def concurrent_exists(self) -> bool:
+        """A probe asks the commit store, beside the units' reads and the markers' writes."""
+        return exists_runs_beside_io(self.commits) and exists_runs_beside_io(self.units)
 
     def __init__(
         self,
