@@ -29,7 +29,8 @@ PAGE = 4096
 RETRY = {"connect_timeout_s", "reconnect_backoff_s", "reconnect_backoff_max_s"}
 FIELDS: dict[type, set[str]] = {
     StorageConfig: {
-        "emulate_read_s_per_page", "key_file", "encrypt", "file", "memory", "redis", "mooncake",
+        "emulate_read_s_per_page", "read_threads", "key_file", "encrypt", "file", "memory",
+        "redis", "mooncake",
     },
     FileStoreConfig: {
         "max_bytes", "evict_to_fraction", "rescan_interval_s", "fsync", "create_dir",
@@ -78,7 +79,12 @@ def test_each_config_holds_exactly_its_fields_each_documented() -> None:
         assert {f.name for f in got} == names, cls.__name__
         for f in got:
             assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no doc()"
-    backend_options = set(option_fields()) - {"emulate_read_s_per_page", "key_file", "encrypt"}
+    backend_options = set(option_fields()) - {
+        "emulate_read_s_per_page",
+        "read_threads",
+        "key_file",
+        "encrypt",
+    }
     assert backend_options == set(GIVEN)
     assert read_by("key_file") is None and read_by("redis_ttl_s") == ("redis", "rediss")
     assert read_by("max_bytes") == ("file", "mem")

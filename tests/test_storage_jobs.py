@@ -1,7 +1,8 @@
-"""The storage worker's queue: submission order, except that a probe goes ahead of the reads
-queued after the last backup or plain job, and probes keep their order among themselves; with
-the probe lane, a probe need not wait for the read in progress either, and a write still waits
-for every probe put before it."""
+"""The storage workers' queue: submission order, except that a probe goes ahead of the reads
+queued after the last backup or plain job, and probes keep their order among themselves; reads
+run together where there are several workers, a write alone; with the probe lane, a probe need
+not wait for the reads in progress either, and a write still waits for every probe put before
+it."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def names(jobs: StorageJobs) -> list[str]:
     out = []
     while len(jobs):
         job = jobs.get()
+        jobs.done(job)
         out.append(f"{job.kind}{job.keys[0]}" if isinstance(job, TransferOp) else "job")
     return out
 
@@ -67,14 +69,17 @@ def test_the_lane_takes_a_probe_only_while_reads_alone_are_queued_or_running() -
     jobs.put(op(PROBE, 3))  # beside it, on the lane
     assert running.keys == [1] and jobs.get_probe().keys == [3] and len(jobs) == 1
     jobs.probe_done()
+    jobs.done(running)
     jobs.put(op(BACKUP, 4))
     jobs.put(op(PREFETCH, 5))
     jobs.put(op(PROBE, 6))  # a write is queued: behind it, ahead of prefetch5
     jobs.put(op(PROBE, 7))  # a probe waits in the queue: after it, never the lane
     assert names(jobs) == ["prefetch2", "backup4", "probe6", "probe7", "prefetch5"]
     jobs.put(lambda: None)
-    assert jobs.get() is not None  # the worker runs the plain job
+    plain = jobs.get()  # the worker runs the plain job
     jobs.put(op(PROBE, 8))  # a write is running: into the queue
+    assert callable(plain) and len(jobs) == 1
+    jobs.done(plain)
     assert names(jobs) == ["probe8"]
 
 
@@ -92,9 +97,58 @@ def test_a_write_waits_for_the_lanes_probes_put_before_it() -> None:
     jobs.probe_done()
     worker.join(timeout=10)
     assert not worker.is_alive() and [t.keys for t in took] == [[2]] and probe.keys == [1]
+    jobs.done(took[0])
     assert names(jobs) == ["probe3"]
     jobs.stop_lane()
     assert jobs.get_probe() is None
+
+
+def taker(jobs: StorageJobs) -> tuple[threading.Thread, list[Job]]:
+    """A worker thread that takes one job."""
+    took: list[Job] = []
+    thread = threading.Thread(target=lambda: took.append(jobs.get()))
+    thread.start()
+    return thread, took
+
+
+def test_reads_run_together_and_a_write_runs_alone_in_its_place() -> None:
+    jobs = StorageJobs(workers=3)
+    for job in (op(PREFETCH, 1), op(PROBE, 2), op(BACKUP, 3), op(PREFETCH, 4), op(PREFETCH, 5)):
+        jobs.put(job)
+    first, second = jobs.get(), jobs.get()  # two reads at once
+    assert (first.kind, second.kind) == (PROBE, PREFETCH)  # the probe went ahead
+    thread, took = taker(jobs)
+    thread.join(timeout=0.3)
+    assert thread.is_alive() and not took  # the backup waits for both reads
+    jobs.done(first)
+    thread.join(timeout=0.3)
+    assert thread.is_alive() and not took
+    jobs.done(second)
+    thread.join(timeout=10)
+    assert [t.keys for t in took] == [[3]]
+    reader, read = taker(jobs)
+    reader.join(timeout=0.3)
+    assert reader.is_alive() and not read  # nothing after a write starts before it ends
+    jobs.done(took[0])
+    reader.join(timeout=10)
+    assert [t.keys for t in read] == [[4]] and jobs.get().keys == [5]  # then reads together
+    jobs.put(None)
+    assert jobs.get() is None and jobs.get() is None  # every worker takes the stop marker
+
+
+def test_one_worker_takes_one_job_at_a_time() -> None:
+    jobs = StorageJobs()
+    jobs.put(op(PREFETCH, 1))
+    jobs.put(op(PREFETCH, 2))
+    first = jobs.get()
+    thread, took = taker(jobs)
+    thread.join(timeout=0.3)
+    assert thread.is_alive() and not took
+    jobs.done(first)
+    thread.join(timeout=10)
+    assert [t.keys for t in took] == [[2]]
+    with pytest.raises(ValueError, match="storage workers must be >= 1, got 0"):
+        StorageJobs(workers=0)
 
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2)
@@ -103,16 +157,20 @@ SHAPE = KVShape(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2)
 class HeldReads:
     """A memory store whose reads wait until `release` (a read in progress, held)."""
 
-    def __init__(self, beside: bool) -> None:
+    def __init__(self, beside: bool, together: bool = False) -> None:
         self.inner, self.page_nbytes = MemoryStorage(SHAPE.page_nbytes), SHAPE.page_nbytes
-        self.concurrent_exists, self.release = beside, threading.Event()
-        self.reading = threading.Event()
+        self.concurrent_exists, self.concurrent_reads = beside, together
+        self.release, self.reading, self.two_reading = (threading.Event() for _ in range(3))
+        self._entered = 0
+        self._lock = threading.Lock()
 
     def exists_prefix(self, keys: Sequence[int]) -> int:
         return self.inner.exists_prefix(keys)
 
     def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
-        self.reading.set()
+        with self._lock:
+            self._entered += 1
+            (self.two_reading if self._entered >= 2 else self.reading).set()
         assert self.release.wait(10), "the test never released the held read"
         return self.inner.get(keys, out)
 
@@ -145,6 +203,25 @@ def test_a_probe_answers_beside_a_held_read_where_the_store_allows(beside: bool)
         store.release.set()
         assert answer(mover, read, 10.0) == 2 and answer(mover, probe, 10.0) == 3
         assert mover.host is not None and int(mover.host.page_bytes(1)[0]) == 1
+    finally:
+        store.release.set()
+        mover.close()
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_two_requests_reads_run_together_where_the_store_allows(together: bool) -> None:
+    store = HeldReads(beside=False, together=together)
+    store.put([10, 11], [np.full(SHAPE.page_nbytes, i + 1, np.uint8) for i in range(2)])
+    host = HostPool(SHAPE, 4)
+    mover = TensorMover(DevicePool(SHAPE, 4), host, store, read_threads=2)  # type: ignore[arg-type]
+    try:
+        reads = [TransferOp(PREFETCH, [], [0], [10]), TransferOp(PREFETCH, [], [1], [11])]
+        for read in reads:
+            mover.submit(read)
+        assert store.two_reading.wait(5.0 if together else 0.3) is together
+        store.release.set()
+        assert [answer(mover, read, 10.0) for read in reads] == [1, 1]
+        assert [int(host.page_bytes(i)[0]) for i in (0, 1)] == [1, 2]
     finally:
         store.release.set()
         mover.close()

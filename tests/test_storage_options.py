@@ -14,7 +14,7 @@ from kvstrata.cli.main import build_parser, main
 from kvstrata.cli.run_cmd import STORAGE_PREFIX
 
 GROUPS = {
-    "StorageConfig": {"--storage-key-file", "--storage-encrypt"},
+    "StorageConfig": {"--storage-read-threads", "--storage-key-file", "--storage-encrypt"},
     "StorageConfig: file and mem backends": {"--storage-max-bytes"},
     "StorageConfig: file backend": {
         "--storage-evict-to-fraction", "--storage-rescan-interval-s", "--storage-fsync",

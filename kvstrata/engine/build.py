@@ -196,7 +196,9 @@ def open_cache_parts(
             commit_on_put,
             crash_after_units=crash_after_units,
         )
-    return CacheParts(pool, host, TensorMover(pool, host, storage, share), storage is not None)
+    threads = storage_cfg.read_threads if storage_cfg is not None else StorageConfig().read_threads
+    mover = TensorMover(pool, host, storage, share, threads)
+    return CacheParts(pool, host, mover, storage is not None)
 
 
 def assemble(

@@ -1,5 +1,6 @@
-"""The storage worker's queue: a rank's storage ops and plain jobs, run one at a time, and a
-lane beside it where a probe need not wait for a read at all.
+"""The storage workers' queue: a rank's storage ops and plain jobs, taken in order by one
+worker, or by several where the store takes concurrent reads, and a lane beside it where a
+probe need not wait for a read at all.
 
 In submission order, with one exception: a probe (existence checks, a few small calls) goes
 ahead of the prefetches queued after the last job of any other kind. A probe answers whether a
@@ -11,13 +12,18 @@ finds a unit corrupt and removes it could have made the probe count one page few
 that follows the probe then ends there, a miss like any other). Probes stay in order among
 themselves, so the ranks, whose queues see the same submissions, answer them in the same order.
 
+Jobs start in queue order. Reads (prefetches, probes) may run together, up to one per worker
+(`workers` > 1: a store whose reads may run at once, `storage.base.reads_run_together`); a
+write (a backup or a plain job) starts only once everything before it is done, and nothing
+after it starts until it is done. So each job finds exactly the writes queued before it, as
+with one worker: several workers change only when a read's result comes.
+
 The probe lane (a store whose existence checks may run beside its reads and writes:
-`storage.base.exists_runs_beside_io`): a probe put while the worker runs or holds nothing but
-reads does not wait for the read in progress either; a second thread runs it. The same rule
-holds as in one queue: a write (a backup or a plain job) the worker takes next waits until every
-probe put before it is done, so a probe finds exactly the writes put before it; a probe put
-while a write is queued or running goes into the one queue behind that write, and no probe is
-put in the lane while one waits there, so probes keep their order.
+`storage.base.exists_runs_beside_io`): a probe put while the workers run or hold nothing but
+reads does not wait for the reads in progress either; a thread of its own runs it. The same
+rule holds: a write waits until every probe put before it is done; a probe put while a write
+is queued or running goes into the queue behind that write, and no probe is put in the lane
+while one waits in the queue, so probes keep their order.
 """
 
 from __future__ import annotations
@@ -40,16 +46,24 @@ def _is_probe(job: Job) -> bool:
     return isinstance(job, TransferOp) and job.kind == PROBE
 
 
-class StorageJobs:
-    """A blocking queue of Jobs in the order above; `probe_lane`: probes may go to the lane
-    (taken by `get_probe`, each reported by `probe_done`)."""
+def _is_read(job: Job) -> bool:
+    return _is_prefetch(job) or _is_probe(job)
 
-    def __init__(self, probe_lane: bool = False) -> None:
-        self.probe_lane = probe_lane
+
+class StorageJobs:
+    """A blocking queue of Jobs in the order above, for `workers` threads (each takes a job
+    with `get` and reports it with `done`); `probe_lane`: probes may go to the lane (taken by
+    `get_probe`, each reported by `probe_done`)."""
+
+    def __init__(self, probe_lane: bool = False, workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"storage workers must be >= 1, got {workers}")
+        self.probe_lane, self.workers = probe_lane, workers
         self._jobs: deque[Job] = deque()
         self._probes: deque[TransferOp | None] = deque()  # the lane; None: stop
         self._lane_open = 0  # probes put in the lane and not reported done
-        self._running: Job = None  # the job the worker took last and has not finished
+        self._reads = 0  # reads the workers took and have not reported done
+        self._writing = False  # a worker took a write and has not reported it done
         self._ready = threading.Condition()
 
     def put(self, job: Job) -> None:
@@ -69,32 +83,49 @@ class StorageJobs:
             self._ready.notify_all()
 
     def _lane_takes(self, job: Job) -> bool:
-        """A probe goes to the lane while the worker holds and runs only reads (caller holds
+        """A probe goes to the lane while the workers hold and run only reads (caller holds
         the condition's lock)."""
         return (
             self.probe_lane
             and _is_probe(job)
-            and (self._running is None or _is_prefetch(self._running))
+            and not self._writing
             and all(_is_prefetch(j) for j in self._jobs)
         )
 
     def get(self) -> Job:
-        """The worker's next job (the one before it is finished), waiting for one; a write
-        waits until the lane's probes put before it are done (the worker's idle wait: it ends
-        with a put, or a probe done)."""
+        """A worker's next job, waiting until the one at the head may start (the workers' idle
+        wait: it ends with a put or a job done). The stop marker stays queued: every worker
+        takes it."""
         with self._ready:
-            self._running = None
-            while not self._jobs or self._write_waits(self._jobs[0]):
+            while not self._jobs or not self._may_start(self._jobs[0]):
                 self._ready.wait()
-            self._running = self._jobs.popleft()
-            return self._running
+            job = self._jobs[0]
+            if job is None:
+                return None
+            self._jobs.popleft()
+            if _is_read(job):
+                self._reads += 1
+            else:
+                self._writing = True
+            return job
 
-    def _write_waits(self, job: Job) -> bool:
-        """A backup or plain job waits while probes put in the lane before it are open (any
-        open one was put before it: none enters the lane while a write is queued)."""
-        return (
-            job is not None and not _is_prefetch(job) and not _is_probe(job) and self._lane_open > 0
-        )
+    def _may_start(self, job: Job) -> bool:
+        """Reads start beside reads; a write alone, after every job before it (the lane's
+        probes too: any open one was put before it, since none enters while a write waits)."""
+        if job is None or self._writing:
+            return job is None
+        if _is_read(job):
+            return self._reads < self.workers
+        return self._reads == 0 and self._lane_open == 0
+
+    def done(self, job: Job) -> None:
+        """A worker finished `job` (taken with `get`)."""
+        with self._ready:
+            if _is_read(job):
+                self._reads -= 1
+            else:
+                self._writing = False
+            self._ready.notify_all()
 
     def get_probe(self) -> TransferOp | None:
         """The lane's next probe, waiting for one; None: stop."""
@@ -116,6 +147,6 @@ class StorageJobs:
             self._ready.notify_all()
 
     def __len__(self) -> int:
-        """Jobs queued in the one queue (the lane's not counted)."""
+        """Jobs queued (the lane's and the stop marker not counted)."""
         with self._ready:
-            return len(self._jobs)
+            return sum(1 for j in self._jobs if j is not None)

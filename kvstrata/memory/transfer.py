@@ -1,8 +1,9 @@
 """The real PageMover: moves KV bytes between the device pool, the host pool and storage.
 
 host <-> device copies go through the CopyEngine (per-layer completion); host <-> storage I/O runs
-on one storage worker thread in submission order (a probe ahead of queued reads, or beside
-the read in progress on a probe thread: memory.storage_jobs), reading and writing host pages in place (the host
+on storage worker threads in submission order (reads together where the store takes them, a
+write alone; a probe ahead of queued reads, or beside the reads in progress on a probe thread:
+memory.storage_jobs), reading and writing host pages in place (the host
 layout is page-first, so a page is one contiguous buffer). The cache manager pins the pages an
 op reads until it is applied, so the bytes stay valid while the worker uses them.
 
@@ -41,6 +42,7 @@ from kvstrata.storage.base import (
     StorageBackend,
     exists_runs_beside_io,
     put_report,
+    reads_run_together,
     register_host_memory,
 )
 from kvstrata.storage.units import UnitStorage
@@ -97,7 +99,9 @@ class TensorMover:
         host: HostPool | None,
         storage: StorageBackend | UnitStorage | None = None,
         share: RankShare = WHOLE,
+        read_threads: int = 1,
     ) -> None:
+        """read_threads: storage reads in flight at once, where the store takes them (else 1)."""
         self.device, self.host, self.storage, self.share = device, host, storage, share
         self.copies = CopyEngine(device, host) if host is not None else None
         # a backup is committed by release() once agreed, not by the store as it is written
@@ -108,13 +112,14 @@ class TensorMover:
         self._lock = threading.Lock()
         # ops, or plain jobs (callables) that run in order with them and report nothing; probes
         # beside the reads where the store's existence checks may run beside its I/O
-        self._jobs = StorageJobs(probe_lane=exists_runs_beside_io(storage))
+        workers = read_threads if reads_run_together(storage) else 1
+        self._jobs = StorageJobs(exists_runs_beside_io(storage), workers)
         self._threads: list[threading.Thread] = []
         if storage is not None and host is not None:  # pages then move zero-copy where it can
             register_host_memory(storage, host.data.view(torch.uint8).numpy())
-        if storage is not None:
-            self._start(self._storage_loop, "kvstrata-storage")
-        if self._jobs.probe_lane:
+        for i in range(workers if storage is not None else 0):
+            self._start(self._storage_loop, f"kvstrata-storage-{i}")
+        if storage is not None and self._jobs.probe_lane:
             self._start(self._probe_loop, "kvstrata-storage-probes")
 
     def _start(self, loop: Callable[[], None], name: str) -> None:
@@ -196,8 +201,9 @@ class TensorMover:
                     op()
                 except Exception:  # noqa: BLE001 - storage trouble never crashes the worker
                     pass
-                continue
-            self._answer(op)
+            else:
+                self._answer(op)
+            self._jobs.done(op)
 
     def _probe_loop(self) -> None:
         """The probe lane: probes that need not wait for the worker's reads."""

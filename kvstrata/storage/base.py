@@ -88,6 +88,15 @@ def exists_runs_beside_io(storage: object) -> bool:
     return bool(getattr(storage, "concurrent_exists", False))
 
 
+def reads_run_together(storage: object) -> bool:
+    """Whether several `get`s (and `exists_prefix`) may run at once on threads of their own
+    (the storage workers: memory.storage_jobs; a write still runs alone). A backend says so with
+    `concurrent_reads = True`; a wrapper answers for what it wraps. Mooncake's client (one call
+    at a time) and a sealed store (its landing places and check thread are shared) leave it
+    unset: their reads run one at a time."""
+    return bool(getattr(storage, "concurrent_reads", False))
+
+
 def register_host_memory(storage: object, array: np.ndarray) -> bool:
     """Offer host memory (a host pool's bytes) to a backend that can move pages in it zero-copy
     (mooncake: registered with its client); False where the backend has no such path."""

@@ -186,6 +186,12 @@ class StorageConfig:
         "benchmarks: every read waits this long per page first (emulates remote storage)",
         debug=True,
     )
+    read_threads: int = doc(
+        4,
+        "storage reads in flight at once, each on a thread of its own, where the store takes "
+        "concurrent reads (file, mem, redis; a sealed or mooncake store reads one at a time); "
+        "a write still runs alone, between the reads queued before and after it",
+    )
     key_file: str = doc(
         "",
         "cluster key file (hex, `kvstrata keys cluster`): every stored unit carries a keyed MAC "
@@ -205,6 +211,8 @@ class StorageConfig:
     def __post_init__(self) -> None:
         if self.encrypt and not self.key_file:
             raise ValueError("encrypt needs key_file (the cluster key)")
+        if self.read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
         if self.emulate_read_s_per_page < 0:
             raise ValueError(
                 f"emulate_read_s_per_page must be >= 0, got {self.emulate_read_s_per_page}"

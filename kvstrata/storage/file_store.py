@@ -83,6 +83,7 @@ class FileStore:
     """Storage pages as files in one directory (the embedded default backend)."""
 
     concurrent_exists = True  # a stat per page; a page file appears whole (written, renamed)
+    concurrent_reads = True  # a read opens its own files, with its own header buffer
 
     def __init__(self, url: str, page_nbytes: int, config: FileStoreConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)

@@ -22,11 +22,15 @@ if TYPE_CHECKING:  # base.open_storage imports this module: a type here, not an 
 class SlowReads:
     """Delegates to `inner`; `get` first waits `per_page_s` per key (a page, or a unit)."""
 
+    # what the inner store says, as base.exists_runs_beside_io and reads_run_together read it
+    # (base imports this module)
     @property
     def concurrent_exists(self) -> bool:
-        return bool(
-            getattr(self.inner, "concurrent_exists", False)
-        )  # as base.exists_runs_beside_io
+        return bool(getattr(self.inner, "concurrent_exists", False))
+
+    @property
+    def concurrent_reads(self) -> bool:
+        return bool(getattr(self.inner, "concurrent_reads", False))
 
     def __init__(self, inner: StorageBackend, per_page_s: float) -> None:
         if per_page_s < 0:

@@ -6,6 +6,7 @@ goes first.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +18,7 @@ class MemoryStorage:
     """StorageBackend in a dict; `max_pages` > 0 bounds it (oldest written first out)."""
 
     concurrent_exists = True  # a membership test per key: atomic beside a put or delete
+    concurrent_reads = True  # a read copies out of the bytes a put left (never changed)
 
     def __init__(self, page_nbytes: int, max_pages: int = 0) -> None:
         if page_nbytes <= 0:
@@ -26,6 +28,7 @@ class MemoryStorage:
         self.page_nbytes, self.max_pages = page_nbytes, max_pages
         self._pages: dict[int, bytes] = {}  # insertion order = write order (FIFO clean-up)
         self._stats = {"puts": 0, "gets": 0, "hits": 0, "evicted": 0}
+        self._lock = threading.Lock()  # guards the counters: reads run on several threads
 
     def exists_prefix(self, keys: Sequence[int]) -> int:
         n = 0
@@ -37,31 +40,39 @@ class MemoryStorage:
 
     def get(self, keys: Sequence[int], out: Sequence[np.ndarray]) -> int:
         check_batch(keys, out, "get")
-        self._stats["gets"] += len(keys)
-        for i, k in enumerate(keys):
+        hits = 0
+        for k, dst in zip(keys, out, strict=True):
             data = self._pages.get(k)
             if data is None:
-                return i
-            out[i][:] = np.frombuffer(data, dtype=np.uint8)
-            self._stats["hits"] += 1
-        return len(keys)
+                break
+            dst[:] = np.frombuffer(data, dtype=np.uint8)
+            hits += 1
+        with self._lock:
+            self._stats["gets"] += len(keys)
+            self._stats["hits"] += hits
+        return hits
 
     def put(self, keys: Sequence[int], pages: Sequence[np.ndarray]) -> int:
         check_batch(keys, pages, "put")
         for k, p in zip(keys, pages, strict=True):
             self._pages[k] = page_view(p, self.page_nbytes, "put").tobytes()
-        self._stats["puts"] += len(keys)
+        evicted = 0
         while self.max_pages and len(self._pages) > self.max_pages:
             del self._pages[next(iter(self._pages))]
-            self._stats["evicted"] += 1
+            evicted += 1
+        with self._lock:
+            self._stats["puts"] += len(keys)
+            self._stats["evicted"] += evicted
         return len(keys)
 
     def delete(self, keys: Sequence[int]) -> int:
         return sum(self._pages.pop(k, None) is not None for k in keys)
 
     def stats(self) -> dict[str, int | float]:
+        with self._lock:
+            counts = dict(self._stats)
         return {
-            **self._stats,
+            **counts,
             "pages": len(self._pages),
             "bytes": len(self._pages) * self.page_nbytes,
         }

@@ -58,6 +58,7 @@ class RedisStore:
     """Storage pages in a Redis (or Valkey) server under `redis_key_prefix` + 32 hex digits."""
 
     concurrent_exists = True  # each call takes its own connection from the client's pool
+    concurrent_reads = True
 
     def __init__(self, url: str, page_nbytes: int, config: RedisStoreConfig | None = None) -> None:
         self.page_nbytes = check_page_nbytes(page_nbytes)

@@ -45,6 +45,7 @@ from kvstrata.storage.base import (
     exists_runs_beside_io,
     open_storage,
     put_report,
+    reads_run_together,
     register_host_memory,
     url_scheme,
 )
@@ -215,6 +216,12 @@ class UnitStorage:
     def concurrent_exists(self) -> bool:
         """A probe asks the commit store, beside the units' reads and the markers' writes."""
         return exists_runs_beside_io(self.commits) and exists_runs_beside_io(self.units)
+
+    @property
+    def concurrent_reads(self) -> bool:
+        """A get reads units (into the pages, or into buffers of its own) and counts them under
+        the lock; a probe reads commit markers."""
+        return reads_run_together(self.units) and reads_run_together(self.commits)
 
     def __init__(
         self,
