@@ -1,5 +1,6 @@
 """`kvstrata bench agent` end to end on a tiny random Llama (the --quick run needs SmolLM2 and
-minutes): three servers, the three arms, and the report's keys and pin figures."""
+minutes): three servers a round, the three arms in two rounds, and the report's keys and pin
+figures over both."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ SPEC = AgentSpec(
     sessions=2, hinted_sessions=1, turns=2, unhinted_turns=2, map_lines=2, first_lines=2,
     unhinted_first_lines=3, tool_lines=1, max_tokens=2, gap_scale=1.0, gap_cap_s=0.2,
     start_every_s=0.1, hinted_start_s=0.1, page_size=32, device_pages=64, host_pages=96,
-    storage_read_s_per_page=0.01,
+    storage_read_s_per_page=0.01, rounds=2,
 )  # fmt: skip
 
 
 @pytest.mark.slow
-def test_three_arms_report_their_ratios_and_pins(ckpt: Path, tmp_path: Path) -> None:
+def test_three_arms_in_two_rounds_report_their_ratios_and_pins(ckpt: Path, tmp_path: Path) -> None:
     sampler = GapSampler([0.05, 0.1, 0.3], SPEC.gap_scale, SPEC.gap_cap_s, 0)
     report = run_agent(SPEC, ckpt, sampler, tmp_path)
     assert report["errors"] == 0, [report[a]["error_messages"] for a in ("none", "pins")]
@@ -32,14 +33,17 @@ def test_three_arms_report_their_ratios_and_pins(ckpt: Path, tmp_path: Path) -> 
                 "unhinted_ttft_over_none"):  # fmt: skip
         assert not math.isnan(report[key]) and report[key] > 0, key
     none, pins, both = report["none"], report["pins"], report["pins_prefetch"]
-    assert none["requests"] == pins["requests"] == both["requests"] == 4
+    # two rounds of 2 sessions x 2 turns, pooled per arm
+    assert none["requests"] == pins["requests"] == both["requests"] == 8
+    assert [row[:2] for row in none["turn_log"]] == ["r0"] * 4 + ["r1"] * 4
     assert none["pins_made"] == 0 and none["pinned_tokens_reported"] == 0
-    # session 1 is hinted: its 2 turns pin their histories (nested: each a new pin)
-    assert pins["pins_made"] == both["pins_made"] == 2 and pins["pinned_tokens_reported"] > 0
-    assert both["hints_sent"] == 1 and pins["hints_sent"] == 0  # one tool call ends, hinted
+    # session 1 is hinted: its 2 turns pin their histories (nested: each a new pin), per round
+    assert pins["pins_made"] == both["pins_made"] == 4 and pins["pinned_tokens_reported"] > 0
+    assert both["hints_sent"] == 2 and pins["hints_sent"] == 0  # one hinted tool call a round
+    assert len(pins["pinned_pages_end"]) == 2  # each round's server at its end
     assert set(both["hit_rate_by_tier"]) == {"device", "host", "storage"}
     for arm in (none, pins, both):
-        assert arm["hinted"]["turns"] == arm["unhinted"]["turns"] == 2
+        assert arm["hinted"]["turns"] == arm["unhinted"]["turns"] == 4
         for who in ("hinted", "unhinted"):  # each session's second turn finds its first
             src = arm[who]["prompt_tokens_from"]
             assert src["device"] + src["host"] + src["storage"] > 0 and src["computed"] > 0

@@ -60,8 +60,11 @@ class AgentSpec:
     host_pages: int
     storage_read_s_per_page: float  # emulated remote store: each page read waits this long
     seed: int = 0
+    rounds: int = 1  # the three arms run this many times in turn; each arm's turns pooled
 
     def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if not 0 < self.hinted_sessions < self.sessions:
             raise ValueError(
                 f"sessions ({self.sessions}) must be more than hinted_sessions "
@@ -92,6 +95,7 @@ class Turn:
     in_flight: int = 0  # other turns outstanding when this one was sent
     sent_s: float = 0.0  # when it was sent, from the arm's start
     new_tokens: int = 0  # prompt tokens past the session's previous prompt (all: first turn)
+    round: int = 0  # which run of its arm (AgentSpec.rounds)
 
 
 @dataclass
@@ -102,6 +106,15 @@ class ArmResult:
     wall_s: float = 0.0
     outstanding: int = 0  # turns sent and not answered yet (under the lock)
     started: float = field(default_factory=time.perf_counter)  # the arm's start (perf_counter)
+
+    def add(self, other: ArmResult, round_: int) -> None:
+        """Pool another run of the same arm into this one (its turns marked with `round_`)."""
+        for turn in other.turns:
+            turn.round = round_
+        self.turns += other.turns
+        self.errors += other.errors
+        self.hints += other.hints
+        self.wall_s += other.wall_s
 
 
 def conversations(spec: AgentSpec, session: int) -> list[list[dict[str, str]]]:
