@@ -2,10 +2,11 @@
 hints, with `cache_control` pins on every turn, and with pins + a prefetch hint when each tool
 call ends (kvstrata/bench/agent_load.py), in one run.
 
-Each arm gets a fresh server with the same configs: device + host pools small enough that the
-sessions compete for them, a pin budget (the default half of the host pool) that the hinted
-sessions' histories fit, and a storage tier (a fresh directory per arm) that evicted pages fall
-back to. The storage is the shared store agents' servers have, a remote one: a page read from
+The three arms run in turn, `rounds` times (FULL: twice), each run on a fresh server, and each
+arm's turns are pooled over its rounds. Every server has the same configs: device + host pools
+small enough that the sessions compete for them, a pin budget (the default half of the host
+pool) that the hinted sessions' histories fit, and a storage tier (a fresh directory per arm)
+that evicted pages fall back to. The storage is the shared store agents' servers have, a remote one: a page read from
 it waits `storage_read_s_per_page` (the server's `--storage-emulate-read-s-per-page`), about
 2/3 of what computing the page costs SmolLM2 on one core. A local file store would read a page
 in a few ms, as fast as the host tier: there, keeping a page in host memory could not matter.
