@@ -6,17 +6,18 @@ The three arms run in turn, `rounds` times (FULL: twice), each run on a fresh se
 arm's turns are pooled over its rounds. Every server has the same configs: device + host pools
 small enough that the sessions compete for them, a pin budget (the default half of the host
 pool) that the hinted sessions' histories fit, and a storage tier (a fresh directory per arm)
-that evicted pages fall back to. The storage is the shared store agents' servers have, a remote one: a page read from
-it waits `storage_read_s_per_page` (the server's `--storage-emulate-read-s-per-page`), about
-2/3 of what computing the page costs SmolLM2 on one core. A local file store would read a page
-in a few ms, as fast as the host tier: there, keeping a page in host memory could not matter.
+that evicted pages fall back to. The storage is the shared store agents' servers have, a remote
+one: a page read from it waits `storage_read_s_per_page` (the server's
+`--storage-emulate-read-s-per-page`), about 2/3 of what computing the page costs SmolLM2 on one
+core. A local file store would read a page in a few ms, as fast as the host tier: there,
+keeping a page in host memory could not matter.
 
 The sessions are shaped as coding agents' are: every one opens with the same long system prompt
 (instructions, tool definitions, a repository map), so a first turn computes only its task; each
 later turn resends the history and adds a short part (the tool call, its output, a question), so
 what the cache kept of the history decides a returning turn's TTFT. The sessions that send no
 hints start first and carry larger histories: their returning turns reload them from storage,
-which pushes other pages out of the host tier through the storage worker rather than through
+which pushes other pages out of the host tier through the storage workers rather than through
 prefill on the core the hinted turns need.
 
 Reported per arm, for the sessions that send hints and for those that never do: TTFT p50/p90,
