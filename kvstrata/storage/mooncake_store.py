@@ -150,9 +150,15 @@ class MooncakeStore:
 
     def _call(self, what: str, fn: Any) -> list[int] | None:
         """A batched client call; None if it failed (an RPC failure marks the master down)."""
+        self._check_open()
+        return self._marked(what, self.client.call(what, fn))
+
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"mooncake storage {self.url} is closed")
-        codes = self.client.call(what, fn)
+
+    def _marked(self, what: str, codes: list[int] | None) -> list[int] | None:
+        """A call's codes as returned; an RPC failure among them marks the master down."""
         if codes is not None and RPC_FAIL in codes:
             self.client.mark_down(f"{what} got RPC_FAIL")
         return codes
@@ -254,17 +260,15 @@ class MooncakeStore:
 
     def _landed(self, pending: Pending[list[int]] | None) -> list[int] | None:
         """What each value of a started read returned (None: not started, or it failed)."""
-        sizes = None if pending is None else self.client.finish(pending)
-        if sizes is not None and RPC_FAIL in sizes:
-            self.client.mark_down("batch_get_into got RPC_FAIL")
-        return sizes
+        return (
+            None if pending is None else self._marked("batch_get_into", self.client.finish(pending))
+        )
 
     def _fetch(
         self, keys: Sequence[int], moves: Sequence[ValueMove], span: range
     ) -> Pending[list[int]] | None:
         """Start reading values `span` of a get (their `moves`) on the worker (None: not)."""
-        if self._closed:
-            raise RuntimeError(f"mooncake storage {self.url} is closed")
+        self._check_open()
         names = [self._name(keys[i]) for i in span]
         ptrs, sizes = [m.ptrs for m in moves], [m.sizes for m in moves]
         return self.client.start(
