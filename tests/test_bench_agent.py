@@ -42,6 +42,8 @@ def test_three_arms_in_two_rounds_report_their_ratios_and_pins(ckpt: Path, tmp_p
     assert both["hints_sent"] == 2 and pins["hints_sent"] == 0  # one hinted tool call a round
     assert len(pins["pinned_pages_end"]) == 2  # each round's server at its end
     assert set(both["hit_rate_by_tier"]) == {"device", "host", "storage"}
+    for arm in (none, pins, both):  # the servers' reload outcomes, found in /metrics
+        assert all(arm[f"reloads_{o}"] >= 0 for o in ("complete", "partial", "empty", "stopped"))
     for arm in (none, pins, both):
         assert arm["hinted"]["turns"] == arm["unhinted"]["turns"] == 4
         for who in ("hinted", "unhinted"):  # each session's second turn finds its first
@@ -50,3 +52,14 @@ def test_three_arms_in_two_rounds_report_their_ratios_and_pins(ckpt: Path, tmp_p
             assert 0 <= src["history_computed"] <= src["computed"]
         assert 0 <= arm["in_flight_max"] <= 1  # two sessions: at most the other one
     assert "0.01 s" in report["storage"]
+
+
+def test_a_hinted_sessions_tool_calls_run_hinted_gap_x_times_the_drawn_gap() -> None:
+    spec = AgentSpec(**{**SPEC.__dict__, "hinted_gap_x": 3.0})
+    sampler = GapSampler([0.05, 0.1, 0.3], 1.0, 10.0, 0)
+    for turn in range(4):
+        drawn = sampler.gap(0, turn), sampler.gap(1, turn)
+        assert spec.tool_gap_s(sampler, 0, turn) == drawn[0]  # session 0 sends no hints
+        assert spec.tool_gap_s(sampler, 1, turn) == 3.0 * drawn[1]
+    with pytest.raises(ValueError, match="hinted_gap_x must be > 0, got 0"):
+        AgentSpec(**{**SPEC.__dict__, "hinted_gap_x": 0.0})

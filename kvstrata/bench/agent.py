@@ -15,7 +15,8 @@ keeping a page in host memory could not matter.
 The sessions are shaped as coding agents' are: every one opens with the same long system prompt
 (instructions, tool definitions, a repository map), so a first turn computes only its task; each
 later turn resends the history and adds a short part (the tool call, its output, a question), so
-what the cache kept of the history decides a returning turn's TTFT. The sessions that send no
+what the cache kept of the history decides a returning turn's TTFT. The hinted sessions' tools
+run longer than the others' (`hinted_gap_x`), the case hints are for. The sessions that send no
 hints start first and carry larger histories: their returning turns reload them from storage,
 which pushes other pages out of the host tier through the storage workers rather than through
 prefill on the core the hinted turns need.
@@ -24,9 +25,10 @@ Reported per arm, for the sessions that send hints and for those that never do: 
 prompt tokens by where they came from (device, host, storage, computed; `history_computed`:
 computed tokens the session had sent before), and how many other turns were in flight when
 each was sent; per arm: pins made / expired / dropped or refused for budget, pinned pages at
-the end, hints sent, and a turn log (send time, TTFT, tokens by tier, turns in flight). Top
-level, the ratios to the no-hints arm over the same sessions' same turns:
-`ttft_p90_pins_over_none` and `ttft_p50_pins_prefetch_over_none` (the hinted sessions),
+the end, hints sent, storage reloads complete / partial / empty / stopped (cut short by the
+budget, or by a request that let its lease go), and a turn log (send time, TTFT, tokens by
+tier, turns in flight). Top level, the ratios to the no-hints arm over the same sessions' same
+turns: `ttft_p90_pins_over_none` and `ttft_p50_pins_prefetch_over_none` (the hinted sessions),
 `unhinted_ttft_over_none` (the sessions that send no hints: the worse hinted arm's TTFT p50 over
 theirs in the no-hints arm); `returning_turns`: the same three over the turns after each
 session's first (a first turn finds no history of its own in any arm).
@@ -46,7 +48,8 @@ from kvstrata.bench.registry import BENCHES
 from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps_s
 
 # Sizes (SmolLM2 on one core: a page of 64 tokens' prefill ~125 ms; host -> device a few ms; a
-# page from the emulated remote store 80 ms, one read at a time: the server's storage worker).
+# page from the emulated remote store 80 ms; up to 4 requests' reads at once: the server's
+# storage workers).
 # FULL, why each size:
 # - the system prompt every session shares: 606 tokens (9 full pages; agents' instructions and
 #   tool schemas are the largest shared part of their prompts). Hot in every arm, so a first
@@ -56,32 +59,44 @@ from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps
 #   ~1400 tokens. A returning turn computes 2-3 pages and finds up to 12 pages of its own
 #   history: up to ~1 s from the remote store, a few ms from host;
 # - pins: at most 9 + 3 x 12 = 45 distinct pages, within the budget (half the host pool: 48);
-# - 9 unhinted sessions x 7 turns start first, 1.5 s apart; the hinted ones from 20 s on, after
-#   the unhinted first turns' prefill (28 lines, ~10 pages each). Their histories (~19 -> ~29
-#   pages) do not survive their own tool calls, so each returning unhinted turn reloads ~10-19
+# - 9 unhinted sessions x 9 turns start first, 1.5 s apart; the hinted ones from 20 s on, after
+#   the unhinted first turns' prefill (28 lines, ~10 pages each). Their histories (~19 -> ~32
+#   pages) do not survive their own tool calls, so each returning unhinted turn reloads ~10-22
 #   pages from storage: that pushes the hinted histories out of a recency-only host tier
-#   without prefill on the core, in every arm alike;
-# - device 64 pages: two of the largest prompts at once, or one beside hinted turns. With 40,
-#   two ~20-page prompts filled it and every third turn waited for one of them to end, whatever
-#   the cache held; host 96: the final prompts sum to ~324 pages, over twice device + host (320);
-# - tool calls: the trace's gaps x0.25, at most 20 s (mean ~11 s): three arms in ~8 minutes;
+#   without prefill on the core, in every arm alike. Their 9 turns span the hinted sessions' 7
+#   longer tool calls, so the competition lasts as long as the hinted sessions do;
+# - tool calls: the trace's gaps x0.25, at most 20 s (mean ~11 s); a hinted session's run 1.5x
+#   as long (`hinted_gap_x`: mean ~16 s): the case hints are for, a session whose tool runs
+#   long (a build, a test suite) while the others keep sending. With equal gaps most hinted
+#   histories outlived their tool calls in device or host under recency alone (no-hints arm:
+#   102 of ~250 history pages from storage), and there was little for pins to save;
+# - device 80 pages: two of the largest unhinted prompts (~32 pages) beside a hinted turn. With
+#   64, hinted turns waited for one of two running unhinted prompts to end, whatever the cache
+#   held (4 of 21 in one traced arm, up to 1.4 s); with 40, every third turn did. Host 96:
+#   the final prompts sum to ~355 pages, over twice device + host (352);
 # - two rounds of the three arms, each arm's turns pooled: one run's TTFT p50 moves by +-10-15%
 #   with how its turns happened to queue (nine single runs of the unhinted ratio, whose true
-#   value is ~1, spread 0.77-1.24); two rounds halve that spread's variance, in ~17 minutes.
+#   value is ~1, spread 0.77-1.24); two rounds halve that spread's variance, in ~20 minutes;
+# - the servers' reload budget (`READ_BUDGET_X`): the 4 storage workers read different
+#   requests' reloads together, so a reload may queue behind others before its own reads start.
+#   At 2x the store's read time, ~20-page unhinted reloads queued that way ran out of budget in
+#   the hinted arms (4-5 an arm in one traced run, none in the no-hints arm); a stopped reload
+#   lands none of its pages, and its history (~1450 tokens, ~4 s of the core) is computed
+#   again, in front of every hinted turn behind it.
 QUICK = AgentSpec(
     sessions=5, hinted_sessions=2, turns=3, unhinted_turns=3, map_lines=20, first_lines=3,
     unhinted_first_lines=28, tool_lines=3, max_tokens=4, gap_scale=0.05, gap_cap_s=8.0,
     start_every_s=1.0, hinted_start_s=3.0, page_size=64, device_pages=40, host_pages=64,
-    storage_read_s_per_page=0.08,
+    storage_read_s_per_page=0.08, hinted_gap_x=1.5,
 )  # fmt: skip
 FULL = AgentSpec(
-    sessions=12, hinted_sessions=3, turns=7, unhinted_turns=7, map_lines=20, first_lines=3,
+    sessions=12, hinted_sessions=3, turns=7, unhinted_turns=9, map_lines=20, first_lines=3,
     unhinted_first_lines=28, tool_lines=3, max_tokens=4, gap_scale=0.25, gap_cap_s=20.0,
-    start_every_s=1.5, hinted_start_s=20.0, page_size=64, device_pages=64, host_pages=96,
-    storage_read_s_per_page=0.08, rounds=2,
+    start_every_s=1.5, hinted_start_s=20.0, page_size=64, device_pages=80, host_pages=96,
+    storage_read_s_per_page=0.08, rounds=2, hinted_gap_x=1.5,
 )  # fmt: skip
 BENCH_THREADS = 1  # torch threads of each arm's server
-READ_BUDGET_X = 2.0  # the servers' prefetch timeout per page, over the store's read time
+READ_BUDGET_X = 4.0  # the servers' prefetch budget per page, over the store's read time
 
 
 @BENCHES.register("agent")
@@ -160,12 +175,16 @@ def _flat(report: dict[str, Any]) -> dict[str, Any]:
         out[f"{arm}.pins_made/expired/dropped"] = "/".join(
             f"{r[k]:g}" for k in ("pins_made", "pins_expired", "pins_dropped_for_budget")
         )
+        out[f"{arm}.reloads_complete/partial/empty/stopped"] = "/".join(
+            f"{r[f'reloads_{o}']:g}" for o in PREFETCH_OUTCOMES
+        )
     return out
 
 
 def _summed(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Pin figures over an arm's rounds: counters summed, pinned pages at each round's end."""
-    out: dict[str, Any] = {name: sum(r[name] for r in rounds) for name in PIN_COUNTERS}
+    names = (*PIN_COUNTERS, *(f"reloads_{o}" for o in PREFETCH_OUTCOMES))
+    out: dict[str, Any] = {name: sum(r[name] for r in rounds) for name in names}
     out["pinned_pages_end"] = [r["pinned_pages_end"] for r in rounds]
     return out
 
@@ -263,14 +282,23 @@ def _group(turns: list[Turn]) -> dict[str, Any]:
 
 
 PIN_COUNTERS = ("pins_made", "pins_expired", "pins_dropped_for_budget", "pins_refused_for_budget")
+PREFETCH_OUTCOMES = ("complete", "partial", "empty", "stopped")  # kvstrata:prefetch_total
 
 
 def pin_metrics(text: str) -> dict[str, Any]:
-    """The server's pin figures from /metrics: counters, and pages pinned per tier at the end."""
+    """The server's pin figures from /metrics: counters, and pages pinned per tier at the end;
+    and its storage reloads' outcomes."""
     out: dict[str, Any] = {}
     for name in PIN_COUNTERS:
         found = re.search(rf"^kvstrata:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
         out[name] = float(found.group(1)) if found else 0.0
+    for outcome in PREFETCH_OUTCOMES:  # storage reloads; stopped: cut short by the budget
+        found = re.search(
+            rf'^kvstrata:prefetch_total\{{[^}}]*outcome="{outcome}"[^}}]*\}} (\S+)$', text, re.M
+        )
+        if found is None:  # the server exports every outcome, zeros too
+            raise RuntimeError(f"/metrics has no kvstrata:prefetch_total for {outcome!r}")
+        out[f"reloads_{outcome}"] = float(found.group(1))
     out["pinned_pages_end"] = {
         tier: float(v)
         for tier, v in re.findall(

@@ -4,8 +4,9 @@ Session s is the held-out trace's session s (kvstrata.workloads.heldout_trace: e
 the whole history plus a tool call, its output and a question) behind the system prompt every
 session of the agent shares (instructions, tool definitions, a repository map:
 kvstrata.workloads.agent_prefix). After each turn the session's tool runs for a gap drawn from
-the Mooncake trace's inter-turn gaps, scaled (kvstrata.workloads.turn_gaps): 90% of the gap is
-the tool, then 10% writing the next turn. Each turn records how many other turns were in flight
+the Mooncake trace's inter-turn gaps, scaled (kvstrata.workloads.turn_gaps), and a hinted
+session's `hinted_gap_x` times that (its tools run long): 90% of the gap is the tool, then 10%
+writing the next turn. Each turn records how many other turns were in flight
 when it was sent. An arm says what the sessions tell the server:
 - `none`: nothing;
 - `pins`: every turn's history carries `cache_control` (its last message, so the whole prompt);
@@ -61,10 +62,13 @@ class AgentSpec:
     storage_read_s_per_page: float  # emulated remote store: each page read waits this long
     seed: int = 0
     rounds: int = 1  # the three arms run this many times in turn; each arm's turns pooled
+    hinted_gap_x: float = 1.0  # a hinted session's tool calls run this many times the others'
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+        if self.hinted_gap_x <= 0:
+            raise ValueError(f"hinted_gap_x must be > 0, got {self.hinted_gap_x}")
         if not 0 < self.hinted_sessions < self.sessions:
             raise ValueError(
                 f"sessions ({self.sessions}) must be more than hinted_sessions "
@@ -73,6 +77,12 @@ class AgentSpec:
 
     def hinted(self, session: int) -> bool:
         return session >= self.sessions - self.hinted_sessions
+
+    def tool_gap_s(self, sampler: GapSampler, session: int, turn: int) -> float:
+        """The tool call after the session's turn: a hinted session's runs `hinted_gap_x` times
+        a drawn gap (agents' builds and test suites), the others' the drawn gap."""
+        gap = sampler.gap(session, turn)
+        return gap * self.hinted_gap_x if self.hinted(session) else gap
 
     def start_s(self, session: int) -> float:
         """Unhinted sessions start first, `start_every_s` apart; hinted ones from
@@ -184,7 +194,7 @@ def _session(
             out.turns.append(turn)
         if k + 1 == len(convo):
             return
-        gap = sampler.gap(s, k)
+        gap = spec.tool_gap_s(sampler, s, k)
         time.sleep(gap * TOOL_SHARE)  # the tool runs
         if hinted and arm == "pins_prefetch":
             _prefetch(client, convo[k + 1][:-1])  # the history, before the new question
