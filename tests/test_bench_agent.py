@@ -42,8 +42,8 @@ def test_three_arms_in_two_rounds_report_their_ratios_and_pins(ckpt: Path, tmp_p
     assert both["hints_sent"] == 2 and pins["hints_sent"] == 0  # one hinted tool call a round
     assert len(pins["pinned_pages_end"]) == 2  # each round's server at its end
     assert set(both["hit_rate_by_tier"]) == {"device", "host", "storage"}
-    for arm in (none, pins, both):  # the servers' reload outcomes, found in /metrics
-        assert all(arm[f"reloads_{o}"] >= 0 for o in ("complete", "partial", "empty", "stopped"))
+    for arm in (none, pins, both):  # read from /metrics: the pools hold every page, no reload
+        assert [arm[f"reloads_{o}"] for o in ("complete", "partial", "empty", "stopped")] == [0] * 4
     for arm in (none, pins, both):
         assert arm["hinted"]["turns"] == arm["unhinted"]["turns"] == 4
         for who in ("hinted", "unhinted"):  # each session's second turn finds its first

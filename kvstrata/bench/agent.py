@@ -292,7 +292,7 @@ def pin_metrics(text: str) -> dict[str, Any]:
     for name in PIN_COUNTERS:
         found = re.search(rf"^kvstrata:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
         out[name] = float(found.group(1)) if found else 0.0
-    for outcome in PREFETCH_OUTCOMES:  # storage reloads; stopped: cut short by the budget
+    for outcome in PREFETCH_OUTCOMES:  # storage reloads (stopped: cut short)
         found = re.search(
             rf'^kvstrata:prefetch_total\{{[^}}]*outcome="{outcome}"[^}}]*\}} (\S+)$', text, re.M
         )

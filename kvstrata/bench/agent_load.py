@@ -6,8 +6,7 @@ session of the agent shares (instructions, tool definitions, a repository map:
 kvstrata.workloads.agent_prefix). After each turn the session's tool runs for a gap drawn from
 the Mooncake trace's inter-turn gaps, scaled (kvstrata.workloads.turn_gaps), and a hinted
 session's `hinted_gap_x` times that (its tools run long): 90% of the gap is the tool, then 10%
-writing the next turn. Each turn records how many other turns were in flight
-when it was sent. An arm says what the sessions tell the server:
+writing the next turn. Each turn records how many other turns were in flight when it was sent. An arm says what the sessions tell the server:
 - `none`: nothing;
 - `pins`: every turn's history carries `cache_control` (its last message, so the whole prompt);
 - `pins_prefetch`: that, and a `POST /v1/kv/prefetch` of the next turn's history when the tool
