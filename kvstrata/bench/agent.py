@@ -290,15 +290,12 @@ def pin_metrics(text: str) -> dict[str, Any]:
     and its storage reloads' outcomes."""
     out: dict[str, Any] = {}
     for name in PIN_COUNTERS:
-        found = re.search(rf"^kvstrata:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M)
-        out[name] = float(found.group(1)) if found else 0.0
+        out[name] = _sample(text, f"{name}_total") or 0.0
     for outcome in PREFETCH_OUTCOMES:  # storage reloads (stopped: cut short)
-        found = re.search(
-            rf'^kvstrata:prefetch_total\{{[^}}]*outcome="{outcome}"[^}}]*\}} (\S+)$', text, re.M
-        )
+        found = _sample(text, "prefetch_total", f'outcome="{outcome}"')
         if found is None:  # the server exports every outcome, zeros too
             raise RuntimeError(f"/metrics has no kvstrata:prefetch_total for {outcome!r}")
-        out[f"reloads_{outcome}"] = float(found.group(1))
+        out[f"reloads_{outcome}"] = found
     out["pinned_pages_end"] = {
         tier: float(v)
         for tier, v in re.findall(
@@ -306,6 +303,12 @@ def pin_metrics(text: str) -> dict[str, Any]:
         )
     }
     return out
+
+
+def _sample(text: str, family: str, label: str = "") -> float | None:
+    """The value of `kvstrata:<family>`'s sample in /metrics text (the one with `label`)."""
+    found = re.search(rf"^kvstrata:{family}\{{[^}}]*{label}[^}}]*\}} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else None
 
 
 def _pct(xs: list[float], q: float) -> float:
