@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench.agent import PREFETCH_OUTCOMES, run_agent
+from kvstrata.bench.agent import PAGE_COUNTERS, PREFETCH_OUTCOMES, run_agent
 from kvstrata.bench.agent_load import AgentSpec
 from kvstrata.workloads.turn_gaps import GapSampler
 
@@ -44,6 +44,7 @@ def test_three_arms_in_two_rounds_report_their_ratios_and_pins(ckpt: Path, tmp_p
     assert set(both["hit_rate_by_tier"]) == {"device", "host", "storage"}
     for arm in (none, pins, both):  # read from /metrics: the pools hold every page, no reload
         assert [arm[f"reloads_{o}"] for o in PREFETCH_OUTCOMES] == [0] * 4
+        assert [arm[name] for name in PAGE_COUNTERS] == [0, 0]
     for arm in (none, pins, both):
         assert arm["hinted"]["turns"] == arm["unhinted"]["turns"] == 4
         for who in ("hinted", "unhinted"):  # each session's second turn finds its first

@@ -7,7 +7,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.cache_harness import content, make_cache, serve
+from kvstrata.cache.hicache import HiCache
+from kvstrata.cache.lease import Lease
+from tests.cache_harness import ArrayMover, content, make_cache, serve
 
 PREFIXES = [[(p << 16) | i for i in range(12)] for p in range(4)]
 
@@ -188,3 +190,62 @@ def test_drain_applies_only_what_the_agreement_allows() -> None:
     assert len(cache.queues) == 0 and len(seen) >= 1
     assert cache.match(seq(0, 4, 0, 0)).last_node.host is not None
     cache.check_integrity()
+
+
+def test_a_reload_larger_than_host_memory_reads_its_leading_pages() -> None:
+    """Storage holds 8 pages, host memory has room for 3: the reload reads the 3 leading
+    pages (each one read is one less to compute), and says how many it left."""
+    cache, mover = make_cache(device=16, host=16)
+    a = seq(2, 8, 3, 0)
+    serve(cache, mover, a)
+    cache.drain()
+    small, mover2 = make_cache(device=16, host=3)
+    mover2.storage = mover.storage  # a new process reading the same store
+    assert serve(small, mover2, a) == (0, 0, 3)  # serve checks each page's content
+    assert small.counters.prefetch_no_room_pages == 5
+    assert small.counters.prefetch["complete"] == 1
+    small.drain()
+    small.check_integrity()
+
+
+def hold(cache: HiCache, mover: ArrayMover, keys: list[int]) -> Lease:
+    """A request that keeps `keys` (all cached on the device) while others run: admitted,
+    not released."""
+    page = cache.config.page_size
+    lease = Lease(cache, keys, len(keys) * page + 1, len(keys), page)
+    while not lease.advance(0.0, can_schedule=False):
+        cache.step()
+    assert lease.admit() and lease.hits.device == len(keys)
+    return lease
+
+
+def test_a_held_page_gives_up_its_host_copy_once_storage_has_it() -> None:
+    """Host memory is full of a running request's pages: their host copies go (storage and
+    the device hold them) so the next prompt's pages get theirs; not without storage."""
+    for storage in (True, False):
+        cache, mover = make_cache(device=8, host=4, storage=storage)
+        a, b = seq(0, 4, 0, 0), seq(1, 4, 0, 0)
+        serve(cache, mover, a)
+        cache.drain()
+        held = hold(cache, mover, a)
+        serve(cache, mover, b)
+        cache.drain()
+        cache.check_integrity()
+        ma, mb = cache.match(a), cache.match(b)
+        assert ma.device_pages == 4 and mb.device_pages == 4
+        assert (ma.last_node.host is None) == storage  # ma's copy gave way only to storage
+        assert (mb.last_node.host is not None) == storage
+        assert cache.counters.lost_pages == 0
+        held.release()
+        cache.check_integrity()
+
+
+def test_lost_pages_count_the_pages_no_tier_or_storage_keeps() -> None:
+    """Without storage a dropped page is lost; with storage it can be read again."""
+    for storage, lost in ((False, 8), (True, 0)):
+        cache, mover = make_cache(device=4, host=4, storage=storage)
+        for prefix in range(3):  # each prompt's host copies push out the one before it
+            serve(cache, mover, seq(prefix, 4, 0, 0))
+            cache.drain()
+            cache.check_integrity()
+        assert cache.counters.lost_pages == lost

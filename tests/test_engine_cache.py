@@ -50,6 +50,7 @@ def run_turns(
     storage: Path,
     prompts: list[list[int]],
     device_pages: int = 64,
+    host_pages: int = 64,
     demote: bool = False,
     chunk: int = 1024,
     storage_url: str = "",
@@ -58,7 +59,7 @@ def run_turns(
     cfg = CacheConfig(
         page_size=PAGE,
         device_pages=device_pages,
-        host_pages=64,
+        host_pages=host_pages,
         storage_url=storage_url or f"file://{storage}",
         prefetch_policy="wait_complete",
     )
@@ -137,6 +138,19 @@ def test_turns_equal_across_tiers(model, tmp_path: Path) -> None:  # noqa: ANN00
         "host": 0,
         "storage": (len(prompts[1]) - 1) // PAGE - in_device,
     }
+
+
+def test_a_reload_larger_than_host_memory_equals_the_cold_run(model, tmp_path: Path) -> None:  # noqa: ANN001
+    """Host memory of 3 pages under a stored prefix of more: the reload reads the 3 leading
+    pages, the engine computes the rest, and the logits equal recomputation."""
+    prompts = conversation(2)
+    stored = (len(prompts[1]) - 1) // PAGE
+    assert stored > 3
+    ref = run_turns(model, "none", tmp_path / "s0", prompts[1:])
+    run_turns(model, "device_host_storage", tmp_path / "s1", prompts[1:])
+    small = run_turns(model, "device_host_storage", tmp_path / "s1", prompts[1:], host_pages=3)
+    assert_same(ref, small)
+    assert small[0].hits == {"device": 0, "host": 0, "storage": 3}
 
 
 def test_chunked_prefill_and_batching_equal_single_shot(model, tmp_path: Path) -> None:  # noqa: ANN001

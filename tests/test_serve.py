@@ -229,6 +229,8 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
         "kvstrata:kv_moved_bytes_total",
         "kvstrata:prefetch_total",
         "kvstrata:kv_transfer_failed_pages_total",
+        "kvstrata:lost_pages_total",
+        "kvstrata:prefetch_no_room_pages_total",
     ):
         lines = [line for line in text.splitlines() if line.startswith(name + "{")]
         assert lines and all('model_name="tiny"' in line for line in lines), name
@@ -244,6 +246,9 @@ def test_metrics(server: Server, client: openai.OpenAI) -> None:
         hits
         == by_source["local_device_hit"] + by_source["local_host_hit"] + by_source["storage_hit"]
     )
+    # two small prompts: the pools hold every page, so none is lost or left unread
+    assert values['kvstrata:lost_pages_total{model_name="tiny"}'] == 0
+    assert values['kvstrata:prefetch_no_room_pages_total{model_name="tiny"}'] == 0
 
 
 def _samples(text: str) -> dict[str, float]:

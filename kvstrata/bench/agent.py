@@ -178,12 +178,13 @@ def _flat(report: dict[str, Any]) -> dict[str, Any]:
         out[f"{arm}.reloads_complete/partial/empty/stopped"] = "/".join(
             f"{r[f'reloads_{o}']:g}" for o in PREFETCH_OUTCOMES
         )
+        out[f"{arm}.pages_lost/unread_for_room"] = "/".join(f"{r[k]:g}" for k in PAGE_COUNTERS)
     return out
 
 
 def _summed(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Pin figures over an arm's rounds: counters summed, pinned pages at each round's end."""
-    names = (*PIN_COUNTERS, *(f"reloads_{o}" for o in PREFETCH_OUTCOMES))
+    names = (*PIN_COUNTERS, *(f"reloads_{o}" for o in PREFETCH_OUTCOMES), *PAGE_COUNTERS)
     out: dict[str, Any] = {name: sum(r[name] for r in rounds) for name in names}
     out["pinned_pages_end"] = [r["pinned_pages_end"] for r in rounds]
     return out
@@ -283,6 +284,7 @@ def _group(turns: list[Turn]) -> dict[str, Any]:
 
 PIN_COUNTERS = ("pins_made", "pins_expired", "pins_dropped_for_budget", "pins_refused_for_budget")
 PREFETCH_OUTCOMES = ("complete", "partial", "empty", "stopped")  # kvstrata:prefetch_total
+PAGE_COUNTERS = ("lost_pages", "prefetch_no_room_pages")
 
 
 def pin_metrics(text: str) -> dict[str, Any]:
@@ -292,10 +294,9 @@ def pin_metrics(text: str) -> dict[str, Any]:
     for name in PIN_COUNTERS:
         out[name] = _sample(text, f"{name}_total") or 0.0
     for outcome in PREFETCH_OUTCOMES:  # storage reloads (stopped: cut short)
-        found = _sample(text, "prefetch_total", f'outcome="{outcome}"')
-        if found is None:  # the server exports every outcome, zeros too
-            raise RuntimeError(f"/metrics has no kvstrata:prefetch_total for {outcome!r}")
-        out[f"reloads_{outcome}"] = found
+        out[f"reloads_{outcome}"] = _required(text, "prefetch_total", f'outcome="{outcome}"')
+    for name in PAGE_COUNTERS:  # what pressure on the pools cost: pages computed again
+        out[name] = _required(text, f"{name}_total")
     out["pinned_pages_end"] = {
         tier: float(v)
         for tier, v in re.findall(
@@ -309,6 +310,14 @@ def _sample(text: str, family: str, label: str = "") -> float | None:
     """The value of `kvstrata:<family>`'s sample in /metrics text (the one with `label`)."""
     found = re.search(rf"^kvstrata:{family}\{{[^}}]*{label}[^}}]*\}} (\S+)$", text, re.M)
     return float(found.group(1)) if found else None
+
+
+def _required(text: str, family: str, label: str = "") -> float:
+    """A sample the server always exports (zeros too): its absence is a broken parse."""
+    found = _sample(text, family, label)
+    if found is None:
+        raise RuntimeError(f"/metrics has no kvstrata:{family} sample {label}".rstrip())
+    return found
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -45,10 +45,15 @@ class CacheCounters:
     pages_moved: dict[str, int] = field(default_factory=lambda: _zeros(list(DIRECTIONS.values())))
     evictions: dict[str, int] = field(default_factory=lambda: _zeros(("device", "host")))
     """Pages that left a tier to make room."""
+    lost_pages: int = 0
+    """Pages whose last copy left the cache while storage held none of them: a prompt that
+    needs them again computes them."""
     prefetch: dict[str, int] = field(
         default_factory=lambda: _zeros(("complete", "partial", "empty", "stopped"))
     )
     """Prefetch outcomes: every page arrived, some, none; stopped early by the policy."""
+    prefetch_no_room_pages: int = 0
+    """Pages storage held for a prompt that no reload read: host memory had no room for them."""
     failed_pages: dict[str, int] = field(default_factory=lambda: _zeros(list(DIRECTIONS.values())))
     unwritten_bytes: int = 0
     """Bytes of backed-up pages that storage held already (kept, not written): not moved."""

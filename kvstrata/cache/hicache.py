@@ -224,9 +224,16 @@ class HiCache:
         (tokens/seed/width: their token bytes, which the landed pages take into the tree)."""
         if not self.has_storage or not keys:
             return None
-        host_ids = self.tiers.alloc_host(len(keys))
-        if host_ids is None:
+        host_ids = self.tiers.alloc_host_upto(len(keys))
+        self.counters.prefetch_no_room_pages += len(keys) - len(host_ids)
+        if not host_ids:
             return None
+        if len(host_ids) < len(
+            keys
+        ):  # the leading pages that fit: each one read is one less to compute
+            if tokens is not None:
+                tokens = tokens[: len(host_ids) * (len(tokens) // len(keys))]
+            keys = keys[: len(host_ids)]
         parent.pins += 1
         op = TransferOp(PREFETCH, [], host_ids, keys=list(keys), node=parent, started_s=now_s)
         op.tokens, op.seed, op.width = tokens, seed, width

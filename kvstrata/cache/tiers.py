@@ -40,6 +40,16 @@ def _host_candidate(node: Node) -> bool:
     return node.host is not None and (node.device is not None or not node.children)
 
 
+def _host_may_take(node: Node) -> bool:
+    """A host copy may go unless a copy reads or writes it, a client pin keeps it, or a
+    request holds it and it is the node's only copy outside the device or storage; a request
+    reads a node with a device copy from the device, so that node's host copy may go once
+    storage holds its pages."""
+    if node.pins or node.keep:
+        return False
+    return not node.lock_ref or (node.device is not None and node.in_storage)
+
+
 class Tiers:
     """Device and host residency with leaf-first eviction under one priority.
 
@@ -172,6 +182,7 @@ class Tiers:
         node.device = None
         parent = node.parent
         if node.host is None:
+            self._count_lost(node)
             if node.keep and self.pins is not None:  # its only copy goes: so do its pins
                 self.pins.lose(node)
             self.tree.remove_leaf(node)
@@ -189,6 +200,11 @@ class Tiers:
         self.drop_device(node)
         return True
 
+    def _count_lost(self, node: Node) -> None:
+        """The node's last copy in the cache goes now."""
+        if not node.in_storage:
+            self.counters.lost_pages += len(node)
+
     # ---- host ---------------------------------------------------------------------------------
     def alloc_host(self, n: int, like: list[int] | None = None) -> list[int] | None:
         """n host pages (like: device ids whose owners they must have), evicting if needed."""
@@ -204,11 +220,20 @@ class Tiers:
             self.evict_host(n - self.host.num_free)
         return self.host.alloc(n) if self.host.num_free >= n else None
 
+    def alloc_host_upto(self, n: int) -> list[int]:
+        """Up to n host pages (any owner), as many as eviction can make room for."""
+        if self.host is None:
+            return []
+        got = self.alloc_host(n)
+        if got is not None:
+            return got
+        return self.host.alloc(min(n, self.host.num_free)) or []
+
     def evict_host(self, n: int) -> None:
         assert self.host is not None
         goal_free = self.host.num_free + n
         while (need := goal_free - self.host.num_free) > 0:
-            node = self.host_q.pop()
+            node = self.host_q.pop(_host_may_take)
             if node is None:
                 break
             node = self._tail(node, need)
@@ -224,6 +249,7 @@ class Tiers:
         assert self.host is not None
         self.host.free(node.host)
         self.counters.evictions["host"] += len(node)
+        self._count_lost(node)
         node.host = None
         parent = node.parent
         self.tree.remove_leaf(node)

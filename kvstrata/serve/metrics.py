@@ -245,6 +245,21 @@ class _PoolCollector(Collector):
         for tier, n in c.evictions.items():
             evicted.add_metric([self.name, tier], n)
         yield evicted
+        for name, doc, value in (
+            (
+                "lost_pages",
+                "pages whose last cached copy went while storage held none of them",
+                c.lost_pages,
+            ),
+            (
+                "prefetch_no_room_pages",
+                "pages storage held for a prompt that no reload read for lack of host room",
+                c.prefetch_no_room_pages,
+            ),
+        ):
+            fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=["model_name"])
+            fam.add_metric([self.name], value)
+            yield fam
         yield from self._pins(c)
 
     def _pins(self, c: CacheCounters) -> Iterator[Metric]:
