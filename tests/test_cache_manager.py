@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.lease import Lease
-from tests.cache_harness import ArrayMover, content, make_cache, serve
+from tests.cache_harness import content, make_cache, serve
 
 PREFIXES = [[(p << 16) | i for i in range(12)] for p in range(4)]
 
@@ -208,33 +208,42 @@ def test_a_reload_larger_than_host_memory_reads_its_leading_pages() -> None:
     small.check_integrity()
 
 
-def hold(cache: HiCache, mover: ArrayMover, keys: list[int]) -> Lease:
-    """A request that keeps `keys` (all cached on the device) while others run: admitted,
-    not released."""
+def hold(cache: HiCache, keys: list[int], cached: int) -> Lease:
+    """A request that keeps `keys` while others run: admitted (its first `cached` pages hit
+    the device), not released."""
     page = cache.config.page_size
     lease = Lease(cache, keys, len(keys) * page + 1, len(keys), page)
     while not lease.advance(0.0, can_schedule=False):
         cache.step()
-    assert lease.admit() and lease.hits.device == len(keys)
+    assert lease.admit() and lease.hits.device == cached
     return lease
 
 
 def test_a_held_page_gives_up_its_host_copy_once_storage_has_it() -> None:
-    """Host memory is full of a running request's pages: their host copies go (storage and
-    the device hold them) so the next prompt's pages get theirs; not without storage."""
+    """Host memory is nearly full of a running request's pages: their host copies go (storage
+    and the device hold them) so the next prompt's pages get theirs; not without storage. The
+    holder's next page gets a host copy, and a page that gave its copy up does not take one
+    back while held."""
     for storage in (True, False):
-        cache, mover = make_cache(device=8, host=4, storage=storage)
-        a, b = seq(0, 4, 0, 0), seq(1, 4, 0, 0)
+        cache, mover = make_cache(device=12, host=6, storage=storage)
+        a, b, extra = seq(0, 4, 0, 0), seq(1, 4, 0, 0), seq(0, 5, 0, 0)[4]
         serve(cache, mover, a)
         cache.drain()
-        held = hold(cache, mover, a)
+        held = hold(cache, a + [extra], cached=4)
         serve(cache, mover, b)
         cache.drain()
         cache.check_integrity()
         ma, mb = cache.match(a), cache.match(b)
         assert ma.device_pages == 4 and mb.device_pages == 4
-        assert (ma.last_node.host is None) == storage  # ma's copy gave way only to storage
+        assert (ma.last_node.host is None) == storage  # a's copy gave way only to storage
         assert (mb.last_node.host is not None) == storage
+        copied = cache.counters.pages_moved["device->host"]
+        mover.device[held.page_table[4]] = content(extra)
+        held.commit(5 * cache.config.page_size)  # the holder computed one more page
+        cache.drain()
+        cache.check_integrity()
+        assert cache.counters.pages_moved["device->host"] == copied + 1  # the new page only
+        assert (cache.match(a).last_node.host is None) == storage
         assert cache.counters.lost_pages == 0
         held.release()
         cache.check_integrity()

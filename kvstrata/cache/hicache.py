@@ -183,7 +183,9 @@ class HiCache:
         if self.write.on_insert and self.tiers.host is not None:
             walk: Node | None = node
             while walk is not None and walk is not self.tree.root and walk.host is None:
-                self._store(walk)
+                # a held page whose host copy gave way to storage's (tiers.py) stays without
+                if not (walk.lock_ref and walk.in_storage):
+                    self._store(walk)
                 walk = walk.parent
         return node
 
@@ -228,9 +230,7 @@ class HiCache:
         self.counters.prefetch_no_room_pages += len(keys) - len(host_ids)
         if not host_ids:
             return None
-        if len(host_ids) < len(
-            keys
-        ):  # the leading pages that fit: each one read is one less to compute
+        if len(host_ids) < len(keys):  # the leading pages that fit: each one is not computed
             if tokens is not None:
                 tokens = tokens[: len(host_ids) * (len(tokens) // len(keys))]
             keys = keys[: len(host_ids)]

@@ -42,9 +42,10 @@ def _host_candidate(node: Node) -> bool:
 
 def _host_may_take(node: Node) -> bool:
     """A host copy may go unless a copy reads or writes it, a client pin keeps it, or a
-    request holds it and it is the node's only copy outside the device or storage; a request
+    request holds it and it is the node's only copy outside the device or storage. A request
     reads a node with a device copy from the device, so that node's host copy may go once
-    storage holds its pages."""
+    storage holds its pages: host memory full of running requests' pages then still takes
+    the next prompt's pages and reloads (the insert walk does not copy it back while held)."""
     if node.pins or node.keep:
         return False
     return not node.lock_ref or (node.device is not None and node.in_storage)
