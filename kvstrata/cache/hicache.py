@@ -183,7 +183,7 @@ class HiCache:
         if self.write.on_insert and self.tiers.host is not None:
             walk: Node | None = node
             while walk is not None and walk is not self.tree.root and walk.host is None:
-                # a held page whose host copy gave way to storage's (tiers.py) stays without
+                # a held page in storage may have given its host copy up (tiers.py): not back
                 if not (walk.lock_ref and walk.in_storage):
                     self._store(walk)
                 walk = walk.parent

@@ -202,7 +202,7 @@ class Tiers:
         return True
 
     def _count_lost(self, node: Node) -> None:
-        """The node's last copy in the cache goes now."""
+        """The node's last cached copy goes now: its pages are lost unless storage has them."""
         if not node.in_storage:
             self.counters.lost_pages += len(node)
 

@@ -245,7 +245,7 @@ class _PoolCollector(Collector):
         for tier, n in c.evictions.items():
             evicted.add_metric([self.name, tier], n)
         yield evicted
-        for name, doc, value in (
+        yield from self._plain(
             (
                 "lost_pages",
                 "pages whose last cached copy went while storage held none of them",
@@ -256,11 +256,15 @@ class _PoolCollector(Collector):
                 "pages storage held for a prompt that no reload read for lack of host room",
                 c.prefetch_no_room_pages,
             ),
-        ):
+        )
+        yield from self._pins(c)
+
+    def _plain(self, *rows: tuple[str, str, int]) -> Iterator[Metric]:
+        """One counter family a (name, help, value) row, labelled only by the model."""
+        for name, doc, value in rows:
             fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=["model_name"])
             fam.add_metric([self.name], value)
             yield fam
-        yield from self._pins(c)
 
     def _pins(self, c: CacheCounters) -> Iterator[Metric]:
         """Client pins (cache_control, kv_pin_s): pages kept per tier, and their fates."""
@@ -273,7 +277,7 @@ class _PoolCollector(Collector):
             pinned.add_metric([self.name, tier], n)
         yield pinned
         p = c.pins
-        for name, doc, value in (
+        yield from self._plain(
             ("pins_made", "client pins that took hold", p.made),
             ("pins_renewed", "pins whose TTL a hit or a new hint restarted", p.renewed),
             ("pins_expired", "pins let go at the end of their TTL", p.expired),
@@ -287,7 +291,4 @@ class _PoolCollector(Collector):
                 "pins larger than the whole --pin-budget",
                 p.refused_for_budget,
             ),
-        ):
-            fam = CounterMetricFamily(f"kvstrata:{name}", doc, labels=["model_name"])
-            fam.add_metric([self.name], value)
-            yield fam
+        )
