@@ -21,7 +21,7 @@ from kvstrata.cache.pins import PinBook
 from kvstrata.cache.policies import EVICTION, WRITE, PrefetchState
 from kvstrata.cache.policies import PREFETCH as PREFETCH_POLICIES
 from kvstrata.cache.radix import Match, Node, RadixTree
-from kvstrata.cache.tiers import Allocator, Tiers
+from kvstrata.cache.tiers import Allocator, Tiers, host_copy_spared
 
 
 class HiCache:
@@ -183,8 +183,7 @@ class HiCache:
         if self.write.on_insert and self.tiers.host is not None:
             walk: Node | None = node
             while walk is not None and walk is not self.tree.root and walk.host is None:
-                # a held page in storage may have given its host copy up (tiers.py): not back
-                if not (walk.lock_ref and walk.in_storage):
+                if not host_copy_spared(walk):  # it may have given its host copy up
                     self._store(walk)
                 walk = walk.parent
         return node

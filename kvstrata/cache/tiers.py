@@ -48,7 +48,12 @@ def _host_may_take(node: Node) -> bool:
     the next prompt's pages and reloads (the insert walk does not copy it back while held)."""
     if node.pins or node.keep:
         return False
-    return not node.lock_ref or (node.device is not None and node.in_storage)
+    return not node.lock_ref or host_copy_spared(node)
+
+
+def host_copy_spared(node: Node) -> bool:
+    """A held node whose host copy may go (or stay gone): the device and storage hold it."""
+    return node.lock_ref > 0 and node.device is not None and node.in_storage
 
 
 class Tiers:
