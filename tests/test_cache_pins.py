@@ -24,7 +24,9 @@ def serve_pinned(
     lease = Lease(cache, keys, len(keys) * PAGE + 1, len(keys), PAGE)
     lease.want_pins([PinSpec(pin_pages * PAGE, ttl_s)])
     assert lease.advance(cache.pins.now_s, can_schedule=True)
-    assert lease.admit()
+    if not lease.admit():  # its room frees once a demotion copy lands: a later step admits it
+        cache.drain()
+        assert lease.admit()
     cache.drain()
     hit = lease.page_table[: lease.hits.pages]
     assert [int(x) for x in mover.device[hit]] == [content(k) for k in keys[: len(hit)]]
@@ -59,11 +61,25 @@ def test_pinned_prefix_survives_a_storm_that_takes_every_unpinned_page(host: int
         assert cache.match(seq(name, 8)).pages == 0
     assert cache.match(a).pages == 6
     cache.tick(1.0)  # the per-tier figures are taken at each step
-    # the device keeps them too: the unpinned pages were enough for every storm request
-    assert cache.counters.pins.pinned_pages == {"device": 6, "host": 6 if host else 0}
+    # the host tier keeps them; without one the device does (the unpinned pages were enough
+    # for every storm request)
+    assert cache.counters.pins.pinned_pages == {"device": 0 if host else 6, "host": host and 6}
     hits, pinned = serve_pinned(cache, mover, a, 6)  # content checked: the kept bytes are a's
     assert sum(hits) == 6 and pinned == 6
     assert cache.counters.pins.renewed >= 1
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_pinned_pages_keep_the_device_up_to_their_device_share(share: float) -> None:
+    """Past `pin_device_share` pinned pages leave the device in LRU order with the unpinned
+    ones (the host tier keeps them); within it the device keeps them ahead of the others."""
+    cache, mover = make_cache(device=16, host=32, storage=False, pin_device_share=share)
+    a = seq(1, 6)
+    serve_pinned(cache, mover, a, 6)
+    storm(cache, mover, 100, 4, 8)  # newer pages than a's: recency alone would evict a's
+    kept = 6 if share else 0  # 6 of the share's 8 device pages
+    assert (cache.match(a).device_pages, cache.match(a).host_pages) == (kept, 6 - kept)
+    assert serve_pinned(cache, mover, a, 6)[0] == (kept, 6 - kept, 0)
 
 
 def test_ttl_expiry_on_the_step_clock_lets_the_prefix_go() -> None:

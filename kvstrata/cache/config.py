@@ -41,6 +41,13 @@ class CacheConfig:
         "fraction of each pool that client pins (cache_control, kv_pin_s) may keep; past it "
         "the oldest pin lets go first",
     )
+    pin_device_share: float = doc(
+        0.0,
+        "fraction of the device pool that pinned pages keep ahead of unpinned ones, with a host "
+        "tier (which keeps every pinned page); past it they leave the device in LRU order with "
+        "the others. 0: the device is recency's alone (a pinned page comes back from host memory, "
+        "and requests without pins keep the whole device)",
+    )
     max_prefetch_pages: int = doc(
         256, "pages that prefetch hints (POST /v1/kv/prefetch) may have in flight at most"
     )
@@ -60,8 +67,9 @@ class CacheConfig:
             raise ValueError(
                 "storage_url needs host_pages > 0: storage pages move through host memory"
             )
-        if not 0.0 <= self.pin_budget <= 1.0:
-            raise ValueError(f"pin_budget must be in [0, 1], got {self.pin_budget}")
+        for share in ("pin_budget", "pin_device_share"):
+            if not 0.0 <= getattr(self, share) <= 1.0:
+                raise ValueError(f"{share} must be in [0, 1], got {getattr(self, share)}")
         if self.max_prefetch_pages < 0:
             raise ValueError(f"max_prefetch_pages must be >= 0, got {self.max_prefetch_pages}")
         if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_page_s < 0:

@@ -69,7 +69,7 @@ class HiCache:
         self.pins = PinBook(
             self.tree,
             int(config.pin_budget * pool),
-            int(config.pin_budget * config.device_pages),
+            int(config.pin_device_share * config.device_pages),
             self.tiers.touched,
             self.counters.pins,
         )

@@ -2,7 +2,8 @@
 
 A pin holds the path from the root down to one node (its prefix, whole pages): every node on it
 has `keep > 0`, which the tiers read (tiers.py): a kept page never leaves the host tier, and
-leaves the device only once the unpinned pages are gone and it has a host copy. Pins are
+leaves the device (having a host copy) in LRU order with the unpinned pages once the pinned
+ones hold more than their device share (`pin_device_share`), else after them. Pins are
 tensor-free and read agreed state only: a pin enters with its request (the step input every rank
 sees) and its deadline is judged on the agreed step clock (`tick(now_s)`), never a rank's own
 wall time, so every rank pins and expires the same pages at the same step.
@@ -66,7 +67,7 @@ class PinBook:
         counts: PinCounts | None = None,
     ) -> None:
         """limit_pages: the budget (distinct pinned pages); device_share: the device pages
-        pinned ones may hold before they lose their place there first."""
+        pinned ones may hold ahead of unpinned ones."""
         self.tree, self.limit, self.device_share = tree, limit_pages, device_share
         self.touched = touched  # an unpinned node may have become an eviction candidate
         self.pins: dict[Node, Pin] = {}  # by the node that ends the pinned prefix
@@ -151,7 +152,8 @@ class PinBook:
                 yield n
 
     def device_over(self) -> bool:
-        """Pinned pages hold more than their share of the device (it may take theirs first)."""
+        """Pinned pages hold more than their share of the device (it may take theirs in LRU
+        order with the unpinned ones)."""
         return bool(self.pins) and self.pages_by_tier()["device"] > self.device_share
 
     def pages_by_tier(self) -> dict[str, int]:

@@ -120,16 +120,17 @@ class Tiers:
 
     def evict_device(self, n: int) -> None:
         """Free at least n device pages (some only once their demotion copy lands): unpinned
-        pages first (and pinned ones with a host copy while the pinned pages hold more than
-        their share of the device); then any pinned page: a pin never keeps a request out (its
-        page is demoted to the host tier, which keeps it, or at worst dropped with its pin)."""
+        pages first (and, in the same LRU order, pinned ones with a host copy while the pinned
+        pages hold more than their device share, `pin_device_share`); then any pinned page: a
+        pin never keeps a request out (its page is demoted to the host tier, which keeps it, or
+        at worst dropped with its pin)."""
         goal_free = self.device.num_free + n  # pages already being freed count toward it
         self._evict_device_pass(goal_free, self._pinned_device_over())
         if self.pins is not None and self.pins.pins:
             self._evict_device_pass(goal_free, True, host_copy_only=False)
 
     def _evict_unpinned(self, n: int) -> None:
-        self._evict_device_pass(self.device.num_free + n, self._pinned_device_over())
+        self._evict_device_pass(self.device.num_free + n, take_kept=False)
 
     def _pinned_device_over(self) -> bool:
         """Pinned pages hold more of the device than their share: they may go before others."""
