@@ -161,29 +161,57 @@ def with_descendants(root: int) -> list[int]:
     return found
 
 
+def holders(port: int) -> str:
+    """Who listens on `port`, for a message: "pid 12 (redis-server), pid 34 (...)" (every
+    process's fds are read: for errors only)."""
+    inodes = listening_inodes(port) or set()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _socket_inodes(int(entry.name)) & inodes:
+            try:
+                name = (entry / "comm").read_text().strip()
+            except OSError:  # exited while we looked
+                continue
+            found.append(f"pid {entry.name} ({name})")
+    return ", ".join(found) or "no process we can see"
+
+
+def _inodes_of(pid: int, tree: bool) -> set[int]:
+    pids = with_descendants(pid) if tree else [pid]
+    return set().union(*(_socket_inodes(p) for p in pids))
+
+
 def held_by(port: int, pid: int, tree: bool = False) -> bool | None:
     """Whether process `pid` (with `tree`: it or any process below it) listens on `port`; None
     where the kernel tables cannot be read."""
     inodes = listening_inodes(port)
     if inodes is None:
         return None
-    pids = with_descendants(pid) if tree else [pid]
-    return any(_socket_inodes(p) & inodes for p in pids)
+    return bool(_inodes_of(pid, tree) & inodes)
 
 
 def listens(port: int, pid: int, tree: bool = False) -> bool:
-    """True once `pid` (with `tree`: it or a process below it) listens on `port`; raises
-    PortTaken when another process does."""
-    owned = held_by(port, pid, tree)
-    if owned:
+    """True once `pid` (with `tree`: it or a process below it) alone listens on `port`; raises
+    PortTaken when another process does, beside it or instead of it. Beside it: servers that
+    bind with SO_REUSEPORT (mooncake_master does) share a port, and the kernel then hands each
+    new connection to either of them, so a client of ours may be served by the neighbour."""
+    inodes = listening_inodes(port)
+    if inodes is None:  # ownership unreadable here: an open port is all we can know
+        return port_open(port)
+    mine = _inodes_of(pid, tree) & inodes
+    if mine and mine == inodes:
         return True
-    if not port_open(port):
-        return False
-    if owned is None:  # ownership unreadable here: an open port is all we can know
+    if mine:
+        raise PortTaken(
+            f"port {port} is held by another process too (SO_REUSEPORT), beside pid {pid}: "
+            f"{holders(port)}"
+        )
+    if not inodes:
+        return False  # nothing listens yet
+    inodes = listening_inodes(port) or set()  # again: it may have bound between the two looks
+    if inodes and inodes <= _inodes_of(pid, tree):
         return True
-    if held_by(port, pid, tree):  # it bound between the two looks
-        return True
-    raise PortTaken(f"port {port} is held by another process, not by pid {pid}")
+    raise PortTaken(f"port {port} is held by another process, not by pid {pid}: {holders(port)}")
 
 
 def wait_listening(

@@ -29,16 +29,23 @@ CKPT = {"seed": 4, "max_position_embeddings": 256}
 
 LISTENER = (
     "import socket, sys, time\n"
-    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "s = socket.socket()\n"
+    "if sys.argv[1] == 'reuseport':\n"
+    "    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+    "s.bind(('127.0.0.1', 0)); s.listen()\n"
     "print(s.getsockname()[1], flush=True); time.sleep(600)\n"
 )
 
 
 @pytest.fixture
-def neighbour() -> Iterator[tuple[subprocess.Popen[str], int]]:
-    """Another process (its own session) listening on a port; yields it and the port."""
+def neighbour(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """Another process (its own session) listening on a port; yields it and the port. With
+    SO_REUSEPORT (as mooncake_master binds) a server of ours can bind the port beside it."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", LISTENER, getattr(request, "param", "plain")],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
@@ -60,6 +67,28 @@ def test_the_kernel_names_who_listens(neighbour: tuple[subprocess.Popen[str], in
         assert held_by(own, proc.pid) is False
     with pytest.raises(PortTaken, match=f"port {port} is held by another process"):
         listens(port, proc.pid + 10_000_000)  # no such pid: the port is not its
+
+
+def test_a_port_shared_through_so_reuseport_is_not_ours() -> None:
+    """The kernel would hand each new connection to either listener: ours may never see a
+    client's calls, and a stopped server of ours may seem to answer."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTENER, "reuseport"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with socket.socket() as mine:
+            mine.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            mine.bind(("127.0.0.1", port))
+            mine.listen()
+            assert held_by(port, os.getpid()) is True and held_by(port, proc.pid) is True
+            with pytest.raises(PortTaken, match=f"port {port} is held by another process too"):
+                listens(port, os.getpid())
+        assert listens(port, proc.pid)  # alone again
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def test_redis_picks_a_fresh_port_when_its_own_pick_was_taken(
@@ -88,6 +117,7 @@ def test_redis_on_a_given_port_names_it(neighbour: tuple[subprocess.Popen[str], 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("neighbour", ["plain", "reuseport"], indirect=True)
 def test_mooncake_master_repicks_then_keeps_its_ports(
     neighbour: tuple[subprocess.Popen[str], int],
 ) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from kvstrata.bench.local_mooncake import MooncakeMaster
 from kvstrata.cache.keys import key_hex
-from kvstrata.local_ports import refused_port
+from kvstrata.local_ports import holders, refused_port
 from kvstrata.memory.layout import KVShape
 from kvstrata.storage.base import encode_header, open_storage
 from kvstrata.storage.mooncake_client import used_in_this_process
@@ -218,7 +218,9 @@ def test_hung_master_times_out_into_misses(own_master: MooncakeMaster) -> None:
     assert own_master.proc is not None
     own_master.proc.send_signal(signal.SIGSTOP)  # alive but silent: only our bound helps
     try:
-        assert store.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys]) == 0
+        got = store.get(keys, [np.zeros(PAGE, np.uint8) for _ in keys])
+        # a master serving beside ours on its port (SO_REUSEPORT) would answer: name them
+        assert got == 0, f"served while stopped; port's listeners: {holders(own_master.rpc_port)}"
         assert store.put(keys, pages) == 0  # within the backoff, or the worker still stuck
         # the get waited out its bound once; the put did not wait at all (skipped, not a second
         # timeout): counted, where a wall-clock bound could be missed on a loaded machine

@@ -58,8 +58,10 @@ def vllm_bench(quick: bool) -> dict[str, Any]:
     model = ensure_smollm2()
     logs = Path(tempfile.mkdtemp(prefix="kvstrata-bench-vllm-"))
     alone = _serve(VllmServer(model, logs / "vllm_alone.log"), prompts, 4)
-    extra = {"host_pages": 512, "storage_url": f"file://{logs / 'storage'}"}
-    kvs = _serve(VllmServer(model, logs / "vllm_kvstrata.log", connector=extra), prompts, 4)
+    # the logs stay for a reader; the stored pages (tens of MB a run) go with the run
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-vllm-store-") as store:
+        extra = {"host_pages": 512, "storage_url": f"file://{store}"}
+        kvs = _serve(VllmServer(model, logs / "vllm_kvstrata.log", connector=extra), prompts, 4)
     a, k = _summary(alone), _summary(kvs)
     return {
         "hit_rate_vllm": a["hit_rate"],
