@@ -133,7 +133,8 @@ class Tiers:
         self._evict_device_pass(self.device.num_free + n, take_kept=False)
 
     def _pinned_device_over(self) -> bool:
-        """Pinned pages hold more of the device than their share: they may go before others."""
+        """Pinned pages hold more of the device than their share: those with a host copy may go
+        in LRU order with the others."""
         return self.pins is not None and self.pins.device_over()
 
     def _evict_device_pass(
