@@ -198,18 +198,18 @@ def listens(port: int, pid: int, tree: bool = False) -> bool:
     inodes = listening_inodes(port)
     if inodes is None:  # ownership unreadable here: an open port is all we can know
         return port_open(port)
+    if not inodes:
+        return False  # nothing listens yet
     mine = _inodes_of(pid, tree) & inodes
-    if mine and mine == inodes:
+    if mine == inodes:
         return True
     if mine:
         raise PortTaken(
             f"port {port} is held by another process too (SO_REUSEPORT), beside pid {pid}: "
             f"{holders(port)}"
         )
-    if not inodes:
-        return False  # nothing listens yet
-    inodes = listening_inodes(port) or set()  # again: it may have bound between the two looks
-    if inodes and inodes <= _inodes_of(pid, tree):
+    again = listening_inodes(port) or set()  # ours may have bound between the two looks
+    if again and again <= _inodes_of(pid, tree):
         return True
     raise PortTaken(f"port {port} is held by another process, not by pid {pid}: {holders(port)}")
 

@@ -237,7 +237,7 @@ def _hung_master_calls(url: str, master_pid: int, q: multiprocessing.queues.Queu
 def test_hung_master_times_out_into_misses(own_master: MooncakeMaster) -> None:
     """In a spawned process, as a serving process's first client: in a pytest worker where
     earlier tests' clients had run, the wheel's client once answered the get with the master
-    stopped (its only listener), in three full runs out of three; not explained (see the notes)."""
+    stopped (its only listener), in three full runs out of three; not explained."""
     assert own_master.proc is not None
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
