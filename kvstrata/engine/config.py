@@ -27,6 +27,11 @@ class EngineConfig:
         0, "prefill chunk cap: new tokens per sequence per forward (0 = the step's budget)"
     )
     max_batch_tokens: int = doc(2048, "new tokens per forward across the batch")
+    prefill_order: str = doc(
+        "arrival",
+        "which running prompt the step's prefill budget goes to first: arrival (admission "
+        "order) or shortest (fewest tokens left; a prompt passed over waits one step at most)",
+    )
     # A step's time grows with its prefill tokens, and every decoding request waits for the
     # step: this budget bounds the steps that carry decodes (vLLM's chunked-prefill budget,
     # decodes first), trading the waiting prompts' TTFT for the running requests' TPOT.

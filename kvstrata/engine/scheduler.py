@@ -4,10 +4,11 @@ It owns the waiting and running lists, every change of a request's state (waitin
 or waiting for remote KV -> decode -> done, back to waiting on preemption) and the admission
 policy; the KV manager only answers whether a request's pages are ready and can be had (the one
 owner of every lease). The batch is planned under the token budget (decodes first, then prefill
-chunks; a smaller one while requests decode: `EngineConfig.decode_step_tokens` in tokens, and
-`EngineConfig.tpot_target_ms` in time, from step costs learnt online) and any further budget
-term (`BatchLimit`: CP's gather scratch bytes), with requests dropped from the end of the plan
-until it fits. Every decision reads agreed state only: all ranks plan alike.
+chunks in the prefill order: kvstrata.engine.prefill_order; a smaller budget while requests
+decode: `EngineConfig.decode_step_tokens` in tokens, and `EngineConfig.tpot_target_ms` in time,
+from step costs learnt online) and any further budget term (`BatchLimit`: CP's gather scratch
+bytes), with requests dropped from the end of the plan until it fits. Every decision reads
+agreed state only: all ranks plan alike.
 
 Admission without head-of-line blocking: the first `admission_lookahead` waiting requests advance
 their leases (match, storage probe, prefetch) at once; a request still waiting on storage is
@@ -34,6 +35,7 @@ from typing import Protocol
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.kv_connector import ConnectorMeta, KVConnector, RemoteDone
 from kvstrata.engine.kv_manager import KVManager
+from kvstrata.engine.prefill_order import PREFILL_ORDERS
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.step_costs import StepCosts
 
@@ -95,6 +97,8 @@ class Scheduler:
         self.connector: KVConnector | None = None  # remote KV at fixed points (connector.py)
         self.costs = StepCosts()  # learnt from the planned steps' durations (tpot_target_ms)
         self._last: tuple[float, int, int] | None = None  # last plan: (start, decodes, prefill)
+        self._prefill_order = PREFILL_ORDERS.get(config.prefill_order)
+        self._passed_over: set[str] = set()  # prompts the last plan gave no tokens
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -234,8 +238,9 @@ class Scheduler:
         return budget
 
     def _plan(self) -> Work:
-        """Tokens each running request feeds this step: decodes first, then prefill chunks,
-        trimmed from the end until every budget term fits (the first item always runs)."""
+        """Tokens each running request feeds this step: decodes first, then prefill chunks in
+        the prefill order, trimmed from the end until every budget term fits (the first item
+        always runs)."""
         budget = self.config.max_batch_tokens
         work: Work = []
         for req in self.running:
@@ -243,8 +248,9 @@ class Scheduler:
                 work.append((req, [req.output[-1]]))
                 budget -= 1
         budget = self._prefill_budget(budget, len(work))
-        for req in self.running:
-            if req.state is State.PREFILL and budget:
+        prefilling = [r for r in self.running if r.state is State.PREFILL]
+        for req in self._prefill_order(prefilling, self._passed_over):
+            if budget:
                 seq = req.prefill_tokens
                 cap = self.config.chunk_tokens or budget  # 0: no cap but the budget
                 n = min(cap, len(seq) - req.computed, budget)
@@ -256,6 +262,8 @@ class Scheduler:
                 work.pop()
             if work:
                 limit.planned(work)
+        planned = {req.rid for req, _ in work}
+        self._passed_over = {r.rid for r in prefilling if r.rid not in planned}
         return work
 
     # ---- transitions the engine's results call for ------------------------------------------
