@@ -201,7 +201,7 @@ def _run_served(
         "--model", str(path), "--page-size", str(spec.page_size),
         "--device-pages", str(spec.device_pages), "--host-pages", str(spec.host_pages),
         "--storage-url", str(store), "--threads", str(BENCH_THREADS),
-        "--max-pending", str(4 * spec.sessions),
+        "--max-pending", str(4 * spec.sessions), "--prefill-order", spec.prefill_order,
         "--storage-emulate-read-s-per-page", str(spec.storage_read_s_per_page),
         # a server sized for its store: a reload is waited for, not cut short and recomputed
         "--prefetch-timeout-per-page-s", str(READ_BUDGET_X * spec.storage_read_s_per_page),

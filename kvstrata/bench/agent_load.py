@@ -62,6 +62,7 @@ class AgentSpec:
     seed: int = 0
     rounds: int = 1  # the three arms run this many times in turn; each arm's turns pooled
     hinted_gap_x: float = 1.0  # a hinted session's tool calls run this many times the others'
+    prefill_order: str = "shortest"  # the servers' --prefill-order
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
