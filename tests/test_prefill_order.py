@@ -75,7 +75,7 @@ def test_a_short_prompt_goes_before_a_long_one_under_shortest(
 def test_a_prompt_passed_over_goes_first_in_the_next_step(ckpt: Path) -> None:
     """A 200-token prompt and three of 64 arrive together, one token each: every short one fills
     a step alone, so the long one gets nothing in step 1; from then on a prompt passed over goes
-    first in the next step, and no prompt waits more than one step."""
+    first in the next step (in admission order among those), before any shorter prompt."""
     built = _engine(ckpt, "shortest")
     long = Request("long", _prompt(3, 200), 1)
     shorts = [Request(f"s{i}", _prompt(10 + i, 64), 1) for i in range(3)]

@@ -6,10 +6,10 @@ The three arms run in turn, `rounds` times (FULL: twice), each run on a fresh se
 arm's turns are pooled over its rounds. Every server has the same configs: device + host pools
 small enough that the sessions compete for them, a pin budget (the default half of the host
 pool) that the hinted sessions' histories fit, a storage tier (a fresh directory per arm)
-that evicted pages fall back to, and prefill planned shortest first (`AgentSpec.prefill_order`). The storage is the shared store agents' servers have, a remote
-one: a page read from it waits `storage_read_s_per_page` (the server's
-`--storage-emulate-read-s-per-page`), about 2/3 of what computing the page costs SmolLM2 on one
-core. A local file store would read a page in a few ms, as fast as the host tier: there,
+that evicted pages fall back to, and prefill planned shortest first (`AgentSpec.prefill_order`).
+The storage is the shared store agents' servers have, a remote one: a page read from it waits
+`storage_read_s_per_page` (the server's `--storage-emulate-read-s-per-page`), about 2/3 of what
+computing the page costs SmolLM2 on one core. A local file store would read a page in a few ms, as fast as the host tier: there,
 keeping a page in host memory could not matter.
 
 The sessions are shaped as coding agents' are: every one opens with the same long system prompt

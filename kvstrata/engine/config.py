@@ -30,7 +30,8 @@ class EngineConfig:
     prefill_order: str = doc(
         "arrival",
         "which running prompt the step's prefill budget goes to first: arrival (admission "
-        "order) or shortest (fewest tokens left; a prompt passed over waits one step at most)",
+        "order) or shortest (fewest tokens left; a prompt passed over in a step goes first in "
+        "the next)",
     )
     # A step's time grows with its prefill tokens, and every decoding request waits for the
     # step: this budget bounds the steps that carry decodes (vLLM's chunked-prefill budget,

@@ -8,11 +8,12 @@ order decides whose first token waits a step. Orders are chosen by name through 
   returning turn whose history the cache holds computes only its new part, so it finishes in
   the next step instead of queueing behind a long cold prompt; the long prompt's first token
   moves by that much. Mean TTFT is lowest this way (shortest remaining work first). The prompts
-  that got no tokens at all in the previous step go before every other (in admission order),
-  so none waits more than one step for progress, however many shorter ones arrive.
+  that got no tokens at all in the previous step go before every other (in admission order
+  among themselves), so a prompt passed over waits at most one step per prompt passed over
+  before it, never for the shorter ones that keep arriving.
 
-An order reads agreed state only (a request's prompt length and computed count,
-admission order, the previous plan), so every rank plans alike.
+An order reads agreed state only (a request's prompt length and computed count, admission
+order, the previous plan), so every rank plans alike.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvstrata.registry import Registry
 PrefillOrder = Callable[[list[Request], Collection[str]], list[Request]]
 """(prompts being prefilled, in admission order; rids passed over last step) -> planning order."""
 
-PREFILL_ORDERS: Registry[list[Request]] = Registry("prefill order")
+PREFILL_ORDERS: Registry[list[Request]] = Registry("prefill order")  # name -> PrefillOrder
 
 
 def tokens_left(req: Request) -> int:

@@ -35,7 +35,7 @@ from typing import Protocol
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.kv_connector import ConnectorMeta, KVConnector, RemoteDone
 from kvstrata.engine.kv_manager import KVManager
-from kvstrata.engine.prefill_order import PREFILL_ORDERS
+from kvstrata.engine.prefill_order import PREFILL_ORDERS, PrefillOrder
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.step_costs import StepCosts
 
@@ -97,7 +97,7 @@ class Scheduler:
         self.connector: KVConnector | None = None  # remote KV at fixed points (connector.py)
         self.costs = StepCosts()  # learnt from the planned steps' durations (tpot_target_ms)
         self._last: tuple[float, int, int] | None = None  # last plan: (start, decodes, prefill)
-        self._prefill_order = PREFILL_ORDERS.get(config.prefill_order)
+        self._prefill_order: PrefillOrder = PREFILL_ORDERS.get(config.prefill_order)
         self._passed_over: set[str] = set()  # prompts the last plan gave no tokens
 
     def add(self, req: Request) -> None:
