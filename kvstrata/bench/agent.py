@@ -86,8 +86,8 @@ from kvstrata.workloads.turn_gaps import GapSampler, find_trace, inter_turn_gaps
 # - prefill shortest first (`prefill_order`): once a hinted history is kept, the turn's TTFT is
 #   the wait for the core. In admission order a returning turn that computes ~100 tokens waited
 #   behind cold prompts admitted before it (one day, pins p90 / pins + prefetch p50 / unhinted:
-#   0.86 / 0.48 / 1.21 in admission order; 0.58 / 0.39 / 1.10 and 0.39 / 0.38 / 1.10 shortest
-#   first).
+#   0.86 / 0.48 / 1.21 in admission order; 0.58 / 0.39 / 1.10, 0.39 / 0.38 / 1.10 and 0.64 /
+#   0.56 / 1.18 shortest first).
 QUICK = AgentSpec(
     sessions=5, hinted_sessions=2, turns=3, unhinted_turns=3, map_lines=20, first_lines=3,
     unhinted_first_lines=28, tool_lines=3, max_tokens=4, gap_scale=0.05, gap_cap_s=8.0,
