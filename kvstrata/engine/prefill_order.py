@@ -31,13 +31,13 @@ PREFILL_ORDERS: Registry[list[Request]] = Registry("prefill order")  # name -> P
 
 def tokens_left(req: Request) -> int:
     """Prompt tokens the request has still to compute."""
-    return len(req.prefill_tokens) - req.computed
+    return req.prefill_len - req.computed
 
 
 @PREFILL_ORDERS.register("arrival")
 def arrival(prefilling: list[Request], passed_over: Collection[str]) -> list[Request]:
     # the oldest prompt always goes first: none is passed over for ever
-    return list(prefilling)
+    return prefilling
 
 
 @PREFILL_ORDERS.register("shortest")

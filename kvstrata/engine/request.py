@@ -97,6 +97,11 @@ class Request:
         return self.tokens + self.output[:-1] if self.output else self.tokens
 
     @property
+    def prefill_len(self) -> int:
+        """len(prefill_tokens), without building the list (the scheduler asks every step)."""
+        return len(self.tokens) + max(0, len(self.output) - 1)
+
+    @property
     def page_table(self) -> list[int]:
         """Device page of each logical page (empty before admission and after release)."""
         return self.lease.page_table if self.lease is not None else []

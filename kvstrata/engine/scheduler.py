@@ -35,7 +35,7 @@ from typing import Protocol
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.kv_connector import ConnectorMeta, KVConnector, RemoteDone
 from kvstrata.engine.kv_manager import KVManager
-from kvstrata.engine.prefill_order import PREFILL_ORDERS, PrefillOrder
+from kvstrata.engine.prefill_order import PREFILL_ORDERS, PrefillOrder, tokens_left
 from kvstrata.engine.request import Request, State
 from kvstrata.engine.step_costs import StepCosts
 
@@ -251,10 +251,9 @@ class Scheduler:
         prefilling = [r for r in self.running if r.state is State.PREFILL]
         for req in self._prefill_order(prefilling, self._passed_over):
             if budget:
-                seq = req.prefill_tokens
                 cap = self.config.chunk_tokens or budget  # 0: no cap but the budget
-                n = min(cap, len(seq) - req.computed, budget)
-                work.append((req, seq[req.computed : req.computed + n]))
+                n = min(cap, tokens_left(req), budget)
+                work.append((req, req.prefill_tokens[req.computed : req.computed + n]))
                 budget -= n
         limit = self.limit
         if limit is not None:
