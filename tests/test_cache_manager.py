@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.cache.hicache import HiCache
-from kvstrata.cache.lease import Lease
-from tests.cache_harness import content, make_cache, serve
+from kvstrata.cache.lease import Lease, LeaseState
+from kvstrata.cache.ops import KINDS, NOT_DONE, STORE, OpQueues, TransferOp
+from tests.cache_harness import ArrayMover, content, make_cache, serve
 
 PREFIXES = [[(p << 16) | i for i in range(12)] for p in range(4)]
 
@@ -86,6 +87,54 @@ def test_late_completions_wait_for_agreement() -> None:
     assert cache.match(seq(0, 4, 0, 0)).last_node.host is None  # not applied: no host copy yet
     assert len(cache.apply(progress)) == 1
     cache.check_integrity()
+
+
+def _reading(cache: HiCache, keys: list[int]) -> Lease:
+    """A lease whose pages all wait in storage, once its read from storage is under way."""
+    page = cache.config.page_size
+    lease = Lease(cache, keys, len(keys) * page + 1, len(keys), page)
+    for _ in range(10):
+        if lease.state is LeaseState.PREFETCHING or lease.advance(0.0, can_schedule=False):
+            break
+        cache.step()
+    assert lease.state is LeaseState.PREFETCHING and lease.prefetch is not None
+    return lease
+
+
+def test_a_short_storage_read_lands_before_a_long_one_queued_ahead() -> None:
+    cache, mover = make_cache(device=16, host=16)
+    long, short = seq(0, 8, 1, 0), seq(1, 3, 2, 0)
+    mover.storage.update({k: content(k) for k in long + short})
+    first, second = _reading(cache, long), _reading(cache, short)
+    mover.wait[id(first.prefetch)] = 5  # the long read still runs for five more polls
+    mover.wait[id(second.prefetch)] = 0
+    assert cache.step() == [second.prefetch]  # applied at once, not after the long one
+    cache.check_integrity()
+    assert not first.advance(0.0, can_schedule=False)  # still reading
+    assert second.advance(0.0, can_schedule=False) and second.match.host_pages == 3
+    assert second.admit() and second.hits.storage == 3
+    for _ in range(5):
+        assert cache.step() == []
+    assert cache.step() == [first.prefetch]
+    cache.check_integrity()
+    assert first.advance(0.0, can_schedule=False) and first.match.host_pages == 8
+    assert cache.counters.prefetch["complete"] == 2
+
+
+def test_copies_apply_in_the_order_they_were_submitted() -> None:
+    mover, queues = ArrayMover(4, 4), OpQueues(per_step=2)
+    ops = [TransferOp(STORE, [i], [i]) for i in range(2)]
+    for op in ops:
+        queues.add(op)
+        mover.submit(op)
+    mover.wait[id(ops[0])], mover.wait[id(ops[1])] = 3, 0  # the second is done first
+    progress = queues.local_progress(mover)
+    at = KINDS.index(STORE) * 2
+    assert progress[at : at + 2] == [NOT_DONE, NOT_DONE]  # the second waits for the first
+    assert queues.take_agreed(progress) == []
+    for _ in range(3):
+        queues.local_progress(mover)
+    assert [op for op, _ in queues.take_agreed(queues.local_progress(mover))] == ops
 
 
 @settings(max_examples=40, deadline=None)

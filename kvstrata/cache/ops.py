@@ -1,9 +1,17 @@
 """Asynchronous page moves as counted events.
 
-The manager submits a TransferOp to a PageMover and keeps it in a FIFO queue per kind. Each step
-the local outcome of the first `k` pending ops of every kind is read (`local_progress`), agreed
-across ranks (minimum per slot: an op counts only when done everywhere, with the fewest pages any
-rank got), and exactly the agreed ops are applied, in order (`take_agreed`). Late ops wait.
+The manager submits a TransferOp to a PageMover and keeps it in a queue per kind, in submission
+order. Each step the local outcome of the first `k` pending ops of every kind is read
+(`local_progress`), agreed across ranks (minimum per slot: an op counts only when done
+everywhere, with the fewest pages any rank got), and exactly the agreed ops are applied, in
+queue order (`take_agreed`). Late ops wait.
+
+Copies between device and host, and backups, finish in submission order and are applied so: a
+slot after an unfinished one counts as unfinished. Storage reads (probes, prefetches) are not:
+several storage workers read different requests' pages at once, so a short read queued behind a
+long one finishes first, and it is applied as soon as every rank has it (`OUT_OF_ORDER`), rather
+than waiting out the long one. Every rank's queues hold the same ops in the same order (the
+same submissions), so slot i names the same op everywhere and the applied ops are the same.
 """
 
 from __future__ import annotations
@@ -18,6 +26,11 @@ LOAD, STORE, BACKUP, PROBE, PREFETCH = "load", "store", "backup", "probe", "pref
 KINDS: tuple[str, ...] = (LOAD, STORE, BACKUP, PROBE, PREFETCH)
 """load: host->device, store: device->host, backup: host->storage, probe: how many leading keys
 storage has, prefetch: storage->host."""
+OUT_OF_ORDER = frozenset((PROBE, PREFETCH))
+"""Kinds whose finished ops apply without waiting for unfinished ones queued before them:
+storage reads, which several workers run at once. Applying them changes no state another
+pending op of the kind reads (a probe changes nothing; a prefetch hangs its landed pages under
+its own locked parent, and a page another op landed first is freed as a duplicate)."""
 NOT_DONE = -1
 
 
@@ -85,26 +98,30 @@ class OpQueues:
     def local_progress(self, mover: PageMover) -> list[int]:
         """[kinds x per_step] local results of the leading pending ops; NOT_DONE where unfinished.
 
-        A slot after an unfinished one is NOT_DONE too, so agreement keeps submission order.
+        Outside OUT_OF_ORDER a slot after an unfinished one is NOT_DONE too, so agreement keeps
+        submission order there.
         """
         vec: list[int] = []
         for kind in KINDS:
             queue, blocked = self.pending[kind], False
             for i in range(self.per_step):
                 res = None if blocked or i >= len(queue) else mover.poll(queue[i])
-                blocked = res is None
+                blocked = res is None and kind not in OUT_OF_ORDER
                 vec.append(NOT_DONE if res is None else res)
         return vec
 
     def take_agreed(self, agreed: list[int]) -> list[tuple[TransferOp, int]]:
-        """Pop the ops the agreed vector says are done everywhere, with their agreed page counts."""
+        """Take the ops the agreed vector says are done everywhere out of their queues, with
+        their agreed page counts: each kind's in queue order, the kinds in KINDS order."""
         assert len(agreed) == len(KINDS) * self.per_step, "progress vector of the wrong length"
         done: list[tuple[TransferOp, int]] = []
         for k, kind in enumerate(KINDS):
-            for res in agreed[k * self.per_step : (k + 1) * self.per_step]:
-                if res == NOT_DONE or not self.pending[kind]:
-                    break
-                done.append((self.pending[kind].popleft(), res))
+            queue = self.pending[kind]
+            slots = agreed[k * self.per_step : (k + 1) * self.per_step][: len(queue)]
+            taken = [i for i, res in enumerate(slots) if res != NOT_DONE]
+            done += [(queue[i], slots[i]) for i in taken]
+            for i in reversed(taken):
+                del queue[i]
         return done
 
     def inflight_ids(self, kind: str, side: str) -> list[int]:
