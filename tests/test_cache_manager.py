@@ -89,15 +89,16 @@ def test_late_completions_wait_for_agreement() -> None:
     cache.check_integrity()
 
 
-def _reading(cache: HiCache, keys: list[int]) -> Lease:
-    """A lease whose pages all wait in storage, once its read from storage is under way."""
+def _reading(cache: HiCache, mover: ArrayMover, keys: list[int], polls: int) -> Lease:
+    """A lease whose pages all wait in storage, its read from storage under way and done only
+    after `polls` more polls."""
     page = cache.config.page_size
     lease = Lease(cache, keys, len(keys) * page + 1, len(keys), page)
-    for _ in range(10):
-        if lease.state is LeaseState.PREFETCHING or lease.advance(0.0, can_schedule=False):
-            break
-        cache.step()
+    assert not lease.advance(0.0, can_schedule=False)  # probing
+    while lease.state is LeaseState.PROBING:
+        assert cache.step() and not lease.advance(0.0, can_schedule=False)
     assert lease.state is LeaseState.PREFETCHING and lease.prefetch is not None
+    mover.wait[id(lease.prefetch)] = polls
     return lease
 
 
@@ -105,16 +106,15 @@ def test_a_short_storage_read_lands_before_a_long_one_queued_ahead() -> None:
     cache, mover = make_cache(device=16, host=16)
     long, short = seq(0, 8, 1, 0), seq(1, 3, 2, 0)
     mover.storage.update({k: content(k) for k in long + short})
-    first, second = _reading(cache, long), _reading(cache, short)
-    mover.wait[id(first.prefetch)] = 5  # the long read still runs for five more polls
-    mover.wait[id(second.prefetch)] = 0
+    first = _reading(cache, mover, long, polls=6)  # polled once as the short one's probe lands
+    second = _reading(cache, mover, short, polls=0)
     assert cache.step() == [second.prefetch]  # applied at once, not after the long one
     cache.check_integrity()
     assert not first.advance(0.0, can_schedule=False)  # still reading
     assert second.advance(0.0, can_schedule=False) and second.match.host_pages == 3
     assert second.admit() and second.hits.storage == 3
-    for _ in range(5):
-        assert cache.step() == []
+    for _ in range(4):  # the short request's host -> device load lands meanwhile
+        assert first.prefetch not in cache.step()
     assert cache.step() == [first.prefetch]
     cache.check_integrity()
     assert first.advance(0.0, can_schedule=False) and first.match.host_pages == 8
@@ -132,7 +132,7 @@ def test_copies_apply_in_the_order_they_were_submitted() -> None:
     at = KINDS.index(STORE) * 2
     assert progress[at : at + 2] == [NOT_DONE, NOT_DONE]  # the second waits for the first
     assert queues.take_agreed(progress) == []
-    for _ in range(3):
+    for _ in range(2):
         queues.local_progress(mover)
     assert [op for op, _ in queues.take_agreed(queues.local_progress(mover))] == ops
 
