@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.bench.agent import PAGE_COUNTERS, PREFETCH_OUTCOMES, run_agent
-from kvstrata.bench.agent_load import AgentSpec
+from kvstrata.bench.agent import PAGE_COUNTERS, PREFETCH_OUTCOMES, paired_ttft_ratio, run_agent
+from kvstrata.bench.agent_load import AgentSpec, ArmResult, Turn
 from kvstrata.workloads.turn_gaps import GapSampler
 
 CKPT = {"seed": 8, "max_position_embeddings": 2048}
@@ -30,7 +30,7 @@ def test_three_arms_in_two_rounds_report_their_ratios_and_pins(ckpt: Path, tmp_p
     report = run_agent(SPEC, ckpt, sampler, tmp_path)
     assert report["errors"] == 0, [report[a]["error_messages"] for a in ("none", "pins")]
     for key in ("ttft_p90_pins_over_none", "ttft_p50_pins_prefetch_over_none",
-                "unhinted_ttft_over_none"):  # fmt: skip
+                "unhinted_ttft_over_none", "unhinted_ttft_paired_over_none"):  # fmt: skip
         assert not math.isnan(report[key]) and report[key] > 0, key
     none, pins, both = report["none"], report["pins"], report["pins_prefetch"]
     # two rounds of 2 sessions x 2 turns, pooled per arm
@@ -64,3 +64,20 @@ def test_a_hinted_sessions_tool_calls_run_hinted_gap_x_times_the_drawn_gap() -> 
         assert spec.tool_gap_s(sampler, 1, turn) == 3.0 * drawn[1]
     with pytest.raises(ValueError, match="hinted_gap_x must be > 0, got 0"):
         AgentSpec(**{**SPEC.__dict__, "hinted_gap_x": 0.0})
+
+
+def test_the_paired_ratio_compares_each_turn_with_itself_in_the_no_hints_arm() -> None:
+    def arm(ttfts: dict[tuple[int, int, int], float], hinted: bool = False) -> ArmResult:
+        out = ArmResult()
+        for (round_, session, turn), ttft in ttfts.items():
+            out.turns.append(Turn(session, turn, hinted, ttft, 100, {}, 0, round=round_))
+        return out
+
+    none = arm({(0, 0, 0): 1.0, (0, 0, 1): 2.0, (0, 1, 0): 4.0, (1, 0, 0): 0.5})
+    # per turn: 3.0, 1.0, 0.5, 2.0 (sorted 0.5, 1.0, 2.0, 3.0: the upper median, as _pct)
+    pins = arm({(0, 0, 0): 3.0, (0, 0, 1): 2.0, (0, 1, 0): 2.0, (1, 0, 0): 1.0})
+    assert paired_ttft_ratio(pins, none, hinted=False) == 2.0
+    # turns of the other group, or with no partner in the no-hints arm, count for nothing
+    pins.turns += arm({(0, 2, 0): 9.0}).turns + arm({(0, 0, 0): 9.0}, hinted=True).turns
+    assert paired_ttft_ratio(pins, none, hinted=False) == 2.0
+    assert math.isnan(paired_ttft_ratio(pins, none, hinted=True))

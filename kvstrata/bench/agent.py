@@ -31,7 +31,10 @@ tier, turns in flight). Top level, the ratios to the no-hints arm over the same 
 turns: `ttft_p90_pins_over_none` and `ttft_p50_pins_prefetch_over_none` (the hinted sessions),
 `unhinted_ttft_over_none` (the sessions that send no hints: the worse hinted arm's TTFT p50 over
 theirs in the no-hints arm); `returning_turns`: the same three over the turns after each
-session's first (a first turn finds no history of its own in any arm).
+session's first (a first turn finds no history of its own in any arm); and
+`unhinted_ttft_paired_over_none`: per unhinted turn, its TTFT over the same turn's in the
+no-hints arm, the median (the worse hinted arm). The pooled p50 ratio moves by +-10% with which
+turns happen to sit around the median; the paired one compares each request with itself.
 """
 
 from __future__ import annotations
@@ -142,6 +145,9 @@ def run_agent(spec: AgentSpec, path: Path, sampler: GapSampler, out_dir: Path) -
     for arm in ARMS:
         report[arm] = {**summarize(pooled[arm]), **_summed(counters[arm])}
     report.update(_goal_ratios(report, "hinted", "unhinted"))
+    report["unhinted_ttft_paired_over_none"] = max(
+        paired_ttft_ratio(pooled[arm], pooled["none"], hinted=False) for arm in ARMS[1:]
+    )
     # the same ratios over returning turns only (a first turn finds no history in any arm)
     report["returning_turns"] = _goal_ratios(report, "hinted_returning", "unhinted_returning")
     report["errors"] = sum(report[a]["errors"] for a in ARMS)
@@ -161,6 +167,19 @@ def _goal_ratios(report: dict[str, Any], hinted: str, unhinted: str) -> dict[str
             _ratio(a[unhinted]["ttft_p50_s"], none[unhinted]["ttft_p50_s"]) for a in (pins, both)
         ),
     }
+
+
+def paired_ttft_ratio(arm: ArmResult, none: ArmResult, hinted: bool) -> float:
+    """The median, over the hinted (or the unhinted) sessions' turns, of each turn's TTFT over
+    the same turn's (same round, session and turn) in the no-hints arm: what each request
+    paid against itself, free of which other turns happened to fall around the pooled p50."""
+    base = {(t.round, t.session, t.turn): t.ttft_s for t in none.turns if t.hinted == hinted}
+    ratios = sorted(
+        t.ttft_s / base[key]
+        for t in arm.turns
+        if t.hinted == hinted and base.get(key := (t.round, t.session, t.turn), 0) > 0
+    )
+    return _pct(ratios, 0.5)
 
 
 def _flat(report: dict[str, Any]) -> dict[str, Any]:
