@@ -30,7 +30,7 @@ OUT_OF_ORDER = frozenset((PROBE, PREFETCH))
 """Kinds whose finished ops apply without waiting for unfinished ones queued before them:
 storage reads, which several workers run at once. Applying them changes no state another
 pending op of the kind reads (a probe changes nothing; a prefetch hangs its landed pages under
-its own locked parent, and a page another op landed first is freed as a duplicate)."""
+its own parent, which it holds, and a page another op landed first is freed as a duplicate)."""
 NOT_DONE = -1
 
 
