@@ -1,8 +1,8 @@
 """The storage workers' queue: submission order, except that a probe goes ahead of the reads
-queued after the last backup or plain job, and probes keep their order among themselves; reads
-run together where there are several workers, a write alone; with the probe lane, a probe need
-not wait for the reads in progress either, and a write still waits for every probe put before
-it."""
+and backups queued after the last probe or plain job, and probes keep their order among
+themselves; reads run together where there are several workers, a write alone; with the probe
+lane, a probe need not wait for the reads or backups in progress either, and a write still
+waits for every probe put before it."""
 
 from __future__ import annotations
 
@@ -34,18 +34,18 @@ def names(jobs: StorageJobs) -> list[str]:
     return out
 
 
-def test_a_probe_passes_queued_reads_but_never_a_backup_or_a_job() -> None:
+def test_a_probe_passes_queued_reads_and_backups_but_never_a_job() -> None:
     jobs = StorageJobs()
     for job in (op(PREFETCH, 1), op(BACKUP, 2), op(PREFETCH, 3), op(PREFETCH, 4)):
         jobs.put(job)
     jobs.put(op(PROBE, 5))
-    jobs.put(op(PROBE, 6))  # after the first probe, still ahead of the reads
+    jobs.put(op(PROBE, 6))  # after the first probe, still ahead of the reads and the backup
     jobs.put(lambda: None)
-    jobs.put(op(PREFETCH, 7))
+    jobs.put(op(BACKUP, 7))
     jobs.put(op(PROBE, 8))  # the plain job stops it
     assert names(jobs) == [
-        "prefetch1", "backup2", "probe5", "probe6", "prefetch3", "prefetch4", "job", "probe8",
-        "prefetch7",
+        "probe5", "probe6", "prefetch1", "backup2", "prefetch3", "prefetch4", "job", "probe8",
+        "backup7",
     ]  # fmt: skip
 
 
@@ -61,7 +61,7 @@ def test_a_probe_on_an_idle_queue_and_the_stop_marker() -> None:
     assert not worker.is_alive() and got == [probe, None]
 
 
-def test_the_lane_takes_a_probe_only_while_reads_alone_are_queued_or_running() -> None:
+def test_the_lane_takes_a_probe_while_no_plain_job_is_queued_or_running() -> None:
     jobs = StorageJobs(probe_lane=True)
     jobs.put(op(PREFETCH, 1))
     jobs.put(op(PREFETCH, 2))
@@ -70,35 +70,56 @@ def test_the_lane_takes_a_probe_only_while_reads_alone_are_queued_or_running() -
     assert running.keys == [1] and jobs.get_probe().keys == [3] and len(jobs) == 1
     jobs.probe_done()
     jobs.done(running)
+    assert names(jobs) == ["prefetch2"]
     jobs.put(op(BACKUP, 4))
+    backup = jobs.get()  # the worker writes backup4
     jobs.put(op(PREFETCH, 5))
-    jobs.put(op(PROBE, 6))  # a write is queued: behind it, ahead of prefetch5
-    jobs.put(op(PROBE, 7))  # a probe waits in the queue: after it, never the lane
-    assert names(jobs) == ["prefetch2", "backup4", "probe6", "probe7", "prefetch5"]
+    jobs.put(op(PROBE, 6))  # beside the backup, on the lane: it asks for none of its pages
+    assert backup.keys == [4] and jobs.get_probe().keys == [6] and len(jobs) == 1
+    jobs.probe_done()
+    jobs.done(backup)
+    jobs.put(lambda: None)
+    jobs.put(op(PROBE, 7))  # a plain job is queued: behind it (it decides what exists)
+    jobs.put(op(PROBE, 8))  # a probe waits in the queue: after it, never the lane
+    assert names(jobs) == ["prefetch5", "job", "probe7", "probe8"]
     jobs.put(lambda: None)
     plain = jobs.get()  # the worker runs the plain job
-    jobs.put(op(PROBE, 8))  # a write is running: into the queue
+    jobs.put(op(PROBE, 9))  # a plain job is running: into the queue
     assert callable(plain) and len(jobs) == 1
     jobs.done(plain)
-    assert names(jobs) == ["probe8"]
+    assert names(jobs) == ["probe9"]
 
 
 def test_a_write_waits_for_the_lanes_probes_put_before_it() -> None:
     jobs = StorageJobs(probe_lane=True)
     jobs.put(op(PROBE, 1))  # idle worker: the lane
-    jobs.put(op(BACKUP, 2))
-    jobs.put(op(PROBE, 3))  # behind the backup
+    jobs.put(lambda: None)
+    jobs.put(op(PROBE, 3))  # behind the plain job
     took: list[Job] = []
     worker = threading.Thread(target=lambda: took.append(jobs.get()))
     worker.start()
     probe = jobs.get_probe()
     worker.join(timeout=0.3)
-    assert worker.is_alive() and not took  # the backup would change what probe1 finds
+    assert worker.is_alive() and not took  # the commit would change what probe1 finds
     jobs.probe_done()
     worker.join(timeout=10)
-    assert not worker.is_alive() and [t.keys for t in took] == [[2]] and probe.keys == [1]
+    assert not worker.is_alive() and callable(took[0]) and probe.keys == [1]
     jobs.done(took[0])
     assert names(jobs) == ["probe3"]
+    jobs.put(op(PROBE, 4))  # the lane again
+    jobs.put(op(BACKUP, 5))  # a backup put after it waits for it too
+    jobs.put(op(PROBE, 6))  # passes the queued backup: the lane
+    worker, took = taker(jobs)
+    worker.join(timeout=0.3)
+    assert worker.is_alive() and not took
+    assert [jobs.get_probe().keys for _ in range(2)] == [[4], [6]]
+    jobs.probe_done()
+    worker.join(timeout=0.3)
+    assert worker.is_alive() and not took  # probe6 is open still
+    jobs.probe_done()
+    worker.join(timeout=10)
+    assert [t.keys for t in took] == [[5]]
+    jobs.done(took[0])
     jobs.stop_lane()
     assert jobs.get_probe() is None
 
