@@ -13,6 +13,7 @@ from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.request import Request, State
 from kvstrata.model.checkpoint import load_model
 from kvstrata.storage.base import StorageConfig
+from tests.tiny_models import rel_err
 
 PAGE = 16
 
@@ -21,18 +22,51 @@ CKPT = {"seed": 3, "max_position_embeddings": 1024}
 """This module's tiny Llama (the `ckpt` fixture of tests/conftest.py)."""
 
 
-def _engine(ckpt: Path, store: Path, lookahead: int, slow: float) -> object:
-    ecfg = EngineConfig(model=str(ckpt), admission_lookahead=lookahead, chunk_tokens=256)
+def _engine(
+    ckpt: Path, store: Path, lookahead: int, slow: float, tiers: str = "device_host_storage"
+) -> object:
+    # a probe's answer waits for no deadline here: the step waits until it comes
+    ecfg = EngineConfig(
+        model=str(ckpt), admission_lookahead=lookahead, chunk_tokens=256, probe_wait_ms=60e3
+    )
     ccfg = CacheConfig(
         page_size=PAGE,
         device_pages=96,
         host_pages=96,
         storage_url=f"file://{store}",
         prefetch_policy="wait_complete",
-    )
+    ).with_tiers(tiers)
     return build_engine(
         ecfg, ccfg, StorageConfig(emulate_read_s_per_page=slow), model=load_model(ckpt)
     )
+
+
+def test_a_returning_turn_is_admitted_in_the_step_it_arrives(ckpt: Path, tmp_path: Path) -> None:
+    """Its storage probe (the new turn's pages past the cached history) is asked before the
+    step's agreement and answered with it: no forward passes between arrival and admission."""
+    rng = random.Random(2)
+    history = [rng.randrange(97) for _ in range(6 * PAGE + 1)]
+    built = _engine(ckpt, tmp_path, 4, 0.0)
+    eng = built.engine  # type: ignore[attr-defined]
+    first = Request("t0", history, 4)
+    eng.run([first])
+    eng.drain()
+    turn = history + first.output + [rng.randrange(97) for _ in range(3 * PAGE)]
+    again = Request("t1", turn, 4, keep_logits=True)
+    eng.submit(again)
+    assert eng.step().admitted == [again]  # the probe asked pages 6-8: none stored
+    assert again.hits == {"device": 6, "host": 0, "storage": 0}
+    assert again.lease.probe is not None and again.lease.probe.keys == again.lease.keys[6:9]
+    while eng.has_work():
+        eng.step()
+        eng.check_integrity()
+    built.close()  # type: ignore[attr-defined]
+    cold = _engine(ckpt, tmp_path, 4, 0.0, tiers="none")
+    ref = Request("cold", turn, 4, keep_logits=True)
+    cold.engine.run([ref])  # type: ignore[attr-defined]
+    cold.close()  # type: ignore[attr-defined]
+    assert again.output == ref.output
+    assert all(rel_err(a, b) <= 1e-4 for a, b in zip(again.logits, ref.logits, strict=True))
 
 
 @pytest.mark.parametrize("lookahead", [1, 4])

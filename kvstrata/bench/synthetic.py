@@ -107,5 +107,8 @@ class SyntheticMover:
         if now < p.ready_s:
             op.handle = _Pending(self.latency.landed(now - p.started_s, p.result), p.started_s, now)
 
+    def wait_answered(self, op: TransferOp, timeout_s: float) -> None:
+        """Ops finish on the model's clock, read as they are polled: nothing to wait for."""
+
     def release(self, op: TransferOp) -> None:
         """Nothing is kept per op beyond op.handle, which goes with the op."""

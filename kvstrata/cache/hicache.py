@@ -87,6 +87,10 @@ class HiCache:
         cache sees (a partially matched edge may still be split, holding the same pages)."""
         return self.tree.match(keys, touch=False)
 
+    def peek_chain(self, chain: PageChain, n_pages: int) -> Match:
+        """`peek` of a chain's first n_pages, by token bytes (as `match_chain` finds them)."""
+        return self.tree.match_chain(chain, n_pages, touch=False)
+
     def match_chain(self, chain: PageChain, n_pages: int) -> Match:
         """`match` of a chain's first n_pages, by token bytes: only pages the tree does not
         hold may get hashed (see RadixTree.match_chain)."""
@@ -238,6 +242,16 @@ class HiCache:
         op.tokens, op.seed, op.width = tokens, seed, width
         self._submit(op)
         return op
+
+    def await_answers(self, probes: list[TransferOp], timeout_s: float) -> None:
+        """Wait up to timeout_s for this rank's answers to these probes (before the step's
+        agreement reads them: an answer that comes in time is applied in this step)."""
+        deadline = time.monotonic() + timeout_s
+        for op in probes:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.mover.wait_answered(op, left)
 
     def prefetch_should_stop(self, op: TransferOp, now_s: float, can_schedule: bool) -> bool:
         """The policy's verdict from agreed inputs; the caller then calls stop_prefetch."""

@@ -2,6 +2,7 @@
 
     NEW --match+lock--> PROBING --agreed storage answer--> PREFETCHING --landed or stopped--> READY
                      \\______________ (nothing to ask storage) _______________________________/
+    (NEW --probe_ahead()--> NEW: the probe asked before the step's agreement, nothing locked)
     READY --admit(): device pages for the rest + the host -> device load, all or nothing--> ADMITTED
     ADMITTED --commit(tokens) as prefill goes: full computed pages join the tree-->
     --release(): unlock, free what the tree did not take--> RELEASED
@@ -96,6 +97,7 @@ class Lease:
         self.match: Match | None = None
         self.locked: Node | None = None  # the deepest node this lease holds locked
         self.probe: TransferOp | None = None
+        self.probe_from = 0  # the page the probe's keys start at (the memory match's end then)
         self.prefetch: TransferOp | None = None
         self.load: TransferOp | None = None  # host -> device copy the first forward waits on
         self.page_table: list[int] = []  # device page of each logical page once admitted
@@ -142,6 +144,20 @@ class Lease:
     def waiting_on_storage(self) -> bool:
         return self.state in (LeaseState.PROBING, LeaseState.PREFETCHING)
 
+    def probe_ahead(self) -> TransferOp | None:
+        """Ask storage about the pages past the memory match before the step's agreement, so
+        its answer may come with it and `advance` admit the request in this very step. Locks
+        nothing and moves no recency (the match is made again by `advance`, after the step's
+        moves are applied); returns the probe put, if any (one per lease)."""
+        cache = self.cache
+        if self.state is not LeaseState.NEW or self.probe is not None or cache is None:
+            return None
+        if not cache.has_storage:
+            return None
+        self.probe_from = cache.peek_chain(self.chain, self.match_pages).pages
+        self.probe = cache.start_probe(self.chain.keys_upto(self.match_pages)[self.probe_from :])
+        return self.probe
+
     def advance(self, now_s: float, can_schedule: bool) -> bool:
         """Take every step agreed state allows; True once the lease may be admitted."""
         cache = self.cache
@@ -150,13 +166,17 @@ class Lease:
                 self.state = LeaseState.READY
                 return True
             self._rematch()
-            # only a probe needs the keys of the pages past the match (hashed here, once)
-            self.probe = cache.start_probe(self._after_match()) if cache.has_storage else None
+            if self.probe is None or not self._probe_may_answer():
+                self._ask_storage()
             self.state = LeaseState.PROBING if self.probe else LeaseState.READY
         if self.state is LeaseState.PROBING:
             if self.probe is None or self.probe.agreed is None:
                 return False
-            self._start_prefetch(now_s)
+            found = self._probe_answer()
+            if found is None:  # asked ahead; the memory match has moved past what it covers
+                self._ask_storage()
+                return False
+            self._start_prefetch(now_s, found)
         if self.state is LeaseState.PREFETCHING:
             op = self.prefetch
             assert cache is not None and op is not None
@@ -169,13 +189,38 @@ class Lease:
             self.state = LeaseState.READY
         return self.state is not LeaseState.RELEASED
 
+    def _ask_storage(self) -> None:
+        """Probe storage for the pages past the match (no probe when there are none)."""
+        cache = self.cache
+        assert cache is not None and self.match is not None
+        self.probe_from = self.match.pages
+        # only a probe needs the keys of the pages past the match (hashed here, once)
+        self.probe = cache.start_probe(self._after_match()) if cache.has_storage else None
+
+    def _probe_may_answer(self) -> bool:
+        """The probe asked ahead may still answer for the pages past the match: the match
+        ends where its keys start, or it is pending, or its answer covers the match's end."""
+        assert self.probe is not None and self.match is not None
+        at = self.match.pages
+        if self.probe.agreed is None:
+            return at >= self.probe_from
+        return self._probe_answer() is not None
+
+    def _probe_answer(self) -> int | None:
+        """Leading pages past the match that storage holds, from the agreed probe; None when
+        it cannot say: it holds pages [probe_from, probe_from + agreed) and not the next one,
+        so only a match ending in that range (or at its end) is answered."""
+        assert self.probe is not None and self.probe.agreed is not None and self.match is not None
+        at, end = self.match.pages, self.probe_from + self.probe.agreed
+        return end - at if self.probe_from <= at <= end else None
+
     def _after_match(self) -> list[int]:
         assert self.match is not None
         return self.chain.keys_upto(self.match_pages)[self.match.pages :]
 
-    def _start_prefetch(self, now_s: float) -> None:
-        assert self.cache is not None and self.probe is not None and self.locked is not None
-        n = self.probe.agreed or 0
+    def _start_prefetch(self, now_s: float, n: int) -> None:
+        """Read the first n pages past the match (those storage holds) into host memory."""
+        assert self.cache is not None and self.locked is not None
         if self.fetch_cap is not None:
             n = min(n, self.fetch_cap)
         want = self._after_match()[:n]

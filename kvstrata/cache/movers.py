@@ -31,6 +31,9 @@ class KeySetMover:
     def cancel(self, op: TransferOp) -> None:
         op.cancelled = True
 
+    def wait_answered(self, op: TransferOp, timeout_s: float) -> None:
+        """Ops finish as they are polled here: nothing to wait for."""
+
     def poll(self, op: TransferOp) -> int | None:
         key = id(op)
         if key in self._result:

@@ -78,6 +78,10 @@ class PageMover(Protocol):
     def poll(self, op: TransferOp) -> int | None:
         """Pages moved OK (a leading count) once `op` finished here, else None."""
 
+    def wait_answered(self, op: TransferOp, timeout_s: float) -> None:
+        """Block up to timeout_s until this rank's result for `op` is in, without counting as a
+        poll (a mover whose ops finish as they are polled, or in steps, returns at once)."""
+
     def cancel(self, op: TransferOp) -> None:
         """Stop early (prefetch): pages already moved still count."""
 

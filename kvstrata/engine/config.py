@@ -57,6 +57,15 @@ class EngineConfig:
     admission_lookahead: int = doc(
         4, "waiting requests whose leases match, probe and prefetch at once (no head-of-line wait)"
     )
+    # A storage probe answers in about a millisecond (a local store's existence checks, on a
+    # lane of their own), but its answer is applied at a step boundary: asked in admission, it
+    # waits out the whole forward that follows (0.2-0.4 s on the agent bench) before its
+    # request may be admitted. Asked before the step's agreement, it comes with it.
+    probe_wait_ms: float = doc(
+        10.0,
+        "a step with newly arrived requests waits up to this long for their storage probes, "
+        "asked before its agreement, so they may be admitted in it; 0 = no wait",
+    )
     threads: int = doc(0, "torch CPU threads; 0 = torch's default")
     prepack_weights: bool = doc(
         True,
@@ -85,6 +94,8 @@ class EngineConfig:
                 f"decode_step_tokens must be in [0, max_batch_tokens={self.max_batch_tokens}], "
                 f"got {self.decode_step_tokens}"
             )
+        if self.probe_wait_ms < 0:
+            raise ValueError(f"probe_wait_ms must be >= 0, got {self.probe_wait_ms}")
         if self.tpot_target_ms < 0:
             raise ValueError(f"tpot_target_ms must be >= 0, got {self.tpot_target_ms}")
         if not 0 < self.tpot_min_prefill_tokens <= self.max_batch_tokens:

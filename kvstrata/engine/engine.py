@@ -1,9 +1,10 @@
 """The reference serving engine: continuous batching with chunked prefill over the tiered cache.
 
-One `step()` reads like nano-vllm's: agree on and apply finished cache moves, then
-`scheduler.admit()` (waiting requests whose pages the KV manager can give), apply what the
-connector says landed or failed, `scheduler.plan()` (decodes and prefill chunks under the
-budget), `runner.run()` (one forward: logits rows), `postprocess()` (sample, verify drafts, cache
+One `step()` reads like nano-vllm's: the requests that arrived since the last step ask storage
+(`scheduler.probe_arrivals()`), agree on and apply finished cache moves (those answers among
+them, when they came within `probe_wait_ms`), then `scheduler.admit()` (waiting requests whose
+pages the KV manager can give), apply what the connector says landed or failed,
+`scheduler.plan()` (decodes and prefill chunks under the budget), `runner.run()` (one forward: logits rows), `postprocess()` (sample, verify drafts, cache
 finished pages, end what is complete). It returns a StepResult: who was admitted and who ended,
 and the pages its requests cached (the KV event publisher's tokens and salts).
 The scheduler makes every change of a request's state; the engine tells it what the forward and
@@ -23,6 +24,7 @@ import torch
 from kvstrata.cache.hicache import HiCache
 from kvstrata.cache.keys import as_token_array
 from kvstrata.cache.lease import LeaseState
+from kvstrata.cache.ops import TransferOp
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.kv_connector import EngineView, KVConnector, Landed, RemoteDone, RemoteFailed
 from kvstrata.engine.kv_manager import KVManager
@@ -173,7 +175,7 @@ class Engine:
         log = self.decisions
         if log is not None:
             log.begin_step(self.steps)
-        self._settle()
+        self._settle(self.scheduler.probe_arrivals())
         now = self.clock()
         batch = self.scheduler.admit(now)
         self._admitted(batch.admitted)
@@ -201,10 +203,13 @@ class Engine:
         the call's own answer."""
         return StepResult(cached=self.kv.take_cached())
 
-    def _settle(self) -> bool:
-        """Apply the finished cache moves every rank agrees on; True when some were applied."""
+    def _settle(self, probes: list[TransferOp]) -> bool:
+        """Apply the finished cache moves every rank agrees on, once this rank's answers to
+        `probes` (asked this step) are in or probe_wait_ms passed; True when some were applied."""
         if self.cache is None:
             return False
+        if probes and self.config.probe_wait_ms:
+            self.cache.await_answers(probes, self.config.probe_wait_ms / 1000)
         log = self.decisions
         agreed = self.agree(self.cache.local_progress())
         if log is not None and log.should_skip(self.steps):

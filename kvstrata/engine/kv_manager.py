@@ -80,6 +80,14 @@ class KVManager:
             self._note_prefix(req)
             self._note_prefetch(req)
 
+    def probe_ahead(self, req: Request) -> TransferOp | None:
+        """A request not asked `ready` yet asks storage now, before the step's agreement
+        (Lease.probe_ahead; its lease is opened here); returns the probe put, if any. May
+        raise as `ready` does: the request's `ready` then raises the same and fails it."""
+        if req.lease is not None or self.cache is None or not self.cache.has_storage:
+            return None
+        return self._open(req).probe_ahead()
+
     def allocate(self, req: Request) -> Allocation | None:
         """Every device page a ready request needs, with the host -> device load of its host
         hits, or nothing at all (None: they cannot be had now)."""

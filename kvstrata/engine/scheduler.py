@@ -10,6 +10,10 @@ from step costs learnt online) and any further budget term (`BatchLimit`: CP's g
 bytes), with requests dropped from the end of the plan until it fits. Every decision reads
 agreed state only: all ranks plan alike.
 
+A request that arrived since the last step asks storage before the step's agreement
+(`probe_arrivals`), so an answer that comes in time is applied in that step and the request is
+admitted in it, not one forward later.
+
 Admission without head-of-line blocking: the first `admission_lookahead` waiting requests advance
 their leases (match, storage probe, prefetch) at once; a request still waiting on storage is
 passed over, and the ready ones behind it are admitted in arrival order while slots and pages
@@ -32,6 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvstrata.cache.ops import TransferOp
 from kvstrata.engine.config import EngineConfig
 from kvstrata.engine.kv_connector import ConnectorMeta, KVConnector, RemoteDone
 from kvstrata.engine.kv_manager import KVManager
@@ -92,6 +97,7 @@ class Scheduler:
         self.config, self.kv, self.limit = config, kv, limit
         self.speculating = speculating  # hit pages bring their draft part along
         self.waiting: list[Request] = []
+        self.arrived: list[Request] = []  # added since the last step's probe_arrivals
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # ended; its connector still reads its pages
         self.connector: KVConnector | None = None  # remote KV at fixed points (connector.py)
@@ -102,6 +108,25 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.arrived.append(req)
+
+    def probe_arrivals(self) -> list[TransferOp]:
+        """The requests that arrived since the last step and sit in the admission window ask
+        storage now (KVManager.probe_ahead); returns the probes put. One whose lease work
+        raises is left to its admission, which raises the same and ends it alone."""
+        window = {r.rid for r in self.waiting[: self.config.admission_lookahead]}
+        arrived, self.arrived = self.arrived, []
+        probes = []
+        for req in arrived:
+            if req.rid not in window:
+                continue
+            try:
+                op = self.kv.probe_ahead(req)
+            except Exception:  # noqa: BLE001 - reported by its admission (Scheduler._admit)
+                continue
+            if op is not None:
+                probes.append(op)
+        return probes
 
     def depths(self) -> QueueDepths:
         """How many requests wait, run, and are held (plain integers)."""

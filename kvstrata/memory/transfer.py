@@ -110,6 +110,7 @@ class TensorMover:
         self.counts = dict.fromkeys(("backup_bytes", "foreign_backup_bytes", "commits"), 0)
         self._results: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)  # a storage op's result came in
         # ops, or plain jobs (callables) that run in order with them and report nothing; probes
         # beside the reads where the store's existence checks may run beside its I/O
         workers = read_threads if reads_run_together(storage) else 1
@@ -155,6 +156,13 @@ class TensorMover:
             return op.pages
         with self._lock:
             return self._results.get(id(op))
+
+    def wait_answered(self, op: TransferOp, timeout_s: float) -> None:
+        """A storage op's worker result, waited for (a test's poll delay still holds it)."""
+        if op.kind in (LOAD, STORE):
+            return  # copies: poll reads their handle
+        with self._answered:
+            self._answered.wait_for(lambda: id(op) in self._results, timeout_s)
 
     def cancel(self, op: TransferOp) -> None:
         op.cancelled = True  # the worker checks it between chunks
@@ -216,8 +224,9 @@ class TensorMover:
             res = self._run_storage(op)
         except Exception:  # noqa: BLE001 - storage trouble is a miss, never a crash
             res = 0
-        with self._lock:
+        with self._answered:
             self._results[id(op)] = res
+            self._answered.notify_all()
 
     def _run_storage(self, op: TransferOp) -> int:
         assert self.storage is not None and self.host is not None

@@ -104,6 +104,9 @@ class JobMover:
     def cancel(self, op: TransferOp) -> None:
         op.cancelled = True  # a job runs whole within one step; a queued one is still sent
 
+    def wait_answered(self, op: TransferOp, timeout_s: float) -> None:
+        """Results come with the workers' step outputs: nothing to wait for between them."""
+
     def release(self, op: TransferOp) -> None:
         self._results.pop(id(op), None)
 
