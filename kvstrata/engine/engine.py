@@ -4,8 +4,9 @@ One `step()` reads like nano-vllm's: the requests that arrived since the last st
 (`scheduler.probe_arrivals()`), agree on and apply finished cache moves (those answers among
 them, when they came within `probe_wait_ms`), then `scheduler.admit()` (waiting requests whose
 pages the KV manager can give), apply what the connector says landed or failed,
-`scheduler.plan()` (decodes and prefill chunks under the budget), `runner.run()` (one forward: logits rows), `postprocess()` (sample, verify drafts, cache
-finished pages, end what is complete). It returns a StepResult: who was admitted and who ended,
+`scheduler.plan()` (decodes and prefill chunks under the budget), `runner.run()` (one forward:
+logits rows), `postprocess()` (sample, verify drafts, cache finished pages, end what is
+complete). It returns a StepResult: who was admitted and who ended,
 and the pages its requests cached (the KV event publisher's tokens and salts).
 The scheduler makes every change of a request's state; the engine tells it what the forward and
 the connector produced.
