@@ -41,6 +41,16 @@ def until_ready(cache: HiCache, lease: Lease) -> int:
     return steps
 
 
+def admitted_hits(cache: HiCache, lease: Lease) -> tuple[int, int, int]:
+    """Steps the lease to READY, admits it and lets go: its (device, host, storage) hits."""
+    until_ready(cache, lease)
+    assert lease.admit()
+    hits = (lease.hits.device, lease.hits.host, lease.hits.storage)
+    lease.release()
+    cache.check_integrity()
+    return hits
+
+
 def test_an_answer_that_came_with_the_step_is_used_at_once() -> None:
     cache, mover = make_cache(device=16, host=16)
     stored(mover, HISTORY)
@@ -72,10 +82,7 @@ def test_a_match_that_grew_within_the_answer_reads_only_the_rest() -> None:
     assert lease.match is not None and lease.match.pages == 3
     assert lease.prefetch is not None and lease.prefetch.keys == HISTORY[3:]  # 8 - 3 = 5
     assert probes_put(cache) == []
-    until_ready(cache, lease)
-    assert lease.admit() and (lease.hits.device, lease.hits.storage) == (3, 5)
-    lease.release()
-    cache.check_integrity()
+    assert admitted_hits(cache, lease) == (3, 0, 5)
 
 
 def test_a_match_past_the_answers_end_asks_storage_again() -> None:
@@ -91,10 +98,7 @@ def test_a_match_past_the_answers_end_asks_storage_again() -> None:
     assert not lease.advance(0.0, can_schedule=False)  # match ends at 4: past page 2
     again = probes_put(cache)
     assert lease.state is LeaseState.PROBING and [op.keys for op in again] == [HISTORY[4:]]
-    until_ready(cache, lease)
-    assert lease.admit() and (lease.hits.device, lease.hits.storage) == (4, 2)
-    lease.release()
-    cache.check_integrity()
+    assert admitted_hits(cache, lease) == (4, 0, 2)
 
 
 def test_a_pending_answer_is_judged_against_the_match_once_it_comes() -> None:
@@ -111,10 +115,7 @@ def test_a_pending_answer_is_judged_against_the_match_once_it_comes() -> None:
     assert probe.agreed == 8 and not lease.advance(0.0, can_schedule=False)
     assert lease.prefetch is not None and lease.prefetch.keys == HISTORY[2:]
     assert probes_put(cache) == []
-    until_ready(cache, lease)
-    assert lease.admit() and (lease.hits.device, lease.hits.storage) == (2, 6)
-    lease.release()
-    cache.check_integrity()
+    assert admitted_hits(cache, lease) == (2, 0, 6)
 
 
 def test_a_match_that_shrank_asks_storage_again() -> None:
@@ -130,7 +131,4 @@ def test_a_match_that_shrank_asks_storage_again() -> None:
     assert cache.reset_prefix(drop_host=True)  # the 4 cached pages are forgotten
     assert not lease.advance(0.0, can_schedule=False)
     assert [op.keys for op in probes_put(cache)] == [HISTORY]  # from page 0 now
-    until_ready(cache, lease)
-    assert lease.admit() and (lease.hits.device, lease.hits.storage) == (0, 8)
-    lease.release()
-    cache.check_integrity()
+    assert admitted_hits(cache, lease) == (0, 0, 8)
