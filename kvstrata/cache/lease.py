@@ -150,12 +150,12 @@ class Lease:
         nothing and moves no recency (the match is made again by `advance`, after the step's
         moves are applied); returns the probe put, if any (one per lease)."""
         cache = self.cache
-        if self.state is not LeaseState.NEW or self.probe is not None or cache is None:
+        if self.state is not LeaseState.NEW or self.probe is not None:
             return None
-        if not cache.has_storage:
+        if cache is None or not cache.has_storage:
             return None
         self.probe_from = cache.peek_chain(self.chain, self.match_pages).pages
-        self.probe = cache.start_probe(self.chain.keys_upto(self.match_pages)[self.probe_from :])
+        self.probe = cache.start_probe(self._keys_from(self.probe_from))
         return self.probe
 
     def advance(self, now_s: float, can_schedule: bool) -> bool:
@@ -216,7 +216,11 @@ class Lease:
 
     def _after_match(self) -> list[int]:
         assert self.match is not None
-        return self.chain.keys_upto(self.match_pages)[self.match.pages :]
+        return self._keys_from(self.match.pages)
+
+    def _keys_from(self, page: int) -> list[int]:
+        """Keys of the hittable pages from `page` on (hashed where not known yet)."""
+        return self.chain.keys_upto(self.match_pages)[page:]
 
     def _start_prefetch(self, now_s: float, n: int) -> None:
         """Read the first n pages past the match (those storage holds) into host memory."""

@@ -114,6 +114,8 @@ class Scheduler:
         """The requests that arrived since the last step and sit in the admission window ask
         storage now (KVManager.probe_ahead); returns the probes put. One whose lease work
         raises is left to its admission, which raises the same and ends it alone."""
+        if not self.arrived:
+            return []
         window = {r.rid for r in self.waiting[: self.config.admission_lookahead]}
         arrived, self.arrived = self.arrived, []
         probes = []
